@@ -1,0 +1,39 @@
+# specrt: `make demo` installs and runs the main job; `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SPECRT := $(BIN)/specrt
+RECIPES := $(wildcard engines/*.json)
+BUNDLES := $(RECIPES:engines/%.json=engines/%/manifest.json)
+DEMO_BUNDLE ?= engines/tiny
+PROMPT ?= def fibonacci(n):
+
+.PHONY: install test lint engines demo clean
+
+# torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[export,dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(BIN)/ruff check specrt tests bench
+
+test: lint
+	$(BIN)/python -m pytest
+
+# Every recipe engines/NAME.json builds the bundle engines/NAME/.
+engines: install $(BUNDLES)
+
+engines/%/manifest.json: engines/%.json
+	$(SPECRT) export --recipe $< --force
+
+demo: engines
+	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt '$(PROMPT)' --max-new-tokens 64 --compare
+
+clean:
+	rm -rf $(VENV) engines/*/ engines/.*.sources .pytest_cache .ruff_cache

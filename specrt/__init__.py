@@ -1,0 +1,3 @@
+"""specrt: lossless speculative decoding outside PyTorch (ONNX Runtime, TensorRT)."""
+
+__version__ = "0.1.0"

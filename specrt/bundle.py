@@ -1,0 +1,199 @@
+"""The bundle contract: ``manifest.json`` and the files it names.
+
+A bundle is a directory::
+
+    manifest.json        this module's Manifest, as JSON
+    target/model.onnx    (+ external data files, all listed with their sha256)
+    draft/model.onnx
+    tokenizer/           tokenizer.json and its config (HF tokenizers format)
+
+Every stage reads and writes bundles only through this module; the runtime trusts the manifest and
+never guesses input names or shapes. This module imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrt.errors import BundleError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+ROLES = ("target", "draft")
+
+
+@dataclass
+class ModelIO:
+    """ONNX input/output names of one decoder graph, layer by layer."""
+
+    input_ids: str
+    attention_mask: str | None
+    position_ids: str | None
+    past_keys: list[str]
+    past_values: list[str]
+    logits: str
+    present_keys: list[str]
+    present_values: list[str]
+
+
+@dataclass
+class ModelSpec:
+    """One exported model (target or draft) as the runtime needs to know it."""
+
+    path: str  # ONNX file, relative to the bundle root
+    files: dict[str, str]  # every file of the model (graph + external data) -> sha256
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # width of the model's logits (may include embedding padding)
+    max_positions: int
+    dtype: str  # "float32" or "float16"
+    io: ModelIO
+    tokenizer_hash: str = ""  # canonical hash of the tokenizer the model was trained with
+    export_check: dict[str, float] = field(default_factory=dict)
+    source: str = ""
+
+
+@dataclass
+class TokenizerSpec:
+    path: str  # directory relative to the bundle root
+    sha256: str  # of tokenizer.json
+    vocab_size: int  # with added tokens
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None = None
+
+
+@dataclass
+class Manifest:
+    models: dict[str, ModelSpec]
+    tokenizer: TokenizerSpec
+    vocab_size: int  # logits are cut to this width: shared by draft and target
+    schema_version: int = SCHEMA_VERSION
+    specrt_version: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        try:
+            models = {}
+            for role, raw in data["models"].items():
+                raw = dict(raw)
+                raw["io"] = ModelIO(**raw["io"])
+                models[role] = ModelSpec(**raw)
+            return cls(
+                models=models,
+                tokenizer=TokenizerSpec(**data["tokenizer"]),
+                vocab_size=int(data["vocab_size"]),
+                schema_version=int(data["schema_version"]),
+                specrt_version=str(data.get("specrt_version", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BundleError(
+                f"manifest.json is malformed ({type(exc).__name__}: {exc}); "
+                "re-export the bundle with `specrt export`"
+            ) from exc
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(bundle_dir: str | Path, manifest: Manifest) -> Path:
+    path = Path(bundle_dir) / MANIFEST_NAME
+    path.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_manifest(bundle_dir: str | Path) -> Manifest:
+    """Read and structurally validate a bundle's manifest (no file hashing)."""
+    root = Path(bundle_dir)
+    if not root.is_dir():
+        raise BundleError(
+            f"bundle directory {str(root)!r} does not exist; build it with "
+            "`specrt export --target DIR --draft DIR --out DIR` or `make engines`"
+        )
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise BundleError(
+            f"{str(root)!r} is not a bundle: it has no {MANIFEST_NAME}; "
+            "re-export it with `specrt export` (an interrupted export leaves no manifest)"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path} is not valid JSON ({exc}); re-export the bundle") from exc
+    if not isinstance(data, dict):
+        raise BundleError(f"{path} does not hold a JSON object; re-export the bundle")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise BundleError(
+            f"{path} has schema_version {version!r}, this specrt reads {SCHEMA_VERSION}; "
+            "re-export the bundle with this version of specrt"
+        )
+    manifest = Manifest.from_dict(data)
+    validate_manifest(manifest, root)
+    return manifest
+
+
+def validate_manifest(manifest: Manifest, root: Path) -> None:
+    missing_roles = [r for r in ROLES if r not in manifest.models]
+    if missing_roles:
+        raise BundleError(f"manifest in {root} lacks model(s) {missing_roles}; re-export it")
+    for role in ROLES:
+        spec = manifest.models[role]
+        io = spec.io
+        n = spec.num_layers
+        lengths = {len(io.past_keys), len(io.past_values), len(io.present_keys), len(io.present_values)}
+        if lengths != {n}:
+            raise BundleError(
+                f"{role}: manifest lists {sorted(lengths)} cache names for {n} layers; re-export it"
+            )
+        if manifest.vocab_size > spec.vocab_size:
+            raise BundleError(
+                f"{role}: shared vocab_size {manifest.vocab_size} exceeds the model's logits width "
+                f"{spec.vocab_size}; re-export the bundle"
+            )
+        for rel in spec.files:
+            if not (root / rel).is_file():
+                raise BundleError(
+                    f"{role}: file {rel!r} named in the manifest is missing from {root}; "
+                    "the bundle is incomplete, re-export or re-copy it"
+                )
+    tok = root / manifest.tokenizer.path / "tokenizer.json"
+    if not tok.is_file():
+        raise BundleError(f"tokenizer file {tok} is missing; re-export or re-copy the bundle")
+    if manifest.tokenizer.vocab_size > manifest.vocab_size:
+        raise BundleError(
+            f"tokenizer has {manifest.tokenizer.vocab_size} tokens but logits are cut to "
+            f"{manifest.vocab_size}; re-export the bundle"
+        )
+
+
+def verify_checksums(manifest: Manifest, root: str | Path) -> None:
+    """Hash every model file and the tokenizer against the manifest."""
+    root = Path(root)
+    for role in ROLES:
+        for rel, expected in manifest.models[role].files.items():
+            actual = sha256_file(root / rel)
+            if actual != expected:
+                raise BundleError(
+                    f"{role}: {rel} does not match its sha256 in the manifest (the file changed "
+                    "or is corrupted); re-export or re-copy the bundle"
+                )
+    tok = root / manifest.tokenizer.path / "tokenizer.json"
+    if sha256_file(tok) != manifest.tokenizer.sha256:
+        raise BundleError(
+            f"{tok} does not match its sha256 in the manifest; re-export or re-copy the bundle"
+        )

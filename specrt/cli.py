@@ -1,0 +1,170 @@
+"""specrt's command line: export a pair into a bundle, build recipes, generate from a bundle."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specrt.errors import SpecrtError
+
+
+def _friendly_errors(command):
+    """Turn specrt's own errors into a one-line message and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except SpecrtError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="specrt")
+def main() -> None:
+    """Lossless speculative decoding on ONNX Runtime."""
+
+
+# ------------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--target", type=click.Path(path_type=Path), help="HF checkpoint dir of the target.")
+@click.option("--draft", type=click.Path(path_type=Path), help="HF checkpoint dir of the draft.")
+@click.option("--out", type=click.Path(path_type=Path), help="Bundle directory to write.")
+@click.option(
+    "--recipe",
+    type=click.Path(path_type=Path),
+    help="A recipe JSON (engines/NAME.json) naming target and draft; --out defaults to engines/NAME.",
+)
+@click.option("--atol", type=float, default=None, help="Max |logit diff| vs PyTorch [1e-3].")
+@click.option("--opset", type=int, default=None, help="ONNX opset (default: optimum's).")
+@click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
+@_friendly_errors
+def export(target, draft, out, recipe, atol, opset, force) -> None:
+    """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
+    try:
+        from specrt.export.pipeline import DEFAULT_ATOL, export_bundle
+        from specrt.export.recipes import resolve_recipe
+    except ImportError as exc:
+        raise click.ClickException(
+            f"specrt export needs the export extra ({exc.name} is missing): "
+            "pip install torch==2.13.0 && pip install 'specrt[export]'"
+        ) from exc
+    if recipe is not None:
+        if target or draft:
+            raise click.UsageError("give either --recipe or --target/--draft, not both")
+        target, draft, out, recipe_atol = resolve_recipe(recipe, out)
+        atol = atol if atol is not None else recipe_atol
+    elif not (target and draft and out):
+        raise click.UsageError("give --target, --draft and --out (or --recipe)")
+    manifest = export_bundle(
+        target,
+        draft,
+        out,
+        atol=atol if atol is not None else DEFAULT_ATOL,
+        force=force,
+        opset=opset,
+        log=lambda message: click.echo(message, err=True),
+    )
+    for role, spec in manifest.models.items():
+        click.echo(
+            f"{role}: {spec.architecture}, {spec.num_layers} layers, vocab {spec.vocab_size}, "
+            f"max |logit diff| {spec.export_check['max_abs_logit_diff']:.2e}"
+        )
+    click.echo(f"bundle: {out}")
+
+
+# ------------------------------------------------------------------------------------------------
+def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
+    """--prompt (repeatable) and --prompt-file: one prompt per line, or per JSON line in .jsonl
+    files ({"prompt": ...} or a JSON string), for prompts that span lines."""
+    collected = list(prompts)
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise click.BadParameter(f"{prompt_file} does not exist", param_hint="--prompt-file")
+        lines = prompt_file.read_text().splitlines()
+        if prompt_file.suffix == ".jsonl":
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise click.BadParameter(
+                        f"{prompt_file}:{number} is not JSON ({exc})", param_hint="--prompt-file"
+                    ) from exc
+                collected.append(item["prompt"] if isinstance(item, dict) else item)
+        else:
+            collected.extend(line for line in lines if line.strip())
+    if not collected:
+        raise click.UsageError("give a prompt with --prompt TEXT or --prompt-file FILE")
+    return collected
+
+
+@main.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
+@click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--num-draft-tokens", type=int, default=4, show_default=True, help="K; 0 = target only.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (row i uses (seed, i)).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
+@click.option(
+    "--compare", is_flag=True, help="Also run the target alone and report the measured speedup."
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
+@_friendly_errors
+def generate(bundle, prompts, prompt_file, as_json, threads, compare, **params) -> None:
+    """Generate from a bundle with speculative decoding."""
+    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+
+    texts = _read_prompts(prompts, prompt_file)
+    config = GenerationConfig(**params)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+    generator.encode_prompts(texts)  # every prompt is checked before any work starts
+    baseline_config = GenerationConfig(**{**params, "num_draft_tokens": 0})
+    for text, result in zip(texts, generator.stream(texts, config)):
+        record = result.to_dict()
+        if compare:
+            [baseline] = generator.generate([text], baseline_config)
+            record["comparison"] = {
+                "target_only_tokens_per_second": baseline.stats.tokens_per_second,
+                "speedup": result.stats.tokens_per_second / baseline.stats.tokens_per_second,
+                "identical_output": baseline.token_ids == result.token_ids,
+            }
+        if as_json:
+            click.echo(json.dumps(record))
+        else:
+            _print_human(text, record)
+        sys.stdout.flush()
+
+
+def _print_human(prompt: str, record: dict) -> None:
+    stats = record["stats"]
+    click.echo(click.style(prompt, bold=True) + record["text"])
+    line = (
+        f"[{stats['new_tokens']} tokens, finish={record['finish_reason']}, "
+        f"{stats['tokens_per_second']:.1f} tokens/s, acceptance {stats['acceptance_rate']:.2f}, "
+        f"{stats['tokens_per_round']:.2f} tokens/round"
+    )
+    if "comparison" in record:
+        comparison = record["comparison"]
+        line += (
+            f", speedup {comparison['speedup']:.2f}x vs target alone "
+            f"({comparison['target_only_tokens_per_second']:.1f} tokens/s"
+            f"{', identical output' if comparison['identical_output'] else ''})"
+        )
+    click.echo(click.style(line + "]", dim=True), err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""ONNX -> what runs: onnxruntime sessions (and, later, TensorRT plans)."""

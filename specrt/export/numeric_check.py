@@ -1,0 +1,36 @@
+"""Exported ONNX vs PyTorch on the same random tokens: a prefill, then a multi-token step on top
+of the cached past (exactly what a verification pass does). Runs through the runtime's own
+decoder, so the check also covers how the runtime feeds the graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.bundle import ModelSpec
+from specrt.engines.ort_session import create_session
+from specrt.runtime.decoder import OnnxDecoder
+
+
+def max_logit_difference(
+    model: torch.nn.Module, graph: Path, spec: ModelSpec, token_range: int, seed: int = 0
+) -> dict[str, float]:
+    """Return max |logit diff| for the prefill and for the multi-token step."""
+    total = min(12, spec.max_positions)
+    prefill = max(1, total - 4)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, token_range, size=total).tolist()
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0].float().numpy()
+    decoder = OnnxDecoder(
+        create_session(graph, providers=["CPUExecutionProvider"]), spec, spec.vocab_size, "check"
+    )
+    prefill_logits = decoder.forward(ids[:prefill])
+    step_logits = decoder.forward(ids[prefill:])
+    return {
+        "prefill_max_abs_logit_diff": float(np.abs(prefill_logits - reference[:prefill]).max()),
+        "step_max_abs_logit_diff": float(np.abs(step_logits - reference[prefill:]).max()),
+        "step_tokens": total - prefill,
+    }

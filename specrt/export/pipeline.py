@@ -1,0 +1,200 @@
+"""export_bundle: two HF checkpoint directories -> one bundle directory.
+
+The bundle is assembled in a scratch directory next to ``out`` and moved into place only when
+every model passed its numeric check, so a failed export never leaves half a bundle behind and
+never destroys a bundle that was already there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from specrt import __version__
+from specrt.bundle import Manifest, ModelSpec, TokenizerSpec, sha256_file, write_manifest
+from specrt.errors import ExportError, PairMismatchError
+from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
+
+# Tested end to end (tests/test_export.py builds a tiny model of each).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DEFAULT_ATOL = 1e-3
+
+
+def export_bundle(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    out_dir: str | Path,
+    atol: float = DEFAULT_ATOL,
+    force: bool = False,
+    opset: int | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> Manifest:
+    """Export target and draft to ONNX, check both against PyTorch, write the bundle."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    if not atol > 0:
+        raise ExportError(f"atol={atol} must be > 0")
+    sources = {"target": Path(target_dir), "draft": Path(draft_dir)}
+    configs = {role: _load_config(path, role) for role, path in sources.items()}
+
+    tokenizers = {role: load_tokenizer_json(path) for role, path in sources.items()}
+    difference = describe_difference(tokenizers["target"], tokenizers["draft"])
+    if difference:
+        raise PairMismatchError(
+            f"draft and target tokenizers differ: {difference}. The draft must share the "
+            "target's tokenizer; pick a draft from the same model family"
+        )
+    tokenizer_hash = canonical_hash(tokenizers["target"])
+    tokenizer_vocab = _tokenizer_vocab_size(sources["target"])
+    vocab = min(int(c.vocab_size) for c in configs.values())
+    for role, config in configs.items():
+        if config.vocab_size < tokenizer_vocab:
+            raise PairMismatchError(
+                f"the {role} model has {config.vocab_size} embeddings but the tokenizer has "
+                f"{tokenizer_vocab} tokens; this checkpoint does not belong with this tokenizer"
+            )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        specs: dict[str, ModelSpec] = {}
+        for role, source in sources.items():
+            log(f"exporting {role} ({configs[role].model_type}) from {source}")
+            specs[role] = _export_checked(
+                source, configs[role], scratch, role, tokenizer_hash, tokenizer_vocab, atol, opset
+            )
+            check = specs[role].export_check
+            log(f"  {role}: max |logit diff| vs PyTorch {check['max_abs_logit_diff']:.2e}")
+        manifest = Manifest(
+            models=specs,
+            tokenizer=_copy_tokenizer(sources["target"], scratch / "tokenizer", configs["target"]),
+            vocab_size=vocab,
+            specrt_version=__version__,
+        )
+        write_manifest(scratch, manifest)
+        _replace_dir(scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    log(f"bundle written to {out}")
+    return manifest
+
+
+def _load_config(path: Path, role: str):
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ExportError(
+            f"{role} checkpoint {str(path)!r} has no config.json; pass a Hugging Face model "
+            "directory (the output of `save_pretrained`)"
+        )
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ExportError(
+            f"{role} model type {config.model_type!r} is not supported yet; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def _export_checked(
+    source: Path,
+    config,
+    bundle_root: Path,
+    role: str,
+    tokenizer_hash: str,
+    token_range: int,
+    atol: float,
+    opset: int | None,
+) -> ModelSpec:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specrt.export.numeric_check import max_logit_difference
+    from specrt.export.onnx_export import describe_model, export_onnx
+
+    graph = export_onnx(source, bundle_root / role, opset)
+    spec = describe_model(graph, bundle_root, config, tokenizer_hash)
+    spec.source = str(source.resolve())
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch.float32, local_files_only=True
+    ).eval()
+    check = max_logit_difference(model, graph, spec, token_range)
+    check["max_abs_logit_diff"] = max(
+        check["prefill_max_abs_logit_diff"], check["step_max_abs_logit_diff"]
+    )
+    check["atol"] = atol
+    spec.export_check = check
+    if not check["max_abs_logit_diff"] <= atol:
+        raise ExportError(
+            f"{role}: ONNX logits differ from PyTorch by {check['max_abs_logit_diff']:.3g} "
+            f"(> atol {atol}); the export is numerically wrong. Report it, or pass a larger "
+            "--atol if the difference is acceptable for this model"
+        )
+    return spec
+
+
+def _tokenizer_vocab_size(checkpoint: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(checkpoint / "tokenizer.json")).get_vocab_size(
+        with_added_tokens=True
+    )
+
+
+def _copy_tokenizer(source: Path, dest: Path, config) -> TokenizerSpec:
+    from tokenizers import Tokenizer
+
+    dest.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+    tokenizer = Tokenizer.from_file(str(dest / "tokenizer.json"))
+    generation = _read_json(source / "generation_config.json")
+    tokenizer_config = _read_json(source / "tokenizer_config.json")
+
+    def token_id(key: str) -> int | None:
+        for holder in (generation, config.to_dict()):
+            if holder.get(key) is not None:
+                return holder[key]
+        token = tokenizer_config.get(key.replace("_id", ""))
+        if isinstance(token, dict):
+            token = token.get("content")
+        return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+    eos = token_id("eos_token_id")
+    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    bos = token_id("bos_token_id")
+    pad = token_id("pad_token_id")
+    return TokenizerSpec(
+        path="tokenizer",
+        sha256=sha256_file(dest / "tokenizer.json"),
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        bos_token_id=None if bos is None or isinstance(bos, list) else int(bos),
+        eos_token_ids=eos_ids,
+        pad_token_id=None if pad is None or isinstance(pad, list) else int(pad),
+    )
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move ``new`` to ``out``; an old ``out`` is removed only once ``new`` is in place."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.parent / f".{out.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old, ignore_errors=True)

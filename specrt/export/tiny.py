@@ -1,0 +1,118 @@
+"""Tiny random-weight draft/target pairs built from configs: for tests and the `tiny` recipe.
+
+No download: the tokenizer is trained on a few lines embedded here. The target's output layer is
+scaled so its distributions are peaked (as a trained model's are), and the draft is the target
+with noise added to every weight, so the two agree often but not always.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+CORPUS = [
+    "Beautiful is better than ugly. Explicit is better than implicit.",
+    "Simple is better than complex. Complex is better than complicated.",
+    "Flat is better than nested. Sparse is better than dense. Readability counts.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+    "for i in range(10):\n    print(i, i * i)",
+    "Errors should never pass silently, unless explicitly silenced.",
+    "Now is better than never. Although never is often better than right now.",
+]
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+
+
+def make_tokenizer(extra_tokens: int = 0) -> PreTrainedTokenizerFast:
+    """A deterministic character-level tokenizer of the corpus (spaces kept via Metaspace) that
+    adds <s> like Llama's. ``extra_tokens`` appends made-up tokens: a different tokenizer."""
+    chars = sorted({c for line in CORPUS for c in line.replace(" ", "\u2581")})
+    extra = [f"<extra_{i}>" for i in range(extra_tokens)]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + chars + extra)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: int = 2):
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2)
+    if arch == "gpt2":
+        return GPT2Config(
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            n_positions=max_positions,
+            tie_word_embeddings=False,
+            **common,
+        )
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    if arch not in classes:
+        raise ValueError(f"unknown tiny architecture {arch!r}; use one of gpt2, {', '.join(classes)}")
+    extra = {"sliding_window": None} if arch == "mistral" else {}
+    return classes[arch](
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        **common,
+        **extra,
+    )
+
+
+def make_tiny_pair(
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    draft_noise: float = 0.3,
+    peak: float = 20.0,
+    max_positions: int = 128,
+    extra_tokens: int = 0,
+    target_vocab_pad: int = 0,
+    draft_vocab_pad: int = 0,
+    draft_max_positions: int | None = None,
+) -> tuple[Path, Path]:
+    """Write ``out_dir/target`` and ``out_dir/draft`` HF checkpoints sharing one tokenizer.
+
+    ``*_vocab_pad`` adds embedding rows beyond the tokenizer's vocabulary, as real Qwen pairs have.
+    """
+    out = Path(out_dir)
+    tokenizer = make_tokenizer(extra_tokens)
+    vocab = len(tokenizer)
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(tiny_config(arch, vocab, max_positions)).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(peak)
+    draft = copy.deepcopy(target)
+    if draft_max_positions is not None:  # rotary models: only the declared limit changes
+        draft.config.max_position_embeddings = draft_max_positions
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn_like(param) * param.std() * draft_noise)
+    paths = []
+    for role, model, pad in (("target", target, target_vocab_pad), ("draft", draft, draft_vocab_pad)):
+        if pad:
+            model.resize_token_embeddings(vocab + pad, mean_resizing=False)
+        path = out / role
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]

@@ -1,0 +1,12 @@
+"""The speculative decoding runtime: numpy + onnxruntime + tokenizers, nothing else.
+
+    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+    gen = SpeculativeGenerator.from_bundle("engines/demo")
+    [result] = gen.generate(["def fibonacci(n):"], GenerationConfig(max_new_tokens=64))
+"""
+
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.generator import SpeculativeGenerator
+from specrt.runtime.results import GenerationResult, GenerationStats
+
+__all__ = ["GenerationConfig", "GenerationResult", "GenerationStats", "SpeculativeGenerator"]

@@ -1,0 +1,58 @@
+"""Generation parameters, named as in transformers and vLLM, validated in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specrt.errors import InvalidInputError
+
+MAX_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how.
+
+    ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0`` and
+    ``top_p == 1`` switch those filters off. ``num_draft_tokens == 0`` runs the target alone: the
+    baseline every comparison uses. ``seed`` makes sampling reproducible; row ``i`` of a batch uses
+    the stream ``(seed, i)``.
+    """
+
+    max_new_tokens: int = 64
+    num_draft_tokens: int = 4
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, rule: str) -> InvalidInputError:
+            return InvalidInputError(f"{name}={value!r} is out of range: {rule}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", self.max_new_tokens, "use an integer >= 1")
+        if not isinstance(self.num_draft_tokens, int) or not (
+            0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS
+        ):
+            raise bad(
+                "num_draft_tokens",
+                self.num_draft_tokens,
+                f"use an integer in [0, {MAX_DRAFT_TOKENS}] (0 runs the target alone)",
+            )
+        if not isinstance(self.temperature, (int, float)) or not (
+            math.isfinite(self.temperature) and self.temperature >= 0
+        ):
+            raise bad("temperature", self.temperature, "use a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "use an integer >= 0 (0 = no top-k filter)")
+        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+            raise bad("top_p", self.top_p, "use a number in (0, 1] (1 = no nucleus filter)")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", self.seed, "use a non-negative integer, or None for a random seed")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

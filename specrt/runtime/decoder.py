@@ -1,0 +1,112 @@
+"""One exported decoder (target or draft) and its KV cache.
+
+The cache keeps what the model has seen as arrays plus a length. Rolling back rejected tokens is
+setting the length: nothing is copied until the next call feeds the kept prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from specrt.bundle import ModelSpec
+from specrt.errors import BundleError
+
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class KVCache:
+    """Per-layer key/value arrays ``[1, kv_heads, T, head_dim]`` and the valid length ``T'<=T``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self._spec = spec
+        self.reset()
+
+    def reset(self) -> None:
+        empty = np.zeros(
+            (1, self._spec.num_kv_heads, 0, self._spec.head_dim), _NUMPY_DTYPES[self._spec.dtype]
+        )
+        self.keys = [empty] * self._spec.num_layers
+        self.values = [empty] * self._spec.num_layers
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` positions."""
+        self.length = min(self.length, length)
+
+    def past(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        if arrays[0].shape[2] == self.length:
+            return arrays
+        return [np.ascontiguousarray(a[:, :, : self.length]) for a in arrays]
+
+    def store(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+        self.keys, self.values = keys, values
+        self.length = keys[0].shape[2]
+
+
+class OnnxDecoder:
+    """Runs an exported decoder on new tokens on top of its cache; returns their logits."""
+
+    def __init__(
+        self, session: ort.InferenceSession, spec: ModelSpec, vocab_size: int, role: str
+    ) -> None:
+        self.session = session
+        self.spec = spec
+        self.role = role
+        self.vocab_size = vocab_size
+        self.max_positions = spec.max_positions
+        self.cache = KVCache(spec)
+        io = spec.io
+        self._outputs = [io.logits, *io.present_keys, *io.present_values]
+        self._check_session_matches_manifest()
+
+    def _check_session_matches_manifest(self) -> None:
+        io = self.spec.io
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name for o in self.session.get_outputs()}
+        wanted = [io.input_ids, *io.past_keys, *io.past_values]
+        wanted += [n for n in (io.attention_mask, io.position_ids) if n]
+        missing = [n for n in wanted if n not in inputs] + [
+            n for n in self._outputs if n not in outputs
+        ]
+        if missing:
+            raise BundleError(
+                f"{self.role}: the ONNX graph lacks {missing[:4]} named in the manifest; "
+                "the graph and manifest come from different exports, re-export the bundle"
+            )
+        shape = inputs[io.past_keys[0]].shape
+        for axis, expected in ((1, self.spec.num_kv_heads), (3, self.spec.head_dim)):
+            if isinstance(shape[axis], int) and shape[axis] != expected:
+                raise BundleError(
+                    f"{self.role}: cache input {io.past_keys[0]} has shape {shape}, the manifest "
+                    f"says kv_heads={self.spec.num_kv_heads}, head_dim={self.spec.head_dim}; "
+                    "re-export the bundle"
+                )
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``."""
+        io, cache = self.spec.io, self.cache
+        start, count = cache.length, len(tokens)
+        feed = {io.input_ids: np.asarray([tokens], dtype=np.int64)}
+        if io.attention_mask:
+            feed[io.attention_mask] = np.ones((1, start + count), dtype=np.int64)
+        if io.position_ids:
+            feed[io.position_ids] = np.arange(start, start + count, dtype=np.int64)[None]
+        feed.update(zip(io.past_keys, cache.past(cache.keys)))
+        feed.update(zip(io.past_values, cache.past(cache.values)))
+        logits, *presents = self.session.run(self._outputs, feed)
+        layers = self.spec.num_layers
+        cache.store(presents[:layers], presents[layers:])
+        return logits[0, :, : self.vocab_size]

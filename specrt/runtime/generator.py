@@ -1,0 +1,189 @@
+"""The speculative loop: draft K, verify all K in ONE target pass, accept/reject, roll back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specrt.bundle import Manifest, read_manifest, verify_checksums
+from specrt.engines.ort_session import create_session
+from specrt.errors import InvalidInputError, PairMismatchError
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.decoder import OnnxDecoder
+from specrt.runtime.drafters import Drafter, ModelDrafter
+from specrt.runtime.rejection import greedy_verify, rejection_sample
+from specrt.runtime.results import GenerationResult, GenerationStats
+from specrt.runtime.sampling import check_finite, warp
+from specrt.runtime.tokenizer import BundleTokenizer
+
+Prompt = str | Sequence[int]
+
+
+class SpeculativeGenerator:
+    """Generates with a target model, optionally sped up by a drafter; output as the target's."""
+
+    def __init__(
+        self,
+        target: OnnxDecoder,
+        drafter: Drafter,
+        tokenizer: BundleTokenizer | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    @classmethod
+    def from_bundle(
+        cls,
+        bundle_dir: str | Path,
+        threads: int | None = None,
+        providers: Sequence[str] | None = None,
+        check_files: bool = True,
+    ) -> SpeculativeGenerator:
+        """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified."""
+        root = Path(bundle_dir)
+        manifest = read_manifest(root)
+        if check_files:
+            verify_checksums(manifest, root)
+        _check_pair(manifest)
+        decoders = {
+            role: OnnxDecoder(
+                create_session(root / spec.path, threads=threads, providers=providers),
+                spec,
+                manifest.vocab_size,
+                role,
+            )
+            for role, spec in manifest.models.items()
+        }
+        tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
+        return cls(
+            decoders["target"],
+            ModelDrafter(decoders["draft"]),
+            tokenizer,
+            manifest.tokenizer.eos_token_ids,
+        )
+
+    # ----------------------------------------------------------------------------------------
+    def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """Tokenize and check every prompt before any work starts."""
+        if isinstance(prompts, str):
+            raise InvalidInputError("prompts must be a list of prompts, not a single string")
+        if len(prompts) == 0:
+            raise InvalidInputError("no prompts given")
+        encoded = []
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise InvalidInputError("this generator has no tokenizer; pass token ids")
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = [int(t) for t in prompt]
+                if not ids:
+                    raise InvalidInputError(f"prompt {index} is empty; give at least one token")
+                bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+                if bad:
+                    raise InvalidInputError(
+                        f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary "
+                        f"[0, {self.target.vocab_size})"
+                    )
+            limit = self.target.max_positions
+            if len(ids) >= limit:
+                raise InvalidInputError(
+                    f"prompt {index} has {len(ids)} tokens; the model's max positions is {limit}, "
+                    f"which leaves no room to generate. Shorten it to at most {limit - 1} tokens"
+                )
+            encoded.append(ids)
+        return encoded
+
+    def generate(
+        self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
+    ) -> list[GenerationResult]:
+        """Generate for each prompt (a string or token ids). Rows run one after another."""
+        return list(self.stream(prompts, config))
+
+    def stream(self, prompts: Sequence[Prompt], config: GenerationConfig | None = None):
+        """Like `generate`, yielding each row's result as soon as it is done."""
+        config = config or GenerationConfig()
+        encoded = self.encode_prompts(prompts)
+        for row, ids in enumerate(encoded):
+            rng = np.random.default_rng(None if config.seed is None else [config.seed, row])
+            yield self._generate_row(ids, config, rng)
+
+    # ----------------------------------------------------------------------------------------
+    def _generate_row(
+        self, prompt: list[int], config: GenerationConfig, rng: np.random.Generator
+    ) -> GenerationResult:
+        start = time.perf_counter()
+        target, drafter = self.target, self.drafter
+        k_max = config.num_draft_tokens
+        stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
+        tokens = list(prompt)
+        limit = min(target.max_positions, len(prompt) + config.max_new_tokens)
+        finish_reason = "length"
+
+        # Prefill: both models see everything but the last prompt token, which every round feeds.
+        target.reset()
+        drafter.reset()
+        if len(prompt) > 1:
+            target.forward(prompt[:-1])
+            if k_max:
+                drafter.prefill(prompt[:-1])
+
+        while len(tokens) < limit:
+            # A round emits at most k+1 tokens and every fed position must fit in each model.
+            k = max(0, min(k_max, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
+            drafted, q = drafter.propose(tokens, k, config, rng)
+            logits = target.forward(tokens[target.length :] + drafted.tolist())[-(k + 1) :]
+            if config.greedy:
+                n, next_token = greedy_verify(drafted, logits)
+            else:
+                check_finite(logits, "target")
+                p = warp(logits, config.temperature, config.top_k, config.top_p)
+                n, next_token = rejection_sample(drafted, q, p, rng)
+
+            stats.rounds += 1
+            stats.drafted_tokens += k
+            stats.accepted_tokens += n
+            for i in range(n):
+                stats.accepted_per_position[i] += 1
+
+            emitted = [*drafted[:n].tolist(), next_token]
+            # Roll back: each cache keeps only what is still history (all but the newest token).
+            target.rollback(len(tokens) + n)
+            tokens.extend(emitted)
+            drafter.rollback(len(tokens) - 1)
+
+            if not config.ignore_eos:
+                stop_at = next((i for i, t in enumerate(emitted) if t in self.eos_token_ids), None)
+                if stop_at is not None:
+                    del tokens[len(tokens) - len(emitted) + stop_at + 1 :]
+                    finish_reason = "stop"
+                    break
+
+        new_ids = tokens[len(prompt) :]
+        stats.new_tokens = len(new_ids)
+        text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
+        stats.finish(time.perf_counter() - start)
+        return GenerationResult(text, new_ids, finish_reason, stats)
+
+
+def _check_pair(manifest: Manifest) -> None:
+    """Refuse a bundle whose draft and target cannot share tokens."""
+    target, draft = manifest.models["target"], manifest.models["draft"]
+    if target.tokenizer_hash != draft.tokenizer_hash:
+        raise PairMismatchError(
+            "draft and target were exported with different tokenizers (hash "
+            f"{draft.tokenizer_hash[:12]} vs {target.tokenizer_hash[:12]}); a draft must share the "
+            "target's tokenizer: pick a draft from the same model family and re-export"
+        )
+    for name, spec in (("target", target), ("draft", draft)):
+        if spec.vocab_size < manifest.vocab_size:
+            raise PairMismatchError(
+                f"the {name} model has {spec.vocab_size} logits but the bundle's shared "
+                f"vocabulary has {manifest.vocab_size} tokens; re-export the pair"
+            )

@@ -1,0 +1,57 @@
+"""What a generation returns."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one request. Meanings follow vLLM's spec-decode metrics.
+
+    rounds: target verification passes (prefill not counted).
+    drafted_tokens / accepted_tokens: draft tokens proposed / kept by the target.
+    acceptance_rate: accepted_tokens / drafted_tokens.
+    mean_accepted_tokens: draft tokens accepted per round (0..K).
+    tokens_per_round: tokens emitted per target pass (accepted + the corrected or bonus token).
+    accepted_per_position: how often draft position i (0-based) was accepted.
+    wall_time_s / tokens_per_second: generation wall time (prefill included), new tokens / it.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_tokens: float = 0.0
+    tokens_per_round: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    tokens_per_second: float = 0.0
+
+    def finish(self, wall_time_s: float) -> None:
+        self.wall_time_s = wall_time_s
+        self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        self.mean_accepted_tokens = self.accepted_tokens / self.rounds if self.rounds else 0.0
+        self.tokens_per_round = self.new_tokens / self.rounds if self.rounds else 0.0
+        self.tokens_per_second = self.new_tokens / wall_time_s if wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # the new tokens only
+    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens or the model's max positions)
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }

@@ -1,0 +1,54 @@
+"""Logits -> probabilities (temperature, top-k, top-p) and drawing a token.
+
+The draft and the target go through the very same `warp`, so the rejection sampler compares
+distributions of the same kind and the output follows the *warped* target distribution exactly.
+Order of the filters follows transformers: temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.errors import NumericalError
+
+
+def check_finite(logits: np.ndarray, who: str) -> None:
+    """Raise instead of ever turning NaN/inf logits into a token."""
+    if not np.isfinite(logits).all():
+        bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
+        raise NumericalError(
+            f"the {who} model produced {bad} NaN/inf logit(s); the ONNX graph or its inputs are "
+            "broken (an fp16 overflow is the usual cause: re-export in float32)"
+        )
+
+
+def warp(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Turn logits ``[..., V]`` into sampling probabilities (float64), rows summing to 1.
+
+    ``temperature`` must be > 0 here; greedy decoding never needs probabilities.
+    """
+    scores = np.asarray(logits, dtype=np.float64) / temperature
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = np.partition(scores, vocab - top_k, axis=-1)[..., vocab - top_k, None]
+        scores = np.where(scores < kth, -np.inf, scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = mass_before < top_p  # smallest prefix whose mass reaches top_p
+        keep = np.empty_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token from a probability vector; zero-probability tokens are never drawn."""
+    cdf = np.cumsum(probs)
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(index, probs.shape[-1] - 1)

@@ -1,0 +1,36 @@
+"""Shared fixtures: real tiny checkpoints (random weights, built from configs) exported to real
+ONNX bundles by the real exporter, once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrt.export import SUPPORTED_MODEL_TYPES, export_bundle
+from specrt.export.tiny import make_tiny_pair
+from specrt.runtime import SpeculativeGenerator
+
+
+def build_bundle(root, name: str, **pair_options):
+    target, draft = make_tiny_pair(out_dir=root / f"{name}-src", **pair_options)
+    export_bundle(target, draft, root / name)
+    return root / name
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory):
+    """One bundle per supported architecture: {arch: bundle dir}."""
+    root = tmp_path_factory.mktemp("bundles")
+    return {
+        arch: build_bundle(root, arch, arch=arch, seed=index, draft_noise=0.3)
+        for index, arch in enumerate(SUPPORTED_MODEL_TYPES)
+    }
+
+
+@pytest.fixture(scope="session")
+def llama_bundle(bundles):
+    return bundles["llama"]
+
+
+@pytest.fixture(scope="session")
+def llama_generator(llama_bundle):
+    return SpeculativeGenerator.from_bundle(llama_bundle, threads=1)

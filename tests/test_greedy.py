@@ -1,0 +1,77 @@
+"""Greedy speculative output equals target-only greedy output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrt.export import SUPPORTED_MODEL_TYPES
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.conftest import build_bundle
+
+WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
+PROMPTS = [" ".join(WORDS[i % 10 : i % 10 + 1 + i % 4]) + ("\n" if i % 3 == 0 else "") for i in range(20)]
+
+
+def run(generator, k: int, **options):
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, **options)
+    return generator.generate(PROMPTS, config)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
+def test_speculative_greedy_equals_target_only(bundles, arch):
+    generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1)
+    for ignore_eos in (False, True):
+        baseline = run(generator, 0, ignore_eos=ignore_eos)
+        assert all(r.stats.drafted_tokens == 0 for r in baseline)
+        for k in (1, 2, 4, 8):
+            results = run(generator, k, ignore_eos=ignore_eos)
+            for prompt, spec, base in zip(PROMPTS, results, baseline):
+                assert spec.token_ids == base.token_ids, (arch, k, prompt)
+                assert spec.finish_reason == base.finish_reason
+                assert spec.text == base.text
+            drafted = sum(r.stats.drafted_tokens for r in results)
+            accepted = sum(r.stats.accepted_tokens for r in results)
+            # Both paths of the verifier ran: some drafts rejected, some accepted.
+            assert 0 < accepted < drafted, (arch, k, accepted, drafted)
+        # A fully accepted round (bonus token; the draft then catches up on two tokens) happened.
+        assert any(r.stats.accepted_per_position[-1] > 0 for r in run(generator, 2))
+
+
+def test_stats_are_consistent(llama_generator):
+    for result in run(llama_generator, 4, ignore_eos=True):
+        stats = result.stats
+        assert stats.new_tokens == len(result.token_ids) == 32
+        assert stats.new_tokens == stats.accepted_tokens + stats.rounds
+        assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.drafted_tokens)
+        assert stats.mean_accepted_tokens == pytest.approx(stats.accepted_tokens / stats.rounds)
+        assert stats.tokens_per_round == pytest.approx(stats.new_tokens / stats.rounds)
+        assert sum(stats.accepted_per_position) == stats.accepted_tokens
+        counts = stats.accepted_per_position
+        assert all(a >= b for a, b in zip(counts, counts[1:]))  # position i+1 needs position i
+        assert stats.tokens_per_second > 0 and stats.wall_time_s > 0
+
+
+def test_max_positions_stop_matches_target_only(tmp_path):
+    """Generation stops at the model's max positions ('length'), with identical output; a draft
+    with fewer positions than the target simply stops drafting near its limit."""
+    bundle = build_bundle(tmp_path, "short", arch="llama", max_positions=40, draft_noise=0.3)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    config = dict(max_new_tokens=100, ignore_eos=True)
+    [base] = generator.generate([PROMPTS[1]], GenerationConfig(num_draft_tokens=0, **config))
+    [spec] = generator.generate([PROMPTS[1]], GenerationConfig(num_draft_tokens=8, **config))
+    assert base.finish_reason == spec.finish_reason == "length"
+    assert base.stats.prompt_tokens + len(base.token_ids) == 40
+    assert spec.token_ids == base.token_ids
+
+
+def test_draft_with_fewer_positions(tmp_path):
+    bundle = build_bundle(
+        tmp_path, "shortdraft", arch="llama", max_positions=64, draft_max_positions=20
+    )
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    config = dict(max_new_tokens=60, ignore_eos=True)
+    [base] = generator.generate([PROMPTS[1]], GenerationConfig(num_draft_tokens=0, **config))
+    [spec] = generator.generate([PROMPTS[1]], GenerationConfig(num_draft_tokens=4, **config))
+    assert spec.token_ids == base.token_ids
+    assert len(spec.token_ids) == 64 - spec.stats.prompt_tokens
+    assert spec.stats.drafted_tokens < 4 * spec.stats.rounds  # drafting stopped at the draft's end
