@@ -155,7 +155,12 @@ def validate_manifest(manifest: Manifest, root: Path) -> None:
         spec = manifest.models[role]
         io = spec.io
         n = spec.num_layers
-        lengths = {len(io.past_keys), len(io.past_values), len(io.present_keys), len(io.present_values)}
+        lengths = {
+            len(io.past_keys),
+            len(io.past_values),
+            len(io.present_keys),
+            len(io.present_values),
+        }
         if lengths != {n}:
             raise BundleError(
                 f"{role}: manifest lists {sorted(lengths)} cache names for {n} layers; re-export it"

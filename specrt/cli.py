@@ -39,7 +39,7 @@ def main() -> None:
 @click.option(
     "--recipe",
     type=click.Path(path_type=Path),
-    help="A recipe JSON (engines/NAME.json) naming target and draft; --out defaults to engines/NAME.",
+    help="Recipe JSON (engines/NAME.json) naming target and draft; --out: engines/NAME.",
 )
 @click.option("--atol", type=float, default=None, help="Max |logit diff| vs PyTorch [1e-3].")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default: optimum's).")
@@ -111,7 +111,9 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--num-draft-tokens", type=int, default=4, show_default=True, help="K; 0 = target only.")
+@click.option(
+    "--num-draft-tokens", type=int, default=4, show_default=True, help="K; 0 = target only."
+)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")

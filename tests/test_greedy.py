@@ -9,7 +9,9 @@ from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
 
 WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
-PROMPTS = [" ".join(WORDS[i % 10 : i % 10 + 1 + i % 4]) + ("\n" if i % 3 == 0 else "") for i in range(20)]
+PROMPTS = [
+    " ".join(WORDS[i % 10 : i % 10 + 1 + i % 4]) + ("\n" if i % 3 == 0 else "") for i in range(20)
+]
 
 
 def run(generator, k: int, **options):

@@ -78,7 +78,9 @@ def describe_model(graph: Path, bundle_root: Path, config, tokenizer_hash: str) 
     model = onnx.load(str(graph), load_external_data=False)
     foreign = sorted({n.domain for n in model.graph.node} - STANDARD_DOMAINS)
     if foreign:
-        raise ExportError(f"{graph} uses non-standard op domains {foreign}; TensorRT cannot take it")
+        raise ExportError(
+            f"{graph} uses non-standard op domains {foreign}; TensorRT cannot take it"
+        )
 
     inputs = {i.name: i for i in model.graph.input}
     outputs = {o.name for o in model.graph.output}
@@ -98,7 +100,9 @@ def describe_model(graph: Path, bundle_root: Path, config, tokenizer_hash: str) 
     elem = inputs[past_keys[0]].type.tensor_type.elem_type
     dtype = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}.get(elem)
     if dtype is None:
-        raise ExportError(f"{graph}: unsupported cache dtype {onnx.TensorProto.DataType.Name(elem)}")
+        raise ExportError(
+            f"{graph}: unsupported cache dtype {onnx.TensorProto.DataType.Name(elem)}"
+        )
 
     files = {
         str((graph.parent / name).relative_to(bundle_root)): sha256_file(graph.parent / name)

@@ -31,7 +31,7 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
         return target, draft, out, data.get("atol")
     if not isinstance(data, dict) or not {"target", "draft"} <= set(data):
         raise ExportError(
-            f"recipe {recipe} must be a JSON object with \"target\" and \"draft\" paths "
-            "(or a \"tiny\" section)"
+            f'recipe {recipe} must be a JSON object with "target" and "draft" paths '
+            '(or a "tiny" section)'
         )
     return base / data["target"], base / data["draft"], out, data.get("atol")

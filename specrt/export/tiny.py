@@ -25,7 +25,8 @@ CORPUS = [
     "Beautiful is better than ugly. Explicit is better than implicit.",
     "Simple is better than complex. Complex is better than complicated.",
     "Flat is better than nested. Sparse is better than dense. Readability counts.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "    return fibonacci(n - 1) + fibonacci(n - 2)",
     "for i in range(10):\n    print(i, i * i)",
     "Errors should never pass silently, unless explicitly silenced.",
     "Now is better than never. Although never is often better than right now.",
@@ -63,7 +64,9 @@ def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: in
         )
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
     if arch not in classes:
-        raise ValueError(f"unknown tiny architecture {arch!r}; use one of gpt2, {', '.join(classes)}")
+        raise ValueError(
+            f"unknown tiny architecture {arch!r}; use one of gpt2, {', '.join(classes)}"
+        )
     extra = {"sliding_window": None} if arch == "mistral" else {}
     return classes[arch](
         hidden_size=32,
@@ -108,7 +111,10 @@ def make_tiny_pair(
         for param in draft.parameters():
             param.add_(torch.randn_like(param) * param.std() * draft_noise)
     paths = []
-    for role, model, pad in (("target", target, target_vocab_pad), ("draft", draft, draft_vocab_pad)):
+    for role, model, pad in (
+        ("target", target, target_vocab_pad),
+        ("draft", draft, draft_vocab_pad),
+    ):
         if pad:
             model.resize_token_embeddings(vocab + pad, mean_resizing=False)
         path = out / role

@@ -1,8 +1,8 @@
 """The speculative decoding runtime: numpy + onnxruntime + tokenizers, nothing else.
 
-    from specrt.runtime import GenerationConfig, SpeculativeGenerator
-    gen = SpeculativeGenerator.from_bundle("engines/demo")
-    [result] = gen.generate(["def fibonacci(n):"], GenerationConfig(max_new_tokens=64))
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+gen = SpeculativeGenerator.from_bundle("engines/demo")
+[result] = gen.generate(["def fibonacci(n):"], GenerationConfig(max_new_tokens=64))
 """
 
 from specrt.runtime.config import GenerationConfig

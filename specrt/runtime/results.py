@@ -32,7 +32,9 @@ class GenerationStats:
 
     def finish(self, wall_time_s: float) -> None:
         self.wall_time_s = wall_time_s
-        self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        self.acceptance_rate = (
+            self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        )
         self.mean_accepted_tokens = self.accepted_tokens / self.rounds if self.rounds else 0.0
         self.tokens_per_round = self.new_tokens / self.rounds if self.rounds else 0.0
         self.tokens_per_second = self.new_tokens / wall_time_s if wall_time_s > 0 else 0.0
