@@ -8,11 +8,14 @@ never destroys a bundle that was already there.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from specrt import __version__
 from specrt.bundle import Manifest, ModelSpec, TokenizerSpec, sha256_file, write_manifest
@@ -51,13 +54,14 @@ def export_bundle(
             "target's tokenizer; pick a draft from the same model family"
         )
     tokenizer_hash = canonical_hash(tokenizers["target"])
-    tokenizer_vocab = _tokenizer_vocab_size(sources["target"])
-    vocab = min(int(c.vocab_size) for c in configs.values())
+    # Logits are cut to the tokenizer's vocabulary: models may pad their embeddings beyond it
+    # (real Qwen pairs differ there), and padding ids can be neither decoded nor shared.
+    vocab = _tokenizer_vocab_size(sources["target"])
     for role, config in configs.items():
-        if config.vocab_size < tokenizer_vocab:
+        if config.vocab_size < vocab:
             raise PairMismatchError(
                 f"the {role} model has {config.vocab_size} embeddings but the tokenizer has "
-                f"{tokenizer_vocab} tokens; this checkpoint does not belong with this tokenizer"
+                f"{vocab} tokens; this checkpoint does not belong with this tokenizer"
             )
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +71,7 @@ def export_bundle(
         for role, source in sources.items():
             log(f"exporting {role} ({configs[role].model_type}) from {source}")
             specs[role] = _export_checked(
-                source, configs[role], scratch, role, tokenizer_hash, tokenizer_vocab, atol, opset
+                source, configs[role], scratch, role, tokenizer_hash, vocab, atol, opset
             )
             check = specs[role].export_check
             log(f"  {role}: max |logit diff| vs PyTorch {check['max_abs_logit_diff']:.2e}")
@@ -125,12 +129,17 @@ def _export_checked(
         source, dtype=torch.float32, local_files_only=True
     ).eval()
     check = max_logit_difference(model, graph, spec, token_range)
-    check["max_abs_logit_diff"] = max(
-        check["prefill_max_abs_logit_diff"], check["step_max_abs_logit_diff"]
+    check["max_abs_logit_diff"] = float(  # np.max keeps a NaN, builtin max may drop it
+        np.max([check["prefill_max_abs_logit_diff"], check["step_max_abs_logit_diff"]])
     )
     check["atol"] = atol
     spec.export_check = check
-    if not check["max_abs_logit_diff"] <= atol:
+    if not math.isfinite(check["max_abs_logit_diff"]):
+        raise ExportError(
+            f"{role}: the model produces NaN/inf logits (in PyTorch or ONNX) on a random prompt; "
+            f"the checkpoint {source} is broken or needs float32"
+        )
+    if check["max_abs_logit_diff"] > atol:
         raise ExportError(
             f"{role}: ONNX logits differ from PyTorch by {check['max_abs_logit_diff']:.3g} "
             f"(> atol {atol}); the export is numerically wrong. Report it, or pass a larger "

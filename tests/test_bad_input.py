@@ -1,0 +1,145 @@
+"""Bad input gets a clear message and a non-zero exit; nothing already done is lost."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import main
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture
+def bundle_copy(llama_bundle, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, copy)
+    return copy
+
+
+def generate(bundle, *args):
+    return cli("generate", "--bundle", bundle, "--max-new-tokens", 4, *args)
+
+
+def test_missing_bundle(tmp_path):
+    result = generate(tmp_path / "nope", "--prompt", "x")
+    assert result.exit_code == 1
+    assert "does not exist" in result.output and "specrt export" in result.output
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda b: (b / "manifest.json").unlink(), "has no manifest.json"),
+        (lambda b: (b / "manifest.json").write_text('{"models": '), "not valid JSON"),
+        (lambda b: (b / "target" / "model.onnx").unlink(), "'target/model.onnx' named in"),
+        (lambda b: (b / "tokenizer" / "tokenizer.json").unlink(), "tokenizer file"),
+        (
+            lambda b: (b / "draft" / "model.onnx").write_bytes(b"not onnx"),
+            "draft: draft/model.onnx does not match its sha256",
+        ),
+    ],
+    ids=["no-manifest", "truncated-manifest", "missing-graph", "missing-tokenizer", "corrupted"],
+)
+def test_broken_bundle(bundle_copy, breakage, message):
+    breakage(bundle_copy)
+    result = generate(bundle_copy, "--prompt", "Simple")
+    assert result.exit_code == 1, result.output
+    assert message in result.output
+    assert "re-export" in result.output
+
+
+def edit_manifest(bundle, edit):
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_mismatched_pair_refused_at_load(bundle_copy):
+    edit_manifest(bundle_copy, lambda m: m["models"]["draft"].update(tokenizer_hash="0" * 64))
+    result = generate(bundle_copy, "--prompt", "Simple")
+    assert result.exit_code == 1
+    assert "draft and target were exported with different tokenizers" in result.output
+
+
+def test_schema_version_and_malformed_manifest(bundle_copy):
+    edit_manifest(bundle_copy, lambda m: m.update(schema_version=99))
+    assert "schema_version 99" in generate(bundle_copy, "--prompt", "a").output
+    edit_manifest(bundle_copy, lambda m: m.update(schema_version=1) or m.pop("tokenizer"))
+    result = generate(bundle_copy, "--prompt", "a")
+    assert result.exit_code == 1 and "manifest.json is malformed" in result.output
+
+
+def test_graph_that_does_not_match_manifest(bundle_copy, llama_bundle):
+    """Valid checksums but the manifest names cache inputs the graph does not have."""
+    edit_manifest(
+        bundle_copy,
+        lambda m: m["models"]["target"]["io"].update(past_keys=["past.0.k", "past.1.k"]),
+    )
+    result = generate(bundle_copy, "--prompt", "a")
+    assert result.exit_code == 1 and "lacks ['past.0.k'" in result.output
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_empty_prompt(llama_bundle, prompt):
+    result = generate(llama_bundle, "--prompt", prompt)
+    assert result.exit_code == 1 and "the prompt is empty" in result.output
+
+
+def test_no_prompt_and_empty_prompt_file(llama_bundle, tmp_path):
+    assert generate(llama_bundle).exit_code == 2
+    (tmp_path / "empty.txt").write_text("\n\n")
+    result = generate(llama_bundle, "--prompt-file", tmp_path / "empty.txt")
+    assert result.exit_code == 2 and "give a prompt" in result.output
+    result = generate(llama_bundle, "--prompt-file", tmp_path / "missing.txt")
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_prompt_longer_than_max_positions_fails_before_any_work(llama_bundle):
+    long_prompt = "Simple is better than complex. " * 6  # 188 tokens > 128 positions
+    result = generate(llama_bundle, "--prompt", "Simple", "--prompt", long_prompt, "--json")
+    assert result.exit_code == 1
+    assert "prompt 1 has 188 tokens; the model's max positions is 128" in result.output
+    assert "Shorten it" in result.output
+    assert '"text"' not in result.output  # checked up front: no half batch
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--temperature", "-1", "temperature=-1.0 is out of range"),
+        ("--temperature", "nan", "temperature=nan is out of range"),
+        ("--top-p", "0", "top_p=0.0 is out of range"),
+        ("--top-p", "1.5", "top_p=1.5 is out of range"),
+        ("--top-k", "-1", "top_k=-1 is out of range"),
+        ("--num-draft-tokens", "-1", "num_draft_tokens=-1 is out of range"),
+        ("--num-draft-tokens", "65", "num_draft_tokens=65 is out of range"),
+        ("--max-new-tokens", "0", "max_new_tokens=0 is out of range"),
+        ("--seed", "-3", "seed=-3 is out of range"),
+    ],
+)
+def test_out_of_range_parameters(llama_bundle, option, value, message):
+    result = cli("generate", "--bundle", llama_bundle, "--prompt", "a", option, value)
+    assert result.exit_code == 1 and message in result.output
+
+
+def test_non_numeric_parameter(llama_bundle):
+    result = cli("generate", "--bundle", llama_bundle, "--prompt", "a", "--temperature", "hot")
+    assert result.exit_code == 2 and "'hot' is not a valid float" in result.output
+
+
+def test_export_usage_errors(tmp_path):
+    assert cli("export", "--target", tmp_path).exit_code == 2
+    result = cli("export", "--recipe", tmp_path / "missing.json")
+    assert result.exit_code == 1 and "recipe" in result.output and "does not exist" in result.output
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    result = cli("export", "--recipe", tmp_path / "bad.json")
+    assert (
+        result.exit_code == 1 and 'must be a JSON object with "target" and "draft"' in result.output
+    )

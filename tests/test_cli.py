@@ -1,0 +1,69 @@
+"""The CLI's happy paths: export from a recipe, generate with JSON and human output."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from specrt.bundle import read_manifest
+from specrt.cli import main
+
+STATS_KEYS = {
+    "prompt_tokens",
+    "new_tokens",
+    "rounds",
+    "drafted_tokens",
+    "accepted_tokens",
+    "acceptance_rate",
+    "mean_accepted_tokens",
+    "tokens_per_round",
+    "accepted_per_position",
+    "wall_time_s",
+    "tokens_per_second",
+}
+
+
+def test_export_recipe_then_generate_json(tmp_path):
+    recipe = tmp_path / "pair.json"
+    recipe.write_text(json.dumps({"tiny": {"arch": "gpt2", "seed": 3}}))
+    runner = CliRunner()
+    result = runner.invoke(main, ["export", "--recipe", str(recipe)])
+    assert result.exit_code == 0, result.output
+    bundle = tmp_path / "pair"
+    assert read_manifest(bundle).models["target"].model_type == "gpt2"
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n    return"}) + "\n" + '"Flat is"\n')
+    args = ["generate", "--bundle", str(bundle), "--prompt-file", str(prompts), "--json"]
+    result = runner.invoke(main, [*args, "--max-new-tokens", "12", "--num-draft-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.output.splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert set(record) == {"text", "token_ids", "finish_reason", "stats"}
+        assert set(record["stats"]) == STATS_KEYS
+        assert record["finish_reason"] in ("stop", "length")
+        assert 1 <= len(record["token_ids"]) <= 12
+        assert len(record["stats"]["accepted_per_position"]) == 3
+
+
+def test_generate_human_output_with_comparison(llama_bundle):
+    args = ["generate", "--bundle", str(llama_bundle), "--prompt", "Simple is", "--compare"]
+    result = CliRunner().invoke(main, [*args, "--max-new-tokens", "8", "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Simple is")
+    assert "acceptance" in result.output and "identical output" in result.output
+    assert "vs target alone" in result.output
+
+
+def test_runtime_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, specrt.runtime, specrt.cli; "
+        "bad = [m for m in ('torch', 'transformers', 'optimum') if m in sys.modules]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,131 @@
+"""The exporter: one bundle per architecture, checked against PyTorch; pairs it must refuse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BertConfig
+
+from specrt.bundle import read_manifest, sha256_file
+from specrt.errors import ExportError, PairMismatchError
+from specrt.export import SUPPORTED_MODEL_TYPES, export_bundle
+from specrt.export.tiny import make_tiny_pair, make_tokenizer
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.conftest import build_bundle
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
+def test_bundle_per_architecture(bundles, arch):
+    root = bundles[arch]
+    manifest = read_manifest(root)
+    assert manifest.tokenizer.vocab_size == manifest.vocab_size == 47
+    assert manifest.tokenizer.eos_token_ids == [2] and manifest.tokenizer.bos_token_id == 1
+    assert (root / "tokenizer" / "tokenizer.json").is_file()
+    for role in ("target", "draft"):
+        spec = manifest.models[role]
+        assert spec.model_type == arch and spec.num_layers == 2 and spec.head_dim == 8
+        assert spec.num_kv_heads == (4 if arch == "gpt2" else 2)
+        assert spec.dtype == "float32" and spec.max_positions == 128
+        for rel, digest in spec.files.items():
+            assert sha256_file(root / rel) == digest
+        check = spec.export_check
+        assert check["step_tokens"] == 4  # a multi-token step on top of a past was compared
+        assert 0 <= check["max_abs_logit_diff"] < 1e-4 < check["atol"]
+        graph = onnx.load(str(root / spec.path))
+        assert {node.domain for node in graph.graph.node} <= {"", "ai.onnx"}  # standard ops only
+        inputs = [i.name for i in graph.graph.input]
+        assert {"input_ids", "attention_mask", "position_ids"} <= set(inputs)
+        assert len([n for n in inputs if n.startswith("past_key_values.")]) == 4
+        logits = next(o for o in graph.graph.output if o.name == "logits")
+        dims = [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim]
+        assert isinstance(dims[1], str) and dims[2] == 47  # logits for every input position
+
+
+def test_multi_position_logits_match_pytorch(bundles, tmp_path):
+    """A verification-shaped call (5 tokens on top of a 7-token past) matches PyTorch."""
+    generator = SpeculativeGenerator.from_bundle(bundles["qwen2"], threads=1)
+    source = read_manifest(bundles["qwen2"]).models["target"].source
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    ids = np.random.default_rng(2).integers(3, 47, 12).tolist()
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0].numpy()
+    generator.target.reset()
+    generator.target.forward(ids[:7])
+    np.testing.assert_allclose(generator.target.forward(ids[7:]), reference[7:], atol=1e-4)
+
+
+def test_padded_vocabularies_are_cut_to_the_shared_tokenizer(tmp_path):
+    """Real Qwen pairs pad their embeddings differently beyond the shared tokenizer."""
+    bundle = build_bundle(tmp_path, "qwen", arch="qwen2", target_vocab_pad=16, draft_vocab_pad=8)
+    manifest = read_manifest(bundle)
+    assert manifest.models["target"].vocab_size == 47 + 16
+    assert manifest.models["draft"].vocab_size == 47 + 8
+    assert manifest.vocab_size == 47
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    config = dict(max_new_tokens=24, ignore_eos=True)
+    prompts = ["Simple is", "def f(x):", "Flat"]
+    base = generator.generate(prompts, GenerationConfig(num_draft_tokens=0, **config))
+    spec = generator.generate(prompts, GenerationConfig(num_draft_tokens=3, **config))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]
+    sampled = generator.generate(prompts, GenerationConfig(temperature=1.0, seed=0, **config))
+    assert all(0 <= t < 47 for r in sampled for t in r.token_ids)
+
+
+def test_different_tokenizers_are_refused_with_the_difference_named(tmp_path):
+    target, draft = make_tiny_pair("llama", tmp_path / "src")
+    make_tokenizer(extra_tokens=5).save_pretrained(draft)
+    with pytest.raises(
+        PairMismatchError, match="vocabulary sizes differ: target 47 tokens, draft 52"
+    ):
+        export_bundle(target, draft, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # same size, one token with another id
+    data = json.loads((target / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = "a", "b"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(PairMismatchError, match="token 'a' has id"):
+        export_bundle(target, draft, tmp_path / "out")
+
+
+def test_model_smaller_than_tokenizer_is_refused(tmp_path):
+    target, draft = make_tiny_pair("llama", tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(draft)
+    model.resize_token_embeddings(40)
+    model.save_pretrained(draft)
+    with pytest.raises(PairMismatchError, match="draft model has 40 embeddings"):
+        export_bundle(target, draft, tmp_path / "out")
+
+
+def test_nan_model_is_refused_and_existing_bundle_survives(tmp_path, bundles):
+    out = tmp_path / "bundle"
+    shutil.copytree(bundles["llama"], out)
+    target, draft = make_tiny_pair("llama", tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    model.save_pretrained(target)
+    with pytest.raises(ExportError, match="already exists; pass --force"):
+        export_bundle(target, draft, out)
+    with pytest.raises(ExportError, match="NaN/inf logits"):
+        export_bundle(target, draft, out, force=True)
+    SpeculativeGenerator.from_bundle(out)  # the old bundle is intact and loads
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]  # no scratch left
+
+
+def test_unsupported_or_missing_checkpoints(tmp_path):
+    target, _ = make_tiny_pair("llama", tmp_path / "src")
+    BertConfig().save_pretrained(tmp_path / "bert")
+    with pytest.raises(ExportError, match="'bert' is not supported yet; supported: llama"):
+        export_bundle(target, tmp_path / "bert", tmp_path / "out")
+    with pytest.raises(ExportError, match="has no config.json"):
+        export_bundle(target, tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "src" / "draft" / "tokenizer.json").unlink()
+    with pytest.raises(ExportError, match="has no tokenizer.json"):
+        export_bundle(target, tmp_path / "src" / "draft", tmp_path / "out")

@@ -1,0 +1,45 @@
+"""Rolling the cache back by length gives exactly the logits of a clean history."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.runtime import SpeculativeGenerator
+
+
+def fresh_decoder(bundle):
+    return SpeculativeGenerator.from_bundle(bundle, threads=1).target
+
+
+def test_logits_after_rollback_equal_clean_history(llama_generator, llama_bundle):
+    rng = np.random.default_rng(0)
+    vocab = llama_generator.target.vocab_size
+    prompt = rng.integers(3, vocab, 9).tolist()
+    rejected = rng.integers(3, vocab, 5).tolist()
+    accepted, continuation = rejected[:2], rng.integers(3, vocab, 3).tolist()
+
+    decoder = llama_generator.target
+    decoder.reset()
+    decoder.forward(prompt)
+    decoder.forward(rejected)  # verify 5 tokens, keep 2 of them
+    decoder.rollback(len(prompt) + len(accepted))
+    assert decoder.length == len(prompt) + 2
+    after_rollback = decoder.forward(continuation).copy()
+    decoder.rollback(0)  # and the generator's next row starts clean from the same buffers
+    decoder.forward(prompt[:4])
+    restart = decoder.forward(prompt[4:]).copy()
+
+    clean_logits = fresh_decoder(llama_bundle).forward(prompt + accepted + continuation)
+    np.testing.assert_allclose(after_rollback, clean_logits[-3:], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(restart, clean_logits[4 : len(prompt)], atol=1e-5, rtol=0)
+    # and the rolled-back tokens really mattered: a history that kept them gives other logits
+    polluted = fresh_decoder(llama_bundle).forward(prompt + rejected + continuation)[-3:]
+    assert np.abs(polluted - clean_logits[-3:]).max() > 1e-2
+
+
+def test_rollback_never_grows_the_cache(llama_generator):
+    decoder = llama_generator.target
+    decoder.reset()
+    decoder.forward([3, 4, 5])
+    decoder.rollback(10)
+    assert decoder.length == 3
