@@ -25,8 +25,8 @@ def test_speculative_greedy_equals_target_only(bundles, arch):
     for ignore_eos in (False, True):
         baseline = run(generator, 0, ignore_eos=ignore_eos)
         assert all(r.stats.drafted_tokens == 0 for r in baseline)
-        for k in (1, 2, 4, 8):
-            results = run(generator, k, ignore_eos=ignore_eos)
+        for k, adaptive in ((1, False), (2, False), (4, False), (8, False), (8, True)):
+            results = run(generator, k, ignore_eos=ignore_eos, adaptive_draft=adaptive)
             for prompt, spec, base in zip(PROMPTS, results, baseline):
                 assert spec.token_ids == base.token_ids, (arch, k, prompt)
                 assert spec.finish_reason == base.finish_reason

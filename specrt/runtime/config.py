@@ -14,6 +14,8 @@ MAX_DRAFT_TOKENS = 64
 class GenerationConfig:
     """What to generate and how.
 
+    ``adaptive_draft`` picks K each round (at most ``num_draft_tokens``) from the acceptance seen
+    so far and the measured costs; the output is the same either way.
     ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0`` and
     ``top_p == 1`` switch those filters off. ``num_draft_tokens == 0`` runs the target alone: the
     baseline every comparison uses. ``seed`` makes sampling reproducible; row ``i`` of a batch uses
@@ -27,6 +29,7 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    adaptive_draft: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, rule: str) -> InvalidInputError:

@@ -6,6 +6,7 @@ setting the length: nothing is copied until the next call feeds the kept prefix.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,6 +59,8 @@ class OnnxDecoder:
         self.vocab_size = vocab_size
         self.max_positions = spec.max_positions
         self.cache = KVCache(spec)
+        self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
+        self.last_run_s = 0.0
         io = spec.io
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
         self._check_session_matches_manifest()
@@ -106,7 +109,10 @@ class OnnxDecoder:
             feed[io.position_ids] = np.arange(start, start + count, dtype=np.int64)[None]
         feed.update(zip(io.past_keys, cache.past(cache.keys)))
         feed.update(zip(io.past_values, cache.past(cache.values)))
+        started = time.perf_counter()
         logits, *presents = self.session.run(self._outputs, feed)
+        self.last_run_s = time.perf_counter() - started
+        self.run_time_s += self.last_run_s
         layers = self.spec.num_layers
         cache.store(presents[:layers], presents[layers:])
         return logits[0, :, : self.vocab_size]

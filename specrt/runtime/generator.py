@@ -13,6 +13,7 @@ from specrt.engines.ort_session import create_session
 from specrt.errors import InvalidInputError, PairMismatchError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import OnnxDecoder
+from specrt.runtime.draft_length import DraftLengthController
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_verify, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
@@ -134,10 +135,14 @@ class SpeculativeGenerator:
             if k_max:
                 drafter.prefill(prompt[:-1])
 
+        controller = DraftLengthController(k_max) if config.adaptive_draft else None
         while len(tokens) < limit:
+            wanted = controller.choose() if controller else k_max
             # A round emits at most k+1 tokens and every fed position must fit in each model.
-            k = max(0, min(k_max, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
+            k = max(0, min(wanted, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
+            round_start = time.perf_counter()
             drafted, q = drafter.propose(tokens, k, config, rng)
+            drafted_at = time.perf_counter()
             logits = target.forward(tokens[target.length :] + drafted.tolist())[-(k + 1) :]
             if config.greedy:
                 n, next_token = greedy_verify(drafted, logits)
@@ -145,6 +150,9 @@ class SpeculativeGenerator:
                 check_finite(logits, "target")
                 p = warp(logits, config.temperature, config.top_k, config.top_p)
                 n, next_token = rejection_sample(drafted, q, p, rng)
+            if controller:
+                now = time.perf_counter()
+                controller.update(k, n, drafted_at - round_start, now - drafted_at)
 
             stats.rounds += 1
             stats.drafted_tokens += k
