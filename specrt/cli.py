@@ -150,6 +150,50 @@ def generate(bundle, prompts, prompt_file, as_json, threads, compare, **params) 
         sys.stdout.flush()
 
 
+@main.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
+@click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Use the first N.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-draft-tokens", type=click.IntRange(1, 16), default=8, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for everyone.")
+@click.option("--no-transformers", is_flag=True, help="Skip the PyTorch contenders.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--plot", type=click.Path(path_type=Path), help="Write speedup/acceptance plot.")
+@_friendly_errors
+def bench(
+    bundle,
+    prompts,
+    prompt_file,
+    num_prompts,
+    max_new_tokens,
+    max_draft_tokens,
+    threads,
+    no_transformers,
+    as_json,
+    plot,
+) -> None:
+    """Benchmark specrt (target only, K = 1..N, adaptive) against transformers, interleaved."""
+    from specrt.bench.report import plot as draw
+    from specrt.bench.report import table
+    from specrt.bench.runner import run_benchmark
+
+    texts = _read_prompts(prompts, prompt_file)[:num_prompts]
+    report = run_benchmark(
+        bundle,
+        texts,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        ks=tuple(range(1, max_draft_tokens + 1)),
+        with_transformers=not no_transformers,
+        log=lambda message: click.echo(message, err=True),
+    )
+    click.echo(json.dumps(report) if as_json else table(report))
+    if plot:
+        draw(report, plot)
+
+
 def _print_human(prompt: str, record: dict) -> None:
     stats = record["stats"]
     click.echo(click.style(prompt, bold=True) + record["text"])

@@ -1,0 +1,1 @@
+"""`specrt bench`: every contender on the same prompts, interleaved in one run."""

@@ -1,0 +1,77 @@
+"""The benchmark as a table and, optionally, a plot."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+
+
+def table(report: dict) -> str:
+    labels = list(report["results"])
+    names = list(report["results"][labels[0]])
+    header = f"{'contender':<28}" + "".join(f"{label:>26}" for label in labels)
+    header += f"{'alpha':>8}{'predicted':>11}{'overhead':>10}"
+    lines = [header, f"{'':<28}" + "".join(f"{'tokens/s   x target':>26}" for _ in labels)]
+    for name in names:
+        row = f"{name:<28}"
+        for label in labels:
+            entry = report["results"][label][name]
+            row += f"{entry['tokens_per_second']:>17.1f}{entry['speedup']:>8.2f}x"
+        first = report["results"][labels[0]][name]
+        row += f"{first['alpha']:>8.2f}" if "alpha" in first else f"{'':>8}"
+        predicted = first.get("predicted_speedup")
+        row += f"{predicted:>10.2f}x" if predicted else f"{'':>11}"
+        overhead = first.get("overhead_fraction")
+        row += f"{overhead:>9.1%}" if overhead is not None else ""
+        lines.append(row)
+    costs = report["costs"]
+    lines.append(
+        f"c = draft/target step cost = {costs['cost_ratio']:.3f}; {report['prompts']} prompts, "
+        f"{report['max_new_tokens']} new tokens, {report['threads']} threads; medians over "
+        "prompts; alpha, predicted and overhead for the first column"
+    )
+    for what, why in report["skipped"].items():
+        lines.append(f"skipped {what}: {why}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SpecrtError("--plot needs matplotlib: pip install 'specrt[bench]'") from exc
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, results in report["results"].items():
+        fixed = {
+            int(m.group(1)): entry
+            for name, entry in results.items()
+            if (m := re.fullmatch(r"specrt K=(\d+)", name))
+        }
+        ks = sorted(fixed)
+        left.plot(ks, [fixed[k]["speedup"] for k in ks], "o-", label=f"measured ({label})")
+        left.plot(
+            ks, [fixed[k]["predicted_speedup"] for k in ks], "x--", label=f"predicted ({label})"
+        )
+        best = max(ks, key=lambda k: fixed[k]["speedup"])
+        rates = fixed[best]["accepted_per_position_rate"]
+        right.bar(
+            [i + 1 + (0.2 if label != "greedy" else -0.2) for i in range(len(rates))],
+            rates,
+            width=0.4,
+            label=f"K={best} ({label})",
+        )
+        left.set_xticks(ks)
+        right.set_xticks(range(1, len(rates) + 1))
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set(xlabel="draft tokens K", ylabel="speedup vs target only", title="Speedup")
+    right.set(xlabel="draft position", ylabel="accepted per round", title="Acceptance by position")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)

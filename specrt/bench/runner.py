@@ -1,0 +1,126 @@
+"""Run every contender on every prompt, interleaved, and summarise side by side."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from specrt.bench.contenders import HFContender, Run, SpecrtContender
+from specrt.bench.costs import step_seconds
+from specrt.bundle import read_manifest
+from specrt.runtime import SpeculativeGenerator
+
+BASELINE = "specrt target only"
+
+
+def predicted_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Leviathan et al.: expected tokens per round over the round's cost in target steps."""
+    if alpha >= 1.0:
+        return (k + 1) / (1 + k * cost_ratio)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (1 + k * cost_ratio))
+
+
+def run_benchmark(
+    bundle: str | Path,
+    prompts: Sequence[str],
+    max_new_tokens: int = 128,
+    threads: int | None = None,
+    ks: Sequence[int] = tuple(range(1, 9)),
+    temperatures: Sequence[float] = (0.0, 1.0),
+    with_transformers: bool = True,
+    seed: int = 0,
+    log: Callable[[str], None] = lambda message: None,
+) -> dict:
+    threads = threads or os.cpu_count() or 1
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+    prompt_ids = generator.encode_prompts(list(prompts))
+    contenders: list = [SpecrtContender(generator, 0)]
+    contenders += [SpecrtContender(generator, k) for k in ks]
+    contenders += [SpecrtContender(generator, max(ks), adaptive=True)]
+    skipped = {}
+    if with_transformers:
+        manifest = read_manifest(bundle)
+        sources = {role: Path(spec.source) for role, spec in manifest.models.items()}
+        try:
+            contenders.append(HFContender(sources["target"], None, threads))
+            contenders.append(HFContender(sources["target"], sources["draft"], threads))
+        except (ImportError, OSError) as exc:
+            skipped["transformers"] = f"{type(exc).__name__}: {exc}"
+            log(f"skipping transformers contenders: {skipped['transformers']}")
+
+    target, draft = generator.target, generator.drafter.decoder
+    target_step = step_seconds(target)
+    costs = {
+        "target_step_s": target_step,
+        "draft_step_s": step_seconds(draft),
+        "verify_cost_ratio": {str(k): step_seconds(target, tokens=k + 1) / target_step for k in ks},
+    }
+    costs["cost_ratio"] = costs["draft_step_s"] / target_step
+    log(f"cost ratio c = draft step / target step = {costs['cost_ratio']:.3f}")
+
+    for contender in contenders:  # warm-up: first calls allocate and compile
+        contender.run(prompt_ids[0][:32], 0.0, 8, seed)
+    runs: dict[float, dict[str, list[Run]]] = {
+        t: {c.name: [] for c in contenders} for t in temperatures
+    }
+    for temperature in temperatures:
+        for index, prompt in enumerate(prompt_ids):
+            for contender in contenders:
+                run = contender.run(prompt, temperature, max_new_tokens, seed + index)
+                runs[temperature][contender.name].append(run)
+            log(f"temperature {temperature}: prompt {index + 1}/{len(prompt_ids)} done")
+
+    results = {
+        _label(t): _summarise(runs[t], costs["cost_ratio"], contenders) for t in temperatures
+    }
+    return {
+        "bundle": str(bundle),
+        "prompts": len(prompt_ids),
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "costs": costs,
+        "results": results,
+        "skipped": skipped,
+    }
+
+
+def _label(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"temperature {temperature:g}"
+
+
+def _summarise(runs: dict[str, list[Run]], cost_ratio: float, contenders) -> dict:
+    baseline = statistics.median(r.tokens_per_second for r in runs[BASELINE])
+    summary = {}
+    for contender in contenders:
+        name, rows = contender.name, runs[contender.name]
+        tps = statistics.median(r.tokens_per_second for r in rows)
+        entry = {"tokens_per_second": tps, "speedup": tps / baseline}
+        if rows[0].model_seconds is not None:
+            total = sum(r.seconds for r in rows)
+            entry["overhead_fraction"] = (total - sum(r.model_seconds for r in rows)) / total
+        if isinstance(contender, SpecrtContender) and contender.k:
+            entry.update(_acceptance(rows, contender.k))
+            if not contender.adaptive:
+                entry["predicted_speedup"] = predicted_speedup(
+                    entry["alpha"], contender.k, cost_ratio
+                )
+        summary[name] = entry
+    return summary
+
+
+def _acceptance(rows: list[Run], k: int) -> dict:
+    drafted = sum(r.stats["drafted_tokens"] for r in rows)
+    accepted = sum(r.stats["accepted_tokens"] for r in rows)
+    rounds = sum(r.stats["rounds"] for r in rows)
+    per_position = [sum(r.stats["accepted_per_position"][i] for r in rows) for i in range(k)]
+    full_rounds = per_position[-1]
+    rejections = rounds - full_rounds
+    return {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        # per-token acceptance probability (MLE under the i.i.d. model behind the formula)
+        "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
+        "tokens_per_round": sum(r.new_tokens for r in rows) / rounds,
+        "accepted_per_position_rate": [count / rounds for count in per_position],
+    }

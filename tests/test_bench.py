@@ -1,0 +1,37 @@
+"""The benchmark runs and reports what the issue asks for (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.bench.runner import predicted_speedup
+from specrt.cli import main
+
+
+def test_predicted_speedup_formula():
+    assert predicted_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    assert predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert predicted_speedup(1.0, 3, 0.1) == pytest.approx(4 / 1.3)
+
+
+def test_bench_reports_every_contender(llama_bundle, tmp_path):
+    args = ["bench", "--bundle", str(llama_bundle), "--prompt", "Simple is", "--prompt", "def f"]
+    args += ["--max-new-tokens", "12", "--max-draft-tokens", "2", "--json"]
+    args += ["--plot", str(tmp_path / "bench.png")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert set(report["results"]) == {"greedy", "temperature 1"}
+    names = set(report["results"]["greedy"])
+    assert {"specrt target only", "specrt K=1", "specrt K=2", "specrt adaptive K<=2"} <= names
+    assert {"transformers target only", "transformers assisted"} <= names
+    k2 = report["results"]["greedy"]["specrt K=2"]
+    for key in ("tokens_per_second", "speedup", "alpha", "predicted_speedup", "overhead_fraction"):
+        assert key in k2
+    assert 0 <= k2["overhead_fraction"] < 1 and 0 <= k2["alpha"] <= 1
+    assert report["costs"]["cost_ratio"] > 0
+    assert report["results"]["greedy"]["specrt target only"]["speedup"] == 1.0
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
