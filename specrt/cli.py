@@ -119,6 +119,9 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (row i uses (seed, i)).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option(
+    "--adaptive-draft", is_flag=True, help="Choose K per round (at most --num-draft-tokens)."
+)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
 @click.option(
     "--compare", is_flag=True, help="Also run the target alone and report the measured speedup."
