@@ -55,10 +55,20 @@ FULL = Plan(
     vocab=4096,
     seq=256,
     files=None,
-    target=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6,
-                num_attention_heads=4, num_key_value_heads=2),
-    draft=dict(hidden_size=128, intermediate_size=352, num_hidden_layers=1,
-               num_attention_heads=2, num_key_value_heads=1),
+    target=dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    draft=dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
     target_steps=4900,
     target_batch=16,
     target_lr=1.5e-3,
@@ -73,10 +83,20 @@ SMOKE = Plan(
     vocab=300,
     seq=32,
     files=40,
-    target=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1),
-    draft=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-               num_attention_heads=1, num_key_value_heads=1),
+    target=dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
+    draft=dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    ),
     target_steps=6,
     target_batch=4,
     target_lr=1e-3,
@@ -175,7 +195,7 @@ def train(
     teacher: LlamaForCausalLM | None = None,
     name: str = "",
 ) -> None:
-    """AdamW with warmup + cosine, bf16 autocast. With a teacher: 0.8 KL(teacher||model) + 0.2 CE."""
+    """AdamW, warmup + cosine, bf16 autocast. With a teacher: 0.8 KL(teacher||model) + 0.2 CE."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     forward = torch.compile(model) if compile_model else model
@@ -260,7 +280,8 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args()
     plan = SMOKE if args.smoke else FULL
-    overrides = {n: getattr(args, n) for n in ("target_steps", "draft_steps", "distill_steps", "files")}
+    names = ("target_steps", "draft_steps", "distill_steps", "files")
+    overrides = {n: getattr(args, n) for n in names}
     plan = replace(plan, **{n: v for n, v in overrides.items() if v is not None})
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "heldout_prompts.jsonl", "w") as handle:
@@ -278,23 +299,52 @@ def main() -> None:
     log(f"corpus: {len(train_texts)} train files, {len(heldout_texts)} held-out files")
     tokenizer = train_tokenizer(train_texts, plan.vocab)
     train_ids, heldout_ids = encode(tokenizer, train_texts), encode(tokenizer, heldout_texts)
-    log(f"tokens: {len(train_ids):,} train, {len(heldout_ids):,} held out ({time.time() - t0:.0f}s)")
+    elapsed = time.time() - t0
+    log(f"tokens: {len(train_ids):,} train, {len(heldout_ids):,} held out ({elapsed:.0f}s)")
     eos = tokenizer.convert_tokens_to_ids(EOS)
     vocab = len(tokenizer)
 
     times = {}
     target = build(plan.target, vocab, eos, plan.seq)
     t = time.time()
-    train(target, train_ids, plan.target_steps, plan.target_batch, plan.seq, plan.target_lr,
-          generator, plan.compile, name="target")
+    train(
+        target,
+        train_ids,
+        plan.target_steps,
+        plan.target_batch,
+        plan.seq,
+        plan.target_lr,
+        generator,
+        plan.compile,
+        name="target",
+    )
     times["target_train_s"] = time.time() - t
 
     draft = build(plan.draft, vocab, eos, plan.seq)
     t = time.time()
-    train(draft, train_ids, plan.draft_steps, plan.draft_batch, plan.seq, plan.draft_lr,
-          generator, plan.compile, name="draft")
-    train(draft, train_ids, plan.distill_steps, plan.draft_batch, plan.seq, plan.draft_lr / 3,
-          generator, plan.compile, teacher=target, name="distill")
+    train(
+        draft,
+        train_ids,
+        plan.draft_steps,
+        plan.draft_batch,
+        plan.seq,
+        plan.draft_lr,
+        generator,
+        plan.compile,
+        name="draft",
+    )
+    train(
+        draft,
+        train_ids,
+        plan.distill_steps,
+        plan.draft_batch,
+        plan.seq,
+        plan.draft_lr / 3,
+        generator,
+        plan.compile,
+        teacher=target,
+        name="distill",
+    )
     times["draft_train_s"] = time.time() - t
 
     metrics = evaluate(target, draft, heldout_ids, plan.seq, plan.eval_windows)

@@ -43,9 +43,10 @@ def main() -> None:
 )
 @click.option("--atol", type=float, default=None, help="Max |logit diff| vs PyTorch [1e-3].")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default: optimum's).")
+@click.option("--slim", is_flag=True, help="Simplify the graphs with onnxslim (standard ops).")
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
-def export(target, draft, out, recipe, atol, opset, force) -> None:
+def export(target, draft, out, recipe, atol, opset, slim, force) -> None:
     """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
     try:
         from specrt.export.pipeline import DEFAULT_ATOL, export_bundle
@@ -58,8 +59,10 @@ def export(target, draft, out, recipe, atol, opset, force) -> None:
     if recipe is not None:
         if target or draft:
             raise click.UsageError("give either --recipe or --target/--draft, not both")
-        target, draft, out, recipe_atol = resolve_recipe(recipe, out)
-        atol = atol if atol is not None else recipe_atol
+        target, draft, out, options = resolve_recipe(recipe, out)
+        atol = atol if atol is not None else options.get("atol")
+        opset = opset if opset is not None else options.get("opset")
+        slim = slim or options.get("slim", False)
     elif not (target and draft and out):
         raise click.UsageError("give --target, --draft and --out (or --recipe)")
     manifest = export_bundle(
@@ -69,6 +72,7 @@ def export(target, draft, out, recipe, atol, opset, force) -> None:
         atol=atol if atol is not None else DEFAULT_ATOL,
         force=force,
         opset=opset,
+        slim=slim,
         log=lambda message: click.echo(message, err=True),
     )
     for role, spec in manifest.models.items():

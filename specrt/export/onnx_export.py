@@ -24,8 +24,14 @@ from specrt.errors import ExportError
 STANDARD_DOMAINS = {"", "ai.onnx"}
 
 
-def export_onnx(checkpoint_dir: Path, out_dir: Path, opset: int | None = None) -> Path:
-    """Run optimum's exporter quietly into a scratch dir; move the graph files to ``out_dir``."""
+def export_onnx(
+    checkpoint_dir: Path, out_dir: Path, opset: int | None = None, slim: bool = False
+) -> Path:
+    """Run optimum's exporter quietly into a scratch dir; move the graph files to ``out_dir``.
+
+    ``slim`` runs onnxslim over the graph (standard ops still): fewer shape-computation nodes,
+    which is what a small model's per-call time is mostly made of on CPU.
+    """
     from optimum.exporters.onnx import main_export
 
     scratch = out_dir.parent / f"{out_dir.name}.optimum"
@@ -44,6 +50,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, opset: int | None = None) -
                 do_validation=False,  # we run our own check: prefill AND a multi-token step
                 library_name="transformers",
                 local_files_only=True,
+                slim=slim,
             )
     except Exception as exc:
         raise ExportError(

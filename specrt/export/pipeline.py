@@ -35,6 +35,7 @@ def export_bundle(
     atol: float = DEFAULT_ATOL,
     force: bool = False,
     opset: int | None = None,
+    slim: bool = False,
     log: Callable[[str], None] = lambda message: None,
 ) -> Manifest:
     """Export target and draft to ONNX, check both against PyTorch, write the bundle."""
@@ -71,7 +72,7 @@ def export_bundle(
         for role, source in sources.items():
             log(f"exporting {role} ({configs[role].model_type}) from {source}")
             specs[role] = _export_checked(
-                source, configs[role], scratch, role, tokenizer_hash, vocab, atol, opset
+                source, configs[role], scratch, role, tokenizer_hash, vocab, atol, opset, slim
             )
             check = specs[role].export_check
             log(f"  {role}: max |logit diff| vs PyTorch {check['max_abs_logit_diff']:.2e}")
@@ -115,6 +116,7 @@ def _export_checked(
     token_range: int,
     atol: float,
     opset: int | None,
+    slim: bool,
 ) -> ModelSpec:
     import torch
     from transformers import AutoModelForCausalLM
@@ -122,7 +124,7 @@ def _export_checked(
     from specrt.export.numeric_check import max_logit_difference
     from specrt.export.onnx_export import describe_model, export_onnx
 
-    graph = export_onnx(source, bundle_root / role, opset)
+    graph = export_onnx(source, bundle_root / role, opset, slim)
     spec = describe_model(graph, bundle_root, config, tokenizer_hash)
     spec.source = str(source.resolve())
     model = AutoModelForCausalLM.from_pretrained(

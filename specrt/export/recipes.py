@@ -1,6 +1,6 @@
 """Bundle recipes: ``engines/NAME.json`` says what ``make engines`` builds into ``engines/NAME/``.
 
-    {"target": "../models/demo/target", "draft": "../models/demo/draft", "atol": 1e-3}
+    {"target": "../models/demo/target", "draft": "../models/demo/draft", "slim": true}
     {"tiny": {"arch": "llama", "seed": 0}}      # a random-weight pair built from configs
 
 Paths are relative to the recipe file.
@@ -14,8 +14,10 @@ from pathlib import Path
 from specrt.errors import ExportError
 
 
-def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, Path, float | None]:
-    """Return (target dir, draft dir, bundle dir, atol or None) for a recipe file."""
+def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, Path, dict]:
+    """Return (target dir, draft dir, bundle dir, export options) for a recipe file.
+
+    Export options are the recipe's optional "atol", "opset" and "slim" keys."""
     if not recipe.is_file():
         raise ExportError(f"recipe {recipe} does not exist")
     try:
@@ -28,10 +30,14 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
         from specrt.export.tiny import make_tiny_pair
 
         target, draft = make_tiny_pair(out_dir=base / f".{out.name}.sources", **data["tiny"])
-        return target, draft, out, data.get("atol")
+        return target, draft, out, _options(data)
     if not isinstance(data, dict) or not {"target", "draft"} <= set(data):
         raise ExportError(
             f'recipe {recipe} must be a JSON object with "target" and "draft" paths '
             '(or a "tiny" section)'
         )
-    return base / data["target"], base / data["draft"], out, data.get("atol")
+    return base / data["target"], base / data["draft"], out, _options(data)
+
+
+def _options(data: dict) -> dict:
+    return {key: data[key] for key in ("atol", "opset", "slim") if key in data}
