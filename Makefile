@@ -6,7 +6,7 @@ SPECRT := $(BIN)/specrt
 RECIPES := $(wildcard engines/*.json)
 BUNDLES := $(RECIPES:engines/%.json=engines/%/manifest.json)
 DEMO_BUNDLE ?= engines/demo
-PROMPT ?= def fibonacci(n):
+PROMPT ?= import os\n\n\ndef read_config(path):\n
 
 .PHONY: install test lint engines demo demo-models measure-demo clean
 
@@ -33,7 +33,7 @@ engines/%/manifest.json: engines/%.json
 	$(SPECRT) export --recipe $< --force
 
 demo: engines
-	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt '$(PROMPT)' --max-new-tokens 64 --compare
+	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '$(PROMPT)')" --max-new-tokens 96 --compare
 
 # Retrain the shipped demo pair (about 75 minutes on 2 cores), then measure it for MODEL_CARD.md.
 demo-models: install
