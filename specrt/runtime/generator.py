@@ -45,8 +45,12 @@ class SpeculativeGenerator:
         threads: int | None = None,
         providers: Sequence[str] | None = None,
         check_files: bool = True,
+        draft_threads: int = 1,
     ) -> SpeculativeGenerator:
-        """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified."""
+        """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
+
+        ``threads``: the target's intra-op threads (default: all cores). ``draft_threads``: the
+        draft's (default 1: see `specrt.engines.ort_session` for why)."""
         root = Path(bundle_dir)
         manifest = read_manifest(root)
         if check_files:
@@ -54,7 +58,11 @@ class SpeculativeGenerator:
         _check_pair(manifest)
         decoders = {
             role: OnnxDecoder(
-                create_session(root / spec.path, threads=threads, providers=providers),
+                create_session(
+                    root / spec.path,
+                    threads=draft_threads if role == "draft" else threads,
+                    providers=providers,
+                ),
                 spec,
                 manifest.vocab_size,
                 role,
