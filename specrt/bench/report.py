@@ -67,7 +67,7 @@ def plot(report: dict, path: Path) -> None:
             label=f"K={best} ({label})",
         )
         left.set_xticks(ks)
-        right.set_xticks(range(1, len(rates) + 1))
+    right.set_xticks(range(1, max(ks) + 1))
     left.axhline(1.0, color="grey", lw=0.8)
     left.set(xlabel="draft tokens K", ylabel="speedup vs target only", title="Speedup")
     right.set(xlabel="draft position", ylabel="accepted per round", title="Acceptance by position")
