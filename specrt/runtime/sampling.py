@@ -7,14 +7,19 @@ Order of the filters follows transformers: temperature, then top-k, then top-p.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from specrt.errors import NumericalError
 
 
 def check_finite(logits: np.ndarray, who: str) -> None:
-    """Raise instead of ever turning NaN/inf logits into a token."""
-    if not np.isfinite(logits).all():
+    """Raise instead of ever turning NaN/inf logits into a token.
+
+    One float64 reduction (no temporary array): a NaN or inf anywhere makes the sum non-finite,
+    and float64 cannot overflow on float32 logits."""
+    if not math.isfinite(logits.sum(dtype=np.float64)):
         bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
         raise NumericalError(
             f"the {who} model produced {bad} NaN/inf logit(s); the ONNX graph or its inputs are "
@@ -27,13 +32,13 @@ def warp(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 
 
     ``temperature`` must be > 0 here; greedy decoding never needs probabilities.
     """
-    scores = np.asarray(logits, dtype=np.float64) / temperature
-    vocab = scores.shape[-1]
+    probs = np.multiply(logits, 1.0 / temperature, dtype=np.float64)  # one new float64 array
+    vocab = probs.shape[-1]
     if 0 < top_k < vocab:
-        kth = np.partition(scores, vocab - top_k, axis=-1)[..., vocab - top_k, None]
-        scores = np.where(scores < kth, -np.inf, scores)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
+        kth = np.partition(probs, vocab - top_k, axis=-1)[..., vocab - top_k, None]
+        probs[probs < kth] = -np.inf
+    probs -= probs.max(axis=-1, keepdims=True)
+    np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
     if top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")
