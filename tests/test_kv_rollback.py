@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from specrt.errors import InvalidInputError
 from specrt.runtime import SpeculativeGenerator
 
 
@@ -43,3 +45,12 @@ def test_rollback_never_grows_the_cache(llama_generator):
     decoder.forward([3, 4, 5])
     decoder.rollback(10)
     assert decoder.length == 3
+
+
+def test_feeding_past_max_positions_is_refused(llama_generator):
+    decoder = llama_generator.target
+    decoder.reset()
+    decoder.forward(list(range(3, 40)) * 3)  # 111 of 128 positions
+    with pytest.raises(InvalidInputError, match="exceed the model's 128"):
+        decoder.forward([5] * 20)
+    assert decoder.length == 111  # the cache is untouched

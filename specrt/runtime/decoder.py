@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
-from specrt.errors import BundleError
+from specrt.errors import BundleError, InvalidInputError
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -63,6 +63,9 @@ class OnnxDecoder:
         self.last_run_s = 0.0
         io = spec.io
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
+        # Sliced per call instead of allocated: row views of these are contiguous.
+        self._ones = np.ones((1, spec.max_positions), dtype=np.int64)
+        self._positions = np.arange(spec.max_positions, dtype=np.int64)[None]
         self._check_session_matches_manifest()
 
     def _check_session_matches_manifest(self) -> None:
@@ -103,10 +106,14 @@ class OnnxDecoder:
         io, cache = self.spec.io, self.cache
         start, count = cache.length, len(tokens)
         feed = {io.input_ids: np.asarray([tokens], dtype=np.int64)}
+        if start + count > self.max_positions:
+            raise InvalidInputError(
+                f"{self.role}: {start + count} positions exceed the model's {self.max_positions}"
+            )
         if io.attention_mask:
-            feed[io.attention_mask] = np.ones((1, start + count), dtype=np.int64)
+            feed[io.attention_mask] = self._ones[:, : start + count]
         if io.position_ids:
-            feed[io.position_ids] = np.arange(start, start + count, dtype=np.int64)[None]
+            feed[io.position_ids] = self._positions[:, start : start + count]
         feed.update(zip(io.past_keys, cache.past(cache.keys)))
         feed.update(zip(io.past_values, cache.past(cache.values)))
         started = time.perf_counter()
