@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 lint: install
-	$(BIN)/ruff check specrt tests models
+	$(BIN)/ruff check specrt tests models bench
 
 test: lint
 	$(BIN)/python -m pytest
