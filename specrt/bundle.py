@@ -5,6 +5,7 @@ A bundle is a directory::
     manifest.json        this module's Manifest, as JSON
     target/model.onnx    (+ external data files, all listed with their sha256)
     draft/model.onnx
+    */onnxruntime/       optional engine graphs (`ModelSpec.engines`), same contract
     tokenizer/           tokenizer.json and its config (HF tokenizers format)
 
 Every stage reads and writes bundles only through this module; the runtime trusts the manifest and
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specrt.errors import BundleError
@@ -40,6 +41,22 @@ class ModelIO:
 
 
 @dataclass
+class EngineSpec:
+    """A backend-specific graph of the same model (e.g. ORT contrib ops), checked like the
+    portable one. ``cache``: ``"concat"`` (present = past + new, fed back each call) or
+    ``"in_place"`` (past and present are one preallocated buffer of ``max_positions``; the valid
+    length is the attention mask's width)."""
+
+    path: str
+    files: dict[str, str]
+    io: ModelIO
+    vocab_size: int
+    cache: str = "in_place"
+    precision: str = "float32"
+    export_check: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class ModelSpec:
     """One exported model (target or draft) as the runtime needs to know it."""
 
@@ -57,6 +74,28 @@ class ModelSpec:
     tokenizer_hash: str = ""  # canonical hash of the tokenizer the model was trained with
     export_check: dict[str, float] = field(default_factory=dict)
     source: str = ""
+    cache: str = "concat"
+    engines: dict[str, EngineSpec] = field(default_factory=dict)
+
+    def engine_view(self, name: str) -> ModelSpec:
+        """This model as seen through engine ``name``'s graph (its path, files, I/O, cache)."""
+        engine = self.engines[name]
+        return replace(
+            self,
+            path=engine.path,
+            files=engine.files,
+            io=engine.io,
+            vocab_size=engine.vocab_size,
+            cache=engine.cache,
+            export_check=engine.export_check,
+            engines={},
+        )
+
+    def all_files(self) -> dict[str, str]:
+        files = dict(self.files)
+        for engine in self.engines.values():
+            files.update(engine.files)
+        return files
 
 
 @dataclass
@@ -87,6 +126,10 @@ class Manifest:
             for role, raw in data["models"].items():
                 raw = dict(raw)
                 raw["io"] = ModelIO(**raw["io"])
+                raw["engines"] = {
+                    name: EngineSpec(**{**engine, "io": ModelIO(**engine["io"])})
+                    for name, engine in raw.get("engines", {}).items()
+                }
                 models[role] = ModelSpec(**raw)
             return cls(
                 models=models,
@@ -153,24 +196,9 @@ def validate_manifest(manifest: Manifest, root: Path) -> None:
         raise BundleError(f"manifest in {root} lacks model(s) {missing_roles}; re-export it")
     for role in ROLES:
         spec = manifest.models[role]
-        io = spec.io
-        n = spec.num_layers
-        lengths = {
-            len(io.past_keys),
-            len(io.past_values),
-            len(io.present_keys),
-            len(io.present_values),
-        }
-        if lengths != {n}:
-            raise BundleError(
-                f"{role}: manifest lists {sorted(lengths)} cache names for {n} layers; re-export it"
-            )
-        if manifest.vocab_size > spec.vocab_size:
-            raise BundleError(
-                f"{role}: shared vocab_size {manifest.vocab_size} exceeds the model's logits width "
-                f"{spec.vocab_size}; re-export the bundle"
-            )
-        for rel in spec.files:
+        for name, view in [("", spec)] + [(n, spec.engine_view(n)) for n in spec.engines]:
+            _validate_view(f"{role} {name} engine" if name else role, view, manifest.vocab_size)
+        for rel in spec.all_files():
             if not (root / rel).is_file():
                 raise BundleError(
                     f"{role}: file {rel!r} named in the manifest is missing from {root}; "
@@ -186,11 +214,33 @@ def validate_manifest(manifest: Manifest, root: Path) -> None:
         )
 
 
+CACHE_KINDS = ("concat", "in_place")
+
+
+def _validate_view(label: str, spec: ModelSpec, vocab_size: int) -> None:
+    io, n = spec.io, spec.num_layers
+    lengths = {len(io.past_keys), len(io.past_values), len(io.present_keys), len(io.present_values)}
+    if lengths != {n}:
+        raise BundleError(
+            f"{label}: manifest lists {sorted(lengths)} cache names for {n} layers; re-export it"
+        )
+    if vocab_size > spec.vocab_size:
+        raise BundleError(
+            f"{label}: shared vocab_size {vocab_size} exceeds the model's logits width "
+            f"{spec.vocab_size}; re-export the bundle"
+        )
+    if spec.cache not in CACHE_KINDS:
+        raise BundleError(
+            f"{label}: cache kind {spec.cache!r} is unknown to this specrt (knows {CACHE_KINDS}); "
+            "re-export the bundle with this version"
+        )
+
+
 def verify_checksums(manifest: Manifest, root: str | Path) -> None:
     """Hash every model file and the tokenizer against the manifest."""
     root = Path(root)
     for role in ROLES:
-        for rel, expected in manifest.models[role].files.items():
+        for rel, expected in manifest.models[role].all_files().items():
             actual = sha256_file(root / rel)
             if actual != expected:
                 raise BundleError(

@@ -45,9 +45,14 @@ def main() -> None:
 @click.option("--atol", type=float, default=None, help="Max |logit diff| vs PyTorch [1e-3].")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default: optimum's).")
 @click.option("--slim", is_flag=True, help="Simplify the graphs with onnxslim (standard ops).")
+@click.option(
+    "--ort-engine/--no-ort-engine",
+    default=None,
+    help="Also build the onnxruntime engine (fused graph, in-place KV cache) [on].",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
-def export(target, draft, out, recipe, atol, opset, slim, force) -> None:
+def export(target, draft, out, recipe, atol, opset, slim, ort_engine, force) -> None:
     """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
     try:
         from specrt.export.pipeline import DEFAULT_ATOL, export_bundle
@@ -64,6 +69,7 @@ def export(target, draft, out, recipe, atol, opset, slim, force) -> None:
         atol = atol if atol is not None else options.get("atol")
         opset = opset if opset is not None else options.get("opset")
         slim = slim or options.get("slim", False)
+        ort_engine = ort_engine if ort_engine is not None else options.get("ort_engine")
     elif not (target and draft and out):
         raise click.UsageError("give --target, --draft and --out (or --recipe)")
     manifest = export_bundle(
@@ -74,12 +80,17 @@ def export(target, draft, out, recipe, atol, opset, slim, force) -> None:
         force=force,
         opset=opset,
         slim=slim,
+        ort_engine=ort_engine is not False,
         log=lambda message: click.echo(message, err=True),
     )
     for role, spec in manifest.models.items():
+        engines = "".join(
+            f", {name} engine {e.export_check['max_abs_logit_diff']:.2e}"
+            for name, e in spec.engines.items()
+        )
         click.echo(
             f"{role}: {spec.architecture}, {spec.num_layers} layers, vocab {spec.vocab_size}, "
-            f"max |logit diff| {spec.export_check['max_abs_logit_diff']:.2e}"
+            f"max |logit diff| {spec.export_check['max_abs_logit_diff']:.2e}{engines}"
         )
     click.echo(f"bundle: {out}")
 
@@ -129,17 +140,24 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
 )
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
 @click.option(
+    "--engine",
+    type=click.Choice(["auto", "portable", "onnxruntime"]),
+    default="auto",
+    show_default=True,
+    help="Which graph runs: the onnxruntime engine where the bundle has one, or the portable one.",
+)
+@click.option(
     "--compare", is_flag=True, help="Also run the target alone and report the measured speedup."
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @_friendly_errors
-def generate(bundle, prompts, prompt_file, as_json, threads, compare, **params) -> None:
+def generate(bundle, prompts, prompt_file, as_json, threads, engine, compare, **params) -> None:
     """Generate from a bundle with speculative decoding."""
     from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
     texts = _read_prompts(prompts, prompt_file)
     config = GenerationConfig(**params)
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, engine=engine)
     generator.encode_prompts(texts)  # every prompt is checked before any work starts
     baseline_config = GenerationConfig(**{**params, "num_draft_tokens": 0})
     if compare:  # first calls pay one-off costs: warm both modes up before timing either
@@ -171,6 +189,13 @@ def generate(bundle, prompts, prompt_file, as_json, threads, compare, **params) 
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--max-draft-tokens", type=click.IntRange(1, 16), default=8, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for everyone.")
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "portable", "onnxruntime"]),
+    default="auto",
+    show_default=True,
+    help="Which graphs specrt runs.",
+)
 @click.option("--no-transformers", is_flag=True, help="Skip the PyTorch contenders.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write speedup/acceptance plot.")
@@ -183,6 +208,7 @@ def bench(
     max_new_tokens,
     max_draft_tokens,
     threads,
+    engine,
     no_transformers,
     as_json,
     plot,
@@ -200,6 +226,7 @@ def bench(
         threads=threads,
         ks=tuple(range(1, max_draft_tokens + 1)),
         with_transformers=not no_transformers,
+        engine=engine,
         log=lambda message: click.echo(message, err=True),
     )
     click.echo(json.dumps(report) if as_json else table(report))

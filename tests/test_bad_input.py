@@ -76,14 +76,27 @@ def test_schema_version_and_malformed_manifest(bundle_copy):
     assert result.exit_code == 1 and "manifest.json is malformed" in result.output
 
 
-def test_graph_that_does_not_match_manifest(bundle_copy, llama_bundle):
+@pytest.mark.parametrize("engine", ["portable", "onnxruntime"])
+def test_graph_that_does_not_match_manifest(bundle_copy, engine):
     """Valid checksums but the manifest names cache inputs the graph does not have."""
-    edit_manifest(
-        bundle_copy,
-        lambda m: m["models"]["target"]["io"].update(past_keys=["past.0.k", "past.1.k"]),
-    )
-    result = generate(bundle_copy, "--prompt", "a")
+
+    def edit(manifest):
+        target = manifest["models"]["target"]
+        io = target["io"] if engine == "portable" else target["engines"][engine]["io"]
+        io.update(past_keys=["past.0.k", "past.1.k"])
+
+    edit_manifest(bundle_copy, edit)
+    result = generate(bundle_copy, "--prompt", "a", "--engine", engine)
     assert result.exit_code == 1 and "lacks ['past.0.k'" in result.output
+
+
+def test_unknown_or_missing_engine(bundle_copy):
+    result = generate(bundle_copy, "--prompt", "a", "--engine", "tensorrt")
+    assert result.exit_code == 2 and "tensorrt" in result.output
+    edit_manifest(bundle_copy, lambda m: m["models"]["draft"].update(engines={}))
+    result = generate(bundle_copy, "--prompt", "a", "--engine", "onnxruntime")
+    assert result.exit_code == 1 and "draft has no onnxruntime engine" in result.output
+    assert generate(bundle_copy, "--prompt", "a").exit_code == 0  # auto: draft runs portable
 
 
 @pytest.mark.parametrize("prompt", ["", "   \n"])

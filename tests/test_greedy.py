@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specrt.engines.ort_graph import BUILDABLE_MODEL_TYPES
 from specrt.export import SUPPORTED_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
@@ -19,9 +20,14 @@ def run(generator, k: int, **options):
     return generator.generate(PROMPTS, config)
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
-def test_speculative_greedy_equals_target_only(bundles, arch):
-    generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1)
+ARCH_ENGINES = [(arch, "portable") for arch in SUPPORTED_MODEL_TYPES] + [
+    (arch, "onnxruntime") for arch in BUILDABLE_MODEL_TYPES
+]
+
+
+@pytest.mark.parametrize(("arch", "engine"), ARCH_ENGINES)
+def test_speculative_greedy_equals_target_only(bundles, arch, engine):
+    generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, engine=engine)
     for ignore_eos in (False, True):
         baseline = run(generator, 0, ignore_eos=ignore_eos)
         assert all(r.stats.drafted_tokens == 0 for r in baseline)
@@ -37,6 +43,16 @@ def test_speculative_greedy_equals_target_only(bundles, arch):
             assert 0 < accepted < drafted, (arch, k, accepted, drafted)
         # A fully accepted round (bonus token; the draft then catches up on two tokens) happened.
         assert any(r.stats.accepted_per_position[-1] > 0 for r in run(generator, 2))
+
+
+@pytest.mark.parametrize("arch", BUILDABLE_MODEL_TYPES)
+def test_engine_output_equals_portable_output(bundles, arch):
+    """The onnxruntime engine (fused graph, in-place cache) decodes what the portable graph does."""
+    outputs = {}
+    for engine in ("portable", "onnxruntime"):
+        generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, engine=engine)
+        outputs[engine] = [r.token_ids for r in run(generator, 0, ignore_eos=True)]
+    assert outputs["onnxruntime"] == outputs["portable"]
 
 
 def test_stats_are_consistent(llama_generator):

@@ -9,19 +9,19 @@ from specrt.errors import InvalidInputError
 from specrt.runtime import SpeculativeGenerator
 
 
-def fresh_decoder(bundle):
-    return SpeculativeGenerator.from_bundle(bundle, threads=1).target
+def fresh_decoder(bundle, engine="auto"):
+    return SpeculativeGenerator.from_bundle(bundle, threads=1, engine=engine).target
 
 
-def test_logits_after_rollback_equal_clean_history(llama_generator, llama_bundle):
+@pytest.mark.parametrize("engine", ["portable", "onnxruntime"])
+def test_logits_after_rollback_equal_clean_history(llama_bundle, engine):
     rng = np.random.default_rng(0)
-    vocab = llama_generator.target.vocab_size
+    decoder = fresh_decoder(llama_bundle, engine)
+    vocab = decoder.vocab_size
     prompt = rng.integers(3, vocab, 9).tolist()
     rejected = rng.integers(3, vocab, 5).tolist()
     accepted, continuation = rejected[:2], rng.integers(3, vocab, 3).tolist()
 
-    decoder = llama_generator.target
-    decoder.reset()
     decoder.forward(prompt)
     decoder.forward(rejected)  # verify 5 tokens, keep 2 of them
     decoder.rollback(len(prompt) + len(accepted))
@@ -31,12 +31,28 @@ def test_logits_after_rollback_equal_clean_history(llama_generator, llama_bundle
     decoder.forward(prompt[:4])
     restart = decoder.forward(prompt[4:]).copy()
 
-    clean_logits = fresh_decoder(llama_bundle).forward(prompt + accepted + continuation)
+    # The reference is the other graph: rollback is checked against an independent route.
+    other = "portable" if engine == "onnxruntime" else "onnxruntime"
+    clean_logits = fresh_decoder(llama_bundle, other).forward(prompt + accepted + continuation)
     np.testing.assert_allclose(after_rollback, clean_logits[-3:], atol=1e-5, rtol=0)
     np.testing.assert_allclose(restart, clean_logits[4 : len(prompt)], atol=1e-5, rtol=0)
     # and the rolled-back tokens really mattered: a history that kept them gives other logits
     polluted = fresh_decoder(llama_bundle).forward(prompt + rejected + continuation)[-3:]
     assert np.abs(polluted - clean_logits[-3:]).max() > 1e-2
+
+
+def test_in_place_cache_is_never_copied(llama_bundle):
+    """The engine's cache is one buffer per layer, written by onnxruntime in place: steps and
+    rollbacks keep the same memory (no per-step allocation, no whole-cache copy)."""
+    decoder = fresh_decoder(llama_bundle, "onnxruntime")
+    buffers = list(decoder._buffers)
+    decoder.forward([3, 4, 5, 6])
+    first = buffers[0].copy()
+    decoder.rollback(2)
+    decoder.forward([7, 8])
+    assert all(a is b for a, b in zip(decoder._buffers, buffers))
+    changed = np.flatnonzero(np.abs(buffers[0] - first).sum(axis=(0, 1, 3)))
+    assert changed.tolist() == [2, 3]  # the rolled-back positions were overwritten in place
 
 
 def test_rollback_never_grows_the_cache(llama_generator):

@@ -29,16 +29,27 @@ SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def generator(tmp_path_factory):
-    bundle = build_bundle(
-        tmp_path_factory.mktemp("sampling"), "pair", arch="llama", seed=5, peak=45, draft_noise=0.2
+def bundle(tmp_path_factory):
+    return build_bundle(
+        tmp_path_factory.mktemp("sampling"), "pair", arch="llama", seed=5, peak=45, draft_noise=0.45
     )
-    return SpeculativeGenerator.from_bundle(bundle, threads=1)
 
 
-def next_token_probs(generator, sequences: np.ndarray, settings: dict) -> np.ndarray:
+@pytest.fixture(scope="module")
+def generator(bundle):
+    """What users run: the onnxruntime engine graphs."""
+    return SpeculativeGenerator.from_bundle(bundle, threads=1, engine="onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def reference(bundle):
+    """The portable graph, batched without a cache: an independent route to the target's law."""
+    return SpeculativeGenerator.from_bundle(bundle, threads=1, engine="portable")
+
+
+def next_token_probs(reference, sequences: np.ndarray, settings: dict) -> np.ndarray:
     """Warped target distribution after each row of ``sequences`` (one batched pass, no cache)."""
-    spec, session = generator.target.spec, generator.target.session
+    spec, session = reference.target.spec, reference.target.session
     batch, length = sequences.shape
     empty = np.zeros((batch, spec.num_kv_heads, 0, spec.head_dim), np.float32)
     feed = {
@@ -47,29 +58,29 @@ def next_token_probs(generator, sequences: np.ndarray, settings: dict) -> np.nda
         spec.io.position_ids: np.tile(np.arange(length), (batch, 1)),
     }
     feed.update({name: empty for name in spec.io.past_keys + spec.io.past_values})
-    logits = session.run([spec.io.logits], feed)[0][:, -1, : generator.target.vocab_size]
+    logits = session.run([spec.io.logits], feed)[0][:, -1, : reference.target.vocab_size]
     return warp(logits, settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1))
 
 
-def exact_marginals(generator, prompt: list[int], settings: dict) -> list[np.ndarray]:
-    vocab = generator.target.vocab_size
+def exact_marginals(reference, prompt: list[int], settings: dict) -> list[np.ndarray]:
+    vocab = reference.target.vocab_size
     tokens = np.arange(vocab)
-    p1 = next_token_probs(generator, np.array([prompt]), settings)[0]
+    p1 = next_token_probs(reference, np.array([prompt]), settings)[0]
     p2_given_1 = next_token_probs(
-        generator, np.array([prompt + [t] for t in tokens]), settings
+        reference, np.array([prompt + [t] for t in tokens]), settings
     )  # [t1, t2]
     m3 = np.zeros(vocab)
     for t1 in np.flatnonzero(p1):
         rows = np.array([prompt + [t1, t2] for t2 in tokens])
-        p3 = next_token_probs(generator, rows, settings)  # [t2, t3]
+        p3 = next_token_probs(reference, rows, settings)  # [t2, t3]
         m3 += p1[t1] * (p2_given_1[t1] @ p3)
     return [p1, p1 @ p2_given_1, m3]
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_sampled_tokens_follow_the_target(generator, settings):
+def test_sampled_tokens_follow_the_target(generator, reference, settings):
     prompt = generator.encode_prompts(["Simple is"])[0]
-    expected = exact_marginals(generator, prompt, settings)
+    expected = exact_marginals(reference, prompt, settings)
     for marginal in expected:
         assert np.isclose(marginal.sum(), 1.0)
         assert marginal.max() > 0.2  # peaked, not flat: the test has power

@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 
-from specrt.runtime.decoder import OnnxDecoder
+from specrt.runtime.decoder import Decoder
 
 
 def step_seconds(
-    decoder: OnnxDecoder, context: int = 256, tokens: int = 1, repeats: int = 200
+    decoder: Decoder, context: int = 256, tokens: int = 1, repeats: int = 200
 ) -> float:
     """Median wall time of one call feeding ``tokens`` new tokens on a warm cache of ``context``."""
     rng = np.random.default_rng(0)

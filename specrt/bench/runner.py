@@ -31,10 +31,11 @@ def run_benchmark(
     temperatures: Sequence[float] = (0.0, 1.0),
     with_transformers: bool = True,
     seed: int = 0,
+    engine: str = "auto",
     log: Callable[[str], None] = lambda message: None,
 ) -> dict:
     threads = threads or os.cpu_count() or 1
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, engine=engine)
     prompt_ids = generator.encode_prompts(list(prompts))
     contenders: list = [SpecrtContender(generator, 0)]
     contenders += [SpecrtContender(generator, k) for k in ks]
@@ -80,6 +81,7 @@ def run_benchmark(
         "prompts": len(prompt_ids),
         "max_new_tokens": max_new_tokens,
         "threads": threads,
+        "engine": engine,
         "costs": costs,
         "results": results,
         "skipped": skipped,

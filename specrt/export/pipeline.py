@@ -15,8 +15,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from specrt import __version__
 from specrt.bundle import Manifest, ModelSpec, TokenizerSpec, sha256_file, write_manifest
 from specrt.errors import ExportError, PairMismatchError
@@ -36,9 +34,14 @@ def export_bundle(
     force: bool = False,
     opset: int | None = None,
     slim: bool = False,
+    ort_engine: bool = True,
     log: Callable[[str], None] = lambda message: None,
 ) -> Manifest:
-    """Export target and draft to ONNX, check both against PyTorch, write the bundle."""
+    """Export target and draft to ONNX, check both against PyTorch, write the bundle.
+
+    ``ort_engine`` also builds each model's onnxruntime engine (fused contrib-op graph with an
+    in-place KV cache, `specrt.engines.ort_graph`) where the architecture allows; the runtime
+    prefers it. The portable standard-op graph is always written (TensorRT takes that one)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
@@ -72,10 +75,23 @@ def export_bundle(
         for role, source in sources.items():
             log(f"exporting {role} ({configs[role].model_type}) from {source}")
             specs[role] = _export_checked(
-                source, configs[role], scratch, role, tokenizer_hash, vocab, atol, opset, slim
+                source,
+                configs[role],
+                scratch,
+                role,
+                tokenizer_hash,
+                vocab,
+                atol,
+                opset,
+                slim,
+                ort_engine,
+                log,
             )
-            check = specs[role].export_check
-            log(f"  {role}: max |logit diff| vs PyTorch {check['max_abs_logit_diff']:.2e}")
+            views = [("portable", specs[role])]
+            views += [(name, specs[role].engine_view(name)) for name in specs[role].engines]
+            for name, view in views:
+                diff = view.export_check["max_abs_logit_diff"]
+                log(f"  {role} {name}: max |logit diff| vs PyTorch {diff:.2e}")
         manifest = Manifest(
             models=specs,
             tokenizer=_copy_tokenizer(sources["target"], scratch / "tokenizer", configs["target"]),
@@ -117,12 +133,16 @@ def _export_checked(
     atol: float,
     opset: int | None,
     slim: bool,
+    ort_engine: bool,
+    log: Callable[[str], None],
 ) -> ModelSpec:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from specrt.engines.ort_graph import unsupported_reason
     from specrt.export.numeric_check import max_logit_difference
     from specrt.export.onnx_export import describe_model, export_onnx
+    from specrt.export.ort_engine import build_ort_engine
 
     graph = export_onnx(source, bundle_root / role, opset, slim)
     spec = describe_model(graph, bundle_root, config, tokenizer_hash)
@@ -130,24 +150,33 @@ def _export_checked(
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=torch.float32, local_files_only=True
     ).eval()
-    check = max_logit_difference(model, graph, spec, token_range)
-    check["max_abs_logit_diff"] = float(  # np.max keeps a NaN, builtin max may drop it
-        np.max([check["prefill_max_abs_logit_diff"], check["step_max_abs_logit_diff"]])
+    spec.export_check = _require_close(
+        max_logit_difference(model, graph, spec, token_range), atol, role, source
     )
+    if ort_engine:
+        reason = unsupported_reason(config, spec.max_positions)
+        if reason:
+            log(f"  {role}: no onnxruntime engine ({reason}); the portable graph will run")
+        else:
+            engine = build_ort_engine(model, spec, bundle_root, role, token_range)
+            _require_close(engine.export_check, atol, f"{role} onnxruntime engine", source)
+    return spec
+
+
+def _require_close(check: dict[str, float], atol: float, what: str, source: Path) -> dict:
     check["atol"] = atol
-    spec.export_check = check
     if not math.isfinite(check["max_abs_logit_diff"]):
         raise ExportError(
-            f"{role}: the model produces NaN/inf logits (in PyTorch or ONNX) on a random prompt; "
+            f"{what}: the model produces NaN/inf logits (in PyTorch or ONNX) on a random prompt; "
             f"the checkpoint {source} is broken or needs float32"
         )
     if check["max_abs_logit_diff"] > atol:
         raise ExportError(
-            f"{role}: ONNX logits differ from PyTorch by {check['max_abs_logit_diff']:.3g} "
+            f"{what}: ONNX logits differ from PyTorch by {check['max_abs_logit_diff']:.3g} "
             f"(> atol {atol}); the export is numerically wrong. Report it, or pass a larger "
             "--atol if the difference is acceptable for this model"
         )
-    return spec
+    return check
 
 
 def _tokenizer_vocab_size(checkpoint: Path) -> int:

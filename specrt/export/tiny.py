@@ -69,7 +69,7 @@ def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: in
         )
     extra = {"sliding_window": None} if arch == "mistral" else {}
     return classes[arch](
-        hidden_size=32,
+        hidden_size=64,  # head_dim 16: onnxruntime's GroupQueryAttention needs a multiple of 16
         intermediate_size=64,
         num_hidden_layers=layers,
         num_attention_heads=4,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -15,7 +16,26 @@ import onnxruntime as ort
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError, InvalidInputError
 
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class Decoder(Protocol):
+    """What the generator needs of a model: logits for new tokens after a cached prefix."""
+
+    role: str
+    vocab_size: int
+    max_positions: int
+    run_time_s: float  # total time inside onnxruntime
+    last_run_s: float
+
+    @property
+    def length(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray: ...
 
 
 class KVCache:
@@ -27,7 +47,7 @@ class KVCache:
 
     def reset(self) -> None:
         empty = np.zeros(
-            (1, self._spec.num_kv_heads, 0, self._spec.head_dim), _NUMPY_DTYPES[self._spec.dtype]
+            (1, self._spec.num_kv_heads, 0, self._spec.head_dim), NUMPY_DTYPES[self._spec.dtype]
         )
         self.keys = [empty] * self._spec.num_layers
         self.values = [empty] * self._spec.num_layers
@@ -66,30 +86,7 @@ class OnnxDecoder:
         # Sliced per call instead of allocated: row views of these are contiguous.
         self._ones = np.ones((1, spec.max_positions), dtype=np.int64)
         self._positions = np.arange(spec.max_positions, dtype=np.int64)[None]
-        self._check_session_matches_manifest()
-
-    def _check_session_matches_manifest(self) -> None:
-        io = self.spec.io
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        outputs = {o.name for o in self.session.get_outputs()}
-        wanted = [io.input_ids, *io.past_keys, *io.past_values]
-        wanted += [n for n in (io.attention_mask, io.position_ids) if n]
-        missing = [n for n in wanted if n not in inputs] + [
-            n for n in self._outputs if n not in outputs
-        ]
-        if missing:
-            raise BundleError(
-                f"{self.role}: the ONNX graph lacks {missing[:4]} named in the manifest; "
-                "the graph and manifest come from different exports, re-export the bundle"
-            )
-        shape = inputs[io.past_keys[0]].shape
-        for axis, expected in ((1, self.spec.num_kv_heads), (3, self.spec.head_dim)):
-            if isinstance(shape[axis], int) and shape[axis] != expected:
-                raise BundleError(
-                    f"{self.role}: cache input {io.past_keys[0]} has shape {shape}, the manifest "
-                    f"says kv_heads={self.spec.num_kv_heads}, head_dim={self.spec.head_dim}; "
-                    "re-export the bundle"
-                )
+        check_session_io(session, spec, role)
 
     @property
     def length(self) -> int:
@@ -123,3 +120,38 @@ class OnnxDecoder:
         layers = self.spec.num_layers
         cache.store(presents[:layers], presents[layers:])
         return logits[0, :, : self.vocab_size]
+
+
+def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) -> None:
+    """Refuse a graph whose inputs/outputs are not the ones the manifest names."""
+    io = spec.io
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name for o in session.get_outputs()}
+    wanted = [io.input_ids, *io.past_keys, *io.past_values]
+    wanted += [n for n in (io.attention_mask, io.position_ids) if n]
+    produced = [io.logits, *io.present_keys, *io.present_values]
+    missing = [n for n in wanted if n not in inputs] + [n for n in produced if n not in outputs]
+    if missing:
+        raise BundleError(
+            f"{role}: the ONNX graph lacks {missing[:4]} named in the manifest; "
+            "the graph and manifest come from different exports, re-export the bundle"
+        )
+    shape = inputs[io.past_keys[0]].shape
+    for axis, expected in ((1, spec.num_kv_heads), (3, spec.head_dim)):
+        if isinstance(shape[axis], int) and shape[axis] != expected:
+            raise BundleError(
+                f"{role}: cache input {io.past_keys[0]} has shape {shape}, the manifest "
+                f"says kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}; "
+                "re-export the bundle"
+            )
+
+
+def make_decoder(
+    session: ort.InferenceSession, spec: ModelSpec, vocab_size: int, role: str
+) -> Decoder:
+    """The decoder class the graph's cache contract needs (``spec.cache``)."""
+    if spec.cache == "in_place":
+        from specrt.runtime.inplace_decoder import InPlaceDecoder
+
+        return InPlaceDecoder(session, spec, vocab_size, role)
+    return OnnxDecoder(session, spec, vocab_size, role)

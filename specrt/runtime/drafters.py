@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.decoder import OnnxDecoder
+from specrt.runtime.decoder import Decoder
 from specrt.runtime.sampling import check_finite, sample, warp
 
 
@@ -32,7 +32,7 @@ class Drafter(Protocol):
 class ModelDrafter:
     """K autoregressive steps of a small model, fed every token it has not yet seen."""
 
-    def __init__(self, decoder: OnnxDecoder) -> None:
+    def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
         self.max_positions = decoder.max_positions
 

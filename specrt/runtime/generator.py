@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.bundle import Manifest, read_manifest, verify_checksums
+from specrt.bundle import Manifest, ModelSpec, read_manifest, verify_checksums
 from specrt.engines.ort_session import create_session
 from specrt.errors import InvalidInputError, PairMismatchError
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.decoder import OnnxDecoder
+from specrt.runtime.decoder import Decoder, make_decoder
 from specrt.runtime.draft_length import DraftLengthController
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_verify, rejection_sample
@@ -21,6 +21,7 @@ from specrt.runtime.sampling import check_finite, warp
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
+ENGINE_CHOICES = ("auto", "portable", "onnxruntime")
 
 
 class SpeculativeGenerator:
@@ -28,7 +29,7 @@ class SpeculativeGenerator:
 
     def __init__(
         self,
-        target: OnnxDecoder,
+        target: Decoder,
         drafter: Drafter,
         tokenizer: BundleTokenizer | None = None,
         eos_token_ids: Sequence[int] = (),
@@ -46,29 +47,30 @@ class SpeculativeGenerator:
         providers: Sequence[str] | None = None,
         check_files: bool = True,
         draft_threads: int = 1,
+        engine: str = "auto",
     ) -> SpeculativeGenerator:
         """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
 
         ``threads``: the target's intra-op threads (default: all cores). ``draft_threads``: the
-        draft's (default 1: see `specrt.engines.ort_session` for why)."""
+        draft's (default 1: see `specrt.engines.ort_session` for why). ``engine``: ``"auto"``
+        runs each model's onnxruntime engine where the bundle has one, else its portable graph;
+        ``"portable"`` or ``"onnxruntime"`` insist on one (the latter fails if it is missing)."""
+        if engine not in ENGINE_CHOICES:
+            raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
         root = Path(bundle_dir)
         manifest = read_manifest(root)
         if check_files:
             verify_checksums(manifest, root)
         _check_pair(manifest)
-        decoders = {
-            role: OnnxDecoder(
-                create_session(
-                    root / spec.path,
-                    threads=draft_threads if role == "draft" else threads,
-                    providers=providers,
-                ),
-                spec,
-                manifest.vocab_size,
-                role,
+        decoders = {}
+        for role, spec in manifest.models.items():
+            view = _engine_view(spec, role, engine)
+            session = create_session(
+                root / view.path,
+                threads=draft_threads if role == "draft" else threads,
+                providers=providers,
             )
-            for role, spec in manifest.models.items()
-        }
+            decoders[role] = make_decoder(session, view, manifest.vocab_size, role)
         tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
         return cls(
             decoders["target"],
@@ -198,3 +200,15 @@ def _check_pair(manifest: Manifest) -> None:
             f"{draft.tokenizer_hash[:12]} vs {target.tokenizer_hash[:12]}); a draft must share the "
             "target's tokenizer: pick a draft from the same model family and re-export"
         )
+
+
+def _engine_view(spec: ModelSpec, role: str, engine: str) -> ModelSpec:
+    has_engine = "onnxruntime" in spec.engines
+    if engine == "portable" or (engine == "auto" and not has_engine):
+        return spec
+    if not has_engine:
+        raise InvalidInputError(
+            f"the bundle's {role} has no onnxruntime engine (`specrt export` builds one for "
+            "llama/qwen2/mistral); use engine 'auto' or 'portable', or re-export the bundle"
+        )
+    return spec.engine_view("onnxruntime")

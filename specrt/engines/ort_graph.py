@@ -1,0 +1,248 @@
+"""The onnxruntime engine: a lean decoder graph built from the model's weights with ORT's fused
+contrib ops (GroupQueryAttention with rotary, SkipSimplifiedLayerNormalization).
+
+On CPU with small models the portable graph's cost is per-node overhead: about 100 nodes per layer,
+most of them shape arithmetic. This graph has ~10 per layer. Its KV cache is one preallocated
+buffer per layer that the graph reads as ``past`` and writes as ``present`` in place (the runtime
+binds both to the same memory); the valid length comes from ``attention_mask``'s width, so rolling
+back rejected tokens is a length change with nothing copied.
+
+Llama-family decoders (llama, qwen2, mistral): pre-norm RMSNorm, rotary positions, grouped-query
+attention, SwiGLU MLP. Inputs ``input_ids [1, S]``, ``attention_mask [1, past+S]`` (all ones),
+``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]`` and ``present.{i}.*``.
+This module needs onnx and numpy only: the exporter hands it the weights as arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ENGINE_NAME = "onnxruntime"
+BUILDABLE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+OPSET = 21
+_MS = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What the builder needs from the HF config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # logits width written (the tokenizer's vocabulary)
+
+
+def unsupported_reason(config, max_positions: int) -> str | None:
+    """Why this checkpoint cannot get the onnxruntime engine (None when it can)."""
+    if config.model_type not in BUILDABLE_MODEL_TYPES:
+        return f"model type {config.model_type!r} has no onnxruntime engine builder yet"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    if uses_window and window is not None and window < max_positions:
+        return f"sliding window {window} < max positions {max_positions}"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % 16:
+        return f"head dim {head_dim} (GroupQueryAttention on CPU needs a multiple of 16)"
+    rotary_fraction = getattr(config, "partial_rotary_factor", 1.0)
+    if rotary_fraction != 1.0:
+        return f"partial rotary factor {rotary_fraction}"
+    return None
+
+
+def build_decoder_graph(
+    shape: DecoderShape,
+    weights: Mapping[str, np.ndarray],
+    cos: np.ndarray,
+    sin: np.ndarray,
+    out_path: Path,
+) -> Path:
+    """Write the graph (and its weights as external data) to ``out_path``; return it.
+
+    ``weights`` uses the HF state-dict names (``model.layers.0.self_attn.q_proj.weight`` …, each
+    ``[out, in]``); ``cos``/``sin`` are ``[max_positions, head_dim / 2]`` (rotary, scaled).
+    """
+    b = _GraphBuilder(weights)
+    kv_dims = ["batch", shape.num_kv_heads, "past_sequence_length", shape.head_dim]
+    present_dims = ["batch", shape.num_kv_heads, "total_sequence_length", shape.head_dim]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+        helper.make_tensor_value_info(
+            "attention_mask", TensorProto.INT64, ["batch", "total_sequence_length"]
+        ),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(
+            "logits", TensorProto.FLOAT, ["batch", "sequence", shape.vocab_size]
+        )
+    ]
+    for i in range(shape.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                helper.make_tensor_value_info(
+                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, kv_dims
+                )
+            )
+            outputs.append(
+                helper.make_tensor_value_info(
+                    f"present.{i}.{kind}", TensorProto.FLOAT, present_dims
+                )
+            )
+
+    # GroupQueryAttention takes the valid lengths, not a mask: seqlens_k = total - 1 (int32) and
+    # total_sequence_length = the mask's width.
+    b.constant("one", np.array([1], dtype=np.int64))
+    b.node("ReduceSum", ["attention_mask", "one"], ["mask_sum"], keepdims=0)
+    b.node("Sub", ["mask_sum", "one"], ["seqlens_k64"])
+    b.node("Cast", ["seqlens_k64"], ["seqlens_k"], to=TensorProto.INT32)
+    b.node("Shape", ["attention_mask"], ["mask_shape"], start=1, end=2)
+    b.node("Squeeze", ["mask_shape"], ["total_len64"])
+    b.node("Cast", ["total_len64"], ["total_len"], to=TensorProto.INT32)
+    b.initializer("cos_cache", cos.astype(np.float32))
+    b.initializer("sin_cache", sin.astype(np.float32))
+
+    b.node("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], ["embedded"])
+    eps = float(shape.rms_norm_eps)
+    residual = "embedded"
+    b.node(
+        "SimplifiedLayerNormalization",
+        [residual, b.weight("model.layers.0.input_layernorm.weight")],
+        ["normed.0"],
+        epsilon=eps,
+        axis=-1,
+        stash_type=1,
+    )
+    normed = "normed.0"
+    for i in range(shape.num_layers):
+        prefix = f"model.layers.{i}"
+        attn = f"{prefix}.self_attn"
+        qkv = b.linear(normed, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], f"qkv.{i}")
+        b.node(
+            "GroupQueryAttention",
+            [
+                qkv,
+                "",
+                "",
+                f"past_key_values.{i}.key",
+                f"past_key_values.{i}.value",
+                "seqlens_k",
+                "total_len",
+                "cos_cache",
+                "sin_cache",
+            ],
+            [f"attn.{i}", f"present.{i}.key", f"present.{i}.value"],
+            domain=_MS,
+            num_heads=shape.num_heads,
+            kv_num_heads=shape.num_kv_heads,
+            scale=float(shape.head_dim**-0.5),
+            do_rotary=1,
+            rotary_interleaved=0,
+            local_window_size=-1,
+        )
+        attn_out = b.linear(f"attn.{i}", [f"{attn}.o_proj"], f"attn_out.{i}")
+        b.node(
+            "SkipSimplifiedLayerNormalization",
+            [residual, attn_out, b.weight(f"{prefix}.post_attention_layernorm.weight")],
+            [f"mlp_in.{i}", "", "", f"residual_mid.{i}"],
+            domain=_MS,
+            epsilon=eps,
+        )
+        mlp = f"{prefix}.mlp"
+        gate = b.linear(f"mlp_in.{i}", [f"{mlp}.gate_proj"], f"gate.{i}")
+        up = b.linear(f"mlp_in.{i}", [f"{mlp}.up_proj"], f"up.{i}")
+        b.node("Sigmoid", [gate], [f"gate_sigmoid.{i}"])
+        b.node("Mul", [gate, f"gate_sigmoid.{i}"], [f"gate_act.{i}"])
+        b.node("Mul", [f"gate_act.{i}", up], [f"gated.{i}"])
+        down = b.linear(f"gated.{i}", [f"{mlp}.down_proj"], f"mlp_out.{i}")
+        last = i == shape.num_layers - 1
+        next_norm = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
+        b.node(
+            "SkipSimplifiedLayerNormalization",
+            [f"residual_mid.{i}", down, b.weight(next_norm)],
+            [f"normed.{i + 1}", "", "", f"residual.{i + 1}"],
+            domain=_MS,
+            epsilon=eps,
+        )
+        residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
+
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    b.initializer("lm_head.MatMul", weights[head][: shape.vocab_size].T)
+    b.node("MatMul", [normed, "lm_head.MatMul"], ["logits"])
+
+    graph = helper.make_graph(b.nodes, "specrt_decoder", inputs, outputs, b.initializers)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(_MS, 1)],
+        producer_name="specrt",
+    )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(
+        model,
+        str(out_path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=out_path.name + ".data",
+        size_threshold=1024,
+    )
+    return out_path
+
+
+class _GraphBuilder:
+    def __init__(self, weights: Mapping[str, np.ndarray]) -> None:
+        self.weights = weights
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._names: set[str] = set()
+
+    def node(self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs):
+        name = f"{op}.{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+
+    def initializer(self, name: str, array: np.ndarray) -> str:
+        if name not in self._names:
+            array = np.ascontiguousarray(
+                array, dtype=np.float32 if array.dtype.kind == "f" else None
+            )
+            self.initializers.append(numpy_helper.from_array(array, name))
+            self._names.add(name)
+        return name
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(array, name))
+        self._names.add(name)
+        return name
+
+    def weight(self, name: str) -> str:
+        if name not in self.weights:
+            raise KeyError(f"the checkpoint has no weight {name!r}")
+        return self.initializer(name, self.weights[name])
+
+    def linear(self, x: str, modules: list[str], out: str) -> str:
+        """One MatMul for one or more Linear layers side by side (packed q/k/v), plus bias."""
+        matrix = np.concatenate([self.weights[f"{m}.weight"] for m in modules], axis=0).T
+        self.initializer(f"{out}.MatMul.weight", matrix)
+        has_bias = [f"{m}.bias" in self.weights for m in modules]
+        if not any(has_bias):
+            self.node("MatMul", [x, f"{out}.MatMul.weight"], [out])
+            return out
+        bias = np.concatenate(
+            [
+                self.weights.get(f"{m}.bias", np.zeros(self.weights[f"{m}.weight"].shape[0]))
+                for m in modules
+            ]
+        )
+        self.initializer(f"{out}.bias", bias)
+        self.node("MatMul", [x, f"{out}.MatMul.weight"], [f"{out}.matmul"])
+        self.node("Add", [f"{out}.matmul", f"{out}.bias"], [out])
+        return out

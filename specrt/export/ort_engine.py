@@ -1,0 +1,65 @@
+"""The onnxruntime engine of one model, built from the loaded PyTorch model and checked against it
+like the portable graph (see `specrt.engines.ort_graph` for what the graph is)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.bundle import EngineSpec, ModelIO, ModelSpec, sha256_file
+from specrt.engines.ort_graph import ENGINE_NAME, DecoderShape, build_decoder_graph
+from specrt.export.numeric_check import max_logit_difference
+
+
+def build_ort_engine(
+    model: torch.nn.Module, spec: ModelSpec, bundle_root: Path, role: str, vocab: int
+) -> EngineSpec:
+    """Write ``ROLE/onnxruntime/model.onnx`` into the bundle and return its checked entry."""
+    config = model.config
+    head_dim = spec.head_dim
+    shape = DecoderShape(
+        num_layers=spec.num_layers,
+        hidden_size=int(config.hidden_size),
+        num_heads=int(config.num_attention_heads),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(config.rms_norm_eps),
+        vocab_size=vocab,
+    )
+    weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
+    with torch.no_grad():  # the model's own rotary tables: any rope scaling is already applied
+        positions = torch.arange(spec.max_positions)[None]
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    half = head_dim // 2
+    graph = build_decoder_graph(
+        shape,
+        weights,
+        cos[0, :, :half].numpy().astype(np.float32),
+        sin[0, :, :half].numpy().astype(np.float32),
+        bundle_root / role / ENGINE_NAME / "model.onnx",
+    )
+    layers = range(spec.num_layers)
+    engine = EngineSpec(
+        path=str(graph.relative_to(bundle_root)),
+        files={
+            str(f.relative_to(bundle_root)): sha256_file(f) for f in sorted(graph.parent.iterdir())
+        },
+        io=ModelIO(
+            input_ids="input_ids",
+            attention_mask="attention_mask",
+            position_ids=None,
+            past_keys=[f"past_key_values.{i}.key" for i in layers],
+            past_values=[f"past_key_values.{i}.value" for i in layers],
+            logits="logits",
+            present_keys=[f"present.{i}.key" for i in layers],
+            present_values=[f"present.{i}.value" for i in layers],
+        ),
+        vocab_size=vocab,
+        cache="in_place",
+    )
+    spec.engines[ENGINE_NAME] = engine
+    check = max_logit_difference(model, graph, spec.engine_view(ENGINE_NAME), vocab)
+    engine.export_check = check
+    return engine

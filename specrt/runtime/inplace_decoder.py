@@ -1,0 +1,79 @@
+"""A decoder whose KV cache is updated in place: one preallocated buffer per layer and kind.
+
+For engine graphs with ``cache == "in_place"`` (GroupQueryAttention): the graph reads the buffer
+as ``past`` and writes the new positions into the same memory as ``present`` (onnxruntime IO
+binding binds both names to one OrtValue). The valid length is the attention mask's width, so a
+step allocates and copies no cache, and rolling back rejected tokens only lowers ``length``: the
+next call overwrites the stale positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from specrt.bundle import ModelSpec
+from specrt.errors import InvalidInputError
+from specrt.runtime.decoder import NUMPY_DTYPES, check_session_io
+
+
+class InPlaceDecoder:
+    """Runs an in-place-cache graph on new tokens after its cached prefix; returns their logits."""
+
+    def __init__(
+        self, session: ort.InferenceSession, spec: ModelSpec, vocab_size: int, role: str
+    ) -> None:
+        check_session_io(session, spec, role)
+        if not spec.io.attention_mask:
+            raise InvalidInputError(f"{role}: an in-place cache graph needs an attention_mask")
+        self.session = session
+        self.spec = spec
+        self.role = role
+        self.vocab_size = vocab_size
+        self.max_positions = spec.max_positions
+        self.length = 0
+        self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
+        self.last_run_s = 0.0
+        io = spec.io
+        shape = (1, spec.num_kv_heads, spec.max_positions, spec.head_dim)
+        self._buffers = [
+            np.zeros(shape, NUMPY_DTYPES[spec.dtype]) for _ in range(2 * spec.num_layers)
+        ]
+        self._binding = session.io_binding()
+        self._binding.bind_output(io.logits)  # first, so it is get_outputs()[0]
+        names = zip(
+            [*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values], strict=True
+        )
+        for (past, present), buffer in zip(names, self._buffers, strict=True):
+            value = ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the numpy memory
+            self._binding.bind_ortvalue_input(past, value)
+            self._binding.bind_ortvalue_output(present, value)
+        self._ones = np.ones((1, spec.max_positions), dtype=np.int64)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` positions (the rest is overwritten by later calls)."""
+        self.length = min(self.length, length)
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``."""
+        start, count = self.length, len(tokens)
+        if start + count > self.max_positions:
+            raise InvalidInputError(
+                f"{self.role}: {start + count} positions exceed the model's {self.max_positions}"
+            )
+        io, binding = self.spec.io, self._binding
+        binding.bind_cpu_input(io.input_ids, np.asarray([tokens], dtype=np.int64))
+        binding.bind_cpu_input(io.attention_mask, self._ones[:, : start + count])
+        binding.bind_output(io.logits)  # unallocated: its shape changes with len(tokens)
+        started = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.last_run_s = time.perf_counter() - started
+        self.run_time_s += self.last_run_s
+        self.length = start + count
+        return binding.get_outputs()[0].numpy()[0, :, : self.vocab_size]
