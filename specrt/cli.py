@@ -50,12 +50,20 @@ def main() -> None:
     default=None,
     help="Also build the onnxruntime engine (fused graph, in-place KV cache) [on].",
 )
+@click.option(
+    "--draft-precision",
+    type=click.Choice(["float32", "int8", "int4"]),
+    default=None,
+    help="Weights of the draft's onnxruntime engine [int8]: cheaper drafting, same output.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
-def export(target, draft, out, recipe, atol, opset, slim, ort_engine, force) -> None:
+def export(
+    target, draft, out, recipe, atol, opset, slim, ort_engine, draft_precision, force
+) -> None:
     """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
     try:
-        from specrt.export.pipeline import DEFAULT_ATOL, export_bundle
+        from specrt.export.pipeline import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, export_bundle
         from specrt.export.recipes import resolve_recipe
     except ImportError as exc:
         raise click.ClickException(
@@ -70,6 +78,7 @@ def export(target, draft, out, recipe, atol, opset, slim, ort_engine, force) -> 
         opset = opset if opset is not None else options.get("opset")
         slim = slim or options.get("slim", False)
         ort_engine = ort_engine if ort_engine is not None else options.get("ort_engine")
+        draft_precision = draft_precision or options.get("draft_precision")
     elif not (target and draft and out):
         raise click.UsageError("give --target, --draft and --out (or --recipe)")
     manifest = export_bundle(
@@ -81,11 +90,12 @@ def export(target, draft, out, recipe, atol, opset, slim, ort_engine, force) -> 
         opset=opset,
         slim=slim,
         ort_engine=ort_engine is not False,
+        draft_precision=draft_precision or DEFAULT_DRAFT_PRECISION,
         log=lambda message: click.echo(message, err=True),
     )
     for role, spec in manifest.models.items():
         engines = "".join(
-            f", {name} engine {e.export_check['max_abs_logit_diff']:.2e}"
+            f", {name} engine ({e.precision}) {e.export_check['max_abs_logit_diff']:.2e}"
             for name, e in spec.engines.items()
         )
         click.echo(

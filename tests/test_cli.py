@@ -67,3 +67,29 @@ def test_runtime_imports_no_torch():
         "sys.exit(f'imported {bad}' if bad else 0)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_export_engine_options(tmp_path):
+    """--draft-precision float32 keeps the draft engine exact; --no-ort-engine builds none;
+    an unknown precision is refused by the CLI before any work."""
+    recipe = tmp_path / "pair.json"
+    recipe.write_text(json.dumps({"tiny": {"arch": "qwen2", "seed": 4}, "draft_precision": "int4"}))
+    runner = CliRunner()
+    result = runner.invoke(
+        main, ["export", "--recipe", str(recipe), "--draft-precision", "float32"]
+    )
+    assert result.exit_code == 0, result.output
+    engine = read_manifest(tmp_path / "pair").models["draft"].engines["onnxruntime"]
+    assert engine.precision == "float32" and engine.export_check["max_abs_logit_diff"] < 1e-4
+
+    result = runner.invoke(main, ["export", "--recipe", str(recipe), "--force"])
+    assert result.exit_code == 0, result.output  # the recipe's own choice: int4
+    assert read_manifest(tmp_path / "pair").models["draft"].engines["onnxruntime"].precision == (
+        "int4"
+    )
+    result = runner.invoke(main, ["export", "--recipe", str(recipe), "--no-ort-engine", "--force"])
+    assert result.exit_code == 0, result.output
+    assert all(not spec.engines for spec in read_manifest(tmp_path / "pair").models.values())
+
+    result = runner.invoke(main, ["export", "--recipe", str(recipe), "--draft-precision", "fp8"])
+    assert result.exit_code == 2 and "fp8" in result.output

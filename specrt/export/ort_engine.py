@@ -9,14 +9,23 @@ import numpy as np
 import torch
 
 from specrt.bundle import EngineSpec, ModelIO, ModelSpec, sha256_file
+from specrt.engines.draft_precision import quantize_weights
 from specrt.engines.ort_graph import ENGINE_NAME, DecoderShape, build_decoder_graph
 from specrt.export.numeric_check import max_logit_difference
 
 
 def build_ort_engine(
-    model: torch.nn.Module, spec: ModelSpec, bundle_root: Path, role: str, vocab: int
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    bundle_root: Path,
+    role: str,
+    vocab: int,
+    precision: str = "float32",
 ) -> EngineSpec:
-    """Write ``ROLE/onnxruntime/model.onnx`` into the bundle and return its checked entry."""
+    """Write ``ROLE/onnxruntime/model.onnx`` into the bundle and return its checked entry.
+
+    ``precision`` other than float32 quantises the weights (drafts only: see
+    `specrt.engines.draft_precision`); the check then reports the difference without a bound."""
     config = model.config
     head_dim = spec.head_dim
     shape = DecoderShape(
@@ -40,6 +49,7 @@ def build_ort_engine(
         sin[0, :, :half].numpy().astype(np.float32),
         bundle_root / role / ENGINE_NAME / "model.onnx",
     )
+    quantize_weights(graph, precision)
     layers = range(spec.num_layers)
     engine = EngineSpec(
         path=str(graph.relative_to(bundle_root)),
@@ -58,6 +68,7 @@ def build_ort_engine(
         ),
         vocab_size=vocab,
         cache="in_place",
+        precision=precision,
     )
     spec.engines[ENGINE_NAME] = engine
     check = max_logit_difference(model, graph, spec.engine_view(ENGINE_NAME), vocab)

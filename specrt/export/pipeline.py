@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specrt import __version__
 from specrt.bundle import Manifest, ModelSpec, TokenizerSpec, sha256_file, write_manifest
+from specrt.engines.draft_precision import PRECISIONS
 from specrt.errors import ExportError, PairMismatchError
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 
@@ -24,6 +25,7 @@ from specrt.export.tokenizer_compare import canonical_hash, describe_difference,
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEFAULT_ATOL = 1e-3
+DEFAULT_DRAFT_PRECISION = "int8"
 
 
 def export_bundle(
@@ -35,18 +37,25 @@ def export_bundle(
     opset: int | None = None,
     slim: bool = False,
     ort_engine: bool = True,
+    draft_precision: str = DEFAULT_DRAFT_PRECISION,
     log: Callable[[str], None] = lambda message: None,
 ) -> Manifest:
     """Export target and draft to ONNX, check both against PyTorch, write the bundle.
 
     ``ort_engine`` also builds each model's onnxruntime engine (fused contrib-op graph with an
     in-place KV cache, `specrt.engines.ort_graph`) where the architecture allows; the runtime
-    prefers it. The portable standard-op graph is always written (TensorRT takes that one)."""
+    prefers it. The portable standard-op graph is always written (TensorRT takes that one).
+    ``draft_precision`` (float32, int8, int4) sets the draft engine's weights: a cheaper draft,
+    same output (the target engine is always float32)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
     if not atol > 0:
         raise ExportError(f"atol={atol} must be > 0")
+    if draft_precision not in PRECISIONS:
+        raise ExportError(
+            f"draft precision {draft_precision!r} is unknown; use one of {', '.join(PRECISIONS)}"
+        )
     sources = {"target": Path(target_dir), "draft": Path(draft_dir)}
     configs = {role: _load_config(path, role) for role, path in sources.items()}
 
@@ -85,12 +94,16 @@ def export_bundle(
                 opset,
                 slim,
                 ort_engine,
+                draft_precision,
                 log,
             )
-            views = [("portable", specs[role])]
-            views += [(name, specs[role].engine_view(name)) for name in specs[role].engines]
-            for name, view in views:
-                diff = view.export_check["max_abs_logit_diff"]
+            checks = [("portable", specs[role].export_check)]
+            checks += [
+                (f"{name} engine, {e.precision}", e.export_check)
+                for name, e in specs[role].engines.items()
+            ]
+            for name, check in checks:
+                diff = check["max_abs_logit_diff"]
                 log(f"  {role} {name}: max |logit diff| vs PyTorch {diff:.2e}")
         manifest = Manifest(
             models=specs,
@@ -134,6 +147,7 @@ def _export_checked(
     opset: int | None,
     slim: bool,
     ort_engine: bool,
+    draft_precision: str,
     log: Callable[[str], None],
 ) -> ModelSpec:
     import torch
@@ -158,8 +172,13 @@ def _export_checked(
         if reason:
             log(f"  {role}: no onnxruntime engine ({reason}); the portable graph will run")
         else:
-            engine = build_ort_engine(model, spec, bundle_root, role, token_range)
-            _require_close(engine.export_check, atol, f"{role} onnxruntime engine", source)
+            precision = draft_precision if role == "draft" else "float32"
+            engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
+            what = f"{role} onnxruntime engine"
+            if precision == "float32":
+                _require_close(engine.export_check, atol, what, source)
+            else:  # a quantised draft is not meant to match; it only has to be a number
+                _require_close(engine.export_check, math.inf, what, source)
     return spec
 
 

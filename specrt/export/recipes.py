@@ -17,7 +17,8 @@ from specrt.errors import ExportError
 def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, Path, dict]:
     """Return (target dir, draft dir, bundle dir, export options) for a recipe file.
 
-    Export options are the recipe's optional "atol", "opset", "slim" and "ort_engine" keys."""
+    Export options are the recipe's optional "atol", "opset", "slim", "ort_engine" and
+    "draft_precision" keys."""
     if not recipe.is_file():
         raise ExportError(f"recipe {recipe} does not exist")
     try:
@@ -40,4 +41,8 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
 
 
 def _options(data: dict) -> dict:
-    return {key: data[key] for key in ("atol", "opset", "slim", "ort_engine") if key in data}
+    return {
+        key: data[key]
+        for key in ("atol", "opset", "slim", "ort_engine", "draft_precision")
+        if key in data
+    }

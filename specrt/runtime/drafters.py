@@ -14,7 +14,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
-from specrt.runtime.sampling import check_finite, sample, warp
+from specrt.runtime.sampling import check_chosen_finite, check_finite, sample, warp
 
 
 class Drafter(Protocol):
@@ -51,10 +51,11 @@ class ModelDrafter:
         pending = tokens[self.decoder.length :]
         for i in range(k):
             logits = self.decoder.forward(pending)[-1]
-            check_finite(logits, "draft")
             if q is None:
-                drafted[i] = int(logits.argmax())
+                drafted[i] = best = logits.argmax()
+                check_chosen_finite(logits, best, "draft")
             else:
+                check_finite(logits, "draft")
                 q[i] = warp(logits, config.temperature, config.top_k, config.top_p)
                 drafted[i] = sample(q[i], rng)
             pending = [int(drafted[i])]

@@ -19,6 +19,8 @@ from specrt.bundle import ModelSpec
 from specrt.errors import InvalidInputError
 from specrt.runtime.decoder import NUMPY_DTYPES, check_session_io
 
+_KEEP_WIDTHS = 80
+
 
 class InPlaceDecoder:
     """Runs an in-place-cache graph on new tokens after its cached prefix; returns their logits."""
@@ -43,7 +45,6 @@ class InPlaceDecoder:
             np.zeros(shape, NUMPY_DTYPES[spec.dtype]) for _ in range(2 * spec.num_layers)
         ]
         self._binding = session.io_binding()
-        self._binding.bind_output(io.logits)  # first, so it is get_outputs()[0]
         names = zip(
             [*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values], strict=True
         )
@@ -52,6 +53,10 @@ class InPlaceDecoder:
             self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(present, value)
         self._ones = np.ones((1, spec.max_positions), dtype=np.int64)
+        # Logits land in our own arrays, one per call width: no output is allocated or wrapped
+        # per call. Widths up to _KEEP_WIDTHS (drafting, verification) are kept for reuse.
+        self._logits: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
+        self._logits_width = spec.vocab_size
 
     def reset(self) -> None:
         self.length = 0
@@ -70,10 +75,18 @@ class InPlaceDecoder:
         io, binding = self.spec.io, self._binding
         binding.bind_cpu_input(io.input_ids, np.asarray([tokens], dtype=np.int64))
         binding.bind_cpu_input(io.attention_mask, self._ones[:, : start + count])
-        binding.bind_output(io.logits)  # unallocated: its shape changes with len(tokens)
+        logits, value = self._logits.get(count) or self._logits_buffer(count)
+        binding.bind_ortvalue_output(io.logits, value)
         started = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.last_run_s = time.perf_counter() - started
         self.run_time_s += self.last_run_s
         self.length = start + count
-        return binding.get_outputs()[0].numpy()[0, :, : self.vocab_size]
+        return logits[0, :, : self.vocab_size]
+
+    def _logits_buffer(self, count: int) -> tuple[np.ndarray, ort.OrtValue]:
+        logits = np.empty((1, count, self._logits_width), dtype=np.float32)
+        pair = (logits, ort.OrtValue.ortvalue_from_numpy(logits))
+        if count <= _KEEP_WIDTHS:
+            self._logits[count] = pair
+        return pair

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specrt.runtime.sampling import check_finite, sample
+from specrt.runtime.sampling import check_chosen_finite, sample
 
 
 def acceptance_probabilities(p_of_x: np.ndarray, q_of_x: np.ndarray) -> np.ndarray:
@@ -56,9 +56,9 @@ def rejection_sample(
 
 def greedy_verify(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
     """Greedy rule: accept while the draft token is the target's argmax; emit the argmax next."""
-    check_finite(target_logits, "target")
     best = target_logits.argmax(axis=-1)
+    check_chosen_finite(target_logits, best, "target")
     k = len(draft_tokens)
-    mismatch = np.flatnonzero(best[:k] != draft_tokens)
-    n = int(mismatch[0]) if mismatch.size else k
-    return n, int(best[n])
+    chosen = best.tolist()
+    n = next((i for i in range(k) if chosen[i] != draft_tokens[i]), k)
+    return n, chosen[n]

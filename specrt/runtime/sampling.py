@@ -17,14 +17,26 @@ from specrt.errors import NumericalError
 def check_finite(logits: np.ndarray, who: str) -> None:
     """Raise instead of ever turning NaN/inf logits into a token.
 
-    One float64 reduction (no temporary array): a NaN or inf anywhere makes the sum non-finite,
-    and float64 cannot overflow on float32 logits."""
-    if not math.isfinite(logits.sum(dtype=np.float64)):
-        bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
-        raise NumericalError(
-            f"the {who} model produced {bad} NaN/inf logit(s); the ONNX graph or its inputs are "
-            "broken (an fp16 overflow is the usual cause: re-export in float32)"
-        )
+    max and min propagate NaN and are the extremes, so two fast reductions (no temporary
+    array, no overflow) cover every element."""
+    if not (math.isfinite(logits.max()) and math.isfinite(logits.min())):
+        raise_not_finite(logits, who)
+
+
+def check_chosen_finite(logits: np.ndarray, chosen: np.ndarray, who: str) -> None:
+    """Greedy's check: argmax returns the first NaN if there is one and +inf wins, so only the
+    chosen logits need looking at (-inf elsewhere is harmless: it never wins)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if not np.isfinite(rows[np.arange(rows.shape[0]), chosen.reshape(-1)]).all():
+        raise_not_finite(logits, who)
+
+
+def raise_not_finite(logits: np.ndarray, who: str) -> None:
+    bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
+    raise NumericalError(
+        f"the {who} model produced {bad} NaN/inf logit(s); the ONNX graph or its inputs are "
+        "broken (an fp16 overflow is the usual cause: re-export in float32)"
+    )
 
 
 def warp(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
