@@ -14,7 +14,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
-from specrt.runtime.sampling import check_chosen_finite, check_finite, sample, warp
+from specrt.runtime.sampling import check_finite, check_greedy_finite, sample, warp
 
 
 class Drafter(Protocol):
@@ -52,8 +52,8 @@ class ModelDrafter:
         for i in range(k):
             logits = self.decoder.forward(pending)[-1]
             if q is None:
-                drafted[i] = best = logits.argmax()
-                check_chosen_finite(logits, best, "draft")
+                check_greedy_finite(logits, "draft")
+                drafted[i] = logits.argmax()
             else:
                 check_finite(logits, "draft")
                 q[i] = warp(logits, config.temperature, config.top_k, config.top_p)

@@ -17,7 +17,7 @@ from specrt.runtime.draft_length import DraftLengthController
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_verify, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.sampling import check_finite, warp
+from specrt.runtime.sampling import WarpedRows, check_finite
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -153,12 +153,13 @@ class SpeculativeGenerator:
             round_start = time.perf_counter()
             drafted, q = drafter.propose(tokens, k, config, rng)
             drafted_at = time.perf_counter()
-            logits = target.forward(tokens[target.length :] + drafted.tolist())[-(k + 1) :]
+            drafted_ids = drafted.tolist()
+            logits = target.forward(tokens[target.length :] + drafted_ids)[-(k + 1) :]
             if config.greedy:
                 n, next_token = greedy_verify(drafted, logits)
             else:
                 check_finite(logits, "target")
-                p = warp(logits, config.temperature, config.top_k, config.top_p)
+                p = WarpedRows(logits, config.temperature, config.top_k, config.top_p)
                 n, next_token = rejection_sample(drafted, q, p, rng)
             if controller:
                 now = time.perf_counter()
@@ -170,18 +171,17 @@ class SpeculativeGenerator:
             for i in range(n):
                 stats.accepted_per_position[i] += 1
 
-            emitted = [*drafted[:n].tolist(), next_token]
+            emitted = [*drafted_ids[:n], next_token]
             # Roll back: each cache keeps only what is still history (all but the newest token).
             target.rollback(len(tokens) + n)
             tokens.extend(emitted)
             drafter.rollback(len(tokens) - 1)
 
-            if not config.ignore_eos:
-                stop_at = next((i for i, t in enumerate(emitted) if t in self.eos_token_ids), None)
-                if stop_at is not None:
-                    del tokens[len(tokens) - len(emitted) + stop_at + 1 :]
-                    finish_reason = "stop"
-                    break
+            if not config.ignore_eos and not self.eos_token_ids.isdisjoint(emitted):
+                stop_at = next(i for i, t in enumerate(emitted) if t in self.eos_token_ids)
+                del tokens[len(tokens) - len(emitted) + stop_at + 1 :]
+                finish_reason = "stop"
+                break
 
         new_ids = tokens[len(prompt) :]
         stats.new_tokens = len(new_ids)

@@ -19,9 +19,15 @@ correction or bonus token is :math:`\arg\max p_i`.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from specrt.runtime.sampling import check_chosen_finite, sample
+from specrt.runtime.sampling import check_greedy_finite, sample
+
+
+class Rows(Protocol):
+    def __getitem__(self, index: int) -> np.ndarray: ...
 
 
 def acceptance_probabilities(p_of_x: np.ndarray, q_of_x: np.ndarray) -> np.ndarray:
@@ -38,27 +44,31 @@ def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def rejection_sample(
-    draft_tokens: np.ndarray, q: np.ndarray, p: np.ndarray, rng: np.random.Generator
+    draft_tokens: np.ndarray, q: np.ndarray, p: Rows, rng: np.random.Generator
 ) -> tuple[int, int]:
     """Verify K draft tokens against the target; return (number accepted, next token).
 
     ``draft_tokens``: [K] ints; ``q``: [K, V] draft probabilities; ``p``: [K+1, V] target
-    probabilities. K may be 0 (then this is plain sampling from ``p[0]``).
+    probabilities, or any ``p[i] -> row`` (e.g. `WarpedRows`, which computes a row only when the
+    sampler reaches it: most rounds stop early). K may be 0 (plain sampling from ``p[0]``).
+    One uniform draw per position tested, then one for the emitted token.
     """
     k = len(draft_tokens)
-    positions = np.arange(k)
-    accept_prob = acceptance_probabilities(p[positions, draft_tokens], q[positions, draft_tokens])
-    accepted = rng.random(k) < accept_prob
-    n = k if accepted.all() else int(np.argmin(accepted))
-    final = p[k] if n == k else residual_distribution(p[n], q[n])
-    return n, sample(final, rng)
+    for i, x in enumerate(draft_tokens.tolist()):
+        p_i, q_x = p[i], q[i, x]
+        accept = min(1.0, p_i[x] / q_x) if q_x > 0 else 0.0
+        if not rng.random() < accept:
+            return i, sample(residual_distribution(p_i, q[i]), rng)
+    return k, sample(p[k], rng)
 
 
 def greedy_verify(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
     """Greedy rule: accept while the draft token is the target's argmax; emit the argmax next."""
-    best = target_logits.argmax(axis=-1)
-    check_chosen_finite(target_logits, best, "target")
-    k = len(draft_tokens)
-    chosen = best.tolist()
-    n = next((i for i in range(k) if chosen[i] != draft_tokens[i]), k)
-    return n, chosen[n]
+    check_greedy_finite(target_logits, "target")
+    best = target_logits.argmax(axis=-1).tolist()
+    n = 0
+    for drafted, wanted in zip(draft_tokens.tolist(), best):
+        if drafted != wanted:
+            break
+        n += 1
+    return n, best[n]

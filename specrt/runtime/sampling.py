@@ -23,11 +23,10 @@ def check_finite(logits: np.ndarray, who: str) -> None:
         raise_not_finite(logits, who)
 
 
-def check_chosen_finite(logits: np.ndarray, chosen: np.ndarray, who: str) -> None:
-    """Greedy's check: argmax returns the first NaN if there is one and +inf wins, so only the
-    chosen logits need looking at (-inf elsewhere is harmless: it never wins)."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    if not np.isfinite(rows[np.arange(rows.shape[0]), chosen.reshape(-1)]).all():
+def check_greedy_finite(logits: np.ndarray, who: str) -> None:
+    """Greedy's check, one reduction: the max is NaN if any logit is, +inf if any is, and -inf
+    only if all are (a -inf elsewhere is harmless: it never wins the argmax)."""
+    if not math.isfinite(logits.max()):
         raise_not_finite(logits, who)
 
 
@@ -69,3 +68,18 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)
     index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return min(index, probs.shape[-1] - 1)
+
+
+class WarpedRows:
+    """``warp`` of each row of ``logits``, computed on first access and kept."""
+
+    def __init__(self, logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> None:
+        self._logits = logits
+        self._args = (temperature, top_k, top_p)
+        self._rows: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        row = self._rows.get(index)
+        if row is None:
+            row = self._rows[index] = warp(self._logits[index], *self._args)
+        return row
