@@ -1,71 +1,128 @@
-r"""Adaptive draft length: choose K each round to maximise expected tokens per unit of time.
+r"""Adaptive draft length: stop drafting when one more draft token no longer pays for itself.
 
-With :math:`a_i` the probability that draft position i is accepted given the positions before it
-were, a round drafting K tokens emits :math:`E(K) = 1 + \sum_{j=1}^{K} \prod_{i \le j} a_i`
-tokens and costs :math:`T(K) = t_{verify}(K) + K\,t_{draft}`. Each round picks
-:math:`\arg\max_K E(K)/T(K)` over :math:`0..K_{max}` (K = 0 is a plain target step: right while
-the draft keeps missing). The :math:`a_i` are decayed counts of what recent rounds accepted, pulled
-back towards a prior while K = 0 (so drafting is retried); the times are moving averages of the
-measured calls. The choice thus follows both the text (boilerplate vs. hard code) and the machine.
+Drafting token :math:`j+1` costs :math:`t_d + \Delta v` (a draft step and one more position in
+the verification pass) and pays off only if tokens :math:`1..j+1` are all accepted. A round is
+worth drafting on while that marginal gain per second beats the rate :math:`R` (tokens per second)
+recent rounds achieved:
+
+.. math:: P(\text{tokens } 1..j{+}1 \text{ accepted} \mid c_j) \ge R\,(t_d + \Delta v)
+
+where :math:`c_j` is the draft's confidence (top probability) in token :math:`j`. That probability
+is learned online per confidence bin (decayed counts, optimistic prior :math:`c`) from rounds that
+did draft token :math:`j+1`. Before the first token it is the recent first-token acceptance.
+:math:`t_d` and :math:`\Delta v` are slopes of lines fitted to the measured draft and verify
+times, :math:`R` a moving average, so the choice follows the text, the pair and the machine.
+The draft never looks at the target before it stops, so the output is the same as with a fixed K.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+BINS = 10
+
+
+PRIOR_ACCEPTANCE = 0.6
+
 
 class DraftLengthController:
+    """Per-generator state; `start_round` / `keep_drafting` / `update` are called by the loop."""
+
     def __init__(
         self,
         k_max: int,
-        prior_acceptance: float = 0.6,
-        prior_weight: float = 2.0,
-        decay: float = 0.9,
-        smoothing: float = 0.2,
+        prior_weight: float = 4.0,
+        decay: float = 0.995,
+        smoothing: float = 0.05,
     ) -> None:
         self.k_max = k_max
         self.decay = decay
         self.smoothing = smoothing
-        self.prior_accepted = np.full(k_max, prior_acceptance * prior_weight)
-        self.prior_tried = np.full(k_max, prior_weight)
-        self.accepted = self.prior_accepted.copy()
-        self.tried = self.prior_tried.copy()
-        self.draft_step_s: float | None = None
-        self.verify_s = np.full(k_max + 1, np.nan)  # moving average per K
+        centers = (np.arange(BINS) + 0.5) / BINS
+        # Per confidence bin of token j: how often tokens 1..j+1 were all accepted.
+        self.prior_paid = centers * prior_weight  # optimistic: unexplored bins get tried
+        self.prior_seen = np.full(BINS, prior_weight)
+        self.paid = self.prior_paid.copy()
+        self.seen = self.prior_seen.copy()
+        self.first_acceptance = PRIOR_ACCEPTANCE  # of a round's first draft token
+        self.draft_time = LineFit(smoothing)  # seconds vs tokens drafted
+        self.verify_time = LineFit(smoothing)  # seconds vs tokens fed to the target
+        self.rate: float | None = None  # tokens per second of recent rounds
+        self._bins: list[int] = []
 
-    def choose(self) -> int:
-        if self.k_max == 0:
-            return 0
-        if self.draft_step_s is None:
-            return max(1, self.k_max // 2)  # first round: measure the costs
-        known = np.flatnonzero(~np.isnan(self.verify_s))
-        nearest = known[np.abs(np.arange(self.k_max + 1)[:, None] - known[None]).argmin(axis=1)]
-        verify = self.verify_s[nearest]
-        survival = np.cumprod(self.accepted / self.tried)  # P(first j positions all accepted)
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(survival)])  # E(K) for K = 0..k_max
-        cost = verify + np.arange(self.k_max + 1) * self.draft_step_s
-        return int(np.argmax(expected / cost))
+    @property
+    def marginal_cost_s(self) -> float | None:
+        """Time one more draft token adds to a round: a draft step and a verified position."""
+        draft, verify = self.draft_time.slope, self.verify_time.slope
+        return None if draft is None else draft + (verify or 0.0)
 
+    # -- within a round --------------------------------------------------------------------------
+    def start_round(self) -> None:
+        self._bins = []
+
+    def keep_drafting(self, drafted: int, confidence: float | None = None) -> bool:
+        """Called before drafting (``drafted == 0``) and after each drafted token with its
+        confidence; False stops the round's drafting."""
+        gain = self.first_acceptance
+        if confidence is not None:
+            index = min(int(confidence * BINS), BINS - 1)
+            self._bins.append(index)
+            gain = self.paid[index] / self.seen[index]
+        if drafted >= self.k_max:
+            return False
+        cost = self.marginal_cost_s
+        if self.rate is None or cost is None:  # not measured yet: vary K to learn the costs
+            return drafted < 1 + len(self.draft_time) % self.k_max
+        return gain >= self.rate * cost
+
+    # -- after a round ---------------------------------------------------------------------------
     def update(
         self, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
     ) -> None:
         """Record a round: ``drafted`` proposed, ``accepted`` kept, and what each part took."""
-        self.accepted = self.decay * self.accepted
-        self.tried = self.decay * self.tried
         if drafted:
-            reached = min(accepted + 1, drafted)  # positions whose accept/reject was decided
-            self.tried[:reached] += 1
-            self.accepted[:accepted] += 1
-            per_step = draft_time_s / drafted
-            self.draft_step_s = _average(self.draft_step_s, per_step, self.smoothing)
-        else:  # no evidence this round: drift back to the prior so drafting gets retried
-            self.accepted += (1 - self.decay) * self.prior_accepted
-            self.tried += (1 - self.decay) * self.prior_tried
-        old = self.verify_s[drafted]
-        self.verify_s[drafted] = _average(
-            None if np.isnan(old) else old, verify_time_s, self.smoothing
+            self.paid = self.decay * self.paid + (1 - self.decay) * self.prior_paid
+            self.seen = self.decay * self.seen + (1 - self.decay) * self.prior_seen
+            # Token j's bin learns whether drafting j+1 paid, when j+1 was drafted (recording
+            # only the settled "no"s of stopped rounds would bias it down).
+            for j, index in enumerate(self._bins[: drafted - 1], start=1):
+                self.seen[index] += 1
+                self.paid[index] += accepted >= j + 1
+            first = float(accepted >= 1)
+            self.first_acceptance += self.smoothing * (first - self.first_acceptance)
+            self.draft_time.add(drafted, draft_time_s)
+        else:  # no evidence: drift slowly back to the prior so drafting gets retried now and then
+            drift = 0.1 * self.smoothing
+            self.first_acceptance += drift * (PRIOR_ACCEPTANCE - self.first_acceptance)
+        self.verify_time.add(drafted + 1, verify_time_s)
+        tokens_per_s = (accepted + 1) / (draft_time_s + verify_time_s)
+        self.rate = (
+            tokens_per_s
+            if self.rate is None
+            else self.rate + self.smoothing * (tokens_per_s - self.rate)
         )
 
 
-def _average(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+class LineFit:
+    """Least-squares line y = a + b x over exponentially decayed observations."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.smoothing = smoothing
+        self._sums = np.zeros(5)  # n, sum x, sum x^2, sum y, sum xy
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, x: float, y: float) -> None:
+        self._sums = (1 - self.smoothing) * self._sums + np.array([1.0, x, x * x, y, x * y])
+        self._count += 1
+
+    @property
+    def slope(self) -> float | None:
+        """None until two different x have been seen."""
+        n, sx, sxx, sy, sxy = self._sums
+        spread = n * sxx - sx * sx
+        if spread <= 1e-6 * n * n:
+            return None
+        return max(0.0, (n * sxy - sx * sy) / spread)

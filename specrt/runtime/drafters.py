@@ -8,6 +8,7 @@ tells the drafter that only ``tokens[:n]`` stand; it keeps whatever state is sti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +17,9 @@ from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
 from specrt.runtime.sampling import check_finite, check_greedy_finite, sample, warp
 
+# keep_going(drafted so far, confidence of the last drafted token) -> draft another?
+KeepGoing = Callable[[int, float], bool]
+
 
 class Drafter(Protocol):
     max_positions: int
@@ -23,7 +27,12 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
     def propose(
-        self, tokens: list[int], k: int, config: GenerationConfig, rng: np.random.Generator
+        self,
+        tokens: list[int],
+        k: int,
+        config: GenerationConfig,
+        rng: np.random.Generator,
+        keep_going: KeepGoing | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]: ...
 
     def rollback(self, valid_length: int) -> None: ...
@@ -44,22 +53,41 @@ class ModelDrafter:
             self.decoder.forward(tokens)
 
     def propose(
-        self, tokens: list[int], k: int, config: GenerationConfig, rng: np.random.Generator
+        self,
+        tokens: list[int],
+        k: int,
+        config: GenerationConfig,
+        rng: np.random.Generator,
+        keep_going: KeepGoing | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Up to ``k`` tokens; ``keep_going`` may stop earlier, judging by the draft's confidence
+        (its top probability) in each token it drafted."""
         drafted = np.empty(k, dtype=np.int64)
         q = None if config.greedy else np.empty((k, self.decoder.vocab_size))
         pending = tokens[self.decoder.length :]
-        for i in range(k):
+        count = 0
+        while count < k:
             logits = self.decoder.forward(pending)[-1]
             if q is None:
                 check_greedy_finite(logits, "draft")
-                drafted[i] = logits.argmax()
+                drafted[count] = best = logits.argmax()
+                confidence = _top_probability(logits, best) if keep_going else 0.0
             else:
                 check_finite(logits, "draft")
-                q[i] = warp(logits, config.temperature, config.top_k, config.top_p)
-                drafted[i] = sample(q[i], rng)
-            pending = [int(drafted[i])]
-        return drafted, q
+                q[count] = warp(logits, config.temperature, config.top_k, config.top_p)
+                drafted[count] = sample(q[count], rng)
+                confidence = float(q[count].max())
+            pending = [int(drafted[count])]
+            count += 1
+            if keep_going is not None and not keep_going(count, confidence):
+                break
+        return drafted[:count], None if q is None else q[:count]
 
     def rollback(self, valid_length: int) -> None:
         self.decoder.rollback(valid_length)
+
+
+def _top_probability(logits: np.ndarray, best: int) -> float:
+    """softmax(logits)[best] for the argmax ``best``, in one pass."""
+    shifted = logits - logits[best]
+    return float(1.0 / np.exp(shifted, out=shifted).sum())

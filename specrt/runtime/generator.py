@@ -38,6 +38,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._controllers: dict[tuple[int, bool], DraftLengthController] = {}
 
     @classmethod
     def from_bundle(
@@ -125,6 +126,14 @@ class SpeculativeGenerator:
             rng = np.random.default_rng(None if config.seed is None else [config.seed, row])
             yield self._generate_row(ids, config, rng)
 
+    def _draft_length_controller(self, k_max: int, greedy: bool) -> DraftLengthController:
+        """One per K limit and mode, kept across rows and calls: what it learns (the draft's
+        calibration, the machine's costs) holds for the pair, not for one prompt."""
+        key = (k_max, greedy)
+        if key not in self._controllers:
+            self._controllers[key] = DraftLengthController(k_max)
+        return self._controllers[key]
+
     # ----------------------------------------------------------------------------------------
     def _generate_row(
         self, prompt: list[int], config: GenerationConfig, rng: np.random.Generator
@@ -145,14 +154,20 @@ class SpeculativeGenerator:
             if k_max:
                 drafter.prefill(prompt[:-1])
 
-        controller = DraftLengthController(k_max) if config.adaptive_draft else None
+        controller = None
+        if config.adaptive_draft:
+            controller = self._draft_length_controller(k_max, config.greedy)
+        keep_going = controller.keep_drafting if controller else None
         while len(tokens) < limit:
-            wanted = controller.choose() if controller else k_max
             # A round emits at most k+1 tokens and every fed position must fit in each model.
-            k = max(0, min(wanted, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
+            k = max(0, min(k_max, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
+            if controller:
+                controller.start_round()
+                k = k if controller.keep_drafting(0) else 0
             round_start = time.perf_counter()
-            drafted, q = drafter.propose(tokens, k, config, rng)
+            drafted, q = drafter.propose(tokens, k, config, rng, keep_going)
             drafted_at = time.perf_counter()
+            k = len(drafted)
             drafted_ids = drafted.tolist()
             logits = target.forward(tokens[target.length :] + drafted_ids)[-(k + 1) :]
             if config.greedy:
