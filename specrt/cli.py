@@ -207,6 +207,18 @@ def generate(bundle, prompts, prompt_file, as_json, threads, engine, compare, **
     help="Which graphs specrt runs.",
 )
 @click.option("--no-transformers", is_flag=True, help="Skip the PyTorch contenders.")
+@click.option(
+    "--genai-python",
+    type=click.Path(path_type=Path),
+    help="Python of the onnxruntime-genai environment (bash bench/genai_env.sh makes it).",
+)
+@click.option(
+    "--genai-models",
+    type=click.Path(path_type=Path),
+    default=Path("build/genai"),
+    show_default=True,
+    help="The pair as built by onnxruntime-genai's builder.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write speedup/acceptance plot.")
 @_friendly_errors
@@ -220,6 +232,8 @@ def bench(
     threads,
     engine,
     no_transformers,
+    genai_python,
+    genai_models,
     as_json,
     plot,
 ) -> None:
@@ -237,6 +251,7 @@ def bench(
         ks=tuple(range(1, max_draft_tokens + 1)),
         with_transformers=not no_transformers,
         engine=engine,
+        genai=(genai_python, genai_models) if genai_python else None,
         log=lambda message: click.echo(message, err=True),
     )
     click.echo(json.dumps(report) if as_json else table(report))

@@ -35,3 +35,12 @@ def test_bench_reports_every_contender(llama_bundle, tmp_path):
     assert report["costs"]["cost_ratio"] > 0
     assert report["results"]["greedy"]["specrt target only"]["speedup"] == 1.0
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_genai_contender_needs_its_environment(llama_bundle, tmp_path):
+    """Without the onnxruntime-genai environment the bench says how to make it (exit 1) instead
+    of running for minutes first."""
+    args = ["bench", "--bundle", str(llama_bundle), "--prompt", "Simple is", "--no-transformers"]
+    args += ["--max-new-tokens", "4", "--max-draft-tokens", "1"]
+    result = CliRunner().invoke(main, [*args, "--genai-python", str(tmp_path / "nope")])
+    assert result.exit_code == 1 and "bash bench/genai_env.sh" in result.output

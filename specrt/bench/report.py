@@ -7,19 +7,24 @@ from pathlib import Path
 
 from specrt.errors import SpecrtError
 
+WIDTH = 36
+
 
 def table(report: dict) -> str:
     labels = list(report["results"])
-    names = list(report["results"][labels[0]])
-    header = f"{'contender':<28}" + "".join(f"{label:>26}" for label in labels)
+    names = list(dict.fromkeys(n for label in labels for n in report["results"][label]))
+    header = f"{'contender':<{WIDTH}}" + "".join(f"{label:>26}" for label in labels)
     header += f"{'alpha':>8}{'predicted':>11}{'overhead':>10}"
-    lines = [header, f"{'':<28}" + "".join(f"{'tokens/s   x target':>26}" for _ in labels)]
+    lines = [header, f"{'':<{WIDTH}}" + "".join(f"{'tokens/s   x target':>26}" for _ in labels)]
     for name in names:
-        row = f"{name:<28}"
+        row = f"{name:<{WIDTH}}"
         for label in labels:
-            entry = report["results"][label][name]
+            entry = report["results"][label].get(name)
+            if entry is None:
+                row += f"{'-':>26}"
+                continue
             row += f"{entry['tokens_per_second']:>17.1f}{entry['speedup']:>8.2f}x"
-        first = report["results"][labels[0]][name]
+        first = report["results"][labels[0]].get(name, {})
         row += f"{first['alpha']:>8.2f}" if "alpha" in first else f"{'':>8}"
         predicted = first.get("predicted_speedup")
         row += f"{predicted:>10.2f}x" if predicted else f"{'':>11}"
@@ -29,8 +34,9 @@ def table(report: dict) -> str:
     costs = report["costs"]
     lines.append(
         f"c = draft/target step cost = {costs['cost_ratio']:.3f}; {report['prompts']} prompts, "
-        f"{report['max_new_tokens']} new tokens, {report['threads']} threads; medians over "
-        "prompts; alpha, predicted and overhead for the first column"
+        f"{report['max_new_tokens']} new tokens, {report['threads']} threads, engine "
+        f"{report.get('engine', 'auto')}; medians over prompts; alpha, predicted and overhead "
+        "for the first column"
     )
     for what, why in report["skipped"].items():
         lines.append(f"skipped {what}: {why}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specrt.bench.contenders import HFContender, Run, SpecrtContender
 from specrt.bench.costs import step_seconds
+from specrt.bench.genai import check_genai_environment, run_genai
 from specrt.bundle import read_manifest
 from specrt.runtime import SpeculativeGenerator
 
@@ -32,9 +33,14 @@ def run_benchmark(
     with_transformers: bool = True,
     seed: int = 0,
     engine: str = "auto",
+    genai: tuple[Path, Path] | None = None,
+    genai_ks: Sequence[int] = (2, 4, 6),
     log: Callable[[str], None] = lambda message: None,
 ) -> dict:
+    """``genai``: (python of the onnxruntime-genai environment, its built models dir)."""
     threads = threads or os.cpu_count() or 1
+    if genai is not None:
+        check_genai_environment(*genai)
     generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, engine=engine)
     prompt_ids = generator.encode_prompts(list(prompts))
     contenders: list = [SpecrtContender(generator, 0)]
@@ -76,6 +82,24 @@ def run_benchmark(
     results = {
         _label(t): _summarise(runs[t], costs["cost_ratio"], contenders) for t in temperatures
     }
+    if genai is not None:
+        log("running onnxruntime-genai in its own environment")
+        sampled = [t for t in temperatures if t > 0]
+        for report in run_genai(
+            genai[0], genai[1], prompts, max_new_tokens, threads, genai_ks, max(sampled or [0])
+        ):
+            label = _label(report["temperature"])
+            if label not in results:
+                continue
+            baseline = results[label][BASELINE]["tokens_per_second"]
+            entry = {
+                "tokens_per_second": report["tokens_per_second"],
+                "speedup": report["tokens_per_second"] / baseline,
+            }
+            for key in ("acceptance_rate", "tokens_per_round", "identical_output"):
+                if key in report:
+                    entry[key] = report[key]
+            results[label][report["contender"]] = entry
     return {
         "bundle": str(bundle),
         "prompts": len(prompt_ids),
