@@ -43,8 +43,12 @@ def test_speculative_greedy_equals_target_only(bundles, arch, engine):
                 assert spec.text == base.text
             drafted = sum(r.stats.drafted_tokens for r in results)
             accepted = sum(r.stats.accepted_tokens for r in results)
-            # Both paths of the verifier ran: some drafts rejected, some accepted.
-            assert 0 < accepted < drafted, (arch, k, accepted, drafted)
+            # Both paths of the verifier ran: some drafts rejected, some accepted. (How much the
+            # adaptive controller drafts depends on measured times: it only has to draft.)
+            if adaptive:
+                assert drafted > 0, (arch, accepted, drafted)
+            else:
+                assert 0 < accepted < drafted, (arch, k, accepted, drafted)
         # A fully accepted round (bonus token; the draft then catches up on two tokens) happened.
         assert any(r.stats.accepted_per_position[-1] > 0 for r in run(generator, 2))
 

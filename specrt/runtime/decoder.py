@@ -15,6 +15,7 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError, InvalidInputError
+from specrt.runtime.sampling import greedy_choice
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -36,6 +37,10 @@ class Decoder(Protocol):
     def rollback(self, length: int) -> None: ...
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray: ...
+
+    def forward_greedy(
+        self, tokens: Sequence[int], confidence: bool = False
+    ) -> tuple[list[int], list[float] | None]: ...
 
 
 class KVCache:
@@ -121,6 +126,13 @@ class OnnxDecoder:
         cache.store(presents[:layers], presents[layers:])
         return logits[0, :, : self.vocab_size]
 
+    def forward_greedy(
+        self, tokens: Sequence[int], confidence: bool = False
+    ) -> tuple[list[int], list[float] | None]:
+        """Like `forward`, but return each position's argmax token (and, with ``confidence``,
+        its probability); non-finite logits raise `NumericalError`."""
+        return greedy_from_logits(self.forward(tokens), self.role, confidence)
+
 
 def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) -> None:
     """Refuse a graph whose inputs/outputs are not the ones the manifest names."""
@@ -155,3 +167,13 @@ def make_decoder(
 
         return InPlaceDecoder(session, spec, vocab_size, role)
     return OnnxDecoder(session, spec, vocab_size, role)
+
+
+def greedy_from_logits(
+    logits: np.ndarray, role: str, confidence: bool
+) -> tuple[list[int], list[float] | None]:
+    best = greedy_choice(logits, role)
+    if not confidence:
+        return best.tolist(), None
+    top = logits[np.arange(len(best)), best][:, None]
+    return best.tolist(), (1.0 / np.exp(logits - top).sum(axis=-1)).tolist()

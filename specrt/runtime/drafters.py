@@ -15,7 +15,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
-from specrt.runtime.sampling import check_finite, check_greedy_finite, sample, warp
+from specrt.runtime.sampling import check_finite, sample, warp
 
 # keep_going(drafted so far, confidence of the last drafted token) -> draft another?
 KeepGoing = Callable[[int, float], bool]
@@ -67,12 +67,12 @@ class ModelDrafter:
         pending = tokens[self.decoder.length :]
         count = 0
         while count < k:
-            logits = self.decoder.forward(pending)[-1]
             if q is None:
-                check_greedy_finite(logits, "draft")
-                drafted[count] = best = logits.argmax()
-                confidence = _top_probability(logits, best) if keep_going else 0.0
+                ids, top = self.decoder.forward_greedy(pending, confidence=keep_going is not None)
+                drafted[count] = ids[-1]
+                confidence = top[-1] if top else 0.0
             else:
+                logits = self.decoder.forward(pending)[-1]
                 check_finite(logits, "draft")
                 q[count] = warp(logits, config.temperature, config.top_k, config.top_p)
                 drafted[count] = sample(q[count], rng)
@@ -85,9 +85,3 @@ class ModelDrafter:
 
     def rollback(self, valid_length: int) -> None:
         self.decoder.rollback(valid_length)
-
-
-def _top_probability(logits: np.ndarray, best: int) -> float:
-    """softmax(logits)[best] for the argmax ``best``, in one pass."""
-    shifted = logits - logits[best]
-    return float(1.0 / np.exp(shifted, out=shifted).sum())

@@ -15,7 +15,7 @@ from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder, make_decoder
 from specrt.runtime.draft_length import DraftLengthController
 from specrt.runtime.drafters import Drafter, ModelDrafter
-from specrt.runtime.rejection import greedy_verify, rejection_sample
+from specrt.runtime.rejection import greedy_accept, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.sampling import WarpedRows, check_finite
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -169,10 +169,12 @@ class SpeculativeGenerator:
             drafted_at = time.perf_counter()
             k = len(drafted)
             drafted_ids = drafted.tolist()
-            logits = target.forward(tokens[target.length :] + drafted_ids)[-(k + 1) :]
-            if config.greedy:
-                n, next_token = greedy_verify(drafted, logits)
+            fed = tokens[target.length :] + drafted_ids
+            if config.greedy:  # the target's argmax per position, not its logits
+                choice, _ = target.forward_greedy(fed)
+                n, next_token = greedy_accept(drafted_ids, choice[-(k + 1) :])
             else:
+                logits = target.forward(fed)[-(k + 1) :]
                 check_finite(logits, "target")
                 p = WarpedRows(logits, config.temperature, config.top_k, config.top_p)
                 n, next_token = rejection_sample(drafted, q, p, rng)

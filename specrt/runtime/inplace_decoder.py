@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import InvalidInputError
-from specrt.runtime.decoder import NUMPY_DTYPES, check_session_io
+from specrt.runtime.decoder import NUMPY_DTYPES, check_session_io, greedy_from_logits
 
 _KEEP_WIDTHS = 80
 
@@ -56,7 +56,6 @@ class InPlaceDecoder:
         # Logits land in our own arrays, one per call width: no output is allocated or wrapped
         # per call. Widths up to _KEEP_WIDTHS (drafting, verification) are kept for reuse.
         self._logits: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
-        self._logits_width = spec.vocab_size
 
     def reset(self) -> None:
         self.length = 0
@@ -66,7 +65,9 @@ class InPlaceDecoder:
         self.length = min(self.length, length)
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``."""
+        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``.
+
+        The array is reused by the next call with as many tokens: copy what must outlive it."""
         start, count = self.length, len(tokens)
         if start + count > self.max_positions:
             raise InvalidInputError(
@@ -84,8 +85,15 @@ class InPlaceDecoder:
         self.length = start + count
         return logits[0, :, : self.vocab_size]
 
+    def forward_greedy(
+        self, tokens: Sequence[int], confidence: bool = False
+    ) -> tuple[list[int], list[float] | None]:
+        """Like `forward`, but return each position's argmax token (and, with ``confidence``,
+        its probability); non-finite logits raise `NumericalError`."""
+        return greedy_from_logits(self.forward(tokens), self.role, confidence)
+
     def _logits_buffer(self, count: int) -> tuple[np.ndarray, ort.OrtValue]:
-        logits = np.empty((1, count, self._logits_width), dtype=np.float32)
+        logits = np.empty((1, count, self.spec.vocab_size), dtype=np.float32)
         pair = (logits, ort.OrtValue.ortvalue_from_numpy(logits))
         if count <= _KEEP_WIDTHS:
             self._logits[count] = pair

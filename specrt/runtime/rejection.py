@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specrt.runtime.sampling import check_greedy_finite, sample
+from specrt.runtime.sampling import greedy_choice, sample
 
 
 class Rows(Protocol):
@@ -64,11 +64,15 @@ def rejection_sample(
 
 def greedy_verify(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
     """Greedy rule: accept while the draft token is the target's argmax; emit the argmax next."""
-    check_greedy_finite(target_logits, "target")
-    best = target_logits.argmax(axis=-1).tolist()
+    best = greedy_choice(target_logits, "target").tolist()
+    return greedy_accept(draft_tokens.tolist(), best)
+
+
+def greedy_accept(draft_tokens: list[int], target_choice: list[int]) -> tuple[int, int]:
+    """`greedy_verify` given the target's argmax at each of the K+1 positions."""
     n = 0
-    for drafted, wanted in zip(draft_tokens.tolist(), best):
+    for drafted, wanted in zip(draft_tokens, target_choice):
         if drafted != wanted:
             break
         n += 1
-    return n, best[n]
+    return n, target_choice[n]
