@@ -106,6 +106,36 @@ def export(
 
 
 # ------------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option(
+    "--draft-precision",
+    type=click.Choice(["float32", "int8", "int4"]),
+    default="int8",
+    show_default=True,
+    help="Weights of the draft's engine: cheaper drafting, same output.",
+)
+@click.option("--atol", type=float, default=1e-3, show_default=True, help="Max |logit diff|.")
+@_friendly_errors
+def build(bundle, draft_precision, atol) -> None:
+    """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
+    try:
+        from specrt.export.build import build_engines
+    except ImportError as exc:
+        raise click.ClickException(
+            f"specrt build needs the export extra ({exc.name} is missing): "
+            "pip install torch==2.13.0 && pip install 'specrt[export]'"
+        ) from exc
+    manifest = build_engines(
+        bundle, draft_precision, atol, log=lambda message: click.echo(message, err=True)
+    )
+    for role, spec in manifest.models.items():
+        names = ", ".join(f"{n} ({e.precision})" for n, e in spec.engines.items()) or "none"
+        click.echo(f"{role}: engines {names}")
+    click.echo(f"bundle: {bundle}")
+
+
+# ------------------------------------------------------------------------------------------------
 def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
     """--prompt (repeatable) and --prompt-file: one prompt per line, or per JSON line in .jsonl
     files ({"prompt": ...} or a JSON string), for prompts that span lines."""

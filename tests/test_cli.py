@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 from click.testing import CliRunner
 
 from specrt.bundle import read_manifest
 from specrt.cli import main
+from specrt.export.tiny import make_tiny_pair
 
 STATS_KEYS = {
     "prompt_tokens",
@@ -93,3 +95,36 @@ def test_export_engine_options(tmp_path):
 
     result = runner.invoke(main, ["export", "--recipe", str(recipe), "--draft-precision", "fp8"])
     assert result.exit_code == 2 and "fp8" in result.output
+
+
+def test_build_engines_for_an_existing_bundle(tmp_path):
+    """`specrt build` adds the onnxruntime engines to a bundle exported without them, from the
+    checkpoints it was exported from; without those checkpoints it fails and changes nothing."""
+    recipe = tmp_path / "pair.json"
+    recipe.write_text(json.dumps({"tiny": {"arch": "llama", "seed": 6}, "ort_engine": False}))
+    runner = CliRunner()
+    assert runner.invoke(main, ["export", "--recipe", str(recipe)]).exit_code == 0
+    bundle = tmp_path / "pair"
+    assert all(not spec.engines for spec in read_manifest(bundle).models.values())
+
+    result = runner.invoke(main, ["build", "--bundle", str(bundle), "--draft-precision", "int4"])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(bundle)
+    assert manifest.models["target"].engines["onnxruntime"].precision == "float32"
+    assert manifest.models["draft"].engines["onnxruntime"].precision == "int4"
+    args = ["generate", "--bundle", str(bundle), "--prompt", "Simple is", "--json"]
+    outputs = {}
+    for engine in ("portable", "onnxruntime"):
+        result = runner.invoke(main, [*args, "--engine", engine, "--num-draft-tokens", "0"])
+        assert result.exit_code == 0, result.output
+        outputs[engine] = json.loads(result.output)["token_ids"]
+    assert outputs["portable"] == outputs["onnxruntime"]
+
+    before = (bundle / "manifest.json").read_text()
+    make_tiny_pair("llama", tmp_path / ".pair.sources", seed=7)  # other weights, same place
+    result = runner.invoke(main, ["build", "--bundle", str(bundle)])
+    assert result.exit_code == 1 and "checkpoint vs the bundle's graph" in result.output
+    shutil.rmtree(tmp_path / ".pair.sources" / "draft")
+    result = runner.invoke(main, ["build", "--bundle", str(bundle)])
+    assert result.exit_code == 1 and "is gone" in result.output
+    assert (bundle / "manifest.json").read_text() == before

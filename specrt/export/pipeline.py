@@ -112,7 +112,7 @@ def export_bundle(
             specrt_version=__version__,
         )
         write_manifest(scratch, manifest)
-        _replace_dir(scratch, out)
+        replace_dir(scratch, out)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     log(f"bundle written to {out}")
@@ -153,10 +153,8 @@ def _export_checked(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specrt.engines.ort_graph import unsupported_reason
     from specrt.export.numeric_check import max_logit_difference
     from specrt.export.onnx_export import describe_model, export_onnx
-    from specrt.export.ort_engine import build_ort_engine
 
     graph = export_onnx(source, bundle_root / role, opset, slim)
     spec = describe_model(graph, bundle_root, config, tokenizer_hash)
@@ -164,25 +162,46 @@ def _export_checked(
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=torch.float32, local_files_only=True
     ).eval()
-    spec.export_check = _require_close(
+    spec.export_check = require_close(
         max_logit_difference(model, graph, spec, token_range), atol, role, source
     )
     if ort_engine:
-        reason = unsupported_reason(config, spec.max_positions)
-        if reason:
-            log(f"  {role}: no onnxruntime engine ({reason}); the portable graph will run")
-        else:
-            precision = draft_precision if role == "draft" else "float32"
-            engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
-            what = f"{role} onnxruntime engine"
-            if precision == "float32":
-                _require_close(engine.export_check, atol, what, source)
-            else:  # a quantised draft is not meant to match; it only has to be a number
-                _require_close(engine.export_check, math.inf, what, source)
+        add_ort_engine(
+            model, spec, config, bundle_root, role, token_range, atol, draft_precision, log
+        )
     return spec
 
 
-def _require_close(check: dict[str, float], atol: float, what: str, source: Path) -> dict:
+def add_ort_engine(
+    model,
+    spec: ModelSpec,
+    config,
+    bundle_root: Path,
+    role: str,
+    token_range: int,
+    atol: float,
+    draft_precision: str,
+    log: Callable[[str], None],
+) -> None:
+    """Build, check and record ``role``'s onnxruntime engine where the architecture allows."""
+    from specrt.engines.ort_graph import unsupported_reason
+    from specrt.export.ort_engine import build_ort_engine
+
+    reason = unsupported_reason(config, spec.max_positions)
+    if reason:
+        log(f"  {role}: no onnxruntime engine ({reason}); the portable graph will run")
+        return
+    precision = draft_precision if role == "draft" else "float32"
+    engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
+    what = f"{role} onnxruntime engine"
+    source = Path(spec.source)
+    if precision == "float32":
+        require_close(engine.export_check, atol, what, source)
+    else:  # a quantised draft is not meant to match; it only has to be a number
+        require_close(engine.export_check, math.inf, what, source)
+
+
+def require_close(check: dict[str, float], atol: float, what: str, source: Path) -> dict:
     check["atol"] = atol
     if not math.isfinite(check["max_abs_logit_diff"]):
         raise ExportError(
@@ -247,7 +266,7 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _replace_dir(new: Path, out: Path) -> None:
+def replace_dir(new: Path, out: Path) -> None:
     """Move ``new`` to ``out``; an old ``out`` is removed only once ``new`` is in place."""
     if not out.exists():
         os.replace(new, out)
