@@ -178,6 +178,13 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
 @click.option(
     "--adaptive-draft", is_flag=True, help="Choose K per round (at most --num-draft-tokens)."
 )
+@click.option(
+    "--draft-schedule",
+    type=click.Choice(["fixed", "adaptive", "heuristic"]),
+    default="fixed",
+    show_default=True,
+    help="How many tokens each round drafts (adaptive = --adaptive-draft).",
+)
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
 @click.option(
     "--engine",
@@ -267,7 +274,8 @@ def bench(
     as_json,
     plot,
 ) -> None:
-    """Benchmark specrt (target only, K = 1..N, adaptive) against transformers, interleaved."""
+    """Benchmark specrt (target only, K = 1..N, adaptive, heuristic) against transformers and
+    onnxruntime-genai, interleaved."""
     from specrt.bench.report import plot as draw
     from specrt.bench.report import table
     from specrt.bench.runner import run_benchmark

@@ -27,6 +27,7 @@ def test_bench_reports_every_contender(llama_bundle, tmp_path):
     assert set(report["results"]) == {"greedy", "temperature 1"}
     names = set(report["results"]["greedy"])
     assert {"specrt target only", "specrt K=1", "specrt K=2", "specrt adaptive K<=2"} <= names
+    assert "specrt heuristic K<=2" in names
     assert {"transformers target only", "transformers assisted"} <= names
     k2 = report["results"]["greedy"]["specrt K=2"]
     for key in ("tokens_per_second", "speedup", "alpha", "predicted_speedup", "overhead_fraction"):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import random
 
-from specrt.runtime.draft_length import DraftLengthController, LineFit
+import pytest
+
+from specrt.errors import InvalidInputError
+from specrt.runtime import GenerationConfig
+from specrt.runtime.draft_length import DraftLengthController, HeuristicController, LineFit
 
 
 def feed(controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0, per_token=0.1):
@@ -85,3 +89,17 @@ def test_line_fit_slope():
     for x in [1, 3, 2, 5, 4] * 5:
         fit.add(x, 2.0 + 0.5 * x)
     assert abs(fit.slope - 0.5) < 1e-9 and len(fit) == 25
+
+
+def test_heuristic_schedule_is_plus_two_minus_one():
+    controller = HeuristicController(k_max=8)
+    chosen = feed(controller, 5, lambda: 0.9, leading(lambda c: True))
+    assert chosen == [4, 6, 8, 8, 8]
+    assert feed(controller, 3, lambda: 0.9, leading(lambda c: False)) == [8, 7, 6]
+
+
+def test_schedule_names():
+    assert GenerationConfig(adaptive_draft=True).draft_schedule == "adaptive"
+    assert GenerationConfig(draft_schedule="heuristic").draft_schedule == "heuristic"
+    with pytest.raises(InvalidInputError, match="draft_schedule='sometimes' is out of range"):
+        GenerationConfig(draft_schedule="sometimes")

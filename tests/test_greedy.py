@@ -31,12 +31,13 @@ def test_speculative_greedy_equals_target_only(bundles, arch, engine):
     for ignore_eos in (False, True):
         baseline = run(generator, 0, ignore_eos=ignore_eos)
         assert all(r.stats.drafted_tokens == 0 for r in baseline)
-        for k, adaptive in ((1, False), (2, False), (4, False), (8, False), (8, True)):
+        schedules = [(k, "fixed") for k in (1, 2, 4, 8)] + [(8, "adaptive"), (8, "heuristic")]
+        for k, schedule in schedules:
             # The adaptive controller persists per generator; on these tiny pairs the draft costs
             # as much as the target, so after its first rounds it rightly stops drafting. A
             # fresh one drafts while it learns, which is the path to check here.
             generator._controllers.clear()
-            results = run(generator, k, ignore_eos=ignore_eos, adaptive_draft=adaptive)
+            results = run(generator, k, ignore_eos=ignore_eos, draft_schedule=schedule)
             for prompt, spec, base in zip(PROMPTS, results, baseline):
                 assert spec.token_ids == base.token_ids, (arch, k, prompt)
                 assert spec.finish_reason == base.finish_reason
@@ -45,7 +46,7 @@ def test_speculative_greedy_equals_target_only(bundles, arch, engine):
             accepted = sum(r.stats.accepted_tokens for r in results)
             # Both paths of the verifier ran: some drafts rejected, some accepted. (How much the
             # adaptive controller drafts depends on measured times: it only has to draft.)
-            if adaptive:
+            if schedule == "adaptive":
                 assert drafted > 0, (arch, accepted, drafted)
             else:
                 assert 0 < accepted < drafted, (arch, k, accepted, drafted)

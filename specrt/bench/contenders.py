@@ -22,16 +22,18 @@ class Run:
 
 
 class SpecrtContender:
-    def __init__(self, generator: SpeculativeGenerator, k: int, adaptive: bool = False) -> None:
-        self.generator, self.k, self.adaptive = generator, k, adaptive
-        kind = "target only" if k == 0 else (f"adaptive K<={k}" if adaptive else f"K={k}")
+    def __init__(self, generator: SpeculativeGenerator, k: int, schedule: str = "fixed") -> None:
+        self.generator, self.k, self.schedule = generator, k, schedule
+        kind = (
+            "target only" if k == 0 else (f"K={k}" if schedule == "fixed" else f"{schedule} K<={k}")
+        )
         self.name = f"specrt {kind}"
 
     def run(self, prompt: list[int], temperature: float, max_new_tokens: int, seed: int) -> Run:
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=self.k,
-            adaptive_draft=self.adaptive,
+            draft_schedule=self.schedule,
             temperature=temperature,
             seed=seed,
             ignore_eos=True,

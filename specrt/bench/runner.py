@@ -14,6 +14,7 @@ from specrt.bundle import read_manifest
 from specrt.runtime import SpeculativeGenerator
 
 BASELINE = "specrt target only"
+SCHEDULES = ("adaptive", "heuristic")
 
 
 def predicted_speedup(alpha: float, k: int, cost_ratio: float) -> float:
@@ -45,7 +46,7 @@ def run_benchmark(
     prompt_ids = generator.encode_prompts(list(prompts))
     contenders: list = [SpecrtContender(generator, 0)]
     contenders += [SpecrtContender(generator, k) for k in ks]
-    contenders += [SpecrtContender(generator, max(ks), adaptive=True)]
+    contenders += [SpecrtContender(generator, max(ks), schedule) for schedule in SCHEDULES]
     skipped = {}
     if with_transformers:
         manifest = read_manifest(bundle)
@@ -128,7 +129,7 @@ def _summarise(runs: dict[str, list[Run]], cost_ratio: float, contenders) -> dic
             entry["overhead_fraction"] = (total - sum(r.model_seconds for r in rows)) / total
         if isinstance(contender, SpecrtContender) and contender.k:
             entry.update(_acceptance(rows, contender.k))
-            if not contender.adaptive:
+            if contender.schedule == "fixed":
                 entry["predicted_speedup"] = predicted_speedup(
                     entry["alpha"], contender.k, cost_ratio
                 )

@@ -8,14 +8,19 @@ from dataclasses import dataclass
 from specrt.errors import InvalidInputError
 
 MAX_DRAFT_TOKENS = 64
+DRAFT_SCHEDULES = ("fixed", "adaptive", "heuristic")
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """What to generate and how.
 
-    ``adaptive_draft`` picks K each round (at most ``num_draft_tokens``) from the acceptance seen
-    so far and the measured costs; the output is the same either way.
+    ``draft_schedule``: ``"fixed"`` drafts ``num_draft_tokens`` every round; ``"adaptive"``
+    stops a round's drafting when one more token no longer pays for its time (from the draft's
+    confidence, the acceptance seen so far and the measured costs); ``"heuristic"`` is the
+    classic +2 after a fully accepted round, -1 otherwise (transformers' schedule). Both are
+    capped at ``num_draft_tokens``; the output is the same either way. ``adaptive_draft=True``
+    is shorthand for ``draft_schedule="adaptive"``.
     ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0`` and
     ``top_p == 1`` switch those filters off. ``num_draft_tokens == 0`` runs the target alone: the
     baseline every comparison uses. ``seed`` makes sampling reproducible; row ``i`` of a batch uses
@@ -30,6 +35,7 @@ class GenerationConfig:
     seed: int | None = None
     ignore_eos: bool = False
     adaptive_draft: bool = False
+    draft_schedule: str = "fixed"
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, rule: str) -> InvalidInputError:
@@ -53,6 +59,10 @@ class GenerationConfig:
             raise bad("top_k", self.top_k, "use an integer >= 0 (0 = no top-k filter)")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise bad("top_p", self.top_p, "use a number in (0, 1] (1 = no nucleus filter)")
+        if self.draft_schedule not in DRAFT_SCHEDULES:
+            raise bad("draft_schedule", self.draft_schedule, f"use one of {DRAFT_SCHEDULES}")
+        if self.adaptive_draft and self.draft_schedule == "fixed":
+            object.__setattr__(self, "draft_schedule", "adaptive")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", self.seed, "use a non-negative integer, or None for a random seed")
 

@@ -126,3 +126,26 @@ class LineFit:
         if spread <= 1e-6 * n * n:
             return None
         return max(0.0, (n * sxy - sx * sy) / spread)
+
+
+class HeuristicController:
+    """The classic schedule, for comparison: K grows by 2 after a fully accepted round and
+    shrinks by 1 otherwise (as transformers' ``num_assistant_tokens_schedule="heuristic"``)."""
+
+    def __init__(self, k_max: int, start: int = 4) -> None:
+        self.k_max = k_max
+        self.k = min(start, k_max)
+
+    def start_round(self) -> None:
+        pass
+
+    def keep_drafting(self, drafted: int, confidence: float | None = None) -> bool:
+        return drafted < self.k
+
+    def update(
+        self, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+    ) -> None:
+        if drafted and accepted == drafted:
+            self.k = min(self.k_max, self.k + 2)
+        else:
+            self.k = max(1, self.k - 1)

@@ -13,7 +13,7 @@ from specrt.engines.ort_session import create_session
 from specrt.errors import InvalidInputError, PairMismatchError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder, make_decoder
-from specrt.runtime.draft_length import DraftLengthController
+from specrt.runtime.draft_length import DraftLengthController, HeuristicController
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_accept, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
@@ -38,7 +38,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._controllers: dict[tuple[int, bool], DraftLengthController] = {}
+        self._controllers: dict[tuple[str, int, bool], DraftLengthController] = {}
 
     @classmethod
     def from_bundle(
@@ -126,12 +126,15 @@ class SpeculativeGenerator:
             rng = np.random.default_rng(None if config.seed is None else [config.seed, row])
             yield self._generate_row(ids, config, rng)
 
-    def _draft_length_controller(self, k_max: int, greedy: bool) -> DraftLengthController:
-        """One per K limit and mode, kept across rows and calls: what it learns (the draft's
-        calibration, the machine's costs) holds for the pair, not for one prompt."""
-        key = (k_max, greedy)
+    def _draft_length_controller(self, k_max: int, config: GenerationConfig):
+        """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
+        draft's calibration, the machine's costs) holds for the pair, not for one prompt."""
+        key = (config.draft_schedule, k_max, config.greedy)
         if key not in self._controllers:
-            self._controllers[key] = DraftLengthController(k_max)
+            if config.draft_schedule == "heuristic":
+                self._controllers[key] = HeuristicController(k_max)
+            else:
+                self._controllers[key] = DraftLengthController(k_max)
         return self._controllers[key]
 
     # ----------------------------------------------------------------------------------------
@@ -155,8 +158,8 @@ class SpeculativeGenerator:
                 drafter.prefill(prompt[:-1])
 
         controller = None
-        if config.adaptive_draft:
-            controller = self._draft_length_controller(k_max, config.greedy)
+        if config.draft_schedule != "fixed" and k_max:
+            controller = self._draft_length_controller(k_max, config)
         keep_going = controller.keep_drafting if controller else None
         while len(tokens) < limit:
             # A round emits at most k+1 tokens and every fed position must fit in each model.
