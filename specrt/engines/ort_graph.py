@@ -8,8 +8,10 @@ binds both to the same memory); the valid length comes from ``attention_mask``'s
 back rejected tokens is a length change with nothing copied.
 
 Llama-family decoders (llama, qwen2, mistral): pre-norm RMSNorm, rotary positions, grouped-query
-attention, SwiGLU MLP. Inputs ``input_ids [1, S]``, ``attention_mask [1, past+S]`` (all ones),
-``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]`` and ``present.{i}.*``.
+attention, SwiGLU MLP; GPT-2: LayerNorm, learned positions (computed in the graph from the
+lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``attention_mask
+[1, past+S]`` (all ones), ``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]``
+and ``present.{i}.*``.
 This module needs onnx and numpy only: the exporter hands it the weights as arrays.
 """
 
@@ -24,7 +26,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 ENGINE_NAME = "onnxruntime"
-BUILDABLE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+BUILDABLE_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
 OPSET = 21
 _MS = "com.microsoft"
 
@@ -38,7 +40,7 @@ class DecoderShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    norm_eps: float
     vocab_size: int  # logits width written (the tokenizer's vocabulary)
 
 
@@ -46,6 +48,8 @@ def unsupported_reason(config, max_positions: int) -> str | None:
     """Why this checkpoint cannot get the onnxruntime engine (None when it can)."""
     if config.model_type not in BUILDABLE_MODEL_TYPES:
         return f"model type {config.model_type!r} has no onnxruntime engine builder yet"
+    if config.model_type == "gpt2":
+        return _gpt2_unsupported_reason(config)
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} (only silu)"
     window = getattr(config, "sliding_window", None)
@@ -53,11 +57,27 @@ def unsupported_reason(config, max_positions: int) -> str | None:
     if uses_window and window is not None and window < max_positions:
         return f"sliding window {window} < max positions {max_positions}"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim % 16:
-        return f"head dim {head_dim} (GroupQueryAttention on CPU needs a multiple of 16)"
+    if _head_dim_reason(head_dim):
+        return _head_dim_reason(head_dim)
     rotary_fraction = getattr(config, "partial_rotary_factor", 1.0)
     if rotary_fraction != 1.0:
         return f"partial rotary factor {rotary_fraction}"
+    return None
+
+
+def _gpt2_unsupported_reason(config) -> str | None:
+    if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        return f"activation {config.activation_function!r} (only the tanh GELU)"
+    if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx:
+        return "non-standard attention scaling"
+    if getattr(config, "add_cross_attention", False):
+        return "cross-attention"
+    return _head_dim_reason(config.n_embd // config.n_head)
+
+
+def _head_dim_reason(head_dim: int) -> str | None:
+    if head_dim % 16:
+        return f"head dim {head_dim} (GroupQueryAttention on CPU needs a multiple of 16)"
     return None
 
 
@@ -68,52 +88,18 @@ def build_decoder_graph(
     sin: np.ndarray,
     out_path: Path,
 ) -> Path:
-    """Write the graph (and its weights as external data) to ``out_path``; return it.
+    """Llama-family graph: write it (and its weights as external data) to ``out_path``.
 
     ``weights`` uses the HF state-dict names (``model.layers.0.self_attn.q_proj.weight`` …, each
     ``[out, in]``); ``cos``/``sin`` are ``[max_positions, head_dim / 2]`` (rotary, scaled).
     """
     b = _GraphBuilder(weights)
-    kv_dims = ["batch", shape.num_kv_heads, "past_sequence_length", shape.head_dim]
-    present_dims = ["batch", shape.num_kv_heads, "total_sequence_length", shape.head_dim]
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
-        helper.make_tensor_value_info(
-            "attention_mask", TensorProto.INT64, ["batch", "total_sequence_length"]
-        ),
-    ]
-    outputs = [
-        helper.make_tensor_value_info(
-            "logits", TensorProto.FLOAT, ["batch", "sequence", shape.vocab_size]
-        )
-    ]
-    for i in range(shape.num_layers):
-        for kind in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(
-                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, kv_dims
-                )
-            )
-            outputs.append(
-                helper.make_tensor_value_info(
-                    f"present.{i}.{kind}", TensorProto.FLOAT, present_dims
-                )
-            )
-
-    # GroupQueryAttention takes the valid lengths, not a mask: seqlens_k = total - 1 (int32) and
-    # total_sequence_length = the mask's width.
-    b.constant("one", np.array([1], dtype=np.int64))
-    b.node("ReduceSum", ["attention_mask", "one"], ["mask_sum"], keepdims=0)
-    b.node("Sub", ["mask_sum", "one"], ["seqlens_k64"])
-    b.node("Cast", ["seqlens_k64"], ["seqlens_k"], to=TensorProto.INT32)
-    b.node("Shape", ["attention_mask"], ["mask_shape"], start=1, end=2)
-    b.node("Squeeze", ["mask_shape"], ["total_len64"])
-    b.node("Cast", ["total_len64"], ["total_len"], to=TensorProto.INT32)
+    _valid_lengths(b)
     b.initializer("cos_cache", cos.astype(np.float32))
     b.initializer("sin_cache", sin.astype(np.float32))
 
     b.node("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], ["embedded"])
-    eps = float(shape.rms_norm_eps)
+    eps = float(shape.norm_eps)
     residual = "embedded"
     b.node(
         "SimplifiedLayerNormalization",
@@ -128,28 +114,7 @@ def build_decoder_graph(
         prefix = f"model.layers.{i}"
         attn = f"{prefix}.self_attn"
         qkv = b.linear(normed, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], f"qkv.{i}")
-        b.node(
-            "GroupQueryAttention",
-            [
-                qkv,
-                "",
-                "",
-                f"past_key_values.{i}.key",
-                f"past_key_values.{i}.value",
-                "seqlens_k",
-                "total_len",
-                "cos_cache",
-                "sin_cache",
-            ],
-            [f"attn.{i}", f"present.{i}.key", f"present.{i}.value"],
-            domain=_MS,
-            num_heads=shape.num_heads,
-            kv_num_heads=shape.num_kv_heads,
-            scale=float(shape.head_dim**-0.5),
-            do_rotary=1,
-            rotary_interleaved=0,
-            local_window_size=-1,
-        )
+        _attention(b, shape, i, qkv, rotary=True)
         attn_out = b.linear(f"attn.{i}", [f"{attn}.o_proj"], f"attn_out.{i}")
         b.node(
             "SkipSimplifiedLayerNormalization",
@@ -179,7 +144,149 @@ def build_decoder_graph(
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     b.initializer("lm_head.MatMul", weights[head][: shape.vocab_size].T)
     b.node("MatMul", [normed, "lm_head.MatMul"], ["logits"])
+    return _save(b, shape, out_path)
 
+
+def build_gpt2_graph(
+    shape: DecoderShape, weights: Mapping[str, np.ndarray], out_path: Path
+) -> Path:
+    """GPT-2 graph: learned absolute positions, LayerNorm with bias, packed attention, tanh GELU.
+
+    ``weights`` uses the HF state-dict names (``transformer.h.0.attn.c_attn.weight`` …; GPT-2's
+    Conv1D weights are already ``[in, out]``)."""
+    b = _GraphBuilder(weights)
+    _valid_lengths(b)
+    # Positions past .. past+S-1, from the mask's width (total) and the number of new tokens.
+    b.node("Shape", ["input_ids"], ["ids_shape"], start=1, end=2)
+    b.node("Squeeze", ["ids_shape"], ["new_len64"])
+    b.node("Sub", ["total_len64", "new_len64"], ["past_len64"])
+    b.constant("step", np.array(1, dtype=np.int64))
+    b.node("Range", ["past_len64", "total_len64", "step"], ["positions"])
+    b.node("Gather", [b.weight("transformer.wte.weight"), "input_ids"], ["token_embedded"])
+    b.node("Gather", [b.weight("transformer.wpe.weight"), "positions"], ["position_embedded"])
+    b.node("Add", ["token_embedded", "position_embedded"], ["embedded"])
+    eps = float(shape.norm_eps)
+    b.node(
+        "LayerNormalization",
+        [
+            "embedded",
+            b.weight("transformer.h.0.ln_1.weight"),
+            b.weight("transformer.h.0.ln_1.bias"),
+        ],
+        ["normed.0"],
+        epsilon=eps,
+        axis=-1,
+    )
+    residual, normed = "embedded", "normed.0"
+    for i in range(shape.num_layers):
+        prefix = f"transformer.h.{i}"
+        qkv = b.conv1d(normed, f"{prefix}.attn.c_attn", f"qkv.{i}")
+        _attention(b, shape, i, qkv, rotary=False)
+        attn_out = b.conv1d(f"attn.{i}", f"{prefix}.attn.c_proj", f"attn_out.{i}")
+        b.node(
+            "SkipLayerNormalization",
+            [
+                residual,
+                attn_out,
+                b.weight(f"{prefix}.ln_2.weight"),
+                b.weight(f"{prefix}.ln_2.bias"),
+            ],
+            [f"mlp_in.{i}", "", "", f"residual_mid.{i}"],
+            domain=_MS,
+            epsilon=eps,
+        )
+        b.node(
+            "MatMul",
+            [f"mlp_in.{i}", b.weight(f"{prefix}.mlp.c_fc.weight")],
+            [f"fc.{i}"],
+        )
+        b.node(  # gelu_new, GPT-2's tanh approximation, with the c_fc bias folded in
+            "FastGelu",
+            [f"fc.{i}", b.weight(f"{prefix}.mlp.c_fc.bias")],
+            [f"fc_act.{i}"],
+            domain=_MS,
+        )
+        down = b.conv1d(f"fc_act.{i}", f"{prefix}.mlp.c_proj", f"mlp_out.{i}")
+        last = i == shape.num_layers - 1
+        norm = "transformer.ln_f" if last else f"transformer.h.{i + 1}.ln_1"
+        b.node(
+            "SkipLayerNormalization",
+            [f"residual_mid.{i}", down, b.weight(f"{norm}.weight"), b.weight(f"{norm}.bias")],
+            [f"normed.{i + 1}", "", "", f"residual.{i + 1}"],
+            domain=_MS,
+            epsilon=eps,
+        )
+        residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
+
+    head = "lm_head.weight" if "lm_head.weight" in weights else "transformer.wte.weight"
+    b.initializer("lm_head.MatMul", weights[head][: shape.vocab_size].T)
+    b.node("MatMul", [normed, "lm_head.MatMul"], ["logits"])
+    return _save(b, shape, out_path)
+
+
+def _valid_lengths(b: _GraphBuilder) -> None:
+    """GroupQueryAttention takes the valid lengths, not a mask: seqlens_k = total - 1 (int32)
+    and total_sequence_length = the mask's width."""
+    b.constant("one", np.array([1], dtype=np.int64))
+    b.node("ReduceSum", ["attention_mask", "one"], ["mask_sum"], keepdims=0)
+    b.node("Sub", ["mask_sum", "one"], ["seqlens_k64"])
+    b.node("Cast", ["seqlens_k64"], ["seqlens_k"], to=TensorProto.INT32)
+    b.node("Shape", ["attention_mask"], ["mask_shape"], start=1, end=2)
+    b.node("Squeeze", ["mask_shape"], ["total_len64"])
+    b.node("Cast", ["total_len64"], ["total_len"], to=TensorProto.INT32)
+
+
+def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
+    """Layer ``i``'s GroupQueryAttention on packed q/k/v; reads and writes the layer's cache."""
+    inputs = [
+        qkv,
+        "",
+        "",
+        f"past_key_values.{i}.key",
+        f"past_key_values.{i}.value",
+        "seqlens_k",
+        "total_len",
+    ]
+    b.node(
+        "GroupQueryAttention",
+        inputs + (["cos_cache", "sin_cache"] if rotary else []),
+        [f"attn.{i}", f"present.{i}.key", f"present.{i}.value"],
+        domain=_MS,
+        num_heads=shape.num_heads,
+        kv_num_heads=shape.num_kv_heads,
+        scale=float(shape.head_dim**-0.5),
+        do_rotary=int(rotary),
+        rotary_interleaved=0,
+        local_window_size=-1,
+    )
+
+
+def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
+    kv_dims = ["batch", shape.num_kv_heads, "past_sequence_length", shape.head_dim]
+    present_dims = ["batch", shape.num_kv_heads, "total_sequence_length", shape.head_dim]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+        helper.make_tensor_value_info(
+            "attention_mask", TensorProto.INT64, ["batch", "total_sequence_length"]
+        ),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(
+            "logits", TensorProto.FLOAT, ["batch", "sequence", shape.vocab_size]
+        )
+    ]
+    for i in range(shape.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                helper.make_tensor_value_info(
+                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, kv_dims
+                )
+            )
+            outputs.append(
+                helper.make_tensor_value_info(
+                    f"present.{i}.{kind}", TensorProto.FLOAT, present_dims
+                )
+            )
     graph = helper.make_graph(b.nodes, "specrt_decoder", inputs, outputs, b.initializers)
     model = helper.make_model(
         graph,
@@ -227,6 +334,12 @@ class _GraphBuilder:
         if name not in self.weights:
             raise KeyError(f"the checkpoint has no weight {name!r}")
         return self.initializer(name, self.weights[name])
+
+    def conv1d(self, x: str, module: str, out: str) -> str:
+        """GPT-2's Conv1D: x @ weight + bias, weight already ``[in, out]``."""
+        self.node("MatMul", [x, self.weight(f"{module}.weight")], [f"{out}.matmul"])
+        self.node("Add", [f"{out}.matmul", self.weight(f"{module}.bias")], [out])
+        return out
 
     def linear(self, x: str, modules: list[str], out: str) -> str:
         """One MatMul for one or more Linear layers side by side (packed q/k/v), plus bias."""

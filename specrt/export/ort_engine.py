@@ -10,7 +10,12 @@ import torch
 
 from specrt.bundle import EngineSpec, ModelIO, ModelSpec, sha256_file
 from specrt.engines.draft_precision import quantize_weights
-from specrt.engines.ort_graph import ENGINE_NAME, DecoderShape, build_decoder_graph
+from specrt.engines.ort_graph import (
+    ENGINE_NAME,
+    DecoderShape,
+    build_decoder_graph,
+    build_gpt2_graph,
+)
 from specrt.export.numeric_check import max_logit_difference
 
 
@@ -27,28 +32,40 @@ def build_ort_engine(
     ``precision`` other than float32 quantises the weights (drafts only: see
     `specrt.engines.draft_precision`); the check then reports the difference without a bound."""
     config = model.config
-    head_dim = spec.head_dim
-    shape = DecoderShape(
-        num_layers=spec.num_layers,
-        hidden_size=int(config.hidden_size),
-        num_heads=int(config.num_attention_heads),
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(config.rms_norm_eps),
-        vocab_size=vocab,
-    )
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
-    with torch.no_grad():  # the model's own rotary tables: any rope scaling is already applied
-        positions = torch.arange(spec.max_positions)[None]
-        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
-    half = head_dim // 2
-    graph = build_decoder_graph(
-        shape,
-        weights,
-        cos[0, :, :half].numpy().astype(np.float32),
-        sin[0, :, :half].numpy().astype(np.float32),
-        bundle_root / role / ENGINE_NAME / "model.onnx",
-    )
+    out = bundle_root / role / ENGINE_NAME / "model.onnx"
+    if config.model_type == "gpt2":
+        shape = DecoderShape(
+            num_layers=spec.num_layers,
+            hidden_size=int(config.n_embd),
+            num_heads=int(config.n_head),
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            norm_eps=float(config.layer_norm_epsilon),
+            vocab_size=vocab,
+        )
+        graph = build_gpt2_graph(shape, weights, out)
+    else:
+        shape = DecoderShape(
+            num_layers=spec.num_layers,
+            hidden_size=int(config.hidden_size),
+            num_heads=int(config.num_attention_heads),
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            norm_eps=float(config.rms_norm_eps),
+            vocab_size=vocab,
+        )
+        with torch.no_grad():  # the model's own rotary tables: any rope scaling is applied
+            positions = torch.arange(spec.max_positions)[None]
+            cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+        half = spec.head_dim // 2
+        graph = build_decoder_graph(
+            shape,
+            weights,
+            cos[0, :, :half].numpy().astype(np.float32),
+            sin[0, :, :half].numpy().astype(np.float32),
+            out,
+        )
     quantize_weights(graph, precision)
     layers = range(spec.num_layers)
     engine = EngineSpec(

@@ -55,7 +55,7 @@ def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: in
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2)
     if arch == "gpt2":
         return GPT2Config(
-            n_embd=32,
+            n_embd=64,  # head_dim 16, as onnxruntime's GroupQueryAttention needs
             n_layer=layers,
             n_head=4,
             n_positions=max_positions,
