@@ -26,6 +26,25 @@ def _friendly_errors(command):
     return wrapper
 
 
+ENGINE_OPTION = click.option(
+    "--engine",
+    type=click.Choice(["auto", "portable", "onnxruntime"]),
+    default="auto",
+    show_default=True,
+    help="Which graphs run: each model's onnxruntime engine where the bundle has one (auto), or "
+    "the portable ones.",
+)
+
+
+def draft_precision_option(default: str | None):
+    return click.option(
+        "--draft-precision",
+        type=click.Choice(["float32", "int8", "int4"]),
+        default=default,
+        help="Weights of the draft's onnxruntime engine [int8]: cheaper drafting, same output.",
+    )
+
+
 @click.group()
 @click.version_option(package_name="specrt")
 def main() -> None:
@@ -50,12 +69,7 @@ def main() -> None:
     default=None,
     help="Also build the onnxruntime engine (fused graph, in-place KV cache) [on].",
 )
-@click.option(
-    "--draft-precision",
-    type=click.Choice(["float32", "int8", "int4"]),
-    default=None,
-    help="Weights of the draft's onnxruntime engine [int8]: cheaper drafting, same output.",
-)
+@draft_precision_option(None)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
 def export(
@@ -108,13 +122,7 @@ def export(
 # ------------------------------------------------------------------------------------------------
 @main.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
-@click.option(
-    "--draft-precision",
-    type=click.Choice(["float32", "int8", "int4"]),
-    default="int8",
-    show_default=True,
-    help="Weights of the draft's engine: cheaper drafting, same output.",
-)
+@draft_precision_option("int8")
 @click.option("--atol", type=float, default=1e-3, show_default=True, help="Max |logit diff|.")
 @_friendly_errors
 def build(bundle, draft_precision, atol) -> None:
@@ -186,13 +194,7 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
     help="How many tokens each round drafts (adaptive = --adaptive-draft).",
 )
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
-@click.option(
-    "--engine",
-    type=click.Choice(["auto", "portable", "onnxruntime"]),
-    default="auto",
-    show_default=True,
-    help="Which graph runs: the onnxruntime engine where the bundle has one, or the portable one.",
-)
+@ENGINE_OPTION
 @click.option(
     "--compare", is_flag=True, help="Also run the target alone and report the measured speedup."
 )
@@ -236,13 +238,7 @@ def generate(bundle, prompts, prompt_file, as_json, threads, engine, compare, **
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--max-draft-tokens", type=click.IntRange(1, 16), default=8, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for everyone.")
-@click.option(
-    "--engine",
-    type=click.Choice(["auto", "portable", "onnxruntime"]),
-    default="auto",
-    show_default=True,
-    help="Which graphs specrt runs.",
-)
+@ENGINE_OPTION
 @click.option("--no-transformers", is_flag=True, help="Skip the PyTorch contenders.")
 @click.option(
     "--genai-python",

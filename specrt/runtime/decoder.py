@@ -72,7 +72,23 @@ class KVCache:
         self.length = keys[0].shape[2]
 
 
-class OnnxDecoder:
+class GreedyForward:
+    """`forward_greedy` on top of a decoder's `forward`."""
+
+    role: str
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def forward_greedy(
+        self, tokens: Sequence[int], confidence: bool = False
+    ) -> tuple[list[int], list[float] | None]:
+        """Like `forward`, but return each position's argmax token (and, with ``confidence``,
+        its probability); non-finite logits raise `NumericalError`."""
+        return greedy_from_logits(self.forward(tokens), self.role, confidence)
+
+
+class OnnxDecoder(GreedyForward):
     """Runs an exported decoder on new tokens on top of its cache; returns their logits."""
 
     def __init__(
@@ -125,13 +141,6 @@ class OnnxDecoder:
         layers = self.spec.num_layers
         cache.store(presents[:layers], presents[layers:])
         return logits[0, :, : self.vocab_size]
-
-    def forward_greedy(
-        self, tokens: Sequence[int], confidence: bool = False
-    ) -> tuple[list[int], list[float] | None]:
-        """Like `forward`, but return each position's argmax token (and, with ``confidence``,
-        its probability); non-finite logits raise `NumericalError`."""
-        return greedy_from_logits(self.forward(tokens), self.role, confidence)
 
 
 def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) -> None:

@@ -17,12 +17,12 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import InvalidInputError
-from specrt.runtime.decoder import NUMPY_DTYPES, check_session_io, greedy_from_logits
+from specrt.runtime.decoder import NUMPY_DTYPES, GreedyForward, check_session_io
 
 _KEEP_WIDTHS = 80
 
 
-class InPlaceDecoder:
+class InPlaceDecoder(GreedyForward):
     """Runs an in-place-cache graph on new tokens after its cached prefix; returns their logits."""
 
     def __init__(
@@ -84,13 +84,6 @@ class InPlaceDecoder:
         self.run_time_s += self.last_run_s
         self.length = start + count
         return logits[0, :, : self.vocab_size]
-
-    def forward_greedy(
-        self, tokens: Sequence[int], confidence: bool = False
-    ) -> tuple[list[int], list[float] | None]:
-        """Like `forward`, but return each position's argmax token (and, with ``confidence``,
-        its probability); non-finite logits raise `NumericalError`."""
-        return greedy_from_logits(self.forward(tokens), self.role, confidence)
 
     def _logits_buffer(self, count: int) -> tuple[np.ndarray, ort.OrtValue]:
         logits = np.empty((1, count, self.spec.vocab_size), dtype=np.float32)
