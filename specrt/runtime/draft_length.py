@@ -17,8 +17,6 @@ The draft never looks at the target before it stops, so the output is the same a
 
 from __future__ import annotations
 
-import numpy as np
-
 BINS = 10
 
 
@@ -26,7 +24,9 @@ PRIOR_ACCEPTANCE = 0.6
 
 
 class DraftLengthController:
-    """Per-generator state; `start_round` / `keep_drafting` / `update` are called by the loop."""
+    """Per-generator state; `start_round` / `keep_drafting` / `update` are called by the loop.
+
+    Plain Python floats: this runs between model calls, where every microsecond counts."""
 
     def __init__(
         self,
@@ -38,16 +38,17 @@ class DraftLengthController:
         self.k_max = k_max
         self.decay = decay
         self.smoothing = smoothing
-        centers = (np.arange(BINS) + 0.5) / BINS
+        centers = [(i + 0.5) / BINS for i in range(BINS)]
         # Per confidence bin of token j: how often tokens 1..j+1 were all accepted.
-        self.prior_paid = centers * prior_weight  # optimistic: unexplored bins get tried
-        self.prior_seen = np.full(BINS, prior_weight)
-        self.paid = self.prior_paid.copy()
-        self.seen = self.prior_seen.copy()
+        self.prior_paid = [c * prior_weight for c in centers]  # optimistic: unexplored get tried
+        self.prior_seen = [prior_weight] * BINS
+        self.paid = list(self.prior_paid)
+        self.seen = list(self.prior_seen)
         self.first_acceptance = PRIOR_ACCEPTANCE  # of a round's first draft token
         self.draft_time = LineFit(smoothing)  # seconds vs tokens drafted
         self.verify_time = LineFit(smoothing)  # seconds vs tokens fed to the target
         self.rate: float | None = None  # tokens per second of recent rounds
+        self.threshold: float | None = None  # rate x marginal cost, once both are measured
         self._bins: list[int] = []
 
     @property
@@ -70,10 +71,9 @@ class DraftLengthController:
             gain = self.paid[index] / self.seen[index]
         if drafted >= self.k_max:
             return False
-        cost = self.marginal_cost_s
-        if self.rate is None or cost is None:  # not measured yet: vary K to learn the costs
+        if self.threshold is None:  # not measured yet: vary K to learn the costs
             return drafted < 1 + len(self.draft_time) % self.k_max
-        return gain >= self.rate * cost
+        return gain >= self.threshold
 
     # -- after a round ---------------------------------------------------------------------------
     def update(
@@ -81,8 +81,10 @@ class DraftLengthController:
     ) -> None:
         """Record a round: ``drafted`` proposed, ``accepted`` kept, and what each part took."""
         if drafted:
-            self.paid = self.decay * self.paid + (1 - self.decay) * self.prior_paid
-            self.seen = self.decay * self.seen + (1 - self.decay) * self.prior_seen
+            keep, pull = self.decay, 1 - self.decay
+            for i in range(BINS):
+                self.paid[i] = keep * self.paid[i] + pull * self.prior_paid[i]
+                self.seen[i] = keep * self.seen[i] + pull * self.prior_seen[i]
             # Token j's bin learns whether drafting j+1 paid, when j+1 was drafted (recording
             # only the settled "no"s of stopped rounds would bias it down).
             for j, index in enumerate(self._bins[: drafted - 1], start=1):
@@ -101,6 +103,8 @@ class DraftLengthController:
             if self.rate is None
             else self.rate + self.smoothing * (tokens_per_s - self.rate)
         )
+        cost = self.marginal_cost_s
+        self.threshold = None if cost is None else self.rate * cost
 
 
 class LineFit:
@@ -108,14 +112,15 @@ class LineFit:
 
     def __init__(self, smoothing: float) -> None:
         self.smoothing = smoothing
-        self._sums = np.zeros(5)  # n, sum x, sum x^2, sum y, sum xy
+        self._sums = [0.0] * 5  # n, sum x, sum x^2, sum y, sum xy
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
     def add(self, x: float, y: float) -> None:
-        self._sums = (1 - self.smoothing) * self._sums + np.array([1.0, x, x * x, y, x * y])
+        keep = 1 - self.smoothing
+        self._sums = [keep * a + b for a, b in zip(self._sums, (1.0, x, x * x, y, x * y))]
         self._count += 1
 
     @property
