@@ -196,17 +196,29 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
 @click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
 @ENGINE_OPTION
 @click.option(
+    "--max-length",
+    type=click.IntRange(min=2),
+    default=8192,
+    show_default=True,
+    help="Longest prompt + output the engines' preallocated KV caches hold (capped at the "
+    "model's max positions).",
+)
+@click.option(
     "--compare", is_flag=True, help="Also run the target alone and report the measured speedup."
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @_friendly_errors
-def generate(bundle, prompts, prompt_file, as_json, threads, engine, compare, **params) -> None:
+def generate(
+    bundle, prompts, prompt_file, as_json, threads, engine, max_length, compare, **params
+) -> None:
     """Generate from a bundle with speculative decoding."""
     from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
     texts = _read_prompts(prompts, prompt_file)
     config = GenerationConfig(**params)
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, engine=engine)
+    generator = SpeculativeGenerator.from_bundle(
+        bundle, threads=threads, engine=engine, max_length=max_length
+    )
     generator.encode_prompts(texts)  # every prompt is checked before any work starts
     baseline_config = GenerationConfig(**{**params, "num_draft_tokens": 0})
     if compare:  # first calls pay one-off costs: warm both modes up before timing either

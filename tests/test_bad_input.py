@@ -118,9 +118,26 @@ def test_prompt_longer_than_max_positions_fails_before_any_work(llama_bundle):
     long_prompt = "Simple is better than complex. " * 6  # 188 tokens > 128 positions
     result = generate(llama_bundle, "--prompt", "Simple", "--prompt", long_prompt, "--json")
     assert result.exit_code == 1
-    assert "prompt 1 has 188 tokens; the model's max positions is 128" in result.output
+    assert "prompt 1 has 188 tokens; at most 128 positions fit" in result.output
     assert "Shorten it" in result.output
     assert '"text"' not in result.output  # checked up front: no half batch
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "portable"])
+def test_max_length_caps_the_sequence(llama_bundle, engine):
+    """--max-length bounds the preallocated KV cache (and so prompt + output) below the model's
+    max positions: the limit is enforced up front, and generation stops there with 'length'."""
+    prompt = "Simple is better than complex. "  # 33 tokens
+    result = generate(llama_bundle, "--prompt", prompt, "--max-length", "20", "--engine", engine)
+    assert result.exit_code == 1 and "at most 20 positions fit" in result.output
+    assert "--max-length" in result.output
+    args = ["--prompt", prompt, "--max-length", "40", "--ignore-eos", "--json", "--engine", engine]
+    result = cli("generate", "--bundle", llama_bundle, "--max-new-tokens", 30, *args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert record["finish_reason"] == "length"
+    assert record["stats"]["prompt_tokens"] + len(record["token_ids"]) == 40
+    assert generate(llama_bundle, "--prompt", "a", "--max-length", "1").exit_code == 2
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,6 @@ def test_feeding_past_max_positions_is_refused(llama_generator):
     decoder = llama_generator.target
     decoder.reset()
     decoder.forward(list(range(3, 40)) * 3)  # 111 of 128 positions
-    with pytest.raises(InvalidInputError, match="exceed the model's 128"):
+    with pytest.raises(InvalidInputError, match="exceed the 128 this decoder holds"):
         decoder.forward([5] * 20)
     assert decoder.length == 111  # the cache is untouched

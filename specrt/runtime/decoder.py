@@ -92,13 +92,18 @@ class OnnxDecoder(GreedyForward):
     """Runs an exported decoder on new tokens on top of its cache; returns their logits."""
 
     def __init__(
-        self, session: ort.InferenceSession, spec: ModelSpec, vocab_size: int, role: str
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
     ) -> None:
         self.session = session
         self.spec = spec
         self.role = role
         self.vocab_size = vocab_size
-        self.max_positions = spec.max_positions
+        self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
         self.cache = KVCache(spec)
         self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
         self.last_run_s = 0.0
@@ -126,7 +131,8 @@ class OnnxDecoder(GreedyForward):
         feed = {io.input_ids: np.asarray([tokens], dtype=np.int64)}
         if start + count > self.max_positions:
             raise InvalidInputError(
-                f"{self.role}: {start + count} positions exceed the model's {self.max_positions}"
+                f"{self.role}: {start + count} positions exceed the {self.max_positions} this "
+                "decoder holds (the model's max positions, or the max_length given at load)"
             )
         if io.attention_mask:
             feed[io.attention_mask] = self._ones[:, : start + count]
@@ -168,14 +174,19 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
 
 
 def make_decoder(
-    session: ort.InferenceSession, spec: ModelSpec, vocab_size: int, role: str
+    session: ort.InferenceSession,
+    spec: ModelSpec,
+    vocab_size: int,
+    role: str,
+    max_length: int | None = None,
 ) -> Decoder:
-    """The decoder class the graph's cache contract needs (``spec.cache``)."""
+    """The decoder class the graph's cache contract needs (``spec.cache``). ``max_length`` caps
+    the sequence length below the model's max positions (an in-place cache preallocates it)."""
     if spec.cache == "in_place":
         from specrt.runtime.inplace_decoder import InPlaceDecoder
 
-        return InPlaceDecoder(session, spec, vocab_size, role)
-    return OnnxDecoder(session, spec, vocab_size, role)
+        return InPlaceDecoder(session, spec, vocab_size, role, max_length)
+    return OnnxDecoder(session, spec, vocab_size, role, max_length)
 
 
 def greedy_from_logits(

@@ -22,6 +22,7 @@ from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
 ENGINE_CHOICES = ("auto", "portable", "onnxruntime")
+DEFAULT_MAX_LENGTH = 8192  # positions of preallocated KV cache per engine model
 
 
 class SpeculativeGenerator:
@@ -49,13 +50,18 @@ class SpeculativeGenerator:
         check_files: bool = True,
         draft_threads: int = 1,
         engine: str = "auto",
+        max_length: int | None = DEFAULT_MAX_LENGTH,
     ) -> SpeculativeGenerator:
         """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
 
         ``threads``: the target's intra-op threads (default: all cores). ``draft_threads``: the
         draft's (default 1: see `specrt.engines.ort_session` for why). ``engine``: ``"auto"``
         runs each model's onnxruntime engine where the bundle has one, else its portable graph;
-        ``"portable"`` or ``"onnxruntime"`` insist on one (the latter fails if it is missing)."""
+        ``"portable"`` or ``"onnxruntime"`` insist on one (the latter fails if it is missing).
+        ``max_length``: the longest sequence (prompt + new tokens) the engines' preallocated KV
+        caches hold, at most the model's max positions (None: the model's max positions)."""
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+            raise InvalidInputError(f"max_length={max_length!r}: use an integer >= 2 (or None)")
         if engine not in ENGINE_CHOICES:
             raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
         root = Path(bundle_dir)
@@ -71,7 +77,7 @@ class SpeculativeGenerator:
                 threads=draft_threads if role == "draft" else threads,
                 providers=providers,
             )
-            decoders[role] = make_decoder(session, view, manifest.vocab_size, role)
+            decoders[role] = make_decoder(session, view, manifest.vocab_size, role, max_length)
         tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
         return cls(
             decoders["target"],
@@ -106,8 +112,10 @@ class SpeculativeGenerator:
             limit = self.target.max_positions
             if len(ids) >= limit:
                 raise InvalidInputError(
-                    f"prompt {index} has {len(ids)} tokens; the model's max positions is {limit}, "
+                    f"prompt {index} has {len(ids)} tokens; at most {limit} positions fit (the "
+                    "model's max positions, or the max length the generator was loaded with), "
                     f"which leaves no room to generate. Shorten it to at most {limit - 1} tokens"
+                    " or load with a larger max length (--max-length)"
                 )
             encoded.append(ids)
         return encoded

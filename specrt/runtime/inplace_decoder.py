@@ -26,8 +26,15 @@ class InPlaceDecoder(GreedyForward):
     """Runs an in-place-cache graph on new tokens after its cached prefix; returns their logits."""
 
     def __init__(
-        self, session: ort.InferenceSession, spec: ModelSpec, vocab_size: int, role: str
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
     ) -> None:
+        """``max_length`` caps the preallocated cache (and so the sequence length) below the
+        model's max positions: a 128k-position model would otherwise reserve its whole cache."""
         check_session_io(session, spec, role)
         if not spec.io.attention_mask:
             raise InvalidInputError(f"{role}: an in-place cache graph needs an attention_mask")
@@ -35,12 +42,12 @@ class InPlaceDecoder(GreedyForward):
         self.spec = spec
         self.role = role
         self.vocab_size = vocab_size
-        self.max_positions = spec.max_positions
+        self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
         self.length = 0
         self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
         self.last_run_s = 0.0
         io = spec.io
-        shape = (1, spec.num_kv_heads, spec.max_positions, spec.head_dim)
+        shape = (1, spec.num_kv_heads, self.max_positions, spec.head_dim)
         self._buffers = [
             np.zeros(shape, NUMPY_DTYPES[spec.dtype]) for _ in range(2 * spec.num_layers)
         ]
@@ -52,7 +59,7 @@ class InPlaceDecoder(GreedyForward):
             value = ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the numpy memory
             self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(present, value)
-        self._ones = np.ones((1, spec.max_positions), dtype=np.int64)
+        self._ones = np.ones((1, self.max_positions), dtype=np.int64)
         # Logits land in our own arrays, one per call width: no output is allocated or wrapped
         # per call. Widths up to _KEEP_WIDTHS (drafting, verification) are kept for reuse.
         self._logits: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
@@ -71,7 +78,8 @@ class InPlaceDecoder(GreedyForward):
         start, count = self.length, len(tokens)
         if start + count > self.max_positions:
             raise InvalidInputError(
-                f"{self.role}: {start + count} positions exceed the model's {self.max_positions}"
+                f"{self.role}: {start + count} positions exceed the {self.max_positions} this "
+                "decoder holds (the model's max positions, or the max_length given at load)"
             )
         io, binding = self.spec.io, self._binding
         binding.bind_cpu_input(io.input_ids, np.asarray([tokens], dtype=np.int64))
