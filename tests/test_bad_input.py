@@ -9,6 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from specrt.cli import main
+from specrt.errors import InvalidInputError
+from specrt.runtime import SpeculativeGenerator
 
 
 def cli(*args: str):
@@ -173,3 +175,9 @@ def test_export_usage_errors(tmp_path):
     assert (
         result.exit_code == 1 and 'must be a JSON object with "target" and "draft"' in result.output
     )
+
+
+def test_engine_on_a_gpu_provider_is_refused_with_the_way_out(llama_bundle):
+    gpu = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(InvalidInputError, match="use engine 'portable' or 'auto' on GPU"):
+        SpeculativeGenerator.from_bundle(llama_bundle, providers=gpu, engine="onnxruntime")

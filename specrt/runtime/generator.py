@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.bundle import Manifest, ModelSpec, read_manifest, verify_checksums
-from specrt.engines.ort_session import create_session
+from specrt.engines.ort_session import create_session, default_providers
 from specrt.errors import InvalidInputError, PairMismatchError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder, make_decoder
@@ -71,7 +71,7 @@ class SpeculativeGenerator:
         _check_pair(manifest)
         decoders = {}
         for role, spec in manifest.models.items():
-            view = _engine_view(spec, role, engine)
+            view = _engine_view(spec, role, engine, list(providers or default_providers()))
             session = create_session(
                 root / view.path,
                 threads=draft_threads if role == "draft" else threads,
@@ -230,10 +230,18 @@ def _check_pair(manifest: Manifest) -> None:
         )
 
 
-def _engine_view(spec: ModelSpec, role: str, engine: str) -> ModelSpec:
+def _engine_view(spec: ModelSpec, role: str, engine: str, providers: list[str]) -> ModelSpec:
     has_engine = "onnxruntime" in spec.engines
-    if engine == "portable" or (engine == "auto" and not has_engine):
+    # The engine's in-place cache lives in host memory; on a GPU provider every call would copy
+    # it across, so auto takes the portable graph there (not measured: no GPU in our CI).
+    on_cpu = providers[0] == "CPUExecutionProvider"
+    if engine == "portable" or (engine == "auto" and not (has_engine and on_cpu)):
         return spec
+    if not on_cpu:
+        raise InvalidInputError(
+            f"the onnxruntime engine keeps its KV cache in host memory and runs on the CPU "
+            f"provider only (asked for {providers[0]}); use engine 'portable' or 'auto' on GPU"
+        )
     if not has_engine:
         raise InvalidInputError(
             f"the bundle's {role} has no onnxruntime engine (`specrt export` builds one for "
