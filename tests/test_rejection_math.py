@@ -178,3 +178,16 @@ def test_nan_and_inf_logits_raise():
     logits[1, 3] = np.inf
     with pytest.raises(NumericalError, match="NaN/inf"):
         greedy_verify(np.array([0]), logits)
+    logits[1] = -np.inf  # a row with nothing to choose
+    with pytest.raises(NumericalError, match="NaN/inf"):
+        greedy_verify(np.array([0]), logits)
+    # Sampling checks in the warp, row by row.
+    for bad in (np.nan, np.inf):
+        row = np.zeros(5)
+        row[2] = bad
+        with pytest.raises(NumericalError, match="the draft model produced 1 NaN/inf"):
+            warp(row, 1.0, who="draft")
+    with pytest.raises(NumericalError):
+        warp(np.full(5, -np.inf), 1.0, who="target")
+    masked = np.array([0.0, -np.inf, 1.0, -np.inf, 2.0])  # -inf here and there is a valid mask
+    assert warp(masked, 1.0, who="target")[[1, 3]].tolist() == [0.0, 0.0]

@@ -15,7 +15,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
-from specrt.runtime.sampling import check_finite, sample, warp
+from specrt.runtime.sampling import sample, warp
 
 # keep_going(drafted so far, confidence of the last drafted token) -> draft another?
 KeepGoing = Callable[[int, float], bool]
@@ -73,10 +73,9 @@ class ModelDrafter:
                 confidence = top[-1] if top else 0.0
             else:
                 logits = self.decoder.forward(pending)[-1]
-                check_finite(logits, "draft")
-                q[count] = warp(logits, config.temperature, config.top_k, config.top_p)
+                q[count] = warp(logits, config.temperature, config.top_k, config.top_p, "draft")
                 drafted[count] = sample(q[count], rng)
-                confidence = float(q[count].max())
+                confidence = float(q[count].max()) if keep_going else 0.0
             pending = [int(drafted[count])]
             count += 1
             if keep_going is not None and not keep_going(count, confidence):

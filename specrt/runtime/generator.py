@@ -17,7 +17,7 @@ from specrt.runtime.draft_length import DraftLengthController, HeuristicControll
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_accept, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.sampling import WarpedRows, check_finite
+from specrt.runtime.sampling import WarpedRows
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -186,8 +186,7 @@ class SpeculativeGenerator:
                 n, next_token = greedy_accept(drafted_ids, choice[-(k + 1) :])
             else:
                 logits = target.forward(fed)[-(k + 1) :]
-                check_finite(logits, "target")
-                p = WarpedRows(logits, config.temperature, config.top_k, config.top_p)
+                p = WarpedRows(logits, config.temperature, config.top_k, config.top_p, "target")
                 n, next_token = rejection_sample(drafted, q, p, rng)
             if controller:
                 now = time.perf_counter()

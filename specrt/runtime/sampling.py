@@ -14,15 +14,6 @@ import numpy as np
 from specrt.errors import NumericalError
 
 
-def check_finite(logits: np.ndarray, who: str) -> None:
-    """Raise instead of ever turning NaN/inf logits into a token.
-
-    max and min propagate NaN and are the extremes, so two fast reductions (no temporary
-    array, no overflow) cover every element."""
-    if not (math.isfinite(logits.max()) and math.isfinite(logits.min())):
-        raise_not_finite(logits, who)
-
-
 def greedy_choice(logits: np.ndarray, who: str) -> np.ndarray:
     """argmax over the last axis, refusing NaN/inf logits in the same single pass: argmax picks a
     NaN if a row has one and +inf if it has one, and a row whose pick is -inf is all -inf; a -inf
@@ -46,17 +37,28 @@ def raise_not_finite(logits: np.ndarray, who: str) -> None:
     )
 
 
-def warp(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def warp(
+    logits: np.ndarray,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    who: str | None = None,
+) -> np.ndarray:
     """Turn logits ``[..., V]`` into sampling probabilities (float64), rows summing to 1.
 
-    ``temperature`` must be > 0 here; greedy decoding never needs probabilities.
+    ``temperature`` must be > 0 here; greedy decoding never needs probabilities. With ``who``,
+    NaN/inf logits raise `NumericalError` (checked on the row max the warp computes anyway: it
+    is NaN or +inf if any logit is, and -inf only if all are).
     """
     probs = np.multiply(logits, 1.0 / temperature, dtype=np.float64)  # one new float64 array
     vocab = probs.shape[-1]
     if 0 < top_k < vocab:
         kth = np.partition(probs, vocab - top_k, axis=-1)[..., vocab - top_k, None]
         probs[probs < kth] = -np.inf
-    probs -= probs.max(axis=-1, keepdims=True)
+    top = probs.max(axis=-1, keepdims=True)
+    if who is not None and not np.isfinite(top).all():
+        raise_not_finite(logits, who)
+    probs -= top
     np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
     if top_p < 1.0:
@@ -79,11 +81,14 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 class WarpedRows:
-    """``warp`` of each row of ``logits``, computed on first access and kept."""
+    """``warp`` of each row of ``logits``, computed (and checked for NaN/inf) on first access and
+    kept: rows the rejection sampler never reaches are never read."""
 
-    def __init__(self, logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> None:
+    def __init__(
+        self, logits: np.ndarray, temperature: float, top_k: int, top_p: float, who: str
+    ) -> None:
         self._logits = logits
-        self._args = (temperature, top_k, top_p)
+        self._args = (temperature, top_k, top_p, who)
         self._rows: dict[int, np.ndarray] = {}
 
     def __getitem__(self, index: int) -> np.ndarray:
