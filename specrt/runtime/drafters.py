@@ -15,7 +15,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
-from specrt.runtime.sampling import sample, warp
+from specrt.runtime.sampling import greedy_choice, sample, top_probability, warp
 
 # keep_going(drafted so far, confidence of the last drafted token) -> draft another?
 KeepGoing = Callable[[int, float], bool]
@@ -67,12 +67,11 @@ class ModelDrafter:
         pending = tokens[self.decoder.length :]
         count = 0
         while count < k:
+            logits = self.decoder.forward(pending)[-1]  # only the last position matters
             if q is None:
-                ids, top = self.decoder.forward_greedy(pending, confidence=keep_going is not None)
-                drafted[count] = ids[-1]
-                confidence = top[-1] if top else 0.0
+                drafted[count] = best = int(greedy_choice(logits, "draft"))
+                confidence = top_probability(logits, best) if keep_going else 0.0
             else:
-                logits = self.decoder.forward(pending)[-1]
                 q[count] = warp(logits, config.temperature, config.top_k, config.top_p, "draft")
                 drafted[count] = sample(q[count], rng)
                 confidence = float(q[count].max()) if keep_going else 0.0

@@ -29,6 +29,12 @@ def greedy_choice(logits: np.ndarray, who: str) -> np.ndarray:
     return best
 
 
+def top_probability(logits: np.ndarray, best: int) -> float:
+    """softmax(logits)[best] of a row whose argmax is ``best``."""
+    shifted = logits - logits[best]
+    return float(1.0 / np.exp(shifted, out=shifted).sum())
+
+
 def raise_not_finite(logits: np.ndarray, who: str) -> None:
     bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
     raise NumericalError(
