@@ -8,7 +8,7 @@ BUNDLES := $(RECIPES:engines/%.json=engines/%/manifest.json)
 DEMO_BUNDLE ?= engines/demo
 PROMPT ?= import os\n\n\ndef read_config(path):\n
 
-.PHONY: install test lint engines demo demo-models measure-demo clean
+.PHONY: install test lint engines demo demo-models measure-demo bench bench-all clean
 
 # torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -41,6 +41,18 @@ demo-models: install
 
 measure-demo: engines
 	$(BIN)/python models/measure_demo.py --bundle engines/demo
+
+# The README's performance table: every contender side by side on the held-out prompts.
+BENCH := $(SPECRT) bench --bundle $(DEMO_BUNDLE) --prompt-file models/demo/heldout_prompts.jsonl \
+	--num-prompts 10 --plot docs/bench.png
+
+bench: engines
+	$(BENCH)
+
+# ... with onnxruntime-genai too, built in its own environment (needs PyPI the first time).
+bench-all: engines
+	bash bench/genai_env.sh
+	$(BENCH) --genai-python build/genai-venv/bin/python
 
 clean:
 	rm -rf $(VENV) engines/*/ engines/.*.sources .pytest_cache .ruff_cache

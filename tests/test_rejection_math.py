@@ -160,6 +160,10 @@ def test_warp_temperature_top_k_top_p_match_their_definitions():
                 soft = np.where(mask, soft, 0)
                 soft /= soft.sum()
             assert np.allclose(got, soft, atol=1e-12)
+            # the loop's float32 warp: the same distribution to float32 rounding
+            fast = warp(row.astype(np.float32), temperature, top_k, top_p, dtype=np.float32)
+            assert fast.dtype == np.float32 and np.abs(fast - soft).max() < 1e-6
+            assert np.array_equal(fast == 0, soft == 0)  # the same tokens filtered out
 
 
 def test_greedy_verify():

@@ -10,17 +10,18 @@ recent rounds achieved:
 where :math:`c_j` is the draft's confidence (top probability) in token :math:`j`. That probability
 is learned online per confidence bin (decayed counts, optimistic prior :math:`c`) from rounds that
 did draft token :math:`j+1`. Before the first token it is the recent first-token acceptance.
-:math:`t_d` and :math:`\Delta v` are slopes of lines fitted to the measured draft and verify
-times, :math:`R` a moving average, so the choice follows the text, the pair and the machine.
+:math:`t_d` is the measured draft time per drafted token, :math:`\Delta v` the slope of a line
+fitted to verification time against tokens fed (bounded: a few slow rounds must not stop drafting
+for good), :math:`R` a moving average; so the choice follows the text, the pair and the machine.
+After 32 rounds without drafting one round drafts anyway, to measure again.
 The draft never looks at the target before it stops, so the output is the same as with a fixed K.
 """
 
 from __future__ import annotations
 
 BINS = 10
-
-
 PRIOR_ACCEPTANCE = 0.6
+EXPLORE_EVERY = 32  # rounds without drafting before one is drafted anyway, to re-measure
 
 
 class DraftLengthController:
@@ -45,17 +46,25 @@ class DraftLengthController:
         self.paid = list(self.prior_paid)
         self.seen = list(self.prior_seen)
         self.first_acceptance = PRIOR_ACCEPTANCE  # of a round's first draft token
-        self.draft_time = LineFit(smoothing)  # seconds vs tokens drafted
+        self.draft_step_s: float | None = None  # per drafted token, moving average
+        self.verify_s: float | None = None  # per verification pass, moving average
         self.verify_time = LineFit(smoothing)  # seconds vs tokens fed to the target
+        self.rounds_without_draft = 0
         self.rate: float | None = None  # tokens per second of recent rounds
         self.threshold: float | None = None  # rate x marginal cost, once both are measured
         self._bins: list[int] = []
 
     @property
     def marginal_cost_s(self) -> float | None:
-        """Time one more draft token adds to a round: a draft step and a verified position."""
-        draft, verify = self.draft_time.slope, self.verify_time.slope
-        return None if draft is None else draft + (verify or 0.0)
+        """Time one more draft token adds to a round: a draft step and a verified position.
+
+        The verify slope comes from a line fit, which a few slow rounds can throw far off; it is
+        kept within a quarter of a whole verification pass (measured: 5-8% per position)."""
+        if self.draft_step_s is None or self.verify_s is None:
+            return None
+        slope = self.verify_time.slope
+        per_position = min(slope, 0.25 * self.verify_s) if slope is not None else 0.0
+        return self.draft_step_s + per_position
 
     # -- within a round --------------------------------------------------------------------------
     def start_round(self) -> None:
@@ -72,7 +81,9 @@ class DraftLengthController:
         if drafted >= self.k_max:
             return False
         if self.threshold is None:  # not measured yet: vary K to learn the costs
-            return drafted < 1 + len(self.draft_time) % self.k_max
+            return drafted < 1 + len(self.verify_time) % self.k_max
+        if self.rounds_without_draft >= EXPLORE_EVERY:  # re-measure now and then
+            return drafted < max(1, self.k_max // 2)
         return gain >= self.threshold
 
     # -- after a round ---------------------------------------------------------------------------
@@ -92,11 +103,15 @@ class DraftLengthController:
                 self.paid[index] += accepted >= j + 1
             first = float(accepted >= 1)
             self.first_acceptance += self.smoothing * (first - self.first_acceptance)
-            self.draft_time.add(drafted, draft_time_s)
-        else:  # no evidence: drift slowly back to the prior so drafting gets retried now and then
+            self.draft_step_s = _average(self.draft_step_s, draft_time_s / drafted, self.smoothing)
+            self.rounds_without_draft = 0
+        else:
+            # No evidence: drift slowly back to the prior so drafting gets retried now and then.
+            self.rounds_without_draft += 1
             drift = 0.1 * self.smoothing
             self.first_acceptance += drift * (PRIOR_ACCEPTANCE - self.first_acceptance)
         self.verify_time.add(drafted + 1, verify_time_s)
+        self.verify_s = _average(self.verify_s, verify_time_s, self.smoothing)
         tokens_per_s = (accepted + 1) / (draft_time_s + verify_time_s)
         self.rate = (
             tokens_per_s
@@ -105,6 +120,10 @@ class DraftLengthController:
         )
         cost = self.marginal_cost_s
         self.threshold = None if cost is None else self.rate * cost
+
+
+def _average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 class LineFit:

@@ -15,7 +15,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
-from specrt.runtime.sampling import greedy_choice, sample, top_probability, warp
+from specrt.runtime.sampling import LOOP_DTYPE, greedy_choice, sample, top_probability, warp
 
 # keep_going(drafted so far, confidence of the last drafted token) -> draft another?
 KeepGoing = Callable[[int, float], bool]
@@ -44,6 +44,7 @@ class ModelDrafter:
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
         self.max_positions = decoder.max_positions
+        self._q: np.ndarray | None = None
 
     def reset(self) -> None:
         self.decoder.reset()
@@ -61,9 +62,10 @@ class ModelDrafter:
         keep_going: KeepGoing | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Up to ``k`` tokens; ``keep_going`` may stop earlier, judging by the draft's confidence
-        (its top probability) in each token it drafted."""
+        (its top probability) in each token it drafted. The returned ``q`` is valid until the
+        next call."""
         drafted = np.empty(k, dtype=np.int64)
-        q = None if config.greedy else np.empty((k, self.decoder.vocab_size))
+        q = None if config.greedy else self._q_buffer(k)
         pending = tokens[self.decoder.length :]
         count = 0
         while count < k:
@@ -72,7 +74,9 @@ class ModelDrafter:
                 drafted[count] = best = int(greedy_choice(logits, "draft"))
                 confidence = top_probability(logits, best) if keep_going else 0.0
             else:
-                q[count] = warp(logits, config.temperature, config.top_k, config.top_p, "draft")
+                q[count] = warp(
+                    logits, config.temperature, config.top_k, config.top_p, "draft", LOOP_DTYPE
+                )
                 drafted[count] = sample(q[count], rng)
                 confidence = float(q[count].max()) if keep_going else 0.0
             pending = [int(drafted[count])]
@@ -83,3 +87,11 @@ class ModelDrafter:
 
     def rollback(self, valid_length: int) -> None:
         self.decoder.rollback(valid_length)
+
+    def _q_buffer(self, k: int) -> np.ndarray:
+        """Rows for the draft distributions, reused across rounds: a fresh [K, vocab] array each
+        round is large enough to come from mmap, and its page faults cost more than a draft
+        step."""
+        if self._q is None or len(self._q) < k:
+            self._q = np.empty((k, self.decoder.vocab_size), dtype=LOOP_DTYPE)
+        return self._q[:k]

@@ -17,7 +17,7 @@ from specrt.runtime.draft_length import DraftLengthController, HeuristicControll
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_accept, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.sampling import WarpedRows
+from specrt.runtime.sampling import LOOP_DTYPE, WarpedRows
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -186,7 +186,9 @@ class SpeculativeGenerator:
                 n, next_token = greedy_accept(drafted_ids, choice[-(k + 1) :])
             else:
                 logits = target.forward(fed)[-(k + 1) :]
-                p = WarpedRows(logits, config.temperature, config.top_k, config.top_p, "target")
+                p = WarpedRows(
+                    logits, config.temperature, config.top_k, config.top_p, "target", LOOP_DTYPE
+                )
                 n, next_token = rejection_sample(drafted, q, p, rng)
             if controller:
                 now = time.perf_counter()
