@@ -11,9 +11,25 @@ from specrt.runtime import GenerationConfig
 from specrt.runtime.draft_length import DraftLengthController, HeuristicController, LineFit
 
 
+class Clock:
+    """Simulated time: each draft step advances it by its cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def controller_with_clock(k_max=8):
+    clock = Clock()
+    return DraftLengthController(k_max, clock=clock), clock
+
+
 def feed(controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0, per_token=0.1):
     """Run ``rounds`` simulated rounds the way the generator and drafter call the controller;
     return how many tokens each round drafted."""
+    clock = getattr(controller, "clock", None)
     drafted_per_round = []
     for _ in range(rounds):
         controller.start_round()
@@ -21,6 +37,8 @@ def feed(controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0,
         if controller.keep_drafting(0):
             while True:
                 confidences.append(confidence())
+                if isinstance(clock, Clock):
+                    clock.now += draft_s
                 if not controller.keep_drafting(len(confidences), confidences[-1]):
                     break
         k = len(confidences)
@@ -43,13 +61,13 @@ def leading(accept):
 
 
 def test_always_accepted_cheap_draft_drafts_to_the_limit():
-    controller = DraftLengthController(k_max=8)
+    controller = controller_with_clock(8)[0]
     chosen = feed(controller, 40, lambda: 0.95, leading(lambda c: True), draft_s=0.1)
     assert chosen[-10:] == [8] * 10
 
 
 def test_never_accepted_stops_drafting_then_retries():
-    controller = DraftLengthController(k_max=8)
+    controller = controller_with_clock(8)[0]
     feed(controller, 60, lambda: 0.5, leading(lambda c: False))
     # Mostly target-only rounds; with no drafting there is no evidence, so the estimate drifts
     # back and a one-token draft is retried now and then (in case the text became easier).
@@ -66,8 +84,8 @@ def test_expensive_draft_drafts_shorter():
         return rng.random()
 
     accepted = leading(lambda c: rng.random() < 0.3 + 0.7 * c)
-    cheap = feed(DraftLengthController(8), 300, confidence, accepted, draft_s=0.1)
-    dear = feed(DraftLengthController(8), 300, confidence, accepted, draft_s=2.0)
+    cheap = feed(controller_with_clock(8)[0], 300, confidence, accepted, draft_s=0.1)
+    dear = feed(controller_with_clock(8)[0], 300, confidence, accepted, draft_s=2.0)
     assert sum(cheap[-100:]) > 1.5 * sum(dear[-100:]) > 0
 
 
@@ -75,7 +93,7 @@ def test_stops_at_unconfident_tokens():
     """When low-confidence tokens are always rejected and confident ones accepted, the controller
     learns to stop right after an unconfident token and to go on after confident ones."""
     rng = random.Random(2)
-    controller = DraftLengthController(8)
+    controller = controller_with_clock(8)[0]
     feed(controller, 400, lambda: rng.choice([0.05, 0.95]), leading(lambda c: c > 0.5), 0.5)
     controller.start_round()
     assert controller.keep_drafting(0)

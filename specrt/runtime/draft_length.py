@@ -10,7 +10,8 @@ recent rounds achieved:
 where :math:`c_j` is the draft's confidence (top probability) in token :math:`j`. That probability
 is learned online per confidence bin (decayed counts, optimistic prior :math:`c`) from rounds that
 did draft token :math:`j+1`. Before the first token it is the recent first-token acceptance.
-:math:`t_d` is the measured draft time per drafted token, :math:`\Delta v` the slope of a line
+:math:`t_d` is the measured time between two drafted tokens (a round's first draft step costs
+more: it runs on caches the target just used), :math:`\Delta v` the slope of a line
 fitted to verification time against tokens fed (bounded: a few slow rounds must not stop drafting
 for good), :math:`R` a moving average; so the choice follows the text, the pair and the machine.
 After 32 rounds without drafting one round drafts anyway, to measure again.
@@ -19,8 +20,12 @@ The draft never looks at the target before it stops, so the output is the same a
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 BINS = 10
 PRIOR_ACCEPTANCE = 0.6
+MAX_VERIFY_SLOPE = 0.1  # of a verification pass, per extra position
 EXPLORE_EVERY = 32  # rounds without drafting before one is drafted anyway, to re-measure
 
 
@@ -35,8 +40,10 @@ class DraftLengthController:
         prior_weight: float = 4.0,
         decay: float = 0.995,
         smoothing: float = 0.05,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.k_max = k_max
+        self.clock = clock
         self.decay = decay
         self.smoothing = smoothing
         centers = [(i + 0.5) / BINS for i in range(BINS)]
@@ -53,27 +60,38 @@ class DraftLengthController:
         self.rate: float | None = None  # tokens per second of recent rounds
         self.threshold: float | None = None  # rate x marginal cost, once both are measured
         self._bins: list[int] = []
+        self._last_step_at: float | None = None
 
     @property
     def marginal_cost_s(self) -> float | None:
         """Time one more draft token adds to a round: a draft step and a verified position.
 
-        The verify slope comes from a line fit, which a few slow rounds can throw far off; it is
-        kept within a quarter of a whole verification pass (measured: 5-8% per position)."""
+        The verify slope comes from a line fit over rounds whose K differs little, which timing
+        noise throws far off; it is kept within 10% of a verification pass per position
+        (measured on the demo target: 4-8%)."""
         if self.draft_step_s is None or self.verify_s is None:
             return None
         slope = self.verify_time.slope
-        per_position = min(slope, 0.25 * self.verify_s) if slope is not None else 0.0
-        return self.draft_step_s + per_position
+        cap = MAX_VERIFY_SLOPE * self.verify_s
+        return self.draft_step_s + (cap if slope is None else min(slope, cap))
 
     # -- within a round --------------------------------------------------------------------------
     def start_round(self) -> None:
         self._bins = []
+        self._last_step_at: float | None = None
 
     def keep_drafting(self, drafted: int, confidence: float | None = None) -> bool:
         """Called before drafting (``drafted == 0``) and after each drafted token with its
         confidence; False stops the round's drafting."""
         gain = self.first_acceptance
+        if drafted:  # the time between two drafted tokens is what one more costs
+            now = self.clock()
+            if self._last_step_at is not None:
+                step = now - self._last_step_at
+                if self.draft_step_s is not None:  # one slow step must not stop drafting
+                    step = min(step, 3 * self.draft_step_s)
+                self.draft_step_s = _average(self.draft_step_s, step, self.smoothing)
+            self._last_step_at = now
         if confidence is not None:
             index = min(int(confidence * BINS), BINS - 1)
             self._bins.append(index)
@@ -103,7 +121,8 @@ class DraftLengthController:
                 self.paid[index] += accepted >= j + 1
             first = float(accepted >= 1)
             self.first_acceptance += self.smoothing * (first - self.first_acceptance)
-            self.draft_step_s = _average(self.draft_step_s, draft_time_s / drafted, self.smoothing)
+            if self.draft_step_s is None:  # until steps were timed (the first step of a round
+                self.draft_step_s = draft_time_s / drafted  # also pays for cold caches)
             self.rounds_without_draft = 0
         else:
             # No evidence: drift slowly back to the prior so drafting gets retried now and then.
@@ -113,11 +132,7 @@ class DraftLengthController:
         self.verify_time.add(drafted + 1, verify_time_s)
         self.verify_s = _average(self.verify_s, verify_time_s, self.smoothing)
         tokens_per_s = (accepted + 1) / (draft_time_s + verify_time_s)
-        self.rate = (
-            tokens_per_s
-            if self.rate is None
-            else self.rate + self.smoothing * (tokens_per_s - self.rate)
-        )
+        self.rate = _average(self.rate, tokens_per_s, self.smoothing)
         cost = self.marginal_cost_s
         self.threshold = None if cost is None else self.rate * cost
 
