@@ -28,7 +28,7 @@ def max_logit_difference(
     decoder = make_decoder(
         create_session(graph, providers=["CPUExecutionProvider"]), spec, spec.vocab_size, "check"
     )
-    prefill_logits = decoder.forward(ids[:prefill])
+    prefill_logits = decoder.forward(ids[:prefill]).copy()  # the next call may reuse its array
     step_logits = decoder.forward(ids[prefill:])
     prefill_diff = float(np.abs(prefill_logits - reference[:prefill]).max())
     step_diff = float(np.abs(step_logits - reference[prefill:]).max())
