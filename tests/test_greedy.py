@@ -102,3 +102,14 @@ def test_draft_with_fewer_positions(tmp_path):
     assert spec.token_ids == base.token_ids
     assert len(spec.token_ids) == 64 - spec.stats.prompt_tokens
     assert spec.stats.drafted_tokens < 4 * spec.stats.rounds  # drafting stopped at the draft's end
+
+
+def test_threads_sharing_a_generator_get_target_only_output(llama_generator):
+    """Rows from several threads are serialised: each gets exactly its own output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = [r.token_ids for r in run(llama_generator, 0, ignore_eos=True)]
+    config = GenerationConfig(max_new_tokens=32, num_draft_tokens=4, ignore_eos=True)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: llama_generator.generate([p], config)[0].token_ids, PROMPTS))
+    assert got == expected

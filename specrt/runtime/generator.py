@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,11 @@ DEFAULT_MAX_LENGTH = 8192  # positions of preallocated KV cache per engine model
 
 
 class SpeculativeGenerator:
-    """Generates with a target model, optionally sped up by a drafter; output as the target's."""
+    """Generates with a target model, optionally sped up by a drafter; output as the target's.
+
+    The models' caches and output arrays belong to the generator, so rows run one at a time: a
+    lock serialises rows from several threads (load one generator per thread to run them in
+    parallel)."""
 
     def __init__(
         self,
@@ -39,6 +44,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._lock = threading.Lock()
         self._controllers: dict[tuple[str, int, bool], DraftLengthController] = {}
 
     @classmethod
@@ -132,7 +138,9 @@ class SpeculativeGenerator:
         encoded = self.encode_prompts(prompts)
         for row, ids in enumerate(encoded):
             rng = np.random.default_rng(None if config.seed is None else [config.seed, row])
-            yield self._generate_row(ids, config, rng)
+            with self._lock:
+                result = self._generate_row(ids, config, rng)
+            yield result
 
     def _draft_length_controller(self, k_max: int, config: GenerationConfig):
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
