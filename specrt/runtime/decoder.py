@@ -15,7 +15,6 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError, InvalidInputError
-from specrt.runtime.sampling import greedy_choice
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -37,10 +36,6 @@ class Decoder(Protocol):
     def rollback(self, length: int) -> None: ...
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray: ...
-
-    def forward_greedy(
-        self, tokens: Sequence[int], confidence: bool = False
-    ) -> tuple[list[int], list[float] | None]: ...
 
 
 class KVCache:
@@ -72,23 +67,7 @@ class KVCache:
         self.length = keys[0].shape[2]
 
 
-class GreedyForward:
-    """`forward_greedy` on top of a decoder's `forward`."""
-
-    role: str
-
-    def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        raise NotImplementedError
-
-    def forward_greedy(
-        self, tokens: Sequence[int], confidence: bool = False
-    ) -> tuple[list[int], list[float] | None]:
-        """Like `forward`, but return each position's argmax token (and, with ``confidence``,
-        its probability); non-finite logits raise `NumericalError`."""
-        return greedy_from_logits(self.forward(tokens), self.role, confidence)
-
-
-class OnnxDecoder(GreedyForward):
+class OnnxDecoder:
     """Runs an exported decoder on new tokens on top of its cache; returns their logits."""
 
     def __init__(
@@ -187,13 +166,3 @@ def make_decoder(
 
         return InPlaceDecoder(session, spec, vocab_size, role, max_length)
     return OnnxDecoder(session, spec, vocab_size, role, max_length)
-
-
-def greedy_from_logits(
-    logits: np.ndarray, role: str, confidence: bool
-) -> tuple[list[int], list[float] | None]:
-    best = greedy_choice(logits, role)
-    if not confidence:
-        return best.tolist(), None
-    top = logits[np.arange(len(best)), best][:, None]
-    return best.tolist(), (1.0 / np.exp(logits - top).sum(axis=-1)).tolist()

@@ -18,7 +18,7 @@ from specrt.runtime.draft_length import DraftLengthController, HeuristicControll
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_accept, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.sampling import LOOP_DTYPE, WarpedRows
+from specrt.runtime.sampling import LOOP_DTYPE, WarpedRows, greedy_choice
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -189,11 +189,11 @@ class SpeculativeGenerator:
             k = len(drafted)
             drafted_ids = drafted.tolist()
             fed = tokens[target.length :] + drafted_ids
-            if config.greedy:  # the target's argmax per position, not its logits
-                choice, _ = target.forward_greedy(fed)
-                n, next_token = greedy_accept(drafted_ids, choice[-(k + 1) :])
+            logits = target.forward(fed)[-(k + 1) :]
+            if config.greedy:  # the target's argmax per position: no softmax
+                choice = greedy_choice(logits, "target").tolist()
+                n, next_token = greedy_accept(drafted_ids, choice)
             else:
-                logits = target.forward(fed)[-(k + 1) :]
                 p = WarpedRows(
                     logits, config.temperature, config.top_k, config.top_p, "target", LOOP_DTYPE
                 )

@@ -17,12 +17,12 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import InvalidInputError
-from specrt.runtime.decoder import NUMPY_DTYPES, GreedyForward, check_session_io
+from specrt.runtime.decoder import NUMPY_DTYPES, check_session_io
 
 _KEEP_WIDTHS = 80
 
 
-class InPlaceDecoder(GreedyForward):
+class InPlaceDecoder:
     """Runs an in-place-cache graph on new tokens after its cached prefix; returns their logits."""
 
     def __init__(
