@@ -67,7 +67,46 @@ class KVCache:
         self.length = keys[0].shape[2]
 
 
-class OnnxDecoder:
+class DecoderBase:
+    """What both decoders share: the session, the limits and the time spent in onnxruntime."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+    ) -> None:
+        """``max_length`` caps the sequence length below the model's max positions (an in-place
+        cache preallocates that many)."""
+        check_session_io(session, spec, role)
+        self.session = session
+        self.spec = spec
+        self.role = role
+        self.vocab_size = vocab_size
+        self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
+        self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
+        self.last_run_s = 0.0
+        # Sliced per call instead of allocated: row views of this are contiguous.
+        self._ones = np.ones((1, self.max_positions), dtype=np.int64)
+
+    def _check_room(self, start: int, count: int) -> None:
+        if start + count > self.max_positions:
+            raise InvalidInputError(
+                f"{self.role}: {start + count} positions exceed the {self.max_positions} this "
+                "decoder holds (the model's max positions, or the max_length given at load)"
+            )
+
+    def _timed(self, run, *args):
+        started = time.perf_counter()
+        result = run(*args)
+        self.last_run_s = time.perf_counter() - started
+        self.run_time_s += self.last_run_s
+        return result
+
+
+class OnnxDecoder(DecoderBase):
     """Runs an exported decoder on new tokens on top of its cache; returns their logits."""
 
     def __init__(
@@ -78,20 +117,11 @@ class OnnxDecoder:
         role: str,
         max_length: int | None = None,
     ) -> None:
-        self.session = session
-        self.spec = spec
-        self.role = role
-        self.vocab_size = vocab_size
-        self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
+        super().__init__(session, spec, vocab_size, role, max_length)
         self.cache = KVCache(spec)
-        self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
-        self.last_run_s = 0.0
         io = spec.io
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
-        # Sliced per call instead of allocated: row views of these are contiguous.
-        self._ones = np.ones((1, spec.max_positions), dtype=np.int64)
-        self._positions = np.arange(spec.max_positions, dtype=np.int64)[None]
-        check_session_io(session, spec, role)
+        self._positions = np.arange(self.max_positions, dtype=np.int64)[None]
 
     @property
     def length(self) -> int:
@@ -107,22 +137,15 @@ class OnnxDecoder:
         """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``."""
         io, cache = self.spec.io, self.cache
         start, count = cache.length, len(tokens)
+        self._check_room(start, count)
         feed = {io.input_ids: np.asarray([tokens], dtype=np.int64)}
-        if start + count > self.max_positions:
-            raise InvalidInputError(
-                f"{self.role}: {start + count} positions exceed the {self.max_positions} this "
-                "decoder holds (the model's max positions, or the max_length given at load)"
-            )
         if io.attention_mask:
             feed[io.attention_mask] = self._ones[:, : start + count]
         if io.position_ids:
             feed[io.position_ids] = self._positions[:, start : start + count]
         feed.update(zip(io.past_keys, cache.past(cache.keys)))
         feed.update(zip(io.past_values, cache.past(cache.values)))
-        started = time.perf_counter()
-        logits, *presents = self.session.run(self._outputs, feed)
-        self.last_run_s = time.perf_counter() - started
-        self.run_time_s += self.last_run_s
+        logits, *presents = self._timed(self.session.run, self._outputs, feed)
         layers = self.spec.num_layers
         cache.store(presents[:layers], presents[layers:])
         return logits[0, :, : self.vocab_size]

@@ -9,7 +9,6 @@ next call overwrites the stale positions.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,12 +16,12 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import InvalidInputError
-from specrt.runtime.decoder import NUMPY_DTYPES, check_session_io
+from specrt.runtime.decoder import NUMPY_DTYPES, DecoderBase
 
 _KEEP_WIDTHS = 80
 
 
-class InPlaceDecoder:
+class InPlaceDecoder(DecoderBase):
     """Runs an in-place-cache graph on new tokens after its cached prefix; returns their logits."""
 
     def __init__(
@@ -35,17 +34,10 @@ class InPlaceDecoder:
     ) -> None:
         """``max_length`` caps the preallocated cache (and so the sequence length) below the
         model's max positions: a 128k-position model would otherwise reserve its whole cache."""
-        check_session_io(session, spec, role)
+        super().__init__(session, spec, vocab_size, role, max_length)
         if not spec.io.attention_mask:
             raise InvalidInputError(f"{role}: an in-place cache graph needs an attention_mask")
-        self.session = session
-        self.spec = spec
-        self.role = role
-        self.vocab_size = vocab_size
-        self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
         self.length = 0
-        self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
-        self.last_run_s = 0.0
         io = spec.io
         shape = (1, spec.num_kv_heads, self.max_positions, spec.head_dim)
         self._buffers = [
@@ -59,7 +51,6 @@ class InPlaceDecoder:
             value = ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the numpy memory
             self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(present, value)
-        self._ones = np.ones((1, self.max_positions), dtype=np.int64)
         # Logits land in our own arrays, one per call width: no output is allocated or wrapped
         # per call. Widths up to _KEEP_WIDTHS (drafting, verification) are kept for reuse.
         self._logits: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
@@ -76,20 +67,13 @@ class InPlaceDecoder:
 
         The array is reused by the next call with as many tokens: copy what must outlive it."""
         start, count = self.length, len(tokens)
-        if start + count > self.max_positions:
-            raise InvalidInputError(
-                f"{self.role}: {start + count} positions exceed the {self.max_positions} this "
-                "decoder holds (the model's max positions, or the max_length given at load)"
-            )
+        self._check_room(start, count)
         io, binding = self.spec.io, self._binding
         binding.bind_cpu_input(io.input_ids, np.asarray([tokens], dtype=np.int64))
         binding.bind_cpu_input(io.attention_mask, self._ones[:, : start + count])
         logits, value = self._logits.get(count) or self._logits_buffer(count)
         binding.bind_ortvalue_output(io.logits, value)
-        started = time.perf_counter()
-        self.session.run_with_iobinding(binding)
-        self.last_run_s = time.perf_counter() - started
-        self.run_time_s += self.last_run_s
+        self._timed(self.session.run_with_iobinding, binding)
         self.length = start + count
         return logits[0, :, : self.vocab_size]
 
