@@ -36,7 +36,6 @@ class DecoderShape:
     """What the builder needs from the HF config."""
 
     num_layers: int
-    hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int

@@ -34,27 +34,17 @@ def build_ort_engine(
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     out = bundle_root / role / ENGINE_NAME / "model.onnx"
+    shape = DecoderShape(  # GPT-2's config answers to these names too
+        num_layers=spec.num_layers,
+        num_heads=int(config.num_attention_heads),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        norm_eps=float(getattr(config, "rms_norm_eps", None) or config.layer_norm_epsilon),
+        vocab_size=vocab,
+    )
     if config.model_type == "gpt2":
-        shape = DecoderShape(
-            num_layers=spec.num_layers,
-            hidden_size=int(config.n_embd),
-            num_heads=int(config.n_head),
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            norm_eps=float(config.layer_norm_epsilon),
-            vocab_size=vocab,
-        )
         graph = build_gpt2_graph(shape, weights, out)
     else:
-        shape = DecoderShape(
-            num_layers=spec.num_layers,
-            hidden_size=int(config.hidden_size),
-            num_heads=int(config.num_attention_heads),
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            norm_eps=float(config.rms_norm_eps),
-            vocab_size=vocab,
-        )
         with torch.no_grad():  # the model's own rotary tables: any rope scaling is applied
             positions = torch.arange(spec.max_positions)[None]
             cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
