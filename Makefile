@@ -29,7 +29,8 @@ test: lint
 # Every recipe engines/NAME.json builds the bundle engines/NAME/.
 engines: install $(BUNDLES)
 
-engines/%/manifest.json: engines/%.json
+# The engine graph's builder is a prerequisite: a bundle from an older one may not load.
+engines/%/manifest.json: engines/%.json specrt/engines/ort_graph.py
 	$(SPECRT) export --recipe $< --force
 
 demo: engines

@@ -38,6 +38,9 @@ class ModelIO:
     logits: str
     present_keys: list[str]
     present_values: list[str]
+    # In-place cache graphs take the valid lengths as numbers (GroupQueryAttention's inputs).
+    seqlens_k: str | None = None
+    total_length: str | None = None
 
 
 @dataclass
@@ -45,7 +48,7 @@ class EngineSpec:
     """A backend-specific graph of the same model (e.g. ORT contrib ops), checked like the
     portable one. ``cache``: ``"concat"`` (present = past + new, fed back each call) or
     ``"in_place"`` (past and present are one preallocated buffer of ``max_positions``; the valid
-    length is the attention mask's width)."""
+    length is fed as ``io.seqlens_k`` / ``io.total_length``)."""
 
     path: str
     files: dict[str, str]

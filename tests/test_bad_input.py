@@ -92,6 +92,19 @@ def test_graph_that_does_not_match_manifest(bundle_copy, engine):
     assert result.exit_code == 1 and "lacks ['past.0.k'" in result.output
 
 
+def test_engine_from_an_earlier_specrt_asks_for_a_rebuild(bundle_copy):
+    """Engines once took an attention mask; such a manifest entry is refused with the fix."""
+
+    def edit(manifest):
+        io = manifest["models"]["target"]["engines"]["onnxruntime"]["io"]
+        io.update(attention_mask="attention_mask", seqlens_k=None, total_length=None)
+
+    edit_manifest(bundle_copy, edit)
+    result = generate(bundle_copy, "--prompt", "a")
+    assert result.exit_code == 1 and "specrt build --bundle" in result.output
+    assert generate(bundle_copy, "--prompt", "a", "--engine", "portable").exit_code == 0
+
+
 def test_unknown_or_missing_engine(bundle_copy):
     result = generate(bundle_copy, "--prompt", "a", "--engine", "tensorrt")
     assert result.exit_code == 2 and "tensorrt" in result.output

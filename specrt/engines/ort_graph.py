@@ -4,14 +4,17 @@ contrib ops (GroupQueryAttention with rotary, SkipSimplifiedLayerNormalization).
 On CPU with small models the portable graph's cost is per-node overhead: about 100 nodes per layer,
 most of them shape arithmetic. This graph has ~10 per layer. Its KV cache is one preallocated
 buffer per layer that the graph reads as ``past`` and writes as ``present`` in place (the runtime
-binds both to the same memory); the valid length comes from ``attention_mask``'s width, so rolling
-back rejected tokens is a length change with nothing copied.
+binds both to the same memory); the valid length is an input, so rolling back rejected tokens is a
+length change with nothing copied.
 
 Llama-family decoders (llama, qwen2, mistral): pre-norm RMSNorm, rotary positions, grouped-query
 attention, SwiGLU MLP; GPT-2: LayerNorm, learned positions (computed in the graph from the
-lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``attention_mask
-[1, past+S]`` (all ones), ``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]``
-and ``present.{i}.*``.
+lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``seqlens_k [1]``
+(int32: past + S - 1), ``total_sequence_length []`` (int32: past + S),
+``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]`` and ``present.{i}.*``.
+The lengths are GroupQueryAttention's own inputs, fed as numbers rather than derived from a mask
+whose shape changes every call: every input but ``input_ids`` keeps its shape, so the runtime
+binds them once and only writes new values into their memory.
 This module needs onnx and numpy only: the exporter hands it the weights as arrays.
 """
 
@@ -28,6 +31,8 @@ from onnx import TensorProto, helper, numpy_helper
 ENGINE_NAME = "onnxruntime"
 BUILDABLE_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
 OPSET = 21
+SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
+TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
 _MS = "com.microsoft"
 
 
@@ -93,7 +98,6 @@ def build_decoder_graph(
     ``[out, in]``); ``cos``/``sin`` are ``[max_positions, head_dim / 2]`` (rotary, scaled).
     """
     b = _GraphBuilder(weights)
-    _valid_lengths(b)
     b.initializer("cos_cache", cos.astype(np.float32))
     b.initializer("sin_cache", sin.astype(np.float32))
 
@@ -154,8 +158,8 @@ def build_gpt2_graph(
     ``weights`` uses the HF state-dict names (``transformer.h.0.attn.c_attn.weight`` …; GPT-2's
     Conv1D weights are already ``[in, out]``)."""
     b = _GraphBuilder(weights)
-    _valid_lengths(b)
-    # Positions past .. past+S-1, from the mask's width (total) and the number of new tokens.
+    # Positions past .. past+S-1, from the total length and the number of new tokens.
+    b.node("Cast", [TOTAL_LENGTH], ["total_len64"], to=TensorProto.INT64)
     b.node("Shape", ["input_ids"], ["ids_shape"], start=1, end=2)
     b.node("Squeeze", ["ids_shape"], ["new_len64"])
     b.node("Sub", ["total_len64", "new_len64"], ["past_len64"])
@@ -223,18 +227,6 @@ def build_gpt2_graph(
     return _save(b, shape, out_path)
 
 
-def _valid_lengths(b: _GraphBuilder) -> None:
-    """GroupQueryAttention takes the valid lengths, not a mask: seqlens_k = total - 1 (int32)
-    and total_sequence_length = the mask's width."""
-    b.constant("one", np.array([1], dtype=np.int64))
-    b.node("ReduceSum", ["attention_mask", "one"], ["mask_sum"], keepdims=0)
-    b.node("Sub", ["mask_sum", "one"], ["seqlens_k64"])
-    b.node("Cast", ["seqlens_k64"], ["seqlens_k"], to=TensorProto.INT32)
-    b.node("Shape", ["attention_mask"], ["mask_shape"], start=1, end=2)
-    b.node("Squeeze", ["mask_shape"], ["total_len64"])
-    b.node("Cast", ["total_len64"], ["total_len"], to=TensorProto.INT32)
-
-
 def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
     """Layer ``i``'s GroupQueryAttention on packed q/k/v; reads and writes the layer's cache."""
     inputs = [
@@ -243,8 +235,8 @@ def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: 
         "",
         f"past_key_values.{i}.key",
         f"past_key_values.{i}.value",
-        "seqlens_k",
-        "total_len",
+        SEQLENS_K,
+        TOTAL_LENGTH,
     ]
     b.node(
         "GroupQueryAttention",
@@ -265,9 +257,8 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
     present_dims = ["batch", shape.num_kv_heads, "total_sequence_length", shape.head_dim]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
-        helper.make_tensor_value_info(
-            "attention_mask", TensorProto.INT64, ["batch", "total_sequence_length"]
-        ),
+        helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
     ]
     outputs = [
         helper.make_tensor_value_info(

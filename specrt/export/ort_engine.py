@@ -12,6 +12,8 @@ from specrt.bundle import EngineSpec, ModelIO, ModelSpec, sha256_file
 from specrt.engines.draft_precision import quantize_weights
 from specrt.engines.ort_graph import (
     ENGINE_NAME,
+    SEQLENS_K,
+    TOTAL_LENGTH,
     DecoderShape,
     build_decoder_graph,
     build_gpt2_graph,
@@ -65,13 +67,15 @@ def build_ort_engine(
         },
         io=ModelIO(
             input_ids="input_ids",
-            attention_mask="attention_mask",
+            attention_mask=None,
             position_ids=None,
             past_keys=[f"past_key_values.{i}.key" for i in layers],
             past_values=[f"past_key_values.{i}.value" for i in layers],
             logits="logits",
             present_keys=[f"present.{i}.key" for i in layers],
             present_values=[f"present.{i}.value" for i in layers],
+            seqlens_k=SEQLENS_K,
+            total_length=TOTAL_LENGTH,
         ),
         vocab_size=vocab,
         cache="in_place",

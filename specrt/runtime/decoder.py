@@ -157,7 +157,7 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name for o in session.get_outputs()}
     wanted = [io.input_ids, *io.past_keys, *io.past_values]
-    wanted += [n for n in (io.attention_mask, io.position_ids) if n]
+    wanted += [n for n in (io.attention_mask, io.position_ids, io.seqlens_k, io.total_length) if n]
     produced = [io.logits, *io.present_keys, *io.present_values]
     missing = [n for n in wanted if n not in inputs] + [n for n in produced if n not in outputs]
     if missing:

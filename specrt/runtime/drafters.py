@@ -15,7 +15,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
-from specrt.runtime.sampling import LOOP_DTYPE, greedy_choice, sample, top_probability, warp
+from specrt.runtime.sampling import LOOP_DTYPE, greedy_token, sample, top_probability, warp
 
 # keep_going(drafted so far, confidence of the last drafted token) -> draft another?
 KeepGoing = Callable[[int, float], bool]
@@ -71,7 +71,7 @@ class ModelDrafter:
         while count < k:
             logits = self.decoder.forward(pending)[-1]  # only the last position matters
             if q is None:
-                drafted[count] = best = int(greedy_choice(logits, "draft"))
+                drafted[count] = best = greedy_token(logits, "draft")
                 confidence = top_probability(logits, best) if keep_going else 0.0
             else:
                 q[count] = warp(

@@ -191,7 +191,7 @@ class SpeculativeGenerator:
             fed = tokens[target.length :] + drafted_ids
             logits = target.forward(fed)[-(k + 1) :]
             if config.greedy:  # the target's argmax per position: no softmax
-                choice = greedy_choice(logits, "target").tolist()
+                choice = greedy_choice(logits, "target")
                 n, next_token = greedy_accept(drafted_ids, choice)
             else:
                 p = WarpedRows(

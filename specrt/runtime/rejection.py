@@ -64,7 +64,7 @@ def rejection_sample(
 
 def greedy_verify(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
     """Greedy rule: accept while the draft token is the target's argmax; emit the argmax next."""
-    best = greedy_choice(target_logits, "target").tolist()
+    best = greedy_choice(target_logits, "target")
     return greedy_accept(draft_tokens.tolist(), best)
 
 
