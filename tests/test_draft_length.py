@@ -32,15 +32,15 @@ def feed(controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0,
     clock = getattr(controller, "clock", None)
     drafted_per_round = []
     for _ in range(rounds):
-        controller.start_round()
+        limit = controller.start_round(controller.k_max)
         confidences = []
-        if controller.keep_drafting(0):
-            while True:
-                confidences.append(confidence())
-                if isinstance(clock, Clock):
-                    clock.now += draft_s
-                if not controller.keep_drafting(len(confidences), confidences[-1]):
-                    break
+        while len(confidences) < limit:
+            confidences.append(confidence())
+            if isinstance(clock, Clock):
+                clock.now += draft_s
+            keep_going = controller.keep_drafting
+            if keep_going is not None and not keep_going(len(confidences), confidences[-1]):
+                break
         k = len(confidences)
         drafted_per_round.append(k)
         accepted = accepted_of(confidences)
@@ -95,10 +95,11 @@ def test_stops_at_unconfident_tokens():
     rng = random.Random(2)
     controller = controller_with_clock(8)[0]
     feed(controller, 400, lambda: rng.choice([0.05, 0.95]), leading(lambda c: c > 0.5), 0.5)
-    controller.start_round()
-    assert controller.keep_drafting(0)
+    assert controller.acceptance(0.95) > 0.9 and controller.acceptance(0.05) < 0.1
+    assert controller.start_round(8) == 8
     assert controller.keep_drafting(1, 0.95)
-    assert not controller.keep_drafting(2, 0.05)
+    assert controller.keep_drafting(2, 0.95)
+    assert not controller.keep_drafting(3, 0.05)
 
 
 def test_line_fit_slope():

@@ -36,7 +36,7 @@ def test_speculative_greedy_equals_target_only(bundles, arch, engine):
             # The adaptive controller persists per generator; on these tiny pairs the draft costs
             # as much as the target, so after its first rounds it rightly stops drafting. A
             # fresh one drafts while it learns, which is the path to check here.
-            generator._controllers.clear()
+            generator._schedules.clear()
             results = run(generator, k, ignore_eos=ignore_eos, draft_schedule=schedule)
             for prompt, spec, base in zip(PROMPTS, results, baseline):
                 assert spec.token_ids == base.token_ids, (arch, k, prompt)

@@ -1,43 +1,69 @@
-r"""Adaptive draft length: stop drafting when one more draft token no longer pays for itself.
+r"""How many tokens to draft each round: fixed, adaptive (below) or the classic +2/-1 heuristic.
 
-Drafting token :math:`j+1` costs :math:`t_d + \Delta v` (a draft step and one more position in
-the verification pass) and pays off only if tokens :math:`1..j+1` are all accepted. A round is
-worth drafting on while that marginal gain per second beats the rate :math:`R` (tokens per second)
-recent rounds achieved:
+Adaptive: stop drafting when one more draft token no longer pays for itself. Drafting token
+:math:`j+1` costs :math:`t_d + \Delta v` (a draft step and one more position in the verification
+pass) and gains a token only if tokens :math:`1..j+1` are all accepted. A round maximises tokens
+per second by drafting on while that expected gain per second beats the rate :math:`R` (tokens
+per second) rounds achieve:
 
-.. math:: P(\text{tokens } 1..j{+}1 \text{ accepted} \mid c_j) \ge R\,(t_d + \Delta v)
+.. math:: S_j \, a(c_j) \ge R\,(t_d + \Delta v), \qquad S_j = \prod_{i \le j} a(c_i)
 
-where :math:`c_j` is the draft's confidence (top probability) in token :math:`j`. That probability
-is learned online per confidence bin (decayed counts, optimistic prior :math:`c`) from rounds that
-did draft token :math:`j+1`. Before the first token it is the recent first-token acceptance.
+where :math:`c_i` is the draft's confidence (top probability) in its token :math:`i` and
+:math:`a(c)` the probability that a token drafted with confidence :math:`c` is accepted when the
+tokens before it were: :math:`S_j` is the chance that all :math:`j` drafted tokens survive, and
+the next token's acceptance is estimated by the last one's. :math:`a` is learned online per
+confidence bin (decayed counts over a prior) from every drafted token the verifier reached.
+Before the first token the gain is the recent first-token acceptance.
 :math:`t_d` is the measured time between two drafted tokens (a round's first draft step costs
-more: it runs on caches the target just used), :math:`\Delta v` the slope of a line
-fitted to verification time against tokens fed (bounded: a few slow rounds must not stop drafting
-for good), :math:`R` a moving average; so the choice follows the text, the pair and the machine.
-After 32 rounds without drafting one round drafts anyway, to measure again.
-The draft never looks at the target before it stops, so the output is the same as with a fixed K.
+more: it runs on caches the target just evicted), :math:`\Delta v` the slope of a line fitted to
+verification time against tokens fed (bounded: a few slow rounds must not stop drafting for
+good), :math:`R` the ratio of decayed sums of tokens and seconds; so the choice follows the text,
+the pair and the machine. After 32 rounds without drafting one round drafts anyway, to measure
+again. The draft never looks at the target before it stops, so the output is the same as with a
+fixed K.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 BINS = 10
 PRIOR_ACCEPTANCE = 0.6
 MAX_VERIFY_SLOPE = 0.1  # of a verification pass, per extra position
 EXPLORE_EVERY = 32  # rounds without drafting before one is drafted anyway, to re-measure
 
+# keep_going(drafted so far, confidence of the last drafted token) -> draft another?
+KeepGoing = Callable[[int, float], bool]
+
+
+class DraftSchedule(Protocol):
+    """What the generator asks each round (`fixed` K needs none)."""
+
+    # called after each drafted token, or None: the schedule needs no per-token say
+    keep_drafting: KeepGoing | None
+
+    def start_round(self, limit: int) -> int:
+        """How many tokens to draft at most this round (``limit``: what fits)."""
+        ...
+
+    def update(
+        self, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+    ) -> None:
+        """Record a round: ``drafted`` proposed, ``accepted`` kept, and what each part took."""
+        ...
+
 
 class DraftLengthController:
-    """Per-generator state; `start_round` / `keep_drafting` / `update` are called by the loop.
+    """The adaptive schedule: per-generator state, called by the loop between model calls.
 
     Plain Python floats: this runs between model calls, where every microsecond counts."""
 
     def __init__(
         self,
         k_max: int,
-        prior_weight: float = 4.0,
+        prior_weight: float = 2.0,
         decay: float = 0.995,
         smoothing: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
@@ -46,21 +72,36 @@ class DraftLengthController:
         self.clock = clock
         self.decay = decay
         self.smoothing = smoothing
-        centers = [(i + 0.5) / BINS for i in range(BINS)]
-        # Per confidence bin of token j: how often tokens 1..j+1 were all accepted.
-        self.prior_paid = [c * prior_weight for c in centers]  # optimistic: unexplored get tried
-        self.prior_seen = [prior_weight] * BINS
-        self.paid = list(self.prior_paid)
-        self.seen = list(self.prior_seen)
+        # Per confidence bin: decayed counts of reached tokens and of accepted ones, scaled by
+        # self._weight (which grows each round instead of every count shrinking), over a prior
+        # between the bin's confidence and 1: an untried bin looks worth drafting on.
+        self.prior_weight = prior_weight
+        self.prior = [(1 + (i + 0.5) / BINS) / 2 for i in range(BINS)]
+        self.accepted = [0.0] * BINS
+        self.reached = [0.0] * BINS
+        self._weight = 1.0
         self.first_acceptance = PRIOR_ACCEPTANCE  # of a round's first draft token
         self.draft_step_s: float | None = None  # per drafted token, moving average
         self.verify_s: float | None = None  # per verification pass, moving average
         self.verify_time = LineFit(smoothing)  # seconds vs tokens fed to the target
         self.rounds_without_draft = 0
-        self.rate: float | None = None  # tokens per second of recent rounds
+        self._tokens = self._seconds = 0.0  # decayed sums over rounds, for the rate
         self.threshold: float | None = None  # rate x marginal cost, once both are measured
+        self.keep_drafting: KeepGoing = self._keep_drafting
+        self._limit = 0
         self._bins: list[int] = []
+        self._survival = 1.0
         self._last_step_at: float | None = None
+
+    def acceptance(self, confidence: float) -> float:
+        """Learned P(a token drafted with this confidence is accepted | the ones before were)."""
+        index = min(int(confidence * BINS), BINS - 1)
+        return self._estimate(index)
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second of recent rounds."""
+        return self._tokens / self._seconds if self._seconds else None
 
     @property
     def marginal_cost_s(self) -> float | None:
@@ -76,33 +117,43 @@ class DraftLengthController:
         return self.draft_step_s + (cap if slope is None else min(slope, cap))
 
     # -- within a round --------------------------------------------------------------------------
-    def start_round(self) -> None:
+    def start_round(self, limit: int) -> int:
+        self._limit = min(limit, self.k_max)
         self._bins = []
-        self._last_step_at: float | None = None
+        self._survival = 1.0
+        self._last_step_at = None
+        if self._limit <= 0:
+            return 0
+        if self.threshold is None or self.rounds_without_draft >= EXPLORE_EVERY:
+            return self._limit  # measuring: _keep_drafting varies K
+        return self._limit if self.first_acceptance >= self.threshold else 0
 
-    def keep_drafting(self, drafted: int, confidence: float | None = None) -> bool:
-        """Called before drafting (``drafted == 0``) and after each drafted token with its
-        confidence; False stops the round's drafting."""
-        gain = self.first_acceptance
-        if drafted:  # the time between two drafted tokens is what one more costs
-            now = self.clock()
-            if self._last_step_at is not None:
-                step = now - self._last_step_at
-                if self.draft_step_s is not None:  # one slow step must not stop drafting
-                    step = min(step, 3 * self.draft_step_s)
-                self.draft_step_s = _average(self.draft_step_s, step, self.smoothing)
-            self._last_step_at = now
-        if confidence is not None:
-            index = min(int(confidence * BINS), BINS - 1)
-            self._bins.append(index)
-            gain = self.paid[index] / self.seen[index]
-        if drafted >= self.k_max:
+    def _keep_drafting(self, drafted: int, confidence: float) -> bool:
+        """Called after each drafted token with its confidence; False stops the round."""
+        now = self.clock()
+        if self._last_step_at is not None:  # the time between two drafted tokens
+            step = now - self._last_step_at
+            if self.draft_step_s is not None:  # one slow step must not stop drafting
+                step = min(step, 3 * self.draft_step_s)
+            self.draft_step_s = _average(self.draft_step_s, step, self.smoothing)
+        self._last_step_at = now
+        index = min(int(confidence * BINS), BINS - 1)
+        self._bins.append(index)
+        acceptance = self._estimate(index)
+        self._survival *= acceptance
+        if drafted >= self._limit:
             return False
         if self.threshold is None:  # not measured yet: vary K to learn the costs
             return drafted < 1 + len(self.verify_time) % self.k_max
         if self.rounds_without_draft >= EXPLORE_EVERY:  # re-measure now and then
             return drafted < max(1, self.k_max // 2)
-        return gain >= self.threshold
+        return self._survival * acceptance >= self.threshold
+
+    def _estimate(self, index: int) -> float:
+        weight = self._weight
+        return (self.accepted[index] / weight + self.prior_weight * self.prior[index]) / (
+            self.reached[index] / weight + self.prior_weight
+        )
 
     # -- after a round ---------------------------------------------------------------------------
     def update(
@@ -110,15 +161,15 @@ class DraftLengthController:
     ) -> None:
         """Record a round: ``drafted`` proposed, ``accepted`` kept, and what each part took."""
         if drafted:
-            keep, pull = self.decay, 1 - self.decay
-            for i in range(BINS):
-                self.paid[i] = keep * self.paid[i] + pull * self.prior_paid[i]
-                self.seen[i] = keep * self.seen[i] + pull * self.prior_seen[i]
-            # Token j's bin learns whether drafting j+1 paid, when j+1 was drafted (recording
-            # only the settled "no"s of stopped rounds would bias it down).
-            for j, index in enumerate(self._bins[: drafted - 1], start=1):
-                self.seen[index] += 1
-                self.paid[index] += accepted >= j + 1
+            self._weight /= self.decay  # older counts weigh less: newer ones count more
+            if self._weight > 1e6:
+                self._rescale()
+            weight = self._weight
+            # Tokens the verifier reached: the accepted ones and the first rejected one.
+            for position, index in enumerate(self._bins[: accepted + 1]):
+                self.reached[index] += weight
+                if position < accepted:
+                    self.accepted[index] += weight
             first = float(accepted >= 1)
             self.first_acceptance += self.smoothing * (first - self.first_acceptance)
             if self.draft_step_s is None:  # until steps were timed (the first step of a round
@@ -131,10 +182,16 @@ class DraftLengthController:
             self.first_acceptance += drift * (PRIOR_ACCEPTANCE - self.first_acceptance)
         self.verify_time.add(drafted + 1, verify_time_s)
         self.verify_s = _average(self.verify_s, verify_time_s, self.smoothing)
-        tokens_per_s = (accepted + 1) / (draft_time_s + verify_time_s)
-        self.rate = _average(self.rate, tokens_per_s, self.smoothing)
+        keep = 1 - self.smoothing
+        self._tokens = keep * self._tokens + accepted + 1
+        self._seconds = keep * self._seconds + draft_time_s + verify_time_s
         cost = self.marginal_cost_s
         self.threshold = None if cost is None else self.rate * cost
+
+    def _rescale(self) -> None:
+        for counts in (self.accepted, self.reached):
+            counts[:] = [c / self._weight for c in counts]
+        self._weight = 1.0
 
 
 def _average(old: float | None, new: float, weight: float) -> float:
@@ -169,17 +226,17 @@ class LineFit:
 
 class HeuristicController:
     """The classic schedule, for comparison: K grows by 2 after a fully accepted round and
-    shrinks by 1 otherwise (as transformers' ``num_assistant_tokens_schedule="heuristic"``)."""
+    shrinks by 1 otherwise (as transformers' ``num_assistant_tokens_schedule="heuristic"``).
+    It decides K before the round, so it needs no per-token callback."""
+
+    keep_drafting = None
 
     def __init__(self, k_max: int, start: int = 4) -> None:
         self.k_max = k_max
         self.k = min(start, k_max)
 
-    def start_round(self) -> None:
-        pass
-
-    def keep_drafting(self, drafted: int, confidence: float | None = None) -> bool:
-        return drafted < self.k
+    def start_round(self, limit: int) -> int:
+        return min(limit, self.k)
 
     def update(
         self, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float

@@ -8,17 +8,14 @@ tells the drafter that only ``tokens[:n]`` stand; it keeps whatever state is sti
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
+from specrt.runtime.draft_length import KeepGoing
 from specrt.runtime.sampling import LOOP_DTYPE, greedy_token, sample, top_probability, warp
-
-# keep_going(drafted so far, confidence of the last drafted token) -> draft another?
-KeepGoing = Callable[[int, float], bool]
 
 
 class Drafter(Protocol):

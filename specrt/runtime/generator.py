@@ -14,7 +14,11 @@ from specrt.engines.ort_session import create_session, default_providers
 from specrt.errors import InvalidInputError, PairMismatchError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder, make_decoder
-from specrt.runtime.draft_length import DraftLengthController, HeuristicController
+from specrt.runtime.draft_length import (
+    DraftLengthController,
+    DraftSchedule,
+    HeuristicController,
+)
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.rejection import greedy_accept, rejection_sample
 from specrt.runtime.results import GenerationResult, GenerationStats
@@ -45,7 +49,7 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self._lock = threading.Lock()
-        self._controllers: dict[tuple[str, int, bool], DraftLengthController] = {}
+        self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
 
     @classmethod
     def from_bundle(
@@ -142,16 +146,16 @@ class SpeculativeGenerator:
                 result = self._generate_row(ids, config, rng)
             yield result
 
-    def _draft_length_controller(self, k_max: int, config: GenerationConfig):
+    def _draft_schedule(self, k_max: int, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
         draft's calibration, the machine's costs) holds for the pair, not for one prompt."""
         key = (config.draft_schedule, k_max, config.greedy)
-        if key not in self._controllers:
+        if key not in self._schedules:
             if config.draft_schedule == "heuristic":
-                self._controllers[key] = HeuristicController(k_max)
+                self._schedules[key] = HeuristicController(k_max)
             else:
-                self._controllers[key] = DraftLengthController(k_max)
-        return self._controllers[key]
+                self._schedules[key] = DraftLengthController(k_max)
+        return self._schedules[key]
 
     # ----------------------------------------------------------------------------------------
     def _generate_row(
@@ -173,16 +177,15 @@ class SpeculativeGenerator:
             if k_max:
                 drafter.prefill(prompt[:-1])
 
-        controller = None
+        schedule = None
         if config.draft_schedule != "fixed" and k_max:
-            controller = self._draft_length_controller(k_max, config)
-        keep_going = controller.keep_drafting if controller else None
+            schedule = self._draft_schedule(k_max, config)
+        keep_going = schedule.keep_drafting if schedule else None
         while len(tokens) < limit:
             # A round emits at most k+1 tokens and every fed position must fit in each model.
             k = max(0, min(k_max, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
-            if controller:
-                controller.start_round()
-                k = k if controller.keep_drafting(0) else 0
+            if schedule:
+                k = schedule.start_round(k)
             round_start = time.perf_counter()
             drafted, q = drafter.propose(tokens, k, config, rng, keep_going)
             drafted_at = time.perf_counter()
@@ -198,9 +201,9 @@ class SpeculativeGenerator:
                     logits, config.temperature, config.top_k, config.top_p, "target", LOOP_DTYPE
                 )
                 n, next_token = rejection_sample(drafted, q, p, rng)
-            if controller:
+            if schedule:
                 now = time.perf_counter()
-                controller.update(k, n, drafted_at - round_start, now - drafted_at)
+                schedule.update(k, n, drafted_at - round_start, now - drafted_at)
 
             stats.rounds += 1
             stats.drafted_tokens += k
