@@ -41,6 +41,7 @@ class ModelIO:
     # In-place cache graphs take the valid lengths as numbers (GroupQueryAttention's inputs).
     seqlens_k: str | None = None
     total_length: str | None = None
+    probabilities: str | None = None  # softmax of the logits, where the graph computes it
 
 
 @dataclass

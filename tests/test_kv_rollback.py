@@ -70,3 +70,19 @@ def test_feeding_past_max_positions_is_refused(llama_generator):
     with pytest.raises(InvalidInputError, match="exceed the 128 this decoder holds"):
         decoder.forward([5] * 20)
     assert decoder.length == 111  # the cache is untouched
+
+
+@pytest.mark.parametrize("engine", ["portable", "onnxruntime"])
+def test_probabilities_are_the_softmax_of_the_logits(llama_bundle, engine):
+    """The engine graph computes the softmax with the logits (read by the draft's confidence and
+    temperature-1 sampling); the portable graph does not."""
+    decoder = fresh_decoder(llama_bundle, engine)
+    for tokens in ([3, 4, 5, 6, 7], [8], [9, 10]):
+        logits = decoder.forward(tokens)
+        if engine == "portable":
+            assert decoder.probabilities is None
+            continue
+        assert decoder.probabilities.shape == logits.shape
+        expected = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        expected /= expected.sum(axis=-1, keepdims=True)
+        np.testing.assert_allclose(decoder.probabilities, expected, atol=1e-6, rtol=0)

@@ -195,3 +195,34 @@ def test_nan_and_inf_logits_raise():
         warp(np.full(5, -np.inf), 1.0, who="target")
     masked = np.array([0.0, -np.inf, 1.0, -np.inf, 2.0])  # -inf here and there is a valid mask
     assert warp(masked, 1.0, who="target")[[1, 3]].tolist() == [0.0, 0.0]
+
+
+def test_graph_softmax_of_bad_logits_is_refused():
+    """The engines' in-graph softmax (onnxruntime's own kernel) turns a NaN or +inf logit, or a
+    row of -inf, into a row `check_probabilities` refuses; a -inf here and there is a mask."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from specrt.runtime.sampling import check_probabilities
+
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1)],
+        "softmax",
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", 64])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["rows", 64])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    logits = np.random.default_rng(0).normal(size=(5, 64)).astype(np.float32)
+    logits[0, 40] = np.nan
+    logits[1, 63] = np.inf
+    logits[2] = -np.inf
+    logits[3, ::2] = -np.inf  # a valid mask
+    (probabilities,) = session.run(None, {"logits": logits})
+    for row in range(3):
+        with pytest.raises(NumericalError, match="the target model produced"):
+            check_probabilities(probabilities[row], logits[row], "target")
+    for row in (3, 4):
+        check_probabilities(probabilities[row], logits[row], "target")
+        expected = warp(logits[row], 1.0)
+        assert np.abs(probabilities[row] - expected).max() < 1e-6

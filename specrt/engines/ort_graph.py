@@ -11,7 +11,9 @@ Llama-family decoders (llama, qwen2, mistral): pre-norm RMSNorm, rotary position
 attention, SwiGLU MLP; GPT-2: LayerNorm, learned positions (computed in the graph from the
 lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``seqlens_k [1]``
 (int32: past + S - 1), ``total_sequence_length []`` (int32: past + S),
-``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]`` and ``present.{i}.*``.
+``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]``, ``probabilities`` (their
+softmax: the draft's confidence and temperature-1 sampling read it instead of a NumPy pass over
+the vocabulary, ~10 us each after a model call, for ~1 us inside) and ``present.{i}.*``.
 The lengths are GroupQueryAttention's own inputs, fed as numbers rather than derived from a mask
 whose shape changes every call: every input but ``input_ids`` keeps its shape, so the runtime
 binds them once and only writes new values into their memory.
@@ -33,6 +35,7 @@ BUILDABLE_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
 OPSET = 21
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
 TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
+PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxruntime's code is hot
 _MS = "com.microsoft"
 
 
@@ -145,8 +148,7 @@ def build_decoder_graph(
         residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    b.initializer("lm_head.MatMul", weights[head][: shape.vocab_size].T)
-    b.node("MatMul", [normed, "lm_head.MatMul"], ["logits"])
+    _lm_head(b, normed, weights[head][: shape.vocab_size].T)
     return _save(b, shape, out_path)
 
 
@@ -222,9 +224,15 @@ def build_gpt2_graph(
         residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "transformer.wte.weight"
-    b.initializer("lm_head.MatMul", weights[head][: shape.vocab_size].T)
-    b.node("MatMul", [normed, "lm_head.MatMul"], ["logits"])
+    _lm_head(b, normed, weights[head][: shape.vocab_size].T)
     return _save(b, shape, out_path)
+
+
+def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray) -> None:
+    """Logits ``[1, S, vocab]`` (``matrix``: ``[hidden, vocab]``) and their softmax."""
+    b.initializer("lm_head.MatMul", matrix)
+    b.node("MatMul", [normed, "lm_head.MatMul"], ["logits"])
+    b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
 
 
 def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
@@ -262,8 +270,9 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
     ]
     outputs = [
         helper.make_tensor_value_info(
-            "logits", TensorProto.FLOAT, ["batch", "sequence", shape.vocab_size]
+            name, TensorProto.FLOAT, ["batch", "sequence", shape.vocab_size]
         )
+        for name in ("logits", PROBABILITIES)
     ]
     for i in range(shape.num_layers):
         for kind in ("key", "value"):

@@ -12,6 +12,7 @@ from specrt.bundle import EngineSpec, ModelIO, ModelSpec, sha256_file
 from specrt.engines.draft_precision import quantize_weights
 from specrt.engines.ort_graph import (
     ENGINE_NAME,
+    PROBABILITIES,
     SEQLENS_K,
     TOTAL_LENGTH,
     DecoderShape,
@@ -76,6 +77,7 @@ def build_ort_engine(
             present_values=[f"present.{i}.value" for i in layers],
             seqlens_k=SEQLENS_K,
             total_length=TOTAL_LENGTH,
+            probabilities=PROBABILITIES,
         ),
         vocab_size=vocab,
         cache="in_place",

@@ -69,3 +69,9 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def unwarped(self) -> bool:
+        """Sampling from the model's own distribution (temperature 1, no filters): a graph's
+        softmax output can be used as it is."""
+        return self.temperature == 1 and self.top_k == 0 and self.top_p == 1

@@ -27,6 +27,8 @@ class Decoder(Protocol):
     max_positions: int
     run_time_s: float  # total time inside onnxruntime
     last_run_s: float
+    # softmax of the last call's logits [tokens, vocab] where the graph computes it, else None
+    probabilities: np.ndarray | None
 
     @property
     def length(self) -> int: ...
@@ -88,6 +90,7 @@ class DecoderBase:
         self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
         self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
         self.last_run_s = 0.0
+        self.probabilities: np.ndarray | None = None
         # Sliced per call instead of allocated: row views of this are contiguous.
         self._ones = np.ones((1, self.max_positions), dtype=np.int64)
 
@@ -159,6 +162,7 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
     wanted = [io.input_ids, *io.past_keys, *io.past_values]
     wanted += [n for n in (io.attention_mask, io.position_ids, io.seqlens_k, io.total_length) if n]
     produced = [io.logits, *io.present_keys, *io.present_values]
+    produced += [io.probabilities] if io.probabilities else []
     missing = [n for n in wanted if n not in inputs] + [n for n in produced if n not in outputs]
     if missing:
         raise BundleError(

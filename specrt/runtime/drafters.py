@@ -15,7 +15,14 @@ import numpy as np
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.decoder import Decoder
 from specrt.runtime.draft_length import KeepGoing
-from specrt.runtime.sampling import LOOP_DTYPE, greedy_token, sample, top_probability, warp
+from specrt.runtime.sampling import (
+    LOOP_DTYPE,
+    check_probabilities,
+    greedy_token,
+    sample,
+    top_probability,
+    warp,
+)
 
 
 class Drafter(Protocol):
@@ -64,16 +71,26 @@ class ModelDrafter:
         drafted = np.empty(k, dtype=np.int64)
         q = None if config.greedy else self._q_buffer(k)
         pending = tokens[self.decoder.length :]
-        count = 0
+        decoder, count = self.decoder, 0
         while count < k:
-            logits = self.decoder.forward(pending)[-1]  # only the last position matters
+            logits = decoder.forward(pending)[-1]  # only the last position matters
+            probabilities = decoder.probabilities
             if q is None:
                 drafted[count] = best = greedy_token(logits, "draft")
-                confidence = top_probability(logits, best) if keep_going else 0.0
+                if keep_going is None:
+                    confidence = 0.0
+                elif probabilities is not None:
+                    confidence = float(probabilities[-1, best])
+                else:
+                    confidence = top_probability(logits, best)
             else:
-                q[count] = warp(
-                    logits, config.temperature, config.top_k, config.top_p, "draft", LOOP_DTYPE
-                )
+                if probabilities is not None and config.unwarped:
+                    q[count] = probabilities[-1]
+                    check_probabilities(q[count], logits, "draft")
+                else:
+                    q[count] = warp(
+                        logits, config.temperature, config.top_k, config.top_p, "draft", LOOP_DTYPE
+                    )
                 drafted[count] = sample(q[count], rng)
                 confidence = float(q[count].max()) if keep_going else 0.0
             pending = [int(drafted[count])]

@@ -181,6 +181,7 @@ class SpeculativeGenerator:
         if config.draft_schedule != "fixed" and k_max:
             schedule = self._draft_schedule(k_max, config)
         keep_going = schedule.keep_drafting if schedule else None
+        unwarped = config.unwarped  # the graphs' softmax is the sampling distribution
         while len(tokens) < limit:
             # A round emits at most k+1 tokens and every fed position must fit in each model.
             k = max(0, min(k_max, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
@@ -197,8 +198,15 @@ class SpeculativeGenerator:
                 choice = greedy_choice(logits, "target")
                 n, next_token = greedy_accept(drafted_ids, choice)
             else:
+                probabilities = target.probabilities
                 p = WarpedRows(
-                    logits, config.temperature, config.top_k, config.top_p, "target", LOOP_DTYPE
+                    logits,
+                    config.temperature,
+                    config.top_k,
+                    config.top_p,
+                    "target",
+                    LOOP_DTYPE,
+                    probabilities[-(k + 1) :] if probabilities is not None and unwarped else None,
                 )
                 n, next_token = rejection_sample(drafted, q, p, rng)
             if schedule:

@@ -64,10 +64,10 @@ class InPlaceDecoder(DecoderBase):
         self._total_length = np.zeros((), dtype=np.int32)
         binding.bind_ortvalue_input(io.seqlens_k, _shared(self._seqlens_k))
         binding.bind_ortvalue_input(io.total_length, _shared(self._total_length))
-        # Per call width: (token ids [1, n], logits [1, n, vocab]) and their OrtValues.
-        self._widths: dict[int, tuple[np.ndarray, np.ndarray, ort.OrtValue, ort.OrtValue]] = {}
-        self._bound_width = 0
-        self._ids = self._logits = np.empty(0)
+        # The graph's softmax is the distribution only if it spans exactly the vocabulary.
+        self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
+        self._widths: dict[int, _Width] = {}
+        self._width: _Width | None = None
 
     def reset(self) -> None:
         self.length = 0
@@ -77,33 +77,54 @@ class InPlaceDecoder(DecoderBase):
         self.length = min(self.length, length)
 
     def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``.
+        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]`` (and
+        set ``probabilities`` where the graph computes them).
 
-        The array is reused by the next call with as many tokens: copy what must outlive it."""
+        The arrays are reused by the next call with as many tokens: copy what must outlive it."""
         count = len(tokens)
         total = self.length + count
         self._check_room(self.length, count)
-        if count != self._bound_width:
-            self._bind_width(count)
-        self._ids[0] = tokens
+        width = self._width
+        if width is None or width.count != count:
+            width = self._bind_width(count)
+        width.ids[0] = tokens
         self._seqlens_k[0] = total - 1
         self._total_length.fill(total)
         self._timed(self.session.run_with_iobinding, self._binding)
         self.length = total
-        return self._logits[0, :, : self.vocab_size]
+        return width.logits
 
-    def _bind_width(self, count: int) -> None:
-        arrays = self._widths.get(count)
-        if arrays is None:
-            ids = np.zeros((1, count), dtype=np.int64)
-            logits = np.empty((1, count, self.spec.vocab_size), dtype=np.float32)
-            arrays = (ids, logits, _shared(ids), _shared(logits))
+    def _bind_width(self, count: int) -> _Width:
+        width = self._widths.get(count)
+        if width is None:
+            width = _Width(count, self.spec.vocab_size, self.vocab_size, self._with_probabilities)
             if count <= _KEEP_WIDTHS:
-                self._widths[count] = arrays
-        self._ids, self._logits, ids_value, logits_value = arrays
-        self._binding.bind_ortvalue_input(self.spec.io.input_ids, ids_value)
-        self._binding.bind_ortvalue_output(self.spec.io.logits, logits_value)
-        self._bound_width = count
+                self._widths[count] = width
+        io, binding = self.spec.io, self._binding
+        binding.bind_ortvalue_input(io.input_ids, width.values[0])
+        binding.bind_ortvalue_output(io.logits, width.values[1])
+        if self._with_probabilities:
+            binding.bind_ortvalue_output(io.probabilities, width.values[2])
+        self._width = width
+        self.probabilities = width.probabilities
+        return width
+
+
+class _Width:
+    """The arrays one call width binds: token ids ``[1, n]``, logits and probabilities
+    ``[1, n, graph vocab]``, with the row views the decoder hands out."""
+
+    def __init__(self, count: int, graph_vocab: int, vocab: int, probabilities: bool) -> None:
+        self.count = count
+        self.ids = np.zeros((1, count), dtype=np.int64)
+        logits = np.empty((1, count, graph_vocab), dtype=np.float32)
+        self.logits = logits[0, :, :vocab]
+        arrays = [self.ids, logits]
+        self.probabilities = None
+        if probabilities:
+            arrays.append(np.empty((1, count, graph_vocab), dtype=np.float32))
+            self.probabilities = arrays[-1][0]
+        self.values = [_shared(a) for a in arrays]
 
 
 def _shared(array: np.ndarray) -> ort.OrtValue:

@@ -43,6 +43,14 @@ def top_probability(logits: np.ndarray, best: int) -> float:
     return float(1.0 / np.exp(shifted, out=shifted).sum())
 
 
+def check_probabilities(probabilities: np.ndarray, logits: np.ndarray, who: str) -> None:
+    """Refuse a graph's softmax row made from NaN/inf logits. One entry tells: a NaN or +inf
+    logit, or a row of -inf, makes the row's sum NaN and so every entry (the softmax divides
+    by it)."""
+    if not math.isfinite(probabilities[0]):
+        raise_not_finite(logits, who)
+
+
 def raise_not_finite(logits: np.ndarray, who: str) -> None:
     bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
     raise NumericalError(
@@ -99,7 +107,9 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 class WarpedRows:
     """``warp`` of each row of ``logits``, computed (and checked for NaN/inf) on first access and
-    kept: rows the rejection sampler never reaches are never read."""
+    kept: rows the rejection sampler never reaches are never read. ``probabilities``: the
+    graph's softmax of the same rows, to use as they are (only where the warp would not change
+    them: temperature 1, no filters)."""
 
     def __init__(
         self,
@@ -109,13 +119,20 @@ class WarpedRows:
         top_p: float,
         who: str,
         dtype: type = np.float64,
+        probabilities: np.ndarray | None = None,
     ) -> None:
         self._logits = logits
         self._args = (temperature, top_k, top_p, who, dtype)
         self._rows: dict[int, np.ndarray] = {}
+        self._probabilities = probabilities
 
     def __getitem__(self, index: int) -> np.ndarray:
         row = self._rows.get(index)
         if row is None:
-            row = self._rows[index] = warp(self._logits[index], *self._args)
+            if self._probabilities is not None:
+                row = self._probabilities[index]
+                check_probabilities(row, self._logits[index], self._args[3])
+            else:
+                row = warp(self._logits[index], *self._args)
+            self._rows[index] = row
         return row
