@@ -15,6 +15,7 @@ def test_predicted_speedup_formula():
     assert predicted_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
     assert predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     assert predicted_speedup(1.0, 3, 0.1) == pytest.approx(4 / 1.3)
+    assert predicted_speedup(0.5, 2, 0.0, verify_cost_ratio=1.25) == pytest.approx(1.75 / 1.25)
 
 
 def test_bench_reports_every_contender(llama_bundle, tmp_path):
@@ -30,7 +31,8 @@ def test_bench_reports_every_contender(llama_bundle, tmp_path):
     assert "specrt heuristic K<=2" in names
     assert {"transformers target only", "transformers assisted"} <= names
     k2 = report["results"]["greedy"]["specrt K=2"]
-    for key in ("tokens_per_second", "speedup", "alpha", "predicted_speedup", "overhead_fraction"):
+    keys = ["tokens_per_second", "speedup", "alpha", "predicted_speedup", "overhead_fraction"]
+    for key in [*keys, "predicted_speedup_measured_verify"]:
         assert key in k2
     assert 0 <= k2["overhead_fraction"] < 1 and 0 <= k2["alpha"] <= 1
     assert report["costs"]["cost_ratio"] > 0

@@ -14,7 +14,7 @@ def table(report: dict) -> str:
     labels = list(report["results"])
     names = list(dict.fromkeys(n for label in labels for n in report["results"][label]))
     header = f"{'contender':<{WIDTH}}" + "".join(f"{label:>26}" for label in labels)
-    header += f"{'alpha':>8}{'predicted':>11}{'overhead':>10}"
+    header += f"{'alpha':>8}{'predicted':>11}{'with v_K':>10}{'overhead':>10}"
     lines = [header, f"{'':<{WIDTH}}" + "".join(f"{'tokens/s   x target':>26}" for _ in labels)]
     for name in names:
         row = f"{name:<{WIDTH}}"
@@ -26,8 +26,9 @@ def table(report: dict) -> str:
             row += f"{entry['tokens_per_second']:>17.1f}{entry['speedup']:>8.2f}x"
         first = report["results"][labels[0]].get(name, {})
         row += f"{first['alpha']:>8.2f}" if "alpha" in first else f"{'':>8}"
-        predicted = first.get("predicted_speedup")
-        row += f"{predicted:>10.2f}x" if predicted else f"{'':>11}"
+        for key, width in (("predicted_speedup", 11), ("predicted_speedup_measured_verify", 10)):
+            predicted = first.get(key)
+            row += f"{predicted:>{width - 1}.2f}x" if predicted else f"{'':>{width}}"
         overhead = first.get("overhead_fraction")
         row += f"{overhead:>9.1%}" if overhead is not None else ""
         lines.append(row)
@@ -36,8 +37,12 @@ def table(report: dict) -> str:
         f"c = draft/target step cost = {costs['cost_ratio']:.3f}; {report['prompts']} prompts, "
         f"{report['max_new_tokens']} new tokens, {report['threads']} threads, engine "
         f"{report.get('engine', 'auto')}; medians over prompts; alpha, predicted and overhead "
-        "for the first column"
+        "for the first column; predicted = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), 'with v_K'"
+        " puts the measured cost of verifying K+1 tokens (v_K target steps) in place of the 1"
     )
+    verify = costs.get("verify_cost_ratio", {})
+    if verify:
+        lines.append("v_K: " + ", ".join(f"K={k} {v:.2f}" for k, v in verify.items()))
     for what, why in report["skipped"].items():
         lines.append(f"skipped {what}: {why}")
     return "\n".join(lines)
@@ -63,6 +68,12 @@ def plot(report: dict, path: Path) -> None:
         left.plot(ks, [fixed[k]["speedup"] for k in ks], "o-", label=f"measured ({label})")
         left.plot(
             ks, [fixed[k]["predicted_speedup"] for k in ks], "x--", label=f"predicted ({label})"
+        )
+        left.plot(
+            ks,
+            [fixed[k]["predicted_speedup_measured_verify"] for k in ks],
+            "+:",
+            label=f"predicted, measured v_K ({label})",
         )
         best = max(ks, key=lambda k: fixed[k]["speedup"])
         rates = fixed[best]["accepted_per_position_rate"]

@@ -17,11 +17,15 @@ BASELINE = "specrt target only"
 SCHEDULES = ("adaptive", "heuristic")
 
 
-def predicted_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """Leviathan et al.: expected tokens per round over the round's cost in target steps."""
-    if alpha >= 1.0:
-        return (k + 1) / (1 + k * cost_ratio)
-    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (1 + k * cost_ratio))
+def predicted_speedup(
+    alpha: float, k: int, cost_ratio: float, verify_cost_ratio: float = 1.0
+) -> float:
+    """Leviathan et al.: expected tokens per round over the round's cost in target steps.
+
+    The formula takes a verification pass of K+1 tokens to cost one target step
+    (``verify_cost_ratio`` 1); the measured ratio gives the prediction for this machine."""
+    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (verify_cost_ratio + k * cost_ratio)
 
 
 def run_benchmark(
@@ -80,9 +84,7 @@ def run_benchmark(
                 runs[temperature][contender.name].append(run)
             log(f"temperature {temperature}: prompt {index + 1}/{len(prompt_ids)} done")
 
-    results = {
-        _label(t): _summarise(runs[t], costs["cost_ratio"], contenders) for t in temperatures
-    }
+    results = {_label(t): _summarise(runs[t], costs, contenders) for t in temperatures}
     if genai is not None:
         log("running onnxruntime-genai in its own environment")
         sampled = [t for t in temperatures if t > 0]
@@ -117,7 +119,7 @@ def _label(temperature: float) -> str:
     return "greedy" if temperature == 0 else f"temperature {temperature:g}"
 
 
-def _summarise(runs: dict[str, list[Run]], cost_ratio: float, contenders) -> dict:
+def _summarise(runs: dict[str, list[Run]], costs: dict, contenders) -> dict:
     baseline = statistics.median(r.tokens_per_second for r in runs[BASELINE])
     summary = {}
     for contender in contenders:
@@ -130,9 +132,10 @@ def _summarise(runs: dict[str, list[Run]], cost_ratio: float, contenders) -> dic
         if isinstance(contender, SpecrtContender) and contender.k:
             entry.update(_acceptance(rows, contender.k))
             if contender.schedule == "fixed":
-                entry["predicted_speedup"] = predicted_speedup(
-                    entry["alpha"], contender.k, cost_ratio
-                )
+                alpha, k, c = entry["alpha"], contender.k, costs["cost_ratio"]
+                entry["predicted_speedup"] = predicted_speedup(alpha, k, c)
+                verify = costs["verify_cost_ratio"][str(k)]
+                entry["predicted_speedup_measured_verify"] = predicted_speedup(alpha, k, c, verify)
         summary[name] = entry
     return summary
 
