@@ -226,3 +226,34 @@ def test_graph_softmax_of_bad_logits_is_refused():
         check_probabilities(probabilities[row], logits[row], "target")
         expected = warp(logits[row], 1.0)
         assert np.abs(probabilities[row] - expected).max() < 1e-6
+
+
+class FixedDraw:
+    """An rng whose uniform draw is set by the test: sample() then has one right answer."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 64, 65, 1000, 4096])
+def test_sample_is_the_inverse_cdf(size):
+    """For a grid of uniform draws u, `sample` returns the index whose CDF interval holds u x
+    total (computed in float64 here); never a zero-weight one, even for u next to 1."""
+    rng = np.random.default_rng(size)
+    weights = rng.random(size).astype(np.float32)
+    weights[rng.random(size) < 0.3] = 0.0
+    weights[-1] = 0.0  # a zero-weight last entry: a clamp to the end must not reach it
+    if not weights.any():
+        weights[0] = 1.0
+    cdf = np.cumsum(weights.astype(np.float64))
+    for u in [*np.linspace(0, 1, 997, endpoint=False), 1 - 2**-53]:
+        got = sample(weights, FixedDraw(u))
+        assert weights[got] > 0
+        target = u * cdf[-1]
+        expected = int(np.searchsorted(cdf, target, side="right"))
+        edges = cdf[max(expected - 1, 0) : expected + 1]
+        if np.abs(edges - target).min() > 1e-5 * cdf[-1]:  # away from float32 rounding at edges
+            assert got == expected, (u, got, expected)

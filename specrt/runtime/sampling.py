@@ -98,11 +98,40 @@ def warp(
     return probs
 
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token from a probability vector; zero-probability tokens are never drawn."""
-    cdf = np.cumsum(probs)
-    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return min(index, probs.shape[-1] - 1)
+def sample(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw index ``i`` with probability ``weights[i] / weights.sum()`` (non-negative weights,
+    not all zero); a zero-weight index is never drawn.
+
+    Inverse-CDF sampling in two levels: find the block of ~sqrt(V) entries the uniform draw falls
+    in, then the entry within it. A cumulative sum over the whole vocabulary is a sequential pass
+    (~3 ns per entry here: 0.4 ms on a 152k vocabulary, more than a draft step); block sums
+    vectorise, and the two cumulative sums left are sqrt(V) long."""
+    size = weights.shape[-1]
+    block, starts = _blocks(size)
+    sums = np.add.reduceat(weights, starts)
+    totals = np.cumsum(sums)
+    u = rng.random() * float(totals[-1])
+    b = int(np.searchsorted(totals, u, side="right"))  # totals[b-1] <= u < totals[b]
+    if b >= len(totals):  # u rounded up to the total: the last block with mass
+        b = int(np.flatnonzero(sums)[-1])
+    low = b * block
+    within = np.cumsum(weights[low : low + block])
+    rest = u - (float(totals[b - 1]) if b else 0.0)
+    i = int(np.searchsorted(within, rest, side="right"))
+    if i >= len(within):  # the block's own sum came out a rounding below the total's step
+        i = int(np.flatnonzero(weights[low : low + block])[-1])
+    return low + i
+
+
+_BLOCKS: dict[int, tuple[int, np.ndarray]] = {}
+
+
+def _blocks(size: int) -> tuple[int, np.ndarray]:
+    """Block length ~sqrt(size) and the blocks' start indices, per vocabulary size."""
+    if size not in _BLOCKS:
+        block = max(1, math.isqrt(size - 1) + 1) if size > 1 else 1
+        _BLOCKS[size] = (block, np.arange(0, size, block))
+    return _BLOCKS[size]
 
 
 class WarpedRows:
