@@ -40,11 +40,14 @@ def main() -> None:
     parser.add_argument("--fixed", type=int, nargs="*", default=[3, 4])
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--engine", default="auto", choices=["auto", "portable", "onnxruntime"])
     args = parser.parse_args()
 
     lines = Path(args.prompt_file).read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][: args.num_prompts]
-    generator = SpeculativeGenerator.from_bundle(args.bundle, threads=args.threads)
+    generator = SpeculativeGenerator.from_bundle(
+        args.bundle, threads=args.threads, engine=args.engine
+    )
     ids = generator.encode_prompts(prompts)
 
     def config(k: int, schedule: str = "fixed") -> GenerationConfig:
@@ -79,7 +82,10 @@ def main() -> None:
 
     total = {name: sum(map(sum, seconds[name])) for name in names}
     base = tokens["target only"] / total["target only"]
-    print(f"\n{len(ids)} prompts x {args.passes} passes, temperature {args.temperature:g}")
+    print(
+        f"\n{len(ids)} prompts x {args.passes} passes, temperature {args.temperature:g}, "
+        f"engine {args.engine}"
+    )
     print(f"{'contender':<18}{'tokens/s':>10}{'x target':>10}")
     for name in names:
         rate = tokens[name] / total[name]
