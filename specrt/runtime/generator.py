@@ -194,7 +194,7 @@ class SpeculativeGenerator:
             drafted_ids = drafted.tolist()
             fed = tokens[target.length :] + drafted_ids
             logits = target.forward(fed)[-(k + 1) :]
-            if config.greedy:  # the target's argmax per position: no softmax
+            if config.greedy:  # the target's argmax per position
                 choice = greedy_choice(logits, "target")
                 n, next_token = greedy_accept(drafted_ids, choice)
             else:
