@@ -86,3 +86,20 @@ def test_probabilities_are_the_softmax_of_the_logits(llama_bundle, engine):
         expected = np.exp(logits - logits.max(axis=-1, keepdims=True))
         expected /= expected.sum(axis=-1, keepdims=True)
         np.testing.assert_allclose(decoder.probabilities, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("engine", ["portable", "onnxruntime"])
+def test_prefill_in_chunks_equals_one_call(llama_bundle, engine, monkeypatch):
+    """A prompt is fed in chunks (bounded logits arrays); the cache it leaves is the one a single
+    call leaves."""
+    from specrt.runtime import decoder as decoder_module
+
+    prompt = np.random.default_rng(1).integers(3, 40, 23).tolist()
+    whole = fresh_decoder(llama_bundle, engine)
+    whole.forward(prompt)
+    expected = whole.forward([5, 6]).copy()
+    monkeypatch.setattr(decoder_module, "PREFILL_CHUNK", 5)
+    chunked = fresh_decoder(llama_bundle, engine)
+    chunked.prefill(prompt)
+    assert chunked.length == len(prompt)
+    np.testing.assert_allclose(chunked.forward([5, 6]), expected, atol=1e-5, rtol=0)

@@ -54,8 +54,7 @@ class ModelDrafter:
         self.decoder.reset()
 
     def prefill(self, tokens: list[int]) -> None:
-        if tokens:
-            self.decoder.forward(tokens)
+        self.decoder.prefill(tokens)
 
     def propose(
         self,

@@ -173,7 +173,7 @@ class SpeculativeGenerator:
         target.reset()
         drafter.reset()
         if len(prompt) > 1:
-            target.forward(prompt[:-1])
+            target.prefill(prompt[:-1])
             if k_max:
                 drafter.prefill(prompt[:-1])
 
