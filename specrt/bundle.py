@@ -42,6 +42,7 @@ class ModelIO:
     seqlens_k: str | None = None
     total_length: str | None = None
     probabilities: str | None = None  # softmax of the logits, where the graph computes it
+    logits_to_keep: str | None = None  # how many trailing positions get logits, where it can
 
 
 @dataclass

@@ -10,8 +10,9 @@ length change with nothing copied.
 Llama-family decoders (llama, qwen2, mistral): pre-norm RMSNorm, rotary positions, grouped-query
 attention, SwiGLU MLP; GPT-2: LayerNorm, learned positions (computed in the graph from the
 lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``seqlens_k [1]``
-(int32: past + S - 1), ``total_sequence_length []`` (int32: past + S),
-``past_key_values.{i}.key/value``; outputs ``logits [1, S, vocab]``, ``probabilities`` (their
+(int32: past + S - 1), ``total_sequence_length []`` (int32: past + S), ``logits_to_keep [1]``
+(int64 n: logits for the last n positions only),
+``past_key_values.{i}.key/value``; outputs ``logits [1, n, vocab]``, ``probabilities`` (their
 softmax: the draft's confidence and temperature-1 sampling read it instead of a NumPy pass over
 the vocabulary, ~10 us each after a model call, for ~1 us inside) and ``present.{i}.*``.
 The lengths are GroupQueryAttention's own inputs, fed as numbers rather than derived from a mask
@@ -36,6 +37,7 @@ OPSET = 21
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
 TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
 PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxruntime's code is hot
+LOGITS_TO_KEEP = "logits_to_keep"  # int64 [1]: logits for the last n positions fed (prefill: 1)
 _MS = "com.microsoft"
 
 
@@ -229,9 +231,15 @@ def build_gpt2_graph(
 
 
 def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray) -> None:
-    """Logits ``[1, S, vocab]`` (``matrix``: ``[hidden, vocab]``) and their softmax."""
+    """Logits ``[1, n, vocab]`` of the last n = ``logits_to_keep`` positions (``matrix``:
+    ``[hidden, vocab]``) and their softmax. A prompt needs none of its logits, and on a large
+    vocabulary the head is a good part of a prefill's work."""
+    b.node("Neg", [LOGITS_TO_KEEP], ["keep_from"])
+    b.constant("positions_end", np.array([2**62], dtype=np.int64))
+    b.constant("positions_axis", np.array([1], dtype=np.int64))
+    b.node("Slice", [normed, "keep_from", "positions_end", "positions_axis"], ["head_in"])
     b.initializer("lm_head.MatMul", matrix)
-    b.node("MatMul", [normed, "lm_head.MatMul"], ["logits"])
+    b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits"])
     b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
 
 
@@ -267,11 +275,10 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
         helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
+        helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]),
     ]
     outputs = [
-        helper.make_tensor_value_info(
-            name, TensorProto.FLOAT, ["batch", "sequence", shape.vocab_size]
-        )
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "kept", shape.vocab_size])
         for name in ("logits", PROBABILITIES)
     ]
     for i in range(shape.num_layers):

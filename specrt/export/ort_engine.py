@@ -12,6 +12,7 @@ from specrt.bundle import EngineSpec, ModelIO, ModelSpec, sha256_file
 from specrt.engines.draft_precision import quantize_weights
 from specrt.engines.ort_graph import (
     ENGINE_NAME,
+    LOGITS_TO_KEEP,
     PROBABILITIES,
     SEQLENS_K,
     TOTAL_LENGTH,
@@ -78,6 +79,7 @@ def build_ort_engine(
             seqlens_k=SEQLENS_K,
             total_length=TOTAL_LENGTH,
             probabilities=PROBABILITIES,
+            logits_to_keep=LOGITS_TO_KEEP,
         ),
         vocab_size=vocab,
         cache="in_place",

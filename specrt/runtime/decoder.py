@@ -172,7 +172,14 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name for o in session.get_outputs()}
     wanted = [io.input_ids, *io.past_keys, *io.past_values]
-    wanted += [n for n in (io.attention_mask, io.position_ids, io.seqlens_k, io.total_length) if n]
+    optional = (
+        io.attention_mask,
+        io.position_ids,
+        io.seqlens_k,
+        io.total_length,
+        io.logits_to_keep,
+    )
+    wanted += [n for n in optional if n]
     produced = [io.logits, *io.present_keys, *io.present_values]
     produced += [io.probabilities] if io.probabilities else []
     missing = [n for n in wanted if n not in inputs] + [n for n in produced if n not in outputs]

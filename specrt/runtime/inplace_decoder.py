@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
+from specrt.runtime import decoder as decoder_module
 from specrt.runtime.decoder import NUMPY_DTYPES, DecoderBase
 
 _KEEP_WIDTHS = 80  # calls of up to this many tokens (drafting, verification) keep their arrays
@@ -40,11 +41,12 @@ class InPlaceDecoder(DecoderBase):
         """``max_length`` caps the preallocated cache (and so the sequence length) below the
         model's max positions: a 128k-position model would otherwise reserve its whole cache."""
         io = spec.io
-        if not (io.seqlens_k and io.total_length):
+        if not (io.seqlens_k and io.total_length and io.logits_to_keep):
             raise BundleError(
-                f"{role}: this in-place cache engine takes an attention mask, as engines built "
-                "by earlier versions of specrt did; rebuild the bundle's engines with `specrt "
-                "build --bundle DIR` (or run it with engine 'portable')"
+                f"{role}: this in-place cache engine has the inputs of engines built by earlier "
+                "versions of specrt (an attention mask, or no logits_to_keep); rebuild the "
+                "bundle's engines with `specrt build --bundle DIR` (or run it with engine "
+                "'portable')"
             )
         super().__init__(session, spec, vocab_size, role, max_length)
         self.length = 0
@@ -64,9 +66,11 @@ class InPlaceDecoder(DecoderBase):
         self._total_length = np.zeros((), dtype=np.int32)
         binding.bind_ortvalue_input(io.seqlens_k, _shared(self._seqlens_k))
         binding.bind_ortvalue_input(io.total_length, _shared(self._total_length))
+        self._logits_to_keep = np.ones(1, dtype=np.int64)
+        binding.bind_ortvalue_input(io.logits_to_keep, _shared(self._logits_to_keep))
         # The graph's softmax is the distribution only if it spans exactly the vocabulary.
         self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
-        self._widths: dict[int, _Width] = {}
+        self._widths: dict[tuple[int, int], _Width] = {}
         self._width: _Width | None = None
 
     def reset(self) -> None:
@@ -76,17 +80,19 @@ class InPlaceDecoder(DecoderBase):
         """Keep only the first ``length`` positions (the rest is overwritten by later calls)."""
         self.length = min(self.length, length)
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]`` (and
-        set ``probabilities`` where the graph computes them).
+    def forward(self, tokens: Sequence[int], keep: int = 0) -> np.ndarray:
+        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``, or
+        of the last ``keep`` positions only (and set ``probabilities`` where the graph computes
+        them).
 
-        The arrays are reused by the next call with as many tokens: copy what must outlive it."""
+        The arrays are reused by the next call of the same shape: copy what must outlive it."""
         count = len(tokens)
         total = self.length + count
         self._check_room(self.length, count)
         width = self._width
-        if width is None or width.count != count:
-            width = self._bind_width(count)
+        key = (count, keep or count)
+        if width is None or width.key != key:
+            width = self._bind_width(*key)
         width.ids[0] = tokens
         self._seqlens_k[0] = total - 1
         self._total_length.fill(total)
@@ -94,13 +100,24 @@ class InPlaceDecoder(DecoderBase):
         self.length = total
         return width.logits
 
-    def _bind_width(self, count: int) -> _Width:
-        width = self._widths.get(count)
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Feed a prompt ``PREFILL_CHUNK`` positions at a time, with logits for the last
+        position of each call only (the graph skips the head for the rest)."""
+        self._check_room(self.length, len(tokens))
+        chunk = decoder_module.PREFILL_CHUNK
+        for start in range(0, len(tokens), chunk):
+            self.forward(tokens[start : start + chunk], keep=1)
+
+    def _bind_width(self, count: int, keep: int) -> _Width:
+        width = self._widths.get((count, keep))
         if width is None:
-            width = _Width(count, self.spec.vocab_size, self.vocab_size, self._with_probabilities)
+            width = _Width(
+                count, keep, self.spec.vocab_size, self.vocab_size, self._with_probabilities
+            )
             if count <= _KEEP_WIDTHS:
-                self._widths[count] = width
+                self._widths[width.key] = width
         io, binding = self.spec.io, self._binding
+        self._logits_to_keep[0] = keep
         binding.bind_ortvalue_input(io.input_ids, width.values[0])
         binding.bind_ortvalue_output(io.logits, width.values[1])
         if self._with_probabilities:
@@ -111,18 +128,21 @@ class InPlaceDecoder(DecoderBase):
 
 
 class _Width:
-    """The arrays one call width binds: token ids ``[1, n]``, logits and probabilities
-    ``[1, n, graph vocab]``, with the row views the decoder hands out."""
+    """The arrays one call shape binds: ``count`` token ids ``[1, count]``, logits and
+    probabilities of the last ``keep`` positions ``[1, keep, graph vocab]``, with the row views
+    the decoder hands out."""
 
-    def __init__(self, count: int, graph_vocab: int, vocab: int, probabilities: bool) -> None:
-        self.count = count
+    def __init__(
+        self, count: int, keep: int, graph_vocab: int, vocab: int, probabilities: bool
+    ) -> None:
+        self.key = (count, keep)
         self.ids = np.zeros((1, count), dtype=np.int64)
-        logits = np.empty((1, count, graph_vocab), dtype=np.float32)
+        logits = np.empty((1, keep, graph_vocab), dtype=np.float32)
         self.logits = logits[0, :, :vocab]
         arrays = [self.ids, logits]
         self.probabilities = None
         if probabilities:
-            arrays.append(np.empty((1, count, graph_vocab), dtype=np.float32))
+            arrays.append(np.empty((1, keep, graph_vocab), dtype=np.float32))
             self.probabilities = arrays[-1][0]
         self.values = [_shared(a) for a in arrays]
 
