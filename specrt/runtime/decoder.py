@@ -17,9 +17,10 @@ from specrt.bundle import ModelSpec
 from specrt.errors import BundleError, InvalidInputError
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
-# Positions per call when feeding a prompt: a call returns logits (and an engine probabilities)
-# for every position fed, [count, vocab] floats each: 2.5 GB for 4k positions of a 152k
-# vocabulary in one call, 160 MB in chunks of this.
+# Positions per call when feeding a prompt. A portable graph returns logits for every position
+# fed, [count, vocab] floats: 2.5 GB for 4k positions of a 152k vocabulary in one call, 160 MB
+# in chunks of this; an engine returns the last position's only, and chunks bound its
+# activations.
 PREFILL_CHUNK = 256
 
 
