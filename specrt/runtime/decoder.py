@@ -42,7 +42,7 @@ class Decoder(Protocol):
 
     def rollback(self, length: int) -> None: ...
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray: ...
+    def forward(self, tokens: Sequence[int], keep: int = 0) -> np.ndarray: ...
 
     def prefill(self, tokens: Sequence[int]) -> None: ...
 
@@ -98,14 +98,13 @@ class DecoderBase:
         self.run_time_s = 0.0  # time spent inside onnxruntime, for overhead accounting
         self.last_run_s = 0.0
         self.probabilities: np.ndarray | None = None
-        # Sliced per call instead of allocated: row views of this are contiguous.
-        self._ones = np.ones((1, self.max_positions), dtype=np.int64)
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        """Feed tokens whose logits nobody reads (a prompt), ``PREFILL_CHUNK`` at a time."""
+        """Feed tokens whose logits nobody reads (a prompt), ``PREFILL_CHUNK`` at a time, asking
+        for the last position's logits only (an engine then skips the head for the rest)."""
         self._check_room(self.length, len(tokens))
         for start in range(0, len(tokens), PREFILL_CHUNK):
-            self.forward(tokens[start : start + PREFILL_CHUNK])
+            self.forward(tokens[start : start + PREFILL_CHUNK], keep=1)
 
     def _check_room(self, start: int, count: int) -> None:
         if start + count > self.max_positions:
@@ -138,6 +137,8 @@ class OnnxDecoder(DecoderBase):
         io = spec.io
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
         self._positions = np.arange(self.max_positions, dtype=np.int64)[None]
+        # Sliced per call instead of allocated: row views of this are contiguous.
+        self._ones = np.ones((1, self.max_positions), dtype=np.int64)
 
     @property
     def length(self) -> int:
@@ -149,8 +150,9 @@ class OnnxDecoder(DecoderBase):
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
-    def forward(self, tokens: Sequence[int]) -> np.ndarray:
-        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``."""
+    def forward(self, tokens: Sequence[int], keep: int = 0) -> np.ndarray:
+        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``, or
+        of the last ``keep`` positions (the portable graph computes them all anyway)."""
         io, cache = self.spec.io, self.cache
         start, count = cache.length, len(tokens)
         self._check_room(start, count)
@@ -164,7 +166,7 @@ class OnnxDecoder(DecoderBase):
         logits, *presents = self._timed(self.session.run, self._outputs, feed)
         layers = self.spec.num_layers
         cache.store(presents[:layers], presents[layers:])
-        return logits[0, :, : self.vocab_size]
+        return logits[0, count - (keep or count) :, : self.vocab_size]
 
 
 def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) -> None:

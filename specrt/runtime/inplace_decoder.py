@@ -21,7 +21,6 @@ import onnxruntime as ort
 
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
-from specrt.runtime import decoder as decoder_module
 from specrt.runtime.decoder import NUMPY_DTYPES, DecoderBase
 
 _KEEP_WIDTHS = 80  # calls of up to this many tokens (drafting, verification) keep their arrays
@@ -99,14 +98,6 @@ class InPlaceDecoder(DecoderBase):
         self._timed(self.session.run_with_iobinding, self._binding)
         self.length = total
         return width.logits
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """Feed a prompt ``PREFILL_CHUNK`` positions at a time, with logits for the last
-        position of each call only (the graph skips the head for the rest)."""
-        self._check_room(self.length, len(tokens))
-        chunk = decoder_module.PREFILL_CHUNK
-        for start in range(0, len(tokens), chunk):
-            self.forward(tokens[start : start + chunk], keep=1)
 
     def _bind_width(self, count: int, keep: int) -> _Width:
         width = self._widths.get((count, keep))
