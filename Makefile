@@ -30,7 +30,7 @@ test: lint
 engines: install $(BUNDLES)
 
 # The engine graph's builder is a prerequisite: a bundle from an older one may not load.
-engines/%/manifest.json: engines/%.json specrt/engines/ort_graph.py
+engines/%/manifest.json: engines/%.json specrt/export/ort_graph.py
 	$(SPECRT) export --recipe $< --force
 
 demo: engines

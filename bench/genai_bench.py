@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,9 @@ import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # specrt is not installed in this environment; its reader is plain
+from specrt.prompts import read_prompt_file  # noqa: E402
+
 # Counters of get_speculative_stats() that add up over prompts.
 STAT_COUNTS = (
     "rounds",
@@ -147,9 +151,8 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, help="also write the summary here")
     args = parser.parse_args()
     tokenizer = Tokenizer.from_file(str(REPO / "models" / "demo" / "tokenizer" / "tokenizer.json"))
-    lines = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
-    prompts = [tokenizer.encode(json.loads(line)["prompt"]).ids for line in lines]
-    prompts = prompts[: args.num_prompts]
+    texts = read_prompt_file(args.prompt_file)[: args.num_prompts]
+    prompts = [tokenizer.encode(text).ids for text in texts]
     temperatures = [0.0] + ([args.temperature] if args.temperature > 0 else [])
 
     reports, greedy = [], []

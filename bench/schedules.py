@@ -15,12 +15,13 @@ and interleaving cancel most of it, which a single `specrt bench` run cannot.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
 from pathlib import Path
 
+from specrt.backends import ENGINE_CHOICES
+from specrt.prompts import read_prompt_file
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +41,10 @@ def main() -> None:
     parser.add_argument("--fixed", type=int, nargs="*", default=[3, 4])
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--engine", default="auto", choices=["auto", "portable", "onnxruntime"])
+    parser.add_argument("--engine", default=ENGINE_CHOICES[0], choices=ENGINE_CHOICES)
     args = parser.parse_args()
 
-    lines = Path(args.prompt_file).read_text().splitlines()
-    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][: args.num_prompts]
+    prompts = read_prompt_file(args.prompt_file)[: args.num_prompts]
     generator = SpeculativeGenerator.from_bundle(
         args.bundle, threads=args.threads, engine=args.engine
     )

@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 
 from specrt.bench.costs import step_seconds
+from specrt.prompts import read_prompt_file
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.loading import load_pair
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,9 +30,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "demo" / "measurements.json")
     args = parser.parse_args()
 
-    lines = (HERE / "demo" / "heldout_prompts.jsonl").read_text().splitlines()
-    prompts = [json.loads(line)["prompt"] for line in lines[: args.prompts]]
-    generator = SpeculativeGenerator.from_bundle(args.bundle, threads=args.threads)
+    prompts = read_prompt_file(HERE / "demo" / "heldout_prompts.jsonl")[: args.prompts]
+    pair = load_pair(args.bundle, threads=args.threads)
+    generator = SpeculativeGenerator.from_pair(pair)
     report: dict = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "k": 4}
     for label, temperature in (("greedy", 0.0), ("temperature_1", 1.0)):
         config = GenerationConfig(
@@ -48,12 +50,10 @@ def main() -> None:
             "tokens_per_round": sum(r.stats.new_tokens for r in results) / rounds,
             "acceptance_rate": accepted / drafted,
         }
-    target = step_seconds(generator.target, context=256)
-    in_loop = step_seconds(generator.drafter.decoder, context=256)  # the draft's 1 thread
-    same_threads = SpeculativeGenerator.from_bundle(
-        args.bundle, threads=args.threads, draft_threads=args.threads
-    )
-    draft = step_seconds(same_threads.drafter.decoder, context=256)
+    target = step_seconds(pair.target, context=256)
+    in_loop = step_seconds(pair.draft, context=256)  # the draft's 1 thread
+    same_threads = load_pair(args.bundle, threads=args.threads, draft_threads=args.threads)
+    draft = step_seconds(same_threads.draft, context=256)
     report["target_step_ms"] = target * 1e3
     report["draft_step_ms"] = draft * 1e3
     report["draft_cost_ratio"] = draft / target  # both on the same threads

@@ -24,6 +24,7 @@ from specrt.errors import BundleError
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ROLES = ("target", "draft")
+ONNXRUNTIME_ENGINE = "onnxruntime"  # the key of the onnxruntime engine in ModelSpec.engines
 
 
 @dataclass

@@ -5,12 +5,20 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from dataclasses import replace
+from dataclasses import fields
 from pathlib import Path
 
 import click
 
-from specrt.errors import SpecrtError
+from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
+from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
+from specrt.errors import InvalidInputError, SpecrtError
+from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, PRECISIONS
+from specrt.prompts import collect_prompts
+from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationConfig
+
+DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}
+EXPORT_EXTRA = "pip install torch==2.13.0 && pip install 'specrt[export]'"
 
 
 def _friendly_errors(command):
@@ -28,8 +36,8 @@ def _friendly_errors(command):
 
 ENGINE_OPTION = click.option(
     "--engine",
-    type=click.Choice(["auto", "portable", "onnxruntime"]),
-    default="auto",
+    type=click.Choice(ENGINE_CHOICES),
+    default=ENGINE_CHOICES[0],
     show_default=True,
     help="Which graphs run: each model's onnxruntime engine where the bundle has one (auto), or "
     "the portable ones.",
@@ -39,10 +47,18 @@ ENGINE_OPTION = click.option(
 def draft_precision_option(default: str | None):
     return click.option(
         "--draft-precision",
-        type=click.Choice(["float32", "int8", "int4"]),
+        type=click.Choice(PRECISIONS),
         default=default,
-        help="Weights of the draft's onnxruntime engine [int8]: cheaper drafting, same output.",
+        help=f"Weights of the draft's onnxruntime engine [{DEFAULT_DRAFT_PRECISION}]: cheaper "
+        "drafting, same output.",
     )
+
+
+def _prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
+    try:
+        return collect_prompts(prompts, prompt_file)
+    except InvalidInputError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @click.group()
@@ -61,7 +77,9 @@ def main() -> None:
     type=click.Path(path_type=Path),
     help="Recipe JSON (engines/NAME.json) naming target and draft; --out: engines/NAME.",
 )
-@click.option("--atol", type=float, default=None, help="Max |logit diff| vs PyTorch [1e-3].")
+@click.option(
+    "--atol", type=float, default=None, help=f"Max |logit diff| vs PyTorch [{DEFAULT_ATOL}]."
+)
 @click.option("--opset", type=int, default=None, help="ONNX opset (default: optimum's).")
 @click.option("--slim", is_flag=True, help="Simplify the graphs with onnxslim (standard ops).")
 @click.option(
@@ -72,41 +90,27 @@ def main() -> None:
 @draft_precision_option(None)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
-def export(
-    target, draft, out, recipe, atol, opset, slim, ort_engine, draft_precision, force
-) -> None:
+def export(target, draft, out, recipe, force, **given) -> None:
     """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
     try:
-        from specrt.export.pipeline import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, export_bundle
+        from specrt.export.options import ExportOptions
+        from specrt.export.pipeline import export_bundle
         from specrt.export.recipes import resolve_recipe
     except ImportError as exc:
         raise click.ClickException(
-            f"specrt export needs the export extra ({exc.name} is missing): "
-            "pip install torch==2.13.0 && pip install 'specrt[export]'"
+            f"specrt export needs the export extra ({exc.name} is missing): {EXPORT_EXTRA}"
         ) from exc
+    recipe_options: dict = {}
     if recipe is not None:
         if target or draft:
             raise click.UsageError("give either --recipe or --target/--draft, not both")
-        target, draft, out, options = resolve_recipe(recipe, out)
-        atol = atol if atol is not None else options.get("atol")
-        opset = opset if opset is not None else options.get("opset")
-        slim = slim or options.get("slim", False)
-        ort_engine = ort_engine if ort_engine is not None else options.get("ort_engine")
-        draft_precision = draft_precision or options.get("draft_precision")
+        target, draft, out, recipe_options = resolve_recipe(recipe, out)
     elif not (target and draft and out):
         raise click.UsageError("give --target, --draft and --out (or --recipe)")
-    manifest = export_bundle(
-        target,
-        draft,
-        out,
-        atol=atol if atol is not None else DEFAULT_ATOL,
-        force=force,
-        opset=opset,
-        slim=slim,
-        ort_engine=ort_engine is not False,
-        draft_precision=draft_precision or DEFAULT_DRAFT_PRECISION,
-        log=lambda message: click.echo(message, err=True),
-    )
+    given["slim"] = given["slim"] or None  # an absent flag leaves the recipe's choice
+    options = ExportOptions.from_settings(recipe_options, given)
+    log = lambda message: click.echo(message, err=True)  # noqa: E731
+    manifest = export_bundle(target, draft, out, options, force=force, log=log)
     for role, spec in manifest.models.items():
         engines = "".join(
             f", {name} engine ({e.precision}) {e.export_check['max_abs_logit_diff']:.2e}"
@@ -122,21 +126,22 @@ def export(
 # ------------------------------------------------------------------------------------------------
 @main.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
-@draft_precision_option("int8")
-@click.option("--atol", type=float, default=1e-3, show_default=True, help="Max |logit diff|.")
+@draft_precision_option(DEFAULT_DRAFT_PRECISION)
+@click.option(
+    "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Max |logit diff|."
+)
 @_friendly_errors
 def build(bundle, draft_precision, atol) -> None:
     """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
     try:
         from specrt.export.build import build_engines
+        from specrt.export.options import ExportOptions
     except ImportError as exc:
         raise click.ClickException(
-            f"specrt build needs the export extra ({exc.name} is missing): "
-            "pip install torch==2.13.0 && pip install 'specrt[export]'"
+            f"specrt build needs the export extra ({exc.name} is missing): {EXPORT_EXTRA}"
         ) from exc
-    manifest = build_engines(
-        bundle, draft_precision, atol, log=lambda message: click.echo(message, err=True)
-    )
+    options = ExportOptions(atol=atol, draft_precision=draft_precision)
+    manifest = build_engines(bundle, options, log=lambda message: click.echo(message, err=True))
     for role, spec in manifest.models.items():
         names = ", ".join(f"{n} ({e.precision})" for n, e in spec.engines.items()) or "none"
         click.echo(f"{role}: engines {names}")
@@ -144,43 +149,27 @@ def build(bundle, draft_precision, atol) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
-    """--prompt (repeatable) and --prompt-file: one prompt per line, or per JSON line in .jsonl
-    files ({"prompt": ...} or a JSON string), for prompts that span lines."""
-    collected = list(prompts)
-    if prompt_file is not None:
-        if not prompt_file.is_file():
-            raise click.BadParameter(f"{prompt_file} does not exist", param_hint="--prompt-file")
-        lines = prompt_file.read_text().splitlines()
-        if prompt_file.suffix == ".jsonl":
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise click.BadParameter(
-                        f"{prompt_file}:{number} is not JSON ({exc})", param_hint="--prompt-file"
-                    ) from exc
-                collected.append(item["prompt"] if isinstance(item, dict) else item)
-        else:
-            collected.extend(line for line in lines if line.strip())
-    if not collected:
-        raise click.UsageError("give a prompt with --prompt TEXT or --prompt-file FILE")
-    return collected
-
-
 @main.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"], show_default=True)
 @click.option(
-    "--num-draft-tokens", type=int, default=4, show_default=True, help="K; 0 = target only."
+    "--num-draft-tokens",
+    type=int,
+    default=DEFAULTS["num_draft_tokens"],
+    show_default=True,
+    help="K; 0 = target only.",
 )
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
+@click.option(
+    "--temperature",
+    type=float,
+    default=DEFAULTS["temperature"],
+    show_default=True,
+    help="0 = greedy.",
+)
+@click.option("--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (row i uses (seed, i)).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option(
@@ -188,8 +177,8 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
 )
 @click.option(
     "--draft-schedule",
-    type=click.Choice(["fixed", "adaptive", "heuristic"]),
-    default="fixed",
+    type=click.Choice(DRAFT_SCHEDULES),
+    default=DEFAULTS["draft_schedule"],
     show_default=True,
     help="How many tokens each round drafts (adaptive = --adaptive-draft).",
 )
@@ -198,7 +187,7 @@ def _read_prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[st
 @click.option(
     "--max-length",
     type=click.IntRange(min=2),
-    default=8192,
+    default=DEFAULT_MAX_LENGTH,
     show_default=True,
     help="Longest prompt + output the engines' preallocated KV caches hold (capped at the "
     "model's max positions).",
@@ -212,29 +201,23 @@ def generate(
     bundle, prompts, prompt_file, as_json, threads, engine, max_length, compare, **params
 ) -> None:
     """Generate from a bundle with speculative decoding."""
-    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+    from specrt.runtime import SpeculativeGenerator
+    from specrt.runtime.comparison import compare_with_target_only
 
-    texts = _read_prompts(prompts, prompt_file)
+    texts = _prompts(prompts, prompt_file)
     config = GenerationConfig(**params)
     generator = SpeculativeGenerator.from_bundle(
         bundle, threads=threads, engine=engine, max_length=max_length
     )
-    generator.encode_prompts(texts)  # every prompt is checked before any work starts
-    baseline_config = GenerationConfig(**{**params, "num_draft_tokens": 0})
-    if compare:  # first calls pay one-off costs: warm both modes up before timing either
-        for warm in (config, baseline_config):
-            generator.generate(
-                texts[:1], replace(warm, max_new_tokens=min(8, config.max_new_tokens))
-            )
-    for text, result in zip(texts, generator.stream(texts, config)):
+    if compare:
+        outputs = compare_with_target_only(generator, texts, config)
+    else:
+        generator.encode_prompts(texts)  # every prompt is checked before any work starts
+        outputs = ((result, None) for result in generator.stream(texts, config))
+    for text, (result, comparison) in zip(texts, outputs):
         record = result.to_dict()
-        if compare:
-            [baseline] = generator.generate([text], baseline_config)
-            record["comparison"] = {
-                "target_only_tokens_per_second": baseline.stats.tokens_per_second,
-                "speedup": result.stats.tokens_per_second / baseline.stats.tokens_per_second,
-                "identical_output": baseline.token_ids == result.token_ids,
-            }
+        if comparison is not None:
+            record["comparison"] = comparison.to_dict()
         if as_json:
             click.echo(json.dumps(record))
         else:
@@ -247,8 +230,15 @@ def generate(
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Use the first N.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--max-draft-tokens", type=click.IntRange(1, 16), default=8, show_default=True)
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=BENCH_NEW_TOKENS, show_default=True
+)
+@click.option(
+    "--max-draft-tokens",
+    type=click.IntRange(1, MAX_DRAFT_TOKENS),
+    default=BENCH_MAX_DRAFT_TOKENS,
+    show_default=True,
+)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for everyone.")
 @ENGINE_OPTION
 @click.option("--no-transformers", is_flag=True, help="Skip the PyTorch contenders.")
@@ -260,7 +250,7 @@ def generate(
 @click.option(
     "--genai-models",
     type=click.Path(path_type=Path),
-    default=Path("build/genai"),
+    default=GENAI_MODELS,
     show_default=True,
     help="The pair as built by onnxruntime-genai's builder.",
 )
@@ -288,7 +278,7 @@ def bench(
     from specrt.bench.report import table
     from specrt.bench.runner import run_benchmark
 
-    texts = _read_prompts(prompts, prompt_file)[:num_prompts]
+    texts = _prompts(prompts, prompt_file)[:num_prompts]
     report = run_benchmark(
         bundle,
         texts,

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from specrt.export import export_bundle
+from specrt.prompts import read_prompt_file
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,8 +21,7 @@ DEMO = REPO / "models" / "demo"
 
 
 def heldout_prompts(limit: int) -> list[str]:
-    lines = (DEMO / "heldout_prompts.jsonl").read_text().splitlines()
-    return [json.loads(line)["prompt"] for line in lines[:limit]]
+    return read_prompt_file(DEMO / "heldout_prompts.jsonl")[:limit]
 
 
 def test_training_script_smoke(tmp_path):

@@ -1,4 +1,4 @@
-"""The adaptive draft-length controller: drafts on while one more token pays for its time."""
+"""Draft-length schedules; the adaptive one drafts on while one more token pays for its time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from specrt.errors import InvalidInputError
 from specrt.runtime import GenerationConfig
-from specrt.runtime.draft_length import DraftLengthController, HeuristicController, LineFit
+from specrt.runtime.schedules import AdaptiveSchedule, FixedSchedule, HeuristicSchedule, LineFit
 
 
 class Clock:
@@ -23,7 +23,7 @@ class Clock:
 
 def controller_with_clock(k_max=8):
     clock = Clock()
-    return DraftLengthController(k_max, clock=clock), clock
+    return AdaptiveSchedule(k_max, clock=clock), clock
 
 
 def feed(controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0, per_token=0.1):
@@ -111,10 +111,17 @@ def test_line_fit_slope():
 
 
 def test_heuristic_schedule_is_plus_two_minus_one():
-    controller = HeuristicController(k_max=8)
+    controller = HeuristicSchedule(k_max=8)
     chosen = feed(controller, 5, lambda: 0.9, leading(lambda c: True))
     assert chosen == [4, 6, 8, 8, 8]
     assert feed(controller, 3, lambda: 0.9, leading(lambda c: False)) == [8, 7, 6]
+
+
+def test_fixed_schedule_drafts_k_where_it_fits():
+    schedule = FixedSchedule(4)
+    assert schedule.keep_drafting is None
+    assert feed(schedule, 3, lambda: 0.9, leading(lambda c: False)) == [4, 4, 4]
+    assert schedule.start_round(2) == 2
 
 
 def test_schedule_names():

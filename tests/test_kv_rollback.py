@@ -26,18 +26,19 @@ def test_logits_after_rollback_equal_clean_history(llama_bundle, engine):
     decoder.forward(rejected)  # verify 5 tokens, keep 2 of them
     decoder.rollback(len(prompt) + len(accepted))
     assert decoder.length == len(prompt) + 2
-    after_rollback = decoder.forward(continuation).copy()
+    after_rollback = decoder.forward(continuation).logits.copy()
     decoder.rollback(0)  # and the generator's next row starts clean from the same buffers
     decoder.forward(prompt[:4])
-    restart = decoder.forward(prompt[4:]).copy()
+    restart = decoder.forward(prompt[4:]).logits.copy()
 
     # The reference is the other graph: rollback is checked against an independent route.
     other = "portable" if engine == "onnxruntime" else "onnxruntime"
-    clean_logits = fresh_decoder(llama_bundle, other).forward(prompt + accepted + continuation)
+    clean = fresh_decoder(llama_bundle, other).forward(prompt + accepted + continuation)
+    clean_logits = clean.logits
     np.testing.assert_allclose(after_rollback, clean_logits[-3:], atol=1e-5, rtol=0)
     np.testing.assert_allclose(restart, clean_logits[4 : len(prompt)], atol=1e-5, rtol=0)
     # and the rolled-back tokens really mattered: a history that kept them gives other logits
-    polluted = fresh_decoder(llama_bundle).forward(prompt + rejected + continuation)[-3:]
+    polluted = fresh_decoder(llama_bundle).forward(prompt + rejected + continuation).logits[-3:]
     assert np.abs(polluted - clean_logits[-3:]).max() > 1e-2
 
 
@@ -78,28 +79,29 @@ def test_probabilities_are_the_softmax_of_the_logits(llama_bundle, engine):
     temperature-1 sampling); the portable graph does not."""
     decoder = fresh_decoder(llama_bundle, engine)
     for tokens in ([3, 4, 5, 6, 7], [8], [9, 10]):
-        logits = decoder.forward(tokens)
+        out = decoder.forward(tokens)
+        logits = out.logits
         if engine == "portable":
-            assert decoder.probabilities is None
+            assert out.probabilities is None
             continue
-        assert decoder.probabilities.shape == logits.shape
+        assert out.probabilities.shape == logits.shape
         expected = np.exp(logits - logits.max(axis=-1, keepdims=True))
         expected /= expected.sum(axis=-1, keepdims=True)
-        np.testing.assert_allclose(decoder.probabilities, expected, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(out.probabilities, expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("engine", ["portable", "onnxruntime"])
 def test_prefill_in_chunks_equals_one_call(llama_bundle, engine, monkeypatch):
     """A prompt is fed in chunks (bounded logits arrays); the cache it leaves is the one a single
     call leaves."""
-    from specrt.runtime import decoder as decoder_module
+    from specrt.backends import base
 
     prompt = np.random.default_rng(1).integers(3, 40, 23).tolist()
     whole = fresh_decoder(llama_bundle, engine)
     whole.forward(prompt)
-    expected = whole.forward([5, 6]).copy()
-    monkeypatch.setattr(decoder_module, "PREFILL_CHUNK", 5)
+    expected = whole.forward([5, 6]).logits.copy()
+    monkeypatch.setattr(base, "PREFILL_CHUNK", 5)
     chunked = fresh_decoder(llama_bundle, engine)
     chunked.prefill(prompt)
     assert chunked.length == len(prompt)
-    np.testing.assert_allclose(chunked.forward([5, 6]), expected, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(chunked.forward([5, 6]).logits, expected, atol=1e-5, rtol=0)

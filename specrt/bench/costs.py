@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from specrt.runtime.decoder import Decoder
+from specrt.backends import Decoder
 
 
 def step_seconds(

@@ -9,9 +9,11 @@ from pathlib import Path
 
 from specrt.bench.contenders import HFContender, Run, SpecrtContender
 from specrt.bench.costs import step_seconds
+from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS
 from specrt.bench.genai import check_genai_environment, run_genai
 from specrt.bundle import read_manifest
 from specrt.runtime import SpeculativeGenerator
+from specrt.runtime.loading import load_pair
 
 BASELINE = "specrt target only"
 SCHEDULES = ("adaptive", "heuristic")
@@ -31,9 +33,9 @@ def predicted_speedup(
 def run_benchmark(
     bundle: str | Path,
     prompts: Sequence[str],
-    max_new_tokens: int = 128,
+    max_new_tokens: int = BENCH_NEW_TOKENS,
     threads: int | None = None,
-    ks: Sequence[int] = tuple(range(1, 9)),
+    ks: Sequence[int] = tuple(range(1, BENCH_MAX_DRAFT_TOKENS + 1)),
     temperatures: Sequence[float] = (0.0, 1.0),
     with_transformers: bool = True,
     seed: int = 0,
@@ -46,7 +48,8 @@ def run_benchmark(
     threads = threads or os.cpu_count() or 1
     if genai is not None:
         check_genai_environment(*genai)
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=threads, engine=engine)
+    pair = load_pair(bundle, threads=threads, engine=engine)
+    generator = SpeculativeGenerator.from_pair(pair)
     prompt_ids = generator.encode_prompts(list(prompts))
     contenders: list = [SpecrtContender(generator, 0)]
     contenders += [SpecrtContender(generator, k) for k in ks]
@@ -62,12 +65,13 @@ def run_benchmark(
             skipped["transformers"] = f"{type(exc).__name__}: {exc}"
             log(f"skipping transformers contenders: {skipped['transformers']}")
 
-    target, draft = generator.target, generator.drafter.decoder
-    target_step = step_seconds(target)
+    target_step = step_seconds(pair.target)
     costs = {
         "target_step_s": target_step,
-        "draft_step_s": step_seconds(draft),
-        "verify_cost_ratio": {str(k): step_seconds(target, tokens=k + 1) / target_step for k in ks},
+        "draft_step_s": step_seconds(pair.draft),
+        "verify_cost_ratio": {
+            str(k): step_seconds(pair.target, tokens=k + 1) / target_step for k in ks
+        },
     }
     costs["cost_ratio"] = costs["draft_step_s"] / target_step
     log(f"cost ratio c = draft step / target step = {costs['cost_ratio']:.3f}")

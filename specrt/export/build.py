@@ -10,37 +10,31 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
-from specrt.bundle import ROLES, Manifest, read_manifest, verify_checksums, write_manifest
-from specrt.errors import ExportError
-from specrt.export.pipeline import (
-    DEFAULT_ATOL,
-    DEFAULT_DRAFT_PRECISION,
-    add_ort_engine,
-    replace_dir,
-    require_close,
+from specrt.bundle import (
+    ONNXRUNTIME_ENGINE,
+    ROLES,
+    Manifest,
+    read_manifest,
+    verify_checksums,
+    write_manifest,
 )
+from specrt.errors import ExportError
+from specrt.export.options import ExportOptions
+from specrt.export.pipeline import Log, add_ort_engine, replace_dir, require_close
 
 
 def build_engines(
-    bundle_dir: str | Path,
-    draft_precision: str = DEFAULT_DRAFT_PRECISION,
-    atol: float = DEFAULT_ATOL,
-    log: Callable[[str], None] = lambda message: None,
+    bundle_dir: str | Path, options: ExportOptions | None = None, log: Log = lambda message: None
 ) -> Manifest:
+    """``options``: the engines' (``draft_precision``) and the check's (``atol``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specrt.engines.draft_precision import PRECISIONS
-    from specrt.engines.ort_graph import ENGINE_NAME
     from specrt.export.numeric_check import max_logit_difference
 
-    if draft_precision not in PRECISIONS:
-        raise ExportError(
-            f"draft precision {draft_precision!r} is unknown; use one of {', '.join(PRECISIONS)}"
-        )
+    options = options or ExportOptions()
     root = Path(bundle_dir)
     manifest = read_manifest(root)
     verify_checksums(manifest, root)
@@ -58,27 +52,18 @@ def build_engines(
         shutil.copytree(root, scratch)
         for role in ROLES:
             spec = manifest.models[role]
-            old = spec.engines.pop(ENGINE_NAME, None)
+            old = spec.engines.pop(ONNXRUNTIME_ENGINE, None)
             if old is not None:
                 shutil.rmtree((scratch / old.path).parent, ignore_errors=True)
             model = AutoModelForCausalLM.from_pretrained(
                 sources[role], dtype=torch.float32, local_files_only=True
             ).eval()
             same = max_logit_difference(model, scratch / spec.path, spec, manifest.vocab_size)
-            require_close(same, atol, f"{role} (checkpoint vs the bundle's graph)", sources[role])
+            what = f"{role} (checkpoint vs the bundle's graph)"
+            require_close(same, options.atol, what, sources[role])
             config = AutoConfig.from_pretrained(sources[role], local_files_only=True)
             log(f"building the {role} onnxruntime engine from {sources[role]}")
-            add_ort_engine(
-                model,
-                spec,
-                config,
-                scratch,
-                role,
-                manifest.vocab_size,
-                atol,
-                draft_precision,
-                log,
-            )
+            add_ort_engine(model, spec, config, scratch, role, manifest.vocab_size, options, log)
             for name, engine in spec.engines.items():
                 diff = engine.export_check["max_abs_logit_diff"]
                 log(f"  {role} {name} engine, {engine.precision}: max |logit diff| {diff:.2e}")

@@ -1,6 +1,6 @@
 """Exported ONNX vs PyTorch on the same random tokens: a prefill, then a multi-token step on top
 of the cached past (exactly what a verification pass does). Runs through the runtime's own
-decoder, so the check also covers how the runtime feeds the graph."""
+decoder (`specrt.backends`), so the check also covers how the runtime feeds the graph."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specrt.backends.select import make_decoder
+from specrt.backends.session import create_session
 from specrt.bundle import ModelSpec
-from specrt.engines.ort_session import create_session
-from specrt.runtime.decoder import make_decoder
 
 
 def max_logit_difference(
@@ -28,8 +28,8 @@ def max_logit_difference(
     decoder = make_decoder(
         create_session(graph, providers=["CPUExecutionProvider"]), spec, spec.vocab_size, "check"
     )
-    prefill_logits = decoder.forward(ids[:prefill]).copy()  # the next call may reuse its array
-    step_logits = decoder.forward(ids[prefill:])
+    prefill_logits = decoder.forward(ids[:prefill]).logits.copy()  # valid until the next call
+    step_logits = decoder.forward(ids[prefill:]).logits
     prefill_diff = float(np.abs(prefill_logits - reference[:prefill]).max())
     step_diff = float(np.abs(step_logits - reference[prefill:]).max())
     return {

@@ -1,5 +1,5 @@
 """The onnxruntime engine of one model, built from the loaded PyTorch model and checked against it
-like the portable graph (see `specrt.engines.ort_graph` for what the graph is)."""
+like the portable graph (see `specrt.export.ort_graph` for what the graph is)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.bundle import EngineSpec, ModelIO, ModelSpec, sha256_file
-from specrt.engines.draft_precision import quantize_weights
-from specrt.engines.ort_graph import (
-    ENGINE_NAME,
+from specrt.bundle import ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, ModelSpec, sha256_file
+from specrt.export.numeric_check import max_logit_difference
+from specrt.export.ort_graph import (
     LOGITS_TO_KEEP,
     PROBABILITIES,
     SEQLENS_K,
@@ -20,7 +19,7 @@ from specrt.engines.ort_graph import (
     build_decoder_graph,
     build_gpt2_graph,
 )
-from specrt.export.numeric_check import max_logit_difference
+from specrt.export.quantize import quantize_weights
 
 
 def build_ort_engine(
@@ -34,10 +33,10 @@ def build_ort_engine(
     """Write ``ROLE/onnxruntime/model.onnx`` into the bundle and return its checked entry.
 
     ``precision`` other than float32 quantises the weights (drafts only: see
-    `specrt.engines.draft_precision`); the check then reports the difference without a bound."""
+    `specrt.export.quantize`); the check then reports the difference without a bound."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
-    out = bundle_root / role / ENGINE_NAME / "model.onnx"
+    out = bundle_root / role / ONNXRUNTIME_ENGINE / "model.onnx"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -85,7 +84,7 @@ def build_ort_engine(
         cache="in_place",
         precision=precision,
     )
-    spec.engines[ENGINE_NAME] = engine
-    check = max_logit_difference(model, graph, spec.engine_view(ENGINE_NAME), vocab)
+    spec.engines[ONNXRUNTIME_ENGINE] = engine
+    check = max_logit_difference(model, graph, spec.engine_view(ONNXRUNTIME_ENGINE), vocab)
     engine.export_check = check
     return engine

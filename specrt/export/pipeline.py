@@ -14,48 +14,37 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from specrt import __version__
 from specrt.bundle import Manifest, ModelSpec, TokenizerSpec, sha256_file, write_manifest
-from specrt.engines.draft_precision import PRECISIONS
 from specrt.errors import ExportError, PairMismatchError
+from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 
-# Tested end to end (tests/test_export.py builds a tiny model of each).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-DEFAULT_ATOL = 1e-3
-DEFAULT_DRAFT_PRECISION = "int8"
+Log = Callable[[str], None]
 
 
 def export_bundle(
     target_dir: str | Path,
     draft_dir: str | Path,
     out_dir: str | Path,
-    atol: float = DEFAULT_ATOL,
+    options: ExportOptions | None = None,
     force: bool = False,
-    opset: int | None = None,
-    slim: bool = False,
-    ort_engine: bool = True,
-    draft_precision: str = DEFAULT_DRAFT_PRECISION,
-    log: Callable[[str], None] = lambda message: None,
+    log: Log = lambda message: None,
+    **option_values: Any,
 ) -> Manifest:
     """Export target and draft to ONNX, check both against PyTorch, write the bundle.
 
-    ``ort_engine`` also builds each model's onnxruntime engine (fused contrib-op graph with an
-    in-place KV cache, `specrt.engines.ort_graph`) where the architecture allows; the runtime
-    prefers it. The portable standard-op graph is always written (TensorRT takes that one).
-    ``draft_precision`` (float32, int8, int4) sets the draft engine's weights: a cheaper draft,
-    same output (the target engine is always float32)."""
+    ``options`` (or its fields as keywords, e.g. ``slim=True``): see `ExportOptions`. The
+    portable standard-op graph is always written (TensorRT takes that one); with
+    ``ort_engine`` each model also gets its onnxruntime engine (`specrt.export.ort_graph`)
+    where the architecture allows, which the runtime prefers."""
+    options = ExportOptions.from_settings(vars(options or ExportOptions()), option_values)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
-    if not atol > 0:
-        raise ExportError(f"atol={atol} must be > 0")
-    if draft_precision not in PRECISIONS:
-        raise ExportError(
-            f"draft precision {draft_precision!r} is unknown; use one of {', '.join(PRECISIONS)}"
-        )
     sources = {"target": Path(target_dir), "draft": Path(draft_dir)}
     configs = {role: _load_config(path, role) for role, path in sources.items()}
 
@@ -84,18 +73,7 @@ def export_bundle(
         for role, source in sources.items():
             log(f"exporting {role} ({configs[role].model_type}) from {source}")
             specs[role] = _export_checked(
-                source,
-                configs[role],
-                scratch,
-                role,
-                tokenizer_hash,
-                vocab,
-                atol,
-                opset,
-                slim,
-                ort_engine,
-                draft_precision,
-                log,
+                source, configs[role], scratch, role, tokenizer_hash, vocab, options, log
             )
             checks = [("portable", specs[role].export_check)]
             checks += [
@@ -143,12 +121,8 @@ def _export_checked(
     role: str,
     tokenizer_hash: str,
     token_range: int,
-    atol: float,
-    opset: int | None,
-    slim: bool,
-    ort_engine: bool,
-    draft_precision: str,
-    log: Callable[[str], None],
+    options: ExportOptions,
+    log: Log,
 ) -> ModelSpec:
     import torch
     from transformers import AutoModelForCausalLM
@@ -156,19 +130,17 @@ def _export_checked(
     from specrt.export.numeric_check import max_logit_difference
     from specrt.export.onnx_export import describe_model, export_onnx
 
-    graph = export_onnx(source, bundle_root / role, opset, slim)
+    graph = export_onnx(source, bundle_root / role, options.opset, options.slim)
     spec = describe_model(graph, bundle_root, config, tokenizer_hash)
     spec.source = str(source.resolve())
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=torch.float32, local_files_only=True
     ).eval()
     spec.export_check = require_close(
-        max_logit_difference(model, graph, spec, token_range), atol, role, source
+        max_logit_difference(model, graph, spec, token_range), options.atol, role, source
     )
-    if ort_engine:
-        add_ort_engine(
-            model, spec, config, bundle_root, role, token_range, atol, draft_precision, log
-        )
+    if options.ort_engine:
+        add_ort_engine(model, spec, config, bundle_root, role, token_range, options, log)
     return spec
 
 
@@ -179,24 +151,23 @@ def add_ort_engine(
     bundle_root: Path,
     role: str,
     token_range: int,
-    atol: float,
-    draft_precision: str,
-    log: Callable[[str], None],
+    options: ExportOptions,
+    log: Log,
 ) -> None:
     """Build, check and record ``role``'s onnxruntime engine where the architecture allows."""
-    from specrt.engines.ort_graph import unsupported_reason
     from specrt.export.ort_engine import build_ort_engine
+    from specrt.export.ort_graph import unsupported_reason
 
     reason = unsupported_reason(config, spec.max_positions)
     if reason:
         log(f"  {role}: no onnxruntime engine ({reason}); the portable graph will run")
         return
-    precision = draft_precision if role == "draft" else "float32"
+    precision = options.draft_precision if role == "draft" else "float32"
     engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
     what = f"{role} onnxruntime engine"
     source = Path(spec.source)
     if precision == "float32":
-        require_close(engine.export_check, atol, what, source)
+        require_close(engine.export_check, options.atol, what, source)
     else:  # a quantised draft is not meant to match; it only has to be a number
         require_close(engine.export_check, math.inf, what, source)
 

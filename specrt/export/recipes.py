@@ -9,16 +9,18 @@ Paths are relative to the recipe file.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 from specrt.errors import ExportError
+from specrt.export.options import ExportOptions
 
 
 def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, Path, dict]:
     """Return (target dir, draft dir, bundle dir, export options) for a recipe file.
 
-    Export options are the recipe's optional "atol", "opset", "slim", "ort_engine" and
-    "draft_precision" keys."""
+    Export options are the recipe's keys named as `ExportOptions` fields (e.g. "slim",
+    "draft_precision")."""
     if not recipe.is_file():
         raise ExportError(f"recipe {recipe} does not exist")
     try:
@@ -41,8 +43,5 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
 
 
 def _options(data: dict) -> dict:
-    return {
-        key: data[key]
-        for key in ("atol", "opset", "slim", "ort_engine", "draft_precision")
-        if key in data
-    }
+    names = {f.name for f in fields(ExportOptions)}
+    return {key: value for key, value in data.items() if key in names}

@@ -5,8 +5,14 @@ gen = SpeculativeGenerator.from_bundle("engines/demo")
 [result] = gen.generate(["def fibonacci(n):"], GenerationConfig(max_new_tokens=64))
 """
 
-from specrt.runtime.config import GenerationConfig
+from specrt.runtime.config import GenerationConfig, SamplingParams
 from specrt.runtime.generator import SpeculativeGenerator
 from specrt.runtime.results import GenerationResult, GenerationStats
 
-__all__ = ["GenerationConfig", "GenerationResult", "GenerationStats", "SpeculativeGenerator"]
+__all__ = [
+    "GenerationConfig",
+    "GenerationResult",
+    "GenerationStats",
+    "SamplingParams",
+    "SpeculativeGenerator",
+]

@@ -12,6 +12,26 @@ DRAFT_SCHEDULES = ("fixed", "adaptive", "heuristic")
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a token, the part of `GenerationConfig` the drafter and the verifier
+    need: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def identity_warp(self) -> bool:
+        """Sampling from the model's own distribution (temperature 1, no filters): a graph's
+        softmax output can be used as it is."""
+        return self.temperature == 1 and self.top_k == 0 and self.top_p == 1
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     """What to generate and how.
 
@@ -71,7 +91,5 @@ class GenerationConfig:
         return self.temperature == 0
 
     @property
-    def unwarped(self) -> bool:
-        """Sampling from the model's own distribution (temperature 1, no filters): a graph's
-        softmax output can be used as it is."""
-        return self.temperature == 1 and self.top_k == 0 and self.top_p == 1
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)

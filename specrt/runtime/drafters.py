@@ -1,43 +1,58 @@
 """Drafters behind one small interface, so a model drafter and e.g. a prompt-lookup drafter are
-interchangeable in the generator.
+interchangeable in the loop (as transformers' candidate generators are).
 
-``propose(tokens, k, ...)`` returns k draft tokens continuing ``tokens`` and, when sampling, the
-distributions ``q`` they were drawn from (after the same warp the target gets). ``rollback(n)``
-tells the drafter that only ``tokens[:n]`` stand; it keeps whatever state is still valid.
+``prefill(tokens)`` shows the drafter a prompt; ``propose(tokens, k, ...)`` returns up to k draft
+tokens continuing ``tokens`` and, when sampling, the distributions they were drawn from (after
+the same warp the target gets); ``rollback(n)`` says that only ``tokens[:n]`` stand: the drafter
+keeps whatever state is still valid.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from specrt.runtime.config import GenerationConfig
-from specrt.runtime.decoder import Decoder
-from specrt.runtime.draft_length import KeepGoing
+from specrt.backends import Decoder
+from specrt.runtime.config import SamplingParams
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
+    argmax_tokens,
     check_probabilities,
-    greedy_token,
     sample,
     top_probability,
     warp,
 )
+from specrt.runtime.schedules import KeepGoing
+
+
+@dataclass
+class Draft:
+    """Draft tokens and, when sampling, ``probabilities [len(tokens), V]``: the distribution
+    each was drawn from (None when greedy). Valid until the drafter's next call."""
+
+    tokens: list[int]
+    probabilities: np.ndarray | None
 
 
 class Drafter(Protocol):
-    max_positions: int
+    max_positions: int  # the longest sequence the drafter can continue
+    run_time_s: float  # total time spent running models, for overhead accounting
 
     def reset(self) -> None: ...
+
+    def prefill(self, tokens: Sequence[int]) -> None: ...
 
     def propose(
         self,
         tokens: list[int],
         k: int,
-        config: GenerationConfig,
+        sampling: SamplingParams,
         rng: np.random.Generator,
-        keep_going: KeepGoing | None = None,
-    ) -> tuple[np.ndarray, np.ndarray | None]: ...
+        keep_drafting: KeepGoing | None = None,
+    ) -> Draft: ...
 
     def rollback(self, valid_length: int) -> None: ...
 
@@ -50,56 +65,58 @@ class ModelDrafter:
         self.max_positions = decoder.max_positions
         self._q: np.ndarray | None = None
 
+    @property
+    def run_time_s(self) -> float:
+        return self.decoder.run_time_s
+
     def reset(self) -> None:
         self.decoder.reset()
 
-    def prefill(self, tokens: list[int]) -> None:
+    def prefill(self, tokens: Sequence[int]) -> None:
         self.decoder.prefill(tokens)
+
+    def rollback(self, valid_length: int) -> None:
+        self.decoder.rollback(valid_length)
 
     def propose(
         self,
         tokens: list[int],
         k: int,
-        config: GenerationConfig,
+        sampling: SamplingParams,
         rng: np.random.Generator,
-        keep_going: KeepGoing | None = None,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Up to ``k`` tokens; ``keep_going`` may stop earlier, judging by the draft's confidence
-        (its top probability) in each token it drafted. The returned ``q`` is valid until the
-        next call."""
-        drafted = np.empty(k, dtype=np.int64)
-        q = None if config.greedy else self._q_buffer(k)
+        keep_drafting: KeepGoing | None = None,
+    ) -> Draft:
+        """Up to ``k`` tokens; ``keep_drafting`` may stop earlier, judging by the draft's
+        confidence (its top probability) in each token it drafted."""
+        drafted: list[int] = []
+        q = None if sampling.greedy else self._q_buffer(k)
         pending = tokens[self.decoder.length :]
-        decoder, count = self.decoder, 0
-        while count < k:
-            logits = decoder.forward(pending)[-1]  # only the last position matters
-            probabilities = decoder.probabilities
+        while len(drafted) < k:
+            out = self.decoder.forward(pending, keep_last=1)
+            logits, probabilities = out.logits[-1], out.probabilities
             if q is None:
-                drafted[count] = best = greedy_token(logits, "draft")
-                if keep_going is None:
+                [token] = argmax_tokens(out.logits, "draft")
+                if keep_drafting is None:
                     confidence = 0.0
                 elif probabilities is not None:
-                    confidence = float(probabilities[-1, best])
+                    confidence = float(probabilities[-1, token])
                 else:
-                    confidence = top_probability(logits, best)
+                    confidence = top_probability(logits, token)
             else:
-                if probabilities is not None and config.unwarped:
-                    q[count] = probabilities[-1]
-                    check_probabilities(q[count], logits, "draft")
+                row = q[len(drafted)]
+                if probabilities is not None and sampling.identity_warp:
+                    row[:] = probabilities[-1]
+                    check_probabilities(row, logits, "draft")
                 else:
-                    q[count] = warp(
-                        logits, config.temperature, config.top_k, config.top_p, "draft", LOOP_DTYPE
-                    )
-                drafted[count] = sample(q[count], rng)
-                confidence = float(q[count].max()) if keep_going else 0.0
-            pending = [int(drafted[count])]
-            count += 1
-            if keep_going is not None and not keep_going(count, confidence):
+                    s = sampling
+                    row[:] = warp(logits, s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
+                token = sample(row, rng)
+                confidence = float(row.max()) if keep_drafting else 0.0
+            drafted.append(token)
+            pending = [token]
+            if keep_drafting is not None and not keep_drafting(len(drafted), confidence):
                 break
-        return drafted[:count], None if q is None else q[:count]
-
-    def rollback(self, valid_length: int) -> None:
-        self.decoder.rollback(valid_length)
+        return Draft(drafted, None if q is None else q[: len(drafted)])
 
     def _q_buffer(self, k: int) -> np.ndarray:
         """Rows for the draft distributions, reused across rounds: a fresh [K, vocab] array each

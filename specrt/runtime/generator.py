@@ -1,33 +1,26 @@
-"""The speculative loop: draft K, verify all K in ONE target pass, accept/reject, roll back."""
+"""The generator: rows of prompts through prefill and speculative rounds, with stats."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from specrt.bundle import Manifest, ModelSpec, read_manifest, verify_checksums
-from specrt.engines.ort_session import create_session, default_providers
-from specrt.errors import InvalidInputError, PairMismatchError
+from specrt.backends import Decoder
+from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.decoder import Decoder, make_decoder
-from specrt.runtime.draft_length import (
-    DraftLengthController,
-    DraftSchedule,
-    HeuristicController,
-)
 from specrt.runtime.drafters import Drafter, ModelDrafter
-from specrt.runtime.rejection import greedy_accept, rejection_sample
+from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.sampling import LOOP_DTYPE, WarpedRows, greedy_choice
+from specrt.runtime.round import speculative_round
+from specrt.runtime.schedules import DraftSchedule, make_schedule
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
-ENGINE_CHOICES = ("auto", "portable", "onnxruntime")
-DEFAULT_MAX_LENGTH = 8192  # positions of preallocated KV cache per engine model
 
 
 class SpeculativeGenerator:
@@ -52,49 +45,18 @@ class SpeculativeGenerator:
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
 
     @classmethod
-    def from_bundle(
-        cls,
-        bundle_dir: str | Path,
-        threads: int | None = None,
-        providers: Sequence[str] | None = None,
-        check_files: bool = True,
-        draft_threads: int = 1,
-        engine: str = "auto",
-        max_length: int | None = DEFAULT_MAX_LENGTH,
-    ) -> SpeculativeGenerator:
-        """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
+    def from_bundle(cls, bundle_dir: str | Path, **options: Any) -> SpeculativeGenerator:
+        """Load a bundle (``options``: those of `specrt.runtime.loading.load_pair`)."""
+        return cls.from_pair(load_pair(bundle_dir, **options))
 
-        ``threads``: the target's intra-op threads (default: all cores). ``draft_threads``: the
-        draft's (default 1: see `specrt.engines.ort_session` for why). ``engine``: ``"auto"``
-        runs each model's onnxruntime engine where the bundle has one, else its portable graph;
-        ``"portable"`` or ``"onnxruntime"`` insist on one (the latter fails if it is missing).
-        ``max_length``: the longest sequence (prompt + new tokens) the engines' preallocated KV
-        caches hold, at most the model's max positions (None: the model's max positions)."""
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
-            raise InvalidInputError(f"max_length={max_length!r}: use an integer >= 2 (or None)")
-        if engine not in ENGINE_CHOICES:
-            raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
-        root = Path(bundle_dir)
-        manifest = read_manifest(root)
-        if check_files:
-            verify_checksums(manifest, root)
-        _check_pair(manifest)
-        decoders = {}
-        for role, spec in manifest.models.items():
-            view = _engine_view(spec, role, engine, list(providers or default_providers()))
-            session = create_session(
-                root / view.path,
-                threads=draft_threads if role == "draft" else threads,
-                providers=providers,
-            )
-            decoders[role] = make_decoder(session, view, manifest.vocab_size, role, max_length)
-        tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
-        return cls(
-            decoders["target"],
-            ModelDrafter(decoders["draft"]),
-            tokenizer,
-            manifest.tokenizer.eos_token_ids,
-        )
+    @classmethod
+    def from_pair(cls, pair: ModelPair) -> SpeculativeGenerator:
+        return cls(pair.target, ModelDrafter(pair.draft), pair.tokenizer, pair.eos_token_ids)
+
+    @property
+    def model_time_s(self) -> float:
+        """Total time spent running the models so far (the rest is the loop's overhead)."""
+        return self.target.run_time_s + self.drafter.run_time_s
 
     # ----------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -136,7 +98,9 @@ class SpeculativeGenerator:
         """Generate for each prompt (a string or token ids). Rows run one after another."""
         return list(self.stream(prompts, config))
 
-    def stream(self, prompts: Sequence[Prompt], config: GenerationConfig | None = None):
+    def stream(
+        self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
+    ) -> Iterator[GenerationResult]:
         """Like `generate`, yielding each row's result as soon as it is done."""
         config = config or GenerationConfig()
         encoded = self.encode_prompts(prompts)
@@ -146,30 +110,28 @@ class SpeculativeGenerator:
                 result = self._generate_row(ids, config, rng)
             yield result
 
-    def _draft_schedule(self, k_max: int, config: GenerationConfig) -> DraftSchedule:
+    def _schedule(self, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
         draft's calibration, the machine's costs) holds for the pair, not for one prompt."""
-        key = (config.draft_schedule, k_max, config.greedy)
+        name = config.draft_schedule if config.num_draft_tokens else "fixed"
+        key = (name, config.num_draft_tokens, config.greedy)
         if key not in self._schedules:
-            if config.draft_schedule == "heuristic":
-                self._schedules[key] = HeuristicController(k_max)
-            else:
-                self._schedules[key] = DraftLengthController(k_max)
+            self._schedules[key] = make_schedule(name, config.num_draft_tokens)
         return self._schedules[key]
 
-    # ----------------------------------------------------------------------------------------
     def _generate_row(
         self, prompt: list[int], config: GenerationConfig, rng: np.random.Generator
     ) -> GenerationResult:
         start = time.perf_counter()
         target, drafter = self.target, self.drafter
+        sampling, schedule = config.sampling, self._schedule(config)
         k_max = config.num_draft_tokens
         stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
         tokens = list(prompt)
         limit = min(target.max_positions, len(prompt) + config.max_new_tokens)
         finish_reason = "length"
 
-        # Prefill: both models see everything but the last prompt token, which every round feeds.
+        # Both models see all but the last prompt token, which the first round feeds.
         target.reset()
         drafter.reset()
         if len(prompt) > 1:
@@ -177,57 +139,24 @@ class SpeculativeGenerator:
             if k_max:
                 drafter.prefill(prompt[:-1])
 
-        schedule = None
-        if config.draft_schedule != "fixed" and k_max:
-            schedule = self._draft_schedule(k_max, config)
-        keep_going = schedule.keep_drafting if schedule else None
-        unwarped = config.unwarped  # the graphs' softmax is the sampling distribution
         while len(tokens) < limit:
-            # A round emits at most k+1 tokens and every fed position must fit in each model.
-            k = max(0, min(k_max, limit - len(tokens) - 1, drafter.max_positions - len(tokens)))
-            if schedule:
-                k = schedule.start_round(k)
-            round_start = time.perf_counter()
-            drafted, q = drafter.propose(tokens, k, config, rng, keep_going)
-            drafted_at = time.perf_counter()
-            k = len(drafted)
-            drafted_ids = drafted.tolist()
-            fed = tokens[target.length :] + drafted_ids
-            logits = target.forward(fed)[-(k + 1) :]
-            if config.greedy:  # the target's argmax per position
-                choice = greedy_choice(logits, "target")
-                n, next_token = greedy_accept(drafted_ids, choice)
-            else:
-                probabilities = target.probabilities
-                p = WarpedRows(
-                    logits,
-                    config.temperature,
-                    config.top_k,
-                    config.top_p,
-                    "target",
-                    LOOP_DTYPE,
-                    probabilities[-(k + 1) :] if probabilities is not None and unwarped else None,
-                )
-                n, next_token = rejection_sample(drafted, q, p, rng)
-            if schedule:
-                now = time.perf_counter()
-                schedule.update(k, n, drafted_at - round_start, now - drafted_at)
+            # A round emits at most k+1 tokens, and every position fed must fit in each model.
+            room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
+            k = schedule.start_round(max(0, room))
+            step = speculative_round(
+                target, drafter, tokens, k, sampling, rng, schedule.keep_drafting
+            )
+            schedule.update(step.drafted, step.accepted, step.draft_time_s, step.verify_time_s)
+            stats.add_round(step.drafted, step.accepted)
 
-            stats.rounds += 1
-            stats.drafted_tokens += k
-            stats.accepted_tokens += n
-            for i in range(n):
-                stats.accepted_per_position[i] += 1
-
-            emitted = [*drafted_ids[:n], next_token]
             # Roll back: each cache keeps only what is still history (all but the newest token).
-            target.rollback(len(tokens) + n)
-            tokens.extend(emitted)
+            target.rollback(len(tokens) + step.accepted)
+            tokens.extend(step.tokens)
             drafter.rollback(len(tokens) - 1)
 
-            if not config.ignore_eos and not self.eos_token_ids.isdisjoint(emitted):
-                stop_at = next(i for i, t in enumerate(emitted) if t in self.eos_token_ids)
-                del tokens[len(tokens) - len(emitted) + stop_at + 1 :]
+            stop = self._eos_index(step.tokens, config)
+            if stop is not None:
+                del tokens[len(tokens) - len(step.tokens) + stop + 1 :]
                 finish_reason = "stop"
                 break
 
@@ -237,34 +166,8 @@ class SpeculativeGenerator:
         stats.finish(time.perf_counter() - start)
         return GenerationResult(text, new_ids, finish_reason, stats)
 
-
-def _check_pair(manifest: Manifest) -> None:
-    """Refuse a bundle whose draft and target were exported with different tokenizers (the
-    vocabulary widths are checked by `read_manifest`)."""
-    target, draft = manifest.models["target"], manifest.models["draft"]
-    if target.tokenizer_hash != draft.tokenizer_hash:
-        raise PairMismatchError(
-            "draft and target were exported with different tokenizers (hash "
-            f"{draft.tokenizer_hash[:12]} vs {target.tokenizer_hash[:12]}); a draft must share the "
-            "target's tokenizer: pick a draft from the same model family and re-export"
-        )
-
-
-def _engine_view(spec: ModelSpec, role: str, engine: str, providers: list[str]) -> ModelSpec:
-    has_engine = "onnxruntime" in spec.engines
-    # The engine's in-place cache lives in host memory; on a GPU provider every call would copy
-    # it across, so auto takes the portable graph there (not measured: no GPU in our CI).
-    on_cpu = providers[0] == "CPUExecutionProvider"
-    if engine == "portable" or (engine == "auto" and not (has_engine and on_cpu)):
-        return spec
-    if not on_cpu:
-        raise InvalidInputError(
-            f"the onnxruntime engine keeps its KV cache in host memory and runs on the CPU "
-            f"provider only (asked for {providers[0]}); use engine 'portable' or 'auto' on GPU"
-        )
-    if not has_engine:
-        raise InvalidInputError(
-            f"the bundle's {role} has no onnxruntime engine (`specrt export` builds one for "
-            "llama/qwen2/mistral); use engine 'auto' or 'portable', or re-export the bundle"
-        )
-    return spec.engine_view("onnxruntime")
+    def _eos_index(self, emitted: list[int], config: GenerationConfig) -> int | None:
+        """Where the first end-of-sequence token is among ``emitted``, unless EOS is ignored."""
+        if config.ignore_eos or self.eos_token_ids.isdisjoint(emitted):
+            return None
+        return next(i for i, t in enumerate(emitted) if t in self.eos_token_ids)

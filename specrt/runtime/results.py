@@ -30,6 +30,13 @@ class GenerationStats:
     wall_time_s: float = 0.0
     tokens_per_second: float = 0.0
 
+    def add_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
     def finish(self, wall_time_s: float) -> None:
         self.wall_time_s = wall_time_s
         self.acceptance_rate = (

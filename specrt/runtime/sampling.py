@@ -12,11 +12,12 @@ import math
 import numpy as np
 
 from specrt.errors import NumericalError
+from specrt.runtime.config import SamplingParams
 
 LOOP_DTYPE = np.float32  # what the generation loop warps and samples in (see `warp`)
 
 
-def greedy_choice(logits: np.ndarray, who: str) -> list[int]:
+def argmax_tokens(logits: np.ndarray, model: str) -> list[int]:
     """The argmax of each row of ``logits [rows, V]``, refusing NaN/inf logits: argmax picks a
     NaN if a row has one and +inf if it has one, and a row whose pick is -inf is all -inf; a -inf
     elsewhere is harmless (it never wins). So only the picks are checked, in plain Python: right
@@ -25,15 +26,7 @@ def greedy_choice(logits: np.ndarray, who: str) -> list[int]:
     best = logits.argmax(axis=-1).tolist()
     for row, index in enumerate(best):
         if not math.isfinite(logits[row, index]):
-            raise_not_finite(logits, who)
-    return best
-
-
-def greedy_token(logits: np.ndarray, who: str) -> int:
-    """`greedy_choice` of one row ``[V]``."""
-    best = int(logits.argmax())
-    if not math.isfinite(logits[best]):
-        raise_not_finite(logits, who)
+            raise_not_finite(logits, model)
     return best
 
 
@@ -43,18 +36,18 @@ def top_probability(logits: np.ndarray, best: int) -> float:
     return float(1.0 / np.exp(shifted, out=shifted).sum())
 
 
-def check_probabilities(probabilities: np.ndarray, logits: np.ndarray, who: str) -> None:
+def check_probabilities(probabilities: np.ndarray, logits: np.ndarray, model: str) -> None:
     """Refuse a graph's softmax row made from NaN/inf logits. One entry tells: a NaN or +inf
     logit, or a row of -inf, makes the row's sum NaN and so every entry (the softmax divides
     by it)."""
     if not math.isfinite(probabilities[0]):
-        raise_not_finite(logits, who)
+        raise_not_finite(logits, model)
 
 
-def raise_not_finite(logits: np.ndarray, who: str) -> None:
+def raise_not_finite(logits: np.ndarray, model: str) -> None:
     bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
     raise NumericalError(
-        f"the {who} model produced {bad} NaN/inf logit(s); the ONNX graph or its inputs are "
+        f"the {model} model produced {bad} NaN/inf logit(s); the ONNX graph or its inputs are "
         "broken (an fp16 overflow is the usual cause: re-export in float32)"
     )
 
@@ -64,16 +57,16 @@ def warp(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
-    who: str | None = None,
+    model: str | None = None,
     dtype: type = np.float64,
 ) -> np.ndarray:
     """Turn logits ``[..., V]`` into sampling probabilities, rows summing to 1.
 
-    ``temperature`` must be > 0 here; greedy decoding never needs probabilities. With ``who``,
-    NaN/inf logits raise `NumericalError` (checked on the row max the warp computes anyway: it
-    is NaN or +inf if any logit is, and -inf only if all are). The loop warps in float32, half
-    the time of float64 over a vocabulary (probabilities within ~1e-8 of float64's, far below
-    what sampling can resolve); float64 is the default for everything else.
+    ``temperature`` must be > 0 here; greedy decoding never needs probabilities. With ``model``
+    (its role, for the message), NaN/inf logits raise `NumericalError` (checked on the row max
+    the warp computes anyway: it is NaN or +inf if any logit is, and -inf only if all are). The
+    loop warps in float32, half the time of float64 over a vocabulary (probabilities within
+    ~1e-8 of float64's, far below what sampling can resolve); float64 is the default elsewhere.
     """
     probs = np.multiply(logits, 1.0 / temperature, dtype=dtype)  # one new array
     vocab = probs.shape[-1]
@@ -81,8 +74,8 @@ def warp(
         kth = np.partition(probs, vocab - top_k, axis=-1)[..., vocab - top_k, None]
         probs[probs < kth] = -np.inf
     top = probs.max(axis=-1, keepdims=True)
-    if who is not None and not np.isfinite(top).all():
-        raise_not_finite(logits, who)
+    if model is not None and not np.isfinite(top).all():
+        raise_not_finite(logits, model)
     probs -= top
     np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -104,8 +97,8 @@ def sample(weights: np.ndarray, rng: np.random.Generator) -> int:
 
     Inverse-CDF sampling in two levels: find the block of ~sqrt(V) entries the uniform draw falls
     in, then the entry within it. A cumulative sum over the whole vocabulary is a sequential pass
-    (~3 ns per entry here: 0.4 ms on a 152k vocabulary, more than a draft step); block sums
-    vectorise, and the two cumulative sums left are sqrt(V) long."""
+    (on a 152k vocabulary it costs more than a draft step); block sums vectorise, and the two
+    cumulative sums left are sqrt(V) long."""
     size = weights.shape[-1]
     block, starts = _blocks(size)
     sums = np.add.reduceat(weights, starts)
@@ -135,33 +128,34 @@ def _blocks(size: int) -> tuple[int, np.ndarray]:
 
 
 class WarpedRows:
-    """``warp`` of each row of ``logits``, computed (and checked for NaN/inf) on first access and
-    kept: rows the rejection sampler never reaches are never read. ``probabilities``: the
-    graph's softmax of the same rows, to use as they are (only where the warp would not change
-    them: temperature 1, no filters)."""
+    """``warp`` of each row of ``logits`` in the loop's dtype, computed (and checked for NaN/inf)
+    on first access and kept: rows the rejection sampler never reaches are never read.
+    ``probabilities``: the graph's softmax of the same rows, used as they are where the warp
+    would not change them (temperature 1, no filters)."""
 
     def __init__(
         self,
         logits: np.ndarray,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        who: str,
-        dtype: type = np.float64,
+        sampling: SamplingParams,
+        model: str,
         probabilities: np.ndarray | None = None,
     ) -> None:
         self._logits = logits
-        self._args = (temperature, top_k, top_p, who, dtype)
+        self._sampling = sampling
+        self._model = model
         self._rows: dict[int, np.ndarray] = {}
-        self._probabilities = probabilities
+        self._probabilities = probabilities if sampling.identity_warp else None
 
     def __getitem__(self, index: int) -> np.ndarray:
         row = self._rows.get(index)
         if row is None:
             if self._probabilities is not None:
                 row = self._probabilities[index]
-                check_probabilities(row, self._logits[index], self._args[3])
+                check_probabilities(row, self._logits[index], self._model)
             else:
-                row = warp(self._logits[index], *self._args)
+                s = self._sampling
+                row = warp(
+                    self._logits[index], s.temperature, s.top_k, s.top_p, self._model, LOOP_DTYPE
+                )
             self._rows[index] = row
         return row

@@ -1,10 +1,10 @@
 """onnxruntime session creation with options chosen for the machine.
 
 Each session has its own intra-op pool whose worker threads spin for a while after every call.
-Draft and target alternate, so two multi-threaded pools fight over the cores: on the 2-core demo
-speculative decoding ran at 0.64x the target alone that way. The draft therefore runs on one
-thread (no worker to spin) and the target on all cores: 1.3x. A process-wide shared pool did as
-well but breaks every other onnxruntime session in the process, so a library must not set it.
+Draft and target alternate, so two multi-threaded pools fight over the cores (docs/performance.md
+has the numbers). The draft therefore runs on one thread (no worker to spin) and the target on
+all cores. A process-wide shared pool would do as well but breaks every other onnxruntime
+session in the process, so a library must not set it.
 """
 
 from __future__ import annotations

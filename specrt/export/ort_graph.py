@@ -14,7 +14,7 @@ lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``seqlen
 (int64 n: logits for the last n positions only),
 ``past_key_values.{i}.key/value``; outputs ``logits [1, n, vocab]``, ``probabilities`` (their
 softmax: the draft's confidence and temperature-1 sampling read it instead of a NumPy pass over
-the vocabulary, ~10 us each after a model call, for ~1 us inside) and ``present.{i}.*``.
+the vocabulary, which runs cold right after a model call) and ``present.{i}.*``.
 The lengths are GroupQueryAttention's own inputs, fed as numbers rather than derived from a mask
 whose shape changes every call: every input but ``input_ids`` keeps its shape, so the runtime
 binds them once and only writes new values into their memory.
@@ -31,8 +31,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-ENGINE_NAME = "onnxruntime"
-BUILDABLE_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
+from specrt.export.options import SUPPORTED_MODEL_TYPES
+
 OPSET = 21
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
 TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
@@ -55,7 +55,7 @@ class DecoderShape:
 
 def unsupported_reason(config, max_positions: int) -> str | None:
     """Why this checkpoint cannot get the onnxruntime engine (None when it can)."""
-    if config.model_type not in BUILDABLE_MODEL_TYPES:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {config.model_type!r} has no onnxruntime engine builder yet"
     if config.model_type == "gpt2":
         return _gpt2_unsupported_reason(config)

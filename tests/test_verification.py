@@ -1,22 +1,25 @@
-"""The sampler's math: exact enumeration (no sampling) and its statistical behaviour."""
+"""Verification's math: exact enumeration (no sampling) of `verify`, the function the loop calls,
+and its statistical behaviour."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import numpy as np
 import pytest
 
 from specrt.errors import NumericalError
-from specrt.runtime import rejection
-from specrt.runtime.rejection import (
-    acceptance_probabilities,
-    greedy_verify,
-    rejection_sample,
-    residual_distribution,
-)
+from specrt.runtime import verification
+from specrt.runtime.config import SamplingParams
 from specrt.runtime.sampling import sample, warp
+from specrt.runtime.verification import acceptance_probability, residual_distribution, verify
 from tests.stats import chi_square_pvalue
 
 V = 6
+GREEDY = SamplingParams()
+# Temperature 1, no filters: `verify` takes the target's given probabilities as they are, so the
+# tests hand it exact float64 distributions (the logits are then only read for error messages).
+PLAIN = SamplingParams(temperature=1.0)
 
 
 def _random(rng, zeros=0):
@@ -40,25 +43,98 @@ def _cases():
     return cases
 
 
-def emitted_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """P(emitted token = y) for one drafted position, enumerated over the draft token x ~ q:
-    accepted with probability a(x) (emit x), else emit from the residual."""
-    emitted = np.zeros_like(p)
-    residual = residual_distribution(p, q)
-    for x in range(len(p)):
-        accept = acceptance_probabilities(p[x : x + 1], q[x : x + 1])[0]
-        emitted[x] += q[x] * accept
-        emitted += q[x] * (1.0 - accept) * residual
-    return emitted
+class Branches:
+    """Runs a function over every outcome of its random choices, with each outcome's exact
+    probability: ``rng.random() < a`` takes both branches (probability a and 1 - a), and
+    `sample(w, rng)`, patched to `Branches.sample`, every index with w > 0 (probability
+    w / sum w: `sample` is the inverse CDF, tested exactly below)."""
+
+    def __init__(self) -> None:
+        self.path: list[int] = []  # the option taken at each choice of the current run
+        self.sizes: list[int] = []  # how many options each choice had
+        self.depth = 0
+        self.probability = 1.0
+
+    def choose(self, options: list[tuple[object, float]]):
+        options = [(value, p) for value, p in options if p > 0]
+        if self.depth == len(self.path):
+            self.path.append(0)
+            self.sizes.append(len(options))
+        value, p = options[self.path[self.depth]]
+        self.depth += 1
+        self.probability *= p
+        return value
+
+    def random(self) -> _Uniform:
+        return _Uniform(self)
+
+    @staticmethod
+    def sample(weights: np.ndarray, rng: Branches) -> int:
+        total = float(np.sum(weights))
+        return rng.choose([(i, float(w) / total) for i, w in enumerate(weights)])
+
+    def outcomes(self, run) -> dict:
+        """{result of ``run(rng)``: its probability} over every path of choices."""
+        results: dict = defaultdict(float)
+        while True:
+            self.depth, self.probability = 0, 1.0
+            result = run(self)
+            results[result] += self.probability
+            while self.path and self.path[-1] + 1 == self.sizes[-1]:
+                self.path.pop()
+                self.sizes.pop()
+            if not self.path:
+                return results
+            self.path[-1] += 1
+
+
+class _Uniform:
+    """A uniform draw in [0, 1) whose comparison with a threshold branches."""
+
+    def __init__(self, branches: Branches) -> None:
+        self.branches = branches
+
+    def __lt__(self, threshold: float) -> bool:
+        a = float(threshold)
+        return self.branches.choose([(True, a), (False, 1.0 - a)])
+
+
+@pytest.fixture
+def branches(monkeypatch) -> Branches:
+    monkeypatch.setattr(verification, "sample", Branches.sample)
+    return Branches()
+
+
+def verify_outcomes(branches, drafted, q_rows, p_rows) -> dict[tuple[int, ...], float]:
+    """{tokens a round emits: probability} for given draft tokens, by `verify` itself."""
+    q_rows, p_rows = np.asarray(q_rows), np.asarray(p_rows)
+    logits = np.zeros_like(p_rows)
+
+    def run(rng):
+        accepted, token = verify(drafted, q_rows, logits, PLAIN, rng, p_rows)
+        return (*drafted[:accepted], token)
+
+    return branches.outcomes(run)
+
+
+def first_token_law(branches, p, q, bonus) -> np.ndarray:
+    """P(first emitted token = y) with K = 1, enumerated over the draft token x ~ q and over
+    every random choice `verify` makes."""
+    law = np.zeros_like(p)
+    for x in np.flatnonzero(q):
+        for emitted, chance in verify_outcomes(branches, [int(x)], [q], [p, bonus]).items():
+            law[emitted[0]] += q[x] * chance
+    return law
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
-def test_one_position_emits_exactly_p(name):
+def test_one_position_emits_exactly_p(name, branches):
     p, q = _cases()[name]
-    assert np.abs(emitted_distribution(p, q) - p).max() < 1e-9
+    bonus = _random(np.random.default_rng(0))
+    assert np.abs(first_token_law(branches, p, q, bonus) - p).max() < 1e-9
 
 
-def test_two_positions_joint_is_exactly_target():
+def test_two_positions_joint_is_exactly_target(branches):
     """Joint law of the first two emitted tokens when K = 2 and the target's second distribution
     depends on the first token. A round that stops after one token leaves the second to the next
     round, whose first token follows p exactly (previous test)."""
@@ -67,30 +143,50 @@ def test_two_positions_joint_is_exactly_target():
         p1, q1 = _random(rng), _random(rng, zeros=2)
         p2 = {x: _random(rng, zeros=x % 3) for x in range(V)}  # p2(. | x1)
         q2 = {x: _random(rng, zeros=(x + 1) % 3) for x in range(V)}
+        bonus = _random(rng)
         joint = np.zeros((V, V))
-        residual1 = residual_distribution(p1, q1)
-        for x1 in range(V):
-            a1 = acceptance_probabilities(p1[x1 : x1 + 1], q1[x1 : x1 + 1])[0]
-            # accepted x1: the second token comes from position 2 of the same round
-            joint[x1] += q1[x1] * a1 * emitted_distribution(p2[x1], q2[x1])
-            # rejected: y1 from the residual, y2 from the next round, i.e. p2(. | y1)
-            for y1 in range(V):
-                joint[y1] += q1[x1] * (1 - a1) * residual1[y1] * p2[y1]
+        for x1 in np.flatnonzero(q1):
+            for x2 in np.flatnonzero(q2[x1]):
+                drafted = [int(x1), int(x2)]
+                rows = [p1, p2[x1], bonus]
+                outcomes = verify_outcomes(branches, drafted, [q1, q2[x1]], rows)
+                for emitted, chance in outcomes.items():
+                    weight = q1[x1] * q2[x1][x2] * chance
+                    if len(emitted) >= 2:  # x1 accepted: the second token is this round's
+                        joint[emitted[0], emitted[1]] += weight
+                    else:  # rejected at x1: the second token is the next round's, p2(. | y1)
+                        joint[emitted[0]] += weight * p2[emitted[0]]
         expected = p1[:, None] * np.stack([p2[x] for x in range(V)])
         assert np.abs(joint - expected).max() < 1e-9
 
 
-def test_guards():
+def test_enumeration_detects_a_wrong_rule(branches, monkeypatch):
+    """The exact checks above can fail: emitting from p instead of the residual, or accepting
+    with min(1, q/p), moves the emitted law away from p."""
+    p, q = _cases()["random0"]
+    bonus = _random(np.random.default_rng(0))
+    with monkeypatch.context() as patch:
+        patch.setattr(verification, "residual_distribution", lambda p_i, q_i: p_i)
+        assert np.abs(first_token_law(branches, p, q, bonus) - p).max() > 1e-3
+    with monkeypatch.context() as patch:
+        patch.setattr(verification, "acceptance_probability", lambda p_x, q_x: min(1, q_x / p_x))
+        assert np.abs(first_token_law(branches, p, q, bonus) - p).max() > 1e-3
+
+
+def test_guards(branches):
     p = np.array([0.2, 0.3, 0.5])
     # q(x) = 0 rejects instead of dividing by zero
-    assert acceptance_probabilities(p, np.array([0.0, 0.5, 0.5]))[0] == 0.0
+    assert acceptance_probability(0.2, 0.0) == 0.0
+    q = np.array([0.0, 0.5, 0.5])
+    outcomes = verify_outcomes(branches, [0], [q], [p, p])
+    assert all(len(emitted) == 1 for emitted in outcomes)  # never accepted
     # a residual without mass falls back to p
     assert np.array_equal(residual_distribution(p, p.copy()), p)
     assert np.allclose(residual_distribution(p, np.array([0.3, 0.3, 0.4])), [0, 0, 1])
 
 
 # ---------------------------------------------------------------------------------------------
-# The real `rejection_sample` (random draws included) against p. Each chi-square test below has
+# The real `verify` (random draws included) against p. Each chi-square test below has
 # a false-alarm rate of ALPHA; the seeds are fixed, so a pass is reproducible.
 ALPHA = 1e-4
 DRAWS = 20_000
@@ -100,14 +196,15 @@ def _first_tokens(p, q, draft_tokens_rng, seed):
     rng = np.random.default_rng(seed)
     k = q.shape[0]
     counts = np.zeros(p.shape[1])
+    logits = np.zeros_like(p)
     for _ in range(DRAWS):
-        drafted = np.array([sample(q[i], draft_tokens_rng) for i in range(k)])
-        n, token = rejection_sample(drafted, q, p, rng)
+        drafted = [sample(q[i], draft_tokens_rng) for i in range(k)]
+        n, token = verify(drafted, q, logits, PLAIN, rng, p)
         counts[drafted[0] if n > 0 else token] += 1
     return counts
 
 
-def test_rejection_sample_first_token_follows_p():
+def test_verify_first_token_follows_p():
     rng = np.random.default_rng(3)
     p = rng.dirichlet(np.full(V, 0.7), size=4)  # K = 3 positions + bonus
     q = rng.dirichlet(np.full(V, 0.7), size=3)
@@ -120,7 +217,7 @@ def test_statistical_check_detects_a_broken_residual(monkeypatch):
     rng = np.random.default_rng(3)
     p = rng.dirichlet(np.full(V, 0.7), size=4)
     q = rng.dirichlet(np.full(V, 0.7), size=3)
-    monkeypatch.setattr(rejection, "residual_distribution", lambda p_i, q_i: p_i)
+    monkeypatch.setattr(verification, "residual_distribution", lambda p_i, q_i: p_i)
     counts = _first_tokens(p, q, np.random.default_rng(4), seed=5)
     assert chi_square_pvalue(counts, p[0]) < ALPHA
 
@@ -166,35 +263,39 @@ def test_warp_temperature_top_k_top_p_match_their_definitions():
             assert np.array_equal(fast == 0, soft == 0)  # the same tokens filtered out
 
 
+def greedy_verify(drafted: list[int], logits: np.ndarray) -> tuple[int, int]:
+    return verify(drafted, None, logits, GREEDY, np.random.default_rng(0))
+
+
 def test_greedy_verify():
     logits = np.full((4, 5), -1.0)
     logits[[0, 1, 2, 3], [2, 4, 1, 3]] = 5.0  # target argmax per position: 2, 4, 1, 3
-    assert greedy_verify(np.array([2, 4, 1]), logits) == (3, 3)  # all accepted, bonus 3
-    assert greedy_verify(np.array([2, 0, 1]), logits) == (1, 4)  # rejected at 1, correction 4
-    assert greedy_verify(np.array([], dtype=np.int64), logits[:1]) == (0, 2)
+    assert greedy_verify([2, 4, 1], logits) == (3, 3)  # all accepted, bonus 3
+    assert greedy_verify([2, 0, 1], logits) == (1, 4)  # rejected at 1, correction 4
+    assert greedy_verify([], logits[:1]) == (0, 2)
 
 
 def test_nan_and_inf_logits_raise():
     logits = np.zeros((2, 5))
     logits[1, 3] = np.nan
     with pytest.raises(NumericalError, match="NaN/inf"):
-        greedy_verify(np.array([0]), logits)
+        greedy_verify([0], logits)
     logits[1, 3] = np.inf
     with pytest.raises(NumericalError, match="NaN/inf"):
-        greedy_verify(np.array([0]), logits)
+        greedy_verify([0], logits)
     logits[1] = -np.inf  # a row with nothing to choose
     with pytest.raises(NumericalError, match="NaN/inf"):
-        greedy_verify(np.array([0]), logits)
+        greedy_verify([0], logits)
     # Sampling checks in the warp, row by row.
     for bad in (np.nan, np.inf):
         row = np.zeros(5)
         row[2] = bad
         with pytest.raises(NumericalError, match="the draft model produced 1 NaN/inf"):
-            warp(row, 1.0, who="draft")
+            warp(row, 1.0, model="draft")
     with pytest.raises(NumericalError):
-        warp(np.full(5, -np.inf), 1.0, who="target")
+        warp(np.full(5, -np.inf), 1.0, model="target")
     masked = np.array([0.0, -np.inf, 1.0, -np.inf, 2.0])  # -inf here and there is a valid mask
-    assert warp(masked, 1.0, who="target")[[1, 3]].tolist() == [0.0, 0.0]
+    assert warp(masked, 1.0, model="target")[[1, 3]].tolist() == [0.0, 0.0]
 
 
 def test_graph_softmax_of_bad_logits_is_refused():

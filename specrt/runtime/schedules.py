@@ -1,4 +1,5 @@
-r"""How many tokens to draft each round: fixed, adaptive (below) or the classic +2/-1 heuristic.
+r"""Draft-length schedules: how many tokens to draft each round. Fixed, adaptive (below), or the
+classic +2/-1 heuristic; the loop asks each the same questions (`DraftSchedule`).
 
 Adaptive: stop drafting when one more draft token no longer pays for itself. Drafting token
 :math:`j+1` costs :math:`t_d + \Delta v` (a draft step and one more position in the verification
@@ -39,7 +40,7 @@ KeepGoing = Callable[[int, float], bool]
 
 
 class DraftSchedule(Protocol):
-    """What the generator asks each round (`fixed` K needs none)."""
+    """What the loop asks each round."""
 
     # called after each drafted token, or None: the schedule needs no per-token say
     keep_drafting: KeepGoing | None
@@ -55,7 +56,30 @@ class DraftSchedule(Protocol):
         ...
 
 
-class DraftLengthController:
+def make_schedule(name: str, k_max: int) -> DraftSchedule:
+    """The schedule ``name`` (one of `config.DRAFT_SCHEDULES`), drafting at most ``k_max``."""
+    kinds = {"fixed": FixedSchedule, "adaptive": AdaptiveSchedule, "heuristic": HeuristicSchedule}
+    return kinds[name](k_max)
+
+
+class FixedSchedule:
+    """K tokens every round (fewer where they would not fit)."""
+
+    keep_drafting = None
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+
+    def start_round(self, limit: int) -> int:
+        return min(limit, self.k_max)
+
+    def update(
+        self, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+    ) -> None:
+        pass
+
+
+class AdaptiveSchedule:
     """The adaptive schedule: per-generator state, called by the loop between model calls.
 
     Plain Python floats: this runs between model calls, where every microsecond counts."""
@@ -224,7 +248,7 @@ class LineFit:
         return max(0.0, (n * sxy - sx * sy) / spread)
 
 
-class HeuristicController:
+class HeuristicSchedule:
     """The classic schedule, for comparison: K grows by 2 after a fully accepted round and
     shrinks by 1 otherwise (as transformers' ``num_assistant_tokens_schedule="heuristic"``).
     It decides K before the round, so it needs no per-token callback."""

@@ -1,4 +1,5 @@
-"""A decoder whose KV cache is updated in place: one preallocated buffer per layer and kind.
+"""The onnxruntime engine's decoder: its KV cache is one preallocated buffer per layer and kind,
+updated in place.
 
 For engine graphs with ``cache == "in_place"`` (GroupQueryAttention): the graph reads the buffer
 as ``past`` and writes the new positions into the same memory as ``present`` (onnxruntime IO
@@ -7,8 +8,8 @@ allocates and copies no cache, and rolling back rejected tokens only lowers ``le
 call overwrites the stale positions.
 
 Every input and output is bound once to memory of ours and a call only writes new values into
-it (token ids, lengths); a call with a new number of tokens rebinds the ids and logits arrays
-kept for that width. A draft step is then one onnxruntime call and a few stores, which matters
+it (token ids, lengths); a call of another shape (tokens fed, logits kept) rebinds the arrays
+kept for that shape. A draft step is then one onnxruntime call and a few stores, which matters
 when the draft model's whole step takes ~50 us.
 """
 
@@ -19,11 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
+from specrt.backends.base import NUMPY_DTYPES, DecoderBase, Forward
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
-from specrt.runtime.decoder import NUMPY_DTYPES, DecoderBase
 
-_KEEP_WIDTHS = 80  # calls of up to this many tokens (drafting, verification) keep their arrays
+# Calls of up to this many tokens (drafting, verification) keep their arrays for the next call
+# of the same shape; longer ones (prompt chunks) allocate theirs each time.
+MAX_KEPT_CALL_TOKENS = 80
 
 
 class InPlaceDecoder(DecoderBase):
@@ -69,8 +72,8 @@ class InPlaceDecoder(DecoderBase):
         binding.bind_ortvalue_input(io.logits_to_keep, _shared(self._logits_to_keep))
         # The graph's softmax is the distribution only if it spans exactly the vocabulary.
         self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
-        self._widths: dict[tuple[int, int], _Width] = {}
-        self._width: _Width | None = None
+        self._shapes: dict[tuple[int, int], _CallArrays] = {}
+        self._bound: _CallArrays | None = None
 
     def reset(self) -> None:
         self.length = 0
@@ -79,62 +82,57 @@ class InPlaceDecoder(DecoderBase):
         """Keep only the first ``length`` positions (the rest is overwritten by later calls)."""
         self.length = min(self.length, length)
 
-    def forward(self, tokens: Sequence[int], keep: int = 0) -> np.ndarray:
-        """Feed ``tokens`` after the cached prefix; return logits ``[len(tokens), vocab]``, or
-        of the last ``keep`` positions only (and set ``probabilities`` where the graph computes
-        them).
-
-        The arrays are reused by the next call of the same shape: copy what must outlive it."""
+    def forward(self, tokens: Sequence[int], keep_last: int = 0) -> Forward:
+        """Logits (and probabilities) of the last ``keep_last`` positions fed, all by default;
+        written into arrays the next call of the same shape writes again."""
         count = len(tokens)
         total = self.length + count
         self._check_room(self.length, count)
-        width = self._width
-        key = (count, keep or count)
-        if width is None or width.key != key:
-            width = self._bind_width(*key)
-        width.ids[0] = tokens
+        arrays = self._bound
+        shape = (count, keep_last or count)
+        if arrays is None or arrays.shape != shape:
+            arrays = self._bind(*shape)
+        arrays.ids[0] = tokens
         self._seqlens_k[0] = total - 1
         self._total_length.fill(total)
         self._timed(self.session.run_with_iobinding, self._binding)
         self.length = total
-        return width.logits
+        return arrays.result
 
-    def _bind_width(self, count: int, keep: int) -> _Width:
-        width = self._widths.get((count, keep))
-        if width is None:
-            width = _Width(
-                count, keep, self.spec.vocab_size, self.vocab_size, self._with_probabilities
+    def _bind(self, count: int, keep_last: int) -> _CallArrays:
+        arrays = self._shapes.get((count, keep_last))
+        if arrays is None:
+            arrays = _CallArrays(
+                count, keep_last, self.spec.vocab_size, self.vocab_size, self._with_probabilities
             )
-            if count <= _KEEP_WIDTHS:
-                self._widths[width.key] = width
+            if count <= MAX_KEPT_CALL_TOKENS:
+                self._shapes[arrays.shape] = arrays
         io, binding = self.spec.io, self._binding
-        self._logits_to_keep[0] = keep
-        binding.bind_ortvalue_input(io.input_ids, width.values[0])
-        binding.bind_ortvalue_output(io.logits, width.values[1])
+        self._logits_to_keep[0] = keep_last
+        binding.bind_ortvalue_input(io.input_ids, arrays.values[0])
+        binding.bind_ortvalue_output(io.logits, arrays.values[1])
         if self._with_probabilities:
-            binding.bind_ortvalue_output(io.probabilities, width.values[2])
-        self._width = width
-        self.probabilities = width.probabilities
-        return width
+            binding.bind_ortvalue_output(io.probabilities, arrays.values[2])
+        self._bound = arrays
+        return arrays
 
 
-class _Width:
+class _CallArrays:
     """The arrays one call shape binds: ``count`` token ids ``[1, count]``, logits and
-    probabilities of the last ``keep`` positions ``[1, keep, graph vocab]``, with the row views
-    the decoder hands out."""
+    probabilities of the last ``keep_last`` positions ``[1, keep_last, graph vocab]``, and the
+    `Forward` of row views cut to the vocabulary that the decoder hands out."""
 
     def __init__(
-        self, count: int, keep: int, graph_vocab: int, vocab: int, probabilities: bool
+        self, count: int, keep_last: int, graph_vocab: int, vocab: int, probabilities: bool
     ) -> None:
-        self.key = (count, keep)
+        self.shape = (count, keep_last)
         self.ids = np.zeros((1, count), dtype=np.int64)
-        logits = np.empty((1, keep, graph_vocab), dtype=np.float32)
-        self.logits = logits[0, :, :vocab]
+        logits = np.empty((1, keep_last, graph_vocab), dtype=np.float32)
         arrays = [self.ids, logits]
-        self.probabilities = None
+        self.result = Forward(logits[0, :, :vocab])
         if probabilities:
-            arrays.append(np.empty((1, keep, graph_vocab), dtype=np.float32))
-            self.probabilities = arrays[-1][0]
+            arrays.append(np.empty((1, keep_last, graph_vocab), dtype=np.float32))
+            self.result.probabilities = arrays[-1][0]
         self.values = [_shared(a) for a in arrays]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import onnx
 
-PRECISIONS = ("float32", "int8", "int4")
+from specrt.export.options import PRECISIONS
+
 _BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 128
 

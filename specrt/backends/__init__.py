@@ -1,0 +1,11 @@
+"""What runs a graph: backends behind one `Decoder` protocol (`base.py`).
+
+`in_place.InPlaceDecoder` runs the onnxruntime engine (fused graph, KV cache updated in place),
+`portable.PortableDecoder` the portable standard-op graph; `select.open_decoder` picks one for
+the requested providers.
+"""
+
+from specrt.backends.base import Decoder, Forward
+from specrt.backends.select import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, open_decoder
+
+__all__ = ["DEFAULT_MAX_LENGTH", "ENGINE_CHOICES", "Decoder", "Forward", "open_decoder"]

@@ -1,0 +1,145 @@
+"""What a backend must provide: a `Decoder` runs one model on new tokens after its cached prefix.
+
+A backend holds one model's graph, its session and its KV cache. The runtime only ever calls the
+methods below, so the onnxruntime engine (`in_place.py`), the portable graph (`portable.py`) and
+later GPU backends are interchangeable behind them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import onnxruntime as ort
+
+from specrt.bundle import ModelSpec
+from specrt.errors import BundleError, InvalidInputError
+
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+# Positions per call when feeding a prompt. A portable graph returns logits for every position
+# fed, [count, vocab] floats: 2.5 GB for 4k positions of a 152k vocabulary in one call, 160 MB
+# in chunks of this; an engine returns the last position's only, and chunks bound its
+# activations.
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class Forward:
+    """What one call returns: ``logits [rows, vocab]`` of the last positions fed and, where the
+    graph computes it, their softmax ``probabilities`` (else None).
+
+    The arrays belong to the decoder and are valid until its next call: a backend may write
+    the next call's output into the same memory. Copy what must outlive the next call."""
+
+    logits: np.ndarray
+    probabilities: np.ndarray | None = None
+
+
+class Decoder(Protocol):
+    """One model (target or draft) and its KV cache, as the runtime uses it."""
+
+    role: str  # "target" or "draft": named in error messages
+    vocab_size: int  # logits are cut to this width
+    max_positions: int  # positions the cache holds
+    run_time_s: float  # total time spent running the model, for overhead accounting
+
+    @property
+    def length(self) -> int:
+        """Positions in the cache (tokens seen and not rolled back)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every position (a new sequence starts)."""
+        ...
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` positions; never grows the cache."""
+        ...
+
+    def forward(self, tokens: Sequence[int], keep_last: int = 0) -> Forward:
+        """Feed ``tokens`` after the cached prefix; return the logits of all of them, or of the
+        last ``keep_last`` only."""
+        ...
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Feed tokens whose logits nobody reads (a prompt)."""
+        ...
+
+
+class DecoderBase:
+    """What the onnxruntime decoders share: the session check, the limits, prefill in chunks and
+    the time spent in onnxruntime. Subclasses provide ``length``, ``forward``, ``reset`` and
+    ``rollback``."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+    ) -> None:
+        """``max_length`` caps the sequence length below the model's max positions (an in-place
+        cache preallocates that many)."""
+        check_session_io(session, spec, role)
+        self.session = session
+        self.spec = spec
+        self.role = role
+        self.vocab_size = vocab_size
+        self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
+        self.run_time_s = 0.0
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Feed a prompt ``PREFILL_CHUNK`` positions at a time, asking for the last position's
+        logits only (an engine then skips the head for the rest)."""
+        self._check_room(self.length, len(tokens))
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            self.forward(tokens[start : start + PREFILL_CHUNK], keep_last=1)
+
+    def _check_room(self, start: int, count: int) -> None:
+        if start + count > self.max_positions:
+            raise InvalidInputError(
+                f"{self.role}: {start + count} positions exceed the {self.max_positions} this "
+                "decoder holds (the model's max positions, or the max_length given at load)"
+            )
+
+    def _timed(self, run, *args):
+        started = time.perf_counter()
+        result = run(*args)
+        self.run_time_s += time.perf_counter() - started
+        return result
+
+
+def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) -> None:
+    """Refuse a graph whose inputs/outputs are not the ones the manifest names."""
+    io = spec.io
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name for o in session.get_outputs()}
+    wanted = [io.input_ids, *io.past_keys, *io.past_values]
+    optional = (
+        io.attention_mask,
+        io.position_ids,
+        io.seqlens_k,
+        io.total_length,
+        io.logits_to_keep,
+    )
+    wanted += [n for n in optional if n]
+    produced = [io.logits, *io.present_keys, *io.present_values]
+    produced += [io.probabilities] if io.probabilities else []
+    missing = [n for n in wanted if n not in inputs] + [n for n in produced if n not in outputs]
+    if missing:
+        raise BundleError(
+            f"{role}: the ONNX graph lacks {missing[:4]} named in the manifest; "
+            "the graph and manifest come from different exports, re-export the bundle"
+        )
+    shape = inputs[io.past_keys[0]].shape
+    for axis, expected in ((1, spec.num_kv_heads), (3, spec.head_dim)):
+        if isinstance(shape[axis], int) and shape[axis] != expected:
+            raise BundleError(
+                f"{role}: cache input {io.past_keys[0]} has shape {shape}, the manifest "
+                f"says kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}; "
+                "re-export the bundle"
+            )

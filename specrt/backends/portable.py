@@ -1,0 +1,93 @@
+"""The portable graph (standard ONNX ops, what TensorRT takes) on onnxruntime.
+
+Its cache is fed back each call: ``present = past + new``. The cache keeps those arrays plus a
+length; rolling back rejected tokens is setting the length, and nothing is copied until the next
+call feeds the kept prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from specrt.backends.base import NUMPY_DTYPES, DecoderBase, Forward
+from specrt.bundle import ModelSpec
+
+
+class KVCache:
+    """Per-layer key/value arrays ``[1, kv_heads, T, head_dim]`` and the valid length ``T'<=T``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self._spec = spec
+        self.reset()
+
+    def reset(self) -> None:
+        empty = np.zeros(
+            (1, self._spec.num_kv_heads, 0, self._spec.head_dim), NUMPY_DTYPES[self._spec.dtype]
+        )
+        self.keys = [empty] * self._spec.num_layers
+        self.values = [empty] * self._spec.num_layers
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` positions."""
+        self.length = min(self.length, length)
+
+    def past(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        if arrays[0].shape[2] == self.length:
+            return arrays
+        return [np.ascontiguousarray(a[:, :, : self.length]) for a in arrays]
+
+    def store(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+        self.keys, self.values = keys, values
+        self.length = keys[0].shape[2]
+
+
+class PortableDecoder(DecoderBase):
+    """Runs a portable graph on new tokens on top of its cache; returns their logits."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+    ) -> None:
+        super().__init__(session, spec, vocab_size, role, max_length)
+        self.cache = KVCache(spec)
+        io = spec.io
+        self._outputs = [io.logits, *io.present_keys, *io.present_values]
+        self._positions = np.arange(self.max_positions, dtype=np.int64)[None]
+        # Sliced per call instead of allocated: row views of this are contiguous.
+        self._ones = np.ones((1, self.max_positions), dtype=np.int64)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    def forward(self, tokens: Sequence[int], keep_last: int = 0) -> Forward:
+        """Logits of the last ``keep_last`` positions fed (all by default); the graph computes
+        them all anyway, and no probabilities."""
+        io, cache = self.spec.io, self.cache
+        start, count = cache.length, len(tokens)
+        self._check_room(start, count)
+        feed = {io.input_ids: np.asarray([tokens], dtype=np.int64)}
+        if io.attention_mask:
+            feed[io.attention_mask] = self._ones[:, : start + count]
+        if io.position_ids:
+            feed[io.position_ids] = self._positions[:, start : start + count]
+        feed.update(zip(io.past_keys, cache.past(cache.keys)))
+        feed.update(zip(io.past_values, cache.past(cache.values)))
+        logits, *presents = self._timed(self.session.run, self._outputs, feed)
+        layers = self.spec.num_layers
+        cache.store(presents[:layers], presents[layers:])
+        return Forward(logits[0, count - (keep_last or count) :, : self.vocab_size])

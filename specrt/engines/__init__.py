@@ -1,1 +1,0 @@
-"""ONNX -> what runs: onnxruntime sessions (and, later, TensorRT plans)."""

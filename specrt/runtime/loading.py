@@ -1,0 +1,77 @@
+"""Loading a bundle: check its manifest, files and pair, open both models' decoders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrt.backends import DEFAULT_MAX_LENGTH, Decoder, open_decoder
+from specrt.bundle import Manifest, read_manifest, verify_checksums
+from specrt.errors import InvalidInputError, PairMismatchError
+from specrt.runtime.tokenizer import BundleTokenizer
+
+
+@dataclass
+class ModelPair:
+    """What a bundle loads into: the target's and the draft's decoders and the tokenizer."""
+
+    target: Decoder
+    draft: Decoder
+    tokenizer: BundleTokenizer
+    eos_token_ids: list[int]
+
+
+def load_pair(
+    bundle_dir: str | Path,
+    threads: int | None = None,
+    providers: Sequence[str] | None = None,
+    check_files: bool = True,
+    draft_threads: int = 1,
+    engine: str = "auto",
+    max_length: int | None = DEFAULT_MAX_LENGTH,
+) -> ModelPair:
+    """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
+
+    ``threads``: the target's intra-op threads (default: all cores). ``draft_threads``: the
+    draft's (default 1: see `specrt.backends.session` for why). ``engine``: ``"auto"`` runs each
+    model's onnxruntime engine where the bundle has one and the provider suits it, else its
+    portable graph; ``"portable"`` or ``"onnxruntime"`` insist on one (the latter fails if it is
+    missing). ``max_length``: the longest sequence (prompt + new tokens) the engines'
+    preallocated KV caches hold, at most the model's max positions (None: the model's)."""
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+        raise InvalidInputError(f"max_length={max_length!r}: use an integer >= 2 (or None)")
+    root = Path(bundle_dir)
+    manifest = read_manifest(root)
+    if check_files:
+        verify_checksums(manifest, root)
+    check_pair(manifest)
+    decoders = {
+        role: open_decoder(
+            root,
+            spec,
+            role,
+            manifest.vocab_size,
+            engine=engine,
+            providers=providers,
+            threads=draft_threads if role == "draft" else threads,
+            max_length=max_length,
+        )
+        for role, spec in manifest.models.items()
+    }
+    tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
+    return ModelPair(
+        decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
+    )
+
+
+def check_pair(manifest: Manifest) -> None:
+    """Refuse a bundle whose draft and target were exported with different tokenizers (the
+    vocabulary widths are checked by `read_manifest`)."""
+    target, draft = manifest.models["target"], manifest.models["draft"]
+    if target.tokenizer_hash != draft.tokenizer_hash:
+        raise PairMismatchError(
+            "draft and target were exported with different tokenizers (hash "
+            f"{draft.tokenizer_hash[:12]} vs {target.tokenizer_hash[:12]}); a draft must share the "
+            "target's tokenizer: pick a draft from the same model family and re-export"
+        )

@@ -1,0 +1,74 @@
+r"""Verification: which draft tokens the target keeps, and the token it emits after them.
+
+Given draft tokens :math:`x_1..x_K`, the draft distributions :math:`q_i` they were drawn from,
+and the target's logits for the K+1 positions from ONE target pass (warped into
+:math:`p_1..p_{K+1}` by the same temperature / top-k / top-p the draft got):
+
+* accept :math:`x_i` with probability :math:`\min(1, p_i(x_i) / q_i(x_i))`, in order;
+* at the first rejection :math:`n`, emit a *recovered* token from the residual
+  :math:`\mathrm{norm}(\max(0, p_n - q_n))` and stop;
+* if all K are accepted, emit a *bonus* token from :math:`p_{K+1}`.
+
+Every emitted token then follows :math:`p` exactly (Leviathan et al. 2023, Chen et al. 2023):
+:math:`P(y) = q(y)\min(1, p(y)/q(y)) + (1 - \sum_x \min(q(x), p(x)))\,r(y) = p(y)`.
+
+Greedy decoding is the temperature-0 limit: accept while :math:`x_i = \arg\max p_i`; the
+recovered or bonus token is :math:`\arg\max p_i`.
+
+Guards: :math:`q_i(x_i) = 0` rejects (no division by zero); a residual that sums to zero (only
+possible when p == q up to rounding, where rejection has probability 0) falls back to
+:math:`p_i`; NaN/inf logits raise `NumericalError`, never become a token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.runtime.config import SamplingParams
+from specrt.runtime.sampling import WarpedRows, argmax_tokens, sample
+
+
+def verify(
+    draft_tokens: list[int],
+    draft_probabilities: np.ndarray | None,
+    target_logits: np.ndarray,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    target_probabilities: np.ndarray | None = None,
+) -> tuple[int, int]:
+    """Return (how many of the K ``draft_tokens`` are accepted, the token emitted after them).
+
+    ``target_logits``: ``[K+1, V]``, the target's logits at the positions of the last accepted
+    token and the K draft tokens. ``draft_probabilities``: ``[K, V]`` warped draft distributions
+    (unused when greedy). ``target_probabilities``: the graph's softmax of ``target_logits``,
+    used instead of warping where the warp is the identity. K may be 0 (a plain decoding step).
+    Sampling draws one uniform per position tested, then one for the emitted token; the target's
+    rows are warped only as far as the test reaches (most rounds stop early).
+    """
+    if sampling.greedy:
+        choice = argmax_tokens(target_logits, "target")
+        accepted = 0
+        for drafted, wanted in zip(draft_tokens, choice):
+            if drafted != wanted:
+                break
+            accepted += 1
+        return accepted, choice[accepted]
+
+    p = WarpedRows(target_logits, sampling, "target", target_probabilities)
+    for i, x in enumerate(draft_tokens):
+        p_i, q_i = p[i], draft_probabilities[i]
+        if not rng.random() < acceptance_probability(p_i[x], q_i[x]):
+            return i, sample(residual_distribution(p_i, q_i), rng)
+    return len(draft_tokens), sample(p[len(draft_tokens)], rng)
+
+
+def acceptance_probability(p_of_x: float, q_of_x: float) -> float:
+    """min(1, p(x)/q(x)); 0 where q(x) == 0."""
+    return min(1.0, p_of_x / q_of_x) if q_of_x > 0 else 0.0
+
+
+def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """norm(max(0, p - q)); falls back to p when the residual has no mass."""
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    return residual / total if total > 0 else p

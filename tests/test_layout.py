@@ -1,0 +1,100 @@
+"""The package's shape: stages import only the stages below them, and no module imports itself
+back through others (lazy imports inside functions count too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "specrt"
+# What each stage may import from specrt (besides itself). The runtime is what services embed,
+# so it stays below export (torch) and above nothing but backends and the bundle contract.
+BASE = {"specrt", "specrt.errors", "specrt.bundle", "specrt.prompts"}
+ALLOWED = {
+    "base": BASE,
+    "backends": BASE,
+    "runtime": BASE | {"backends"},
+    "export": BASE | {"backends"},
+    "bench": BASE | {"backends", "runtime"},
+    "cli": BASE | {"backends", "runtime", "export", "bench"},
+}
+# Third-party packages a stage must not import (they belong to extras).
+FORBIDDEN = {
+    "backends": {"torch", "transformers", "optimum", "onnx"},
+    "runtime": {"torch", "transformers", "optimum", "onnx"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def stage(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ALLOWED:
+        return parts[1]
+    return "cli" if module == "specrt.cli" else "base"
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def specrt_imports(module: str) -> set[str]:
+    return {m for m in imports(MODULES[module]) if m in MODULES and m != module}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_stages_import_only_lower_stages(module):
+    own = stage(module)
+    allowed = ALLOWED[own] | {own}
+    for imported in specrt_imports(module):
+        target = stage(imported)
+        assert target in allowed or imported in BASE, f"{module} imports {imported}"
+    third_party = {m.split(".")[0] for m in imports(MODULES[module])}
+    assert not third_party & FORBIDDEN.get(own, set()), module
+
+
+def test_no_import_cycles():
+    graph = {module: specrt_imports(module) for module in MODULES}
+    # A package's __init__ importing its own submodules is how Python packages work, not a cycle.
+    for module in graph:
+        graph[module] = {m for m in graph[module] if not m.startswith(module + ".")}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph[module]):
+            if state.get(imported) == 1:
+                cycle = path[path.index(imported) :] + [imported]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_checks_see_a_violation(tmp_path):
+    """The walker finds imports inside functions (how circles used to be closed)."""
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from specrt.export.pipeline import export_bundle\n")
+    assert "specrt.export.pipeline" in imports(source)
+    assert stage("specrt.runtime.generator") == "runtime"
+    assert "export" not in ALLOWED["runtime"]
