@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specrt.errors import BundleError
+from specrt.staging import recover
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -79,7 +80,8 @@ class ModelSpec:
     io: ModelIO
     tokenizer_hash: str = ""  # canonical hash of the tokenizer the model was trained with
     export_check: dict[str, float] = field(default_factory=dict)
-    source: str = ""
+    source: str = ""  # the checkpoint directory it was exported from
+    source_sha256: str = ""  # of that checkpoint's config and weights, at export
     cache: str = "concat"
     engines: dict[str, EngineSpec] = field(default_factory=dict)
 
@@ -161,13 +163,26 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 def write_manifest(bundle_dir: str | Path, manifest: Manifest) -> Path:
     path = Path(bundle_dir) / MANIFEST_NAME
-    path.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n")
+    # allow_nan=False: NaN and Infinity are not JSON, and other languages' parsers refuse them
+    path.write_text(
+        json.dumps(manifest.to_dict(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    )
     return path
+
+
+def is_bundle(directory: Path) -> bool:
+    """Whether ``directory`` holds a specrt manifest (of any schema version)."""
+    try:
+        data = json.loads((directory / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"schema_version", "models", "tokenizer"} <= set(data)
 
 
 def read_manifest(bundle_dir: str | Path) -> Manifest:
     """Read and structurally validate a bundle's manifest (no file hashing)."""
     root = Path(bundle_dir)
+    recover(root)  # a swap killed halfway leaves the bundle parked beside it
     if not root.is_dir():
         raise BundleError(
             f"bundle directory {str(root)!r} does not exist; build it with "

@@ -129,7 +129,7 @@ def test_nan_model_is_refused_and_existing_bundle_survives(tmp_path, bundles):
     with torch.no_grad():
         model.lm_head.weight[3, 0] = float("nan")
     model.save_pretrained(target)
-    with pytest.raises(ExportError, match="already exists; pass --force"):
+    with pytest.raises(ExportError, match="already exists and holds a bundle; pass --force"):
         export_bundle(target, draft, out)
     with pytest.raises(ExportError, match="NaN/inf logits"):
         export_bundle(target, draft, out, force=True)

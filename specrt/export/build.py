@@ -9,7 +9,6 @@ copy and swapped in only when every engine passed its check; a failure leaves th
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from specrt.bundle import (
@@ -22,7 +21,8 @@ from specrt.bundle import (
 )
 from specrt.errors import ExportError
 from specrt.export.options import ExportOptions
-from specrt.export.pipeline import Log, add_ort_engine, replace_dir, require_close
+from specrt.export.pipeline import Log, add_ort_engine, checkpoint_sha256
+from specrt.staging import publish, staging
 
 
 def build_engines(
@@ -45,11 +45,13 @@ def build_engines(
                 f"the {role} checkpoint this bundle was exported from ({source}) is gone; "
                 "engines are built from it: re-export with `specrt export`"
             )
+    for role, source in sources.items():
+        recorded = manifest.models[role].source_sha256
+        if recorded and checkpoint_sha256(source) != recorded:
+            raise ExportError(changed_message(role, source))
 
-    scratch = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
-    try:
-        shutil.rmtree(scratch)
-        shutil.copytree(root, scratch)
+    with staging(root, "build") as scratch:
+        shutil.copytree(root, scratch, dirs_exist_ok=True)
         for role in ROLES:
             spec = manifest.models[role]
             old = spec.engines.pop(ONNXRUNTIME_ENGINE, None)
@@ -59,8 +61,8 @@ def build_engines(
                 sources[role], dtype=torch.float32, local_files_only=True
             ).eval()
             same = max_logit_difference(model, scratch / spec.path, spec, manifest.vocab_size)
-            what = f"{role} (checkpoint vs the bundle's graph)"
-            require_close(same, options.atol, what, sources[role])
+            if not same["max_abs_logit_diff"] <= (spec.export_check.get("atol") or options.atol):
+                raise ExportError(changed_message(role, sources[role]))
             config = AutoConfig.from_pretrained(sources[role], local_files_only=True)
             log(f"building the {role} onnxruntime engine from {sources[role]}")
             add_ort_engine(model, spec, config, scratch, role, manifest.vocab_size, options, log)
@@ -68,7 +70,13 @@ def build_engines(
                 diff = engine.export_check["max_abs_logit_diff"]
                 log(f"  {role} {name} engine, {engine.precision}: max |logit diff| {diff:.2e}")
         write_manifest(scratch, manifest)
-        replace_dir(scratch, root)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        publish(scratch, root)
     return manifest
+
+
+def changed_message(role: str, source: Path) -> str:
+    return (
+        f"the {role} checkpoint at {source} changed since this bundle was exported from it (it "
+        "is no longer the model in the bundle), and engines must be built from the bundle's "
+        "model: re-export the bundle with `specrt export`"
+    )

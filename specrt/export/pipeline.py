@@ -7,20 +7,28 @@ never destroys a bundle that was already there.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from specrt import __version__
-from specrt.bundle import Manifest, ModelSpec, TokenizerSpec, sha256_file, write_manifest
+from specrt.bundle import (
+    Manifest,
+    ModelSpec,
+    TokenizerSpec,
+    is_bundle,
+    sha256_file,
+    write_manifest,
+)
 from specrt.errors import ExportError, PairMismatchError
 from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
+from specrt.staging import publish, recover, staging
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 Log = Callable[[str], None]
@@ -42,10 +50,9 @@ def export_bundle(
     ``ort_engine`` each model also gets its onnxruntime engine (`specrt.export.ort_graph`)
     where the architecture allows, which the runtime prefers."""
     options = ExportOptions.from_settings(vars(options or ExportOptions()), option_values)
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ExportError(f"{out} already exists; pass --force to replace it")
+    out = Path(os.path.abspath(out_dir))
     sources = {"target": Path(target_dir), "draft": Path(draft_dir)}
+    check_destination(out, list(sources.values()), force)
     configs = {role: _load_config(path, role) for role, path in sources.items()}
 
     tokenizers = {role: load_tokenizer_json(path) for role, path in sources.items()}
@@ -66,9 +73,7 @@ def export_bundle(
                 f"{vocab} tokens; this checkpoint does not belong with this tokenizer"
             )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with staging(out, "partial") as scratch:
         specs: dict[str, ModelSpec] = {}
         for role, source in sources.items():
             log(f"exporting {role} ({configs[role].model_type}) from {source}")
@@ -90,11 +95,40 @@ def export_bundle(
             specrt_version=__version__,
         )
         write_manifest(scratch, manifest)
-        replace_dir(scratch, out)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        publish(scratch, out)
     log(f"bundle written to {out}")
     return manifest
+
+
+def check_destination(out: Path, sources: list[Path], force: bool) -> None:
+    """Refuse an ``out`` whose replacement could lose anything: only a specrt bundle may be
+    replaced (with ``force``), and never one holding a source checkpoint or the working
+    directory."""
+    recover(out)
+    for source in sources:
+        if Path(os.path.abspath(source)).is_relative_to(out):
+            raise ExportError(
+                f"--out {out} is or holds the source checkpoint {source}; writing the bundle "
+                "there would replace it: choose another --out"
+            )
+    if Path.cwd().is_relative_to(out):
+        raise ExportError(
+            f"--out {out} is or holds the current directory; give the path of the bundle "
+            "directory to write, e.g. engines/mypair"
+        )
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise ExportError(f"--out {out} exists and is not a directory; choose another --out")
+    if not any(out.iterdir()):
+        return
+    if not is_bundle(out):
+        raise ExportError(
+            f"--out {out} exists and is not a specrt bundle (no specrt manifest.json); specrt "
+            "replaces only bundles it wrote: choose another --out or empty it yourself"
+        )
+    if not force:
+        raise ExportError(f"{out} already exists and holds a bundle; pass --force to replace it")
 
 
 def _load_config(path: Path, role: str):
@@ -133,6 +167,7 @@ def _export_checked(
     graph = export_onnx(source, bundle_root / role, options.opset, options.slim)
     spec = describe_model(graph, bundle_root, config, tokenizer_hash)
     spec.source = str(source.resolve())
+    spec.source_sha256 = checkpoint_sha256(source)
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=torch.float32, local_files_only=True
     ).eval()
@@ -173,7 +208,9 @@ def add_ort_engine(
 
 
 def require_close(check: dict[str, float], atol: float, what: str, source: Path) -> dict:
-    check["atol"] = atol
+    """Refuse a graph whose logits differ from PyTorch's by more than ``atol`` (math.inf: any
+    finite difference, recorded as no bound)."""
+    check["atol"] = atol if math.isfinite(atol) else None
     if not math.isfinite(check["max_abs_logit_diff"]):
         raise ExportError(
             f"{what}: the model produces NaN/inf logits (in PyTorch or ONNX) on a random prompt; "
@@ -186,6 +223,23 @@ def require_close(check: dict[str, float], atol: float, what: str, source: Path)
             "--atol if the difference is acceptable for this model"
         )
     return check
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def checkpoint_sha256(checkpoint: Path) -> str:
+    """One hash over a checkpoint's config and weight files (names and contents): what decides
+    the model an engine is built from."""
+    digest = hashlib.sha256()
+    names = sorted(
+        p.name
+        for p in checkpoint.iterdir()
+        if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    )
+    for name in names:
+        digest.update(f"{name}\0{sha256_file(checkpoint / name)}\n".encode())
+    return digest.hexdigest()
 
 
 def _tokenizer_vocab_size(checkpoint: Path) -> int:
@@ -235,15 +289,3 @@ def _read_json(path: Path) -> dict:
         return {}
     data = json.loads(path.read_text())
     return data if isinstance(data, dict) else {}
-
-
-def replace_dir(new: Path, out: Path) -> None:
-    """Move ``new`` to ``out``; an old ``out`` is removed only once ``new`` is in place."""
-    if not out.exists():
-        os.replace(new, out)
-        return
-    old = out.parent / f".{out.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(out, old)
-    os.replace(new, out)
-    shutil.rmtree(old, ignore_errors=True)

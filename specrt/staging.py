@@ -1,0 +1,149 @@
+"""Writing a bundle without ever losing one: build it in a staging directory next to it, then swap.
+
+* `staging(out, kind)`: a fresh ``.NAME.KIND-XXXX`` directory beside ``out``, removed when done;
+  it holds a marker with the writer's process id, so the leftovers of a killed run (and only
+  those: no live writer, our naming) are removed by the next export or build of that bundle.
+* `publish(staged, out)`: put the staged bundle at ``out``. On Linux the two directories are
+  exchanged in one atomic rename (``renameat2(RENAME_EXCHANGE)``): ``out`` holds the old bundle
+  or the new one at every instant. Elsewhere the old one is parked at ``.NAME.old`` for the two
+  renames; if the process dies between them, `recover` moves it back on the next load or write.
+* Directories and files follow the umask, as any other tool's output would (a temporary
+  directory is private by default, and a service account must be able to read the bundle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+OWNER_FILE = ".specrt-writer"  # in a staging directory: the pid of the process writing it
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def parked(out: Path) -> Path:
+    return out.parent / f".{out.name}.old"
+
+
+def recover(out: Path) -> bool:
+    """Move a bundle parked by an interrupted `publish` back to ``out``; True if it did."""
+    old = parked(out)
+    if not os.path.lexists(out) and (old / "manifest.json").is_file():
+        os.replace(old, out)
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def staging(out: Path, kind: str) -> Iterator[Path]:
+    """A new staging directory for ``out`` (``kind``: "partial" for an export, "build" for a
+    rebuild), removed on the way out whatever happens; stale ones of dead writers go first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
+    directory = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
+    try:
+        (directory / OWNER_FILE).write_text(str(os.getpid()))
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove staging directories of ``out`` whose writer is gone, and an old bundle parked by
+    a swap that was killed after it had put the new one in place; return them."""
+    removed = []
+    recover(out)
+    old = parked(out)
+    if os.path.lexists(out) and old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    for kind in ("partial", "build"):
+        for candidate in out.parent.glob(f".{out.name}.{kind}-*"):
+            if candidate.is_dir() and not candidate.is_symlink() and not _writer_alive(candidate):
+                shutil.rmtree(candidate, ignore_errors=True)
+                removed.append(candidate)
+    return removed
+
+
+def _writer_alive(directory: Path) -> bool:
+    try:
+        pid = int((directory / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return False  # no marker: made by a writer that never got to write one, long gone
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def publish(staged: Path, out: Path) -> None:
+    """Make ``staged`` the bundle at ``out``; the old bundle, if any, is removed after."""
+    (staged / OWNER_FILE).unlink(missing_ok=True)
+    follow_umask(staged)
+    if not os.path.lexists(out):
+        os.replace(staged, out)
+        return
+    if _exchange(staged, out):
+        shutil.rmtree(staged, ignore_errors=True)  # it now holds the old bundle
+        return
+    old = parked(out)
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    try:
+        os.replace(staged, out)
+    except BaseException:
+        os.replace(old, out)  # interrupted or failed: the old bundle stays where it was
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def follow_umask(root: Path) -> None:
+    """Give ``root`` and everything in it the modes the umask gives new files and directories."""
+    umask = current_umask()
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux): setting
+    it to read it back would race with other threads creating files."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the system or filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes += [ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), str(b))

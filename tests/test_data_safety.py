@@ -1,0 +1,275 @@
+"""Nothing specrt writes loses data: --out/--force replace only specrt bundles, a bundle is in
+place at every instant of a swap (real SIGKILLs of real processes), leftovers of killed runs are
+cleaned up, and bundles follow the umask."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.bundle import read_manifest
+from specrt.cli import main
+from specrt.staging import OWNER_FILE, publish, recover, remove_stale, staging
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def fake_bundle(directory: Path, tag: str) -> Path:
+    """A directory that looks like a bundle to the swap (the swap never reads more)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = {"schema_version": 1, "models": {}, "tokenizer": {}, "tag": tag}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    (directory / "weights.bin").write_bytes(os.urandom(1 << 16))
+    return directory
+
+
+def tag(directory: Path) -> str:
+    return json.loads((directory / "manifest.json").read_text())["tag"]
+
+
+# -- what --out and --force may replace ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    from specrt.export.tiny import make_tiny_pair
+
+    return make_tiny_pair(out_dir=tmp_path_factory.mktemp("src") / "pair", arch="llama")
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_that_is_not_a_bundle_is_never_replaced(sources, tmp_path, force):
+    target, draft = sources
+    user = tmp_path / "photos"
+    user.mkdir()
+    (user / "holiday.jpg").write_bytes(b"precious")
+    args = ["export", "--target", target, "--draft", draft, "--out", user]
+    result = cli(*args, *(["--force"] if force else []))
+    assert result.exit_code == 1
+    assert "is not a specrt bundle" in result.output and "Traceback" not in result.output
+    assert (user / "holiday.jpg").read_bytes() == b"precious"
+    assert sorted(p.name for p in user.iterdir()) == ["holiday.jpg"]
+
+
+@pytest.mark.parametrize("where", ["target", "parent of target", "draft"])
+def test_out_never_replaces_a_source_checkpoint(sources, where):
+    target, draft = sources
+    out = {"target": target, "parent of target": target.parent, "draft": draft}[where]
+    before = sorted(str(p) for p in out.rglob("*"))
+    result = cli("export", "--target", target, "--draft", draft, "--out", out, "--force")
+    assert result.exit_code == 1 and "source checkpoint" in result.output, result.output
+    assert sorted(str(p) for p in out.rglob("*")) == before
+
+
+def test_out_is_the_working_directory(sources, tmp_path, monkeypatch):
+    target, draft = sources
+    here = tmp_path / "work" / "here"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    (here / "notes.txt").write_text("mine")
+    for out in (".", "..", tmp_path / "work"):
+        result = cli("export", "--target", target, "--draft", draft, "--out", out, "--force")
+        assert result.exit_code == 1 and "current directory" in result.output, result.output
+    assert (here / "notes.txt").read_text() == "mine"
+
+
+def test_out_that_is_a_file(sources, tmp_path):
+    target, draft = sources
+    (tmp_path / "file").write_text("x")
+    result = cli("export", "--target", target, "--draft", draft, "--out", tmp_path / "file")
+    assert result.exit_code == 1 and "is not a directory" in result.output
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_force_replaces_a_bundle_and_nothing_is_left_beside_it(sources, tmp_path):
+    target, draft = sources
+    out = tmp_path / "bundle"
+    args = ["export", "--target", target, "--draft", draft, "--out", out, "--no-ort-engine"]
+    assert cli(*args).exit_code == 0
+    first = read_manifest(out)
+    result = cli(*args)
+    assert result.exit_code == 1 and "pass --force" in result.output
+    assert cli(*args, "--force").exit_code == 0
+    assert read_manifest(out).models["target"].files == first.models["target"].files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+
+
+# -- the swap ------------------------------------------------------------------------------------
+def test_publish_replaces_and_removes_the_old(tmp_path):
+    out = fake_bundle(tmp_path / "b", "old")
+    with staging(out, "partial") as staged:
+        fake_bundle(staged, "new")
+        publish(staged, out)
+    assert tag(out) == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+SWAPPER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from pathlib import Path
+    from specrt import staging
+
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    if mode != "exchange":
+        staging._exchange = lambda a, b: False  # the two-rename path of other systems
+    if mode == "die-between-renames":
+        real_replace = os.replace
+
+        def replace(a, b):
+            real_replace(a, b)
+            if Path(b).name.endswith(".old"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        os.replace = replace
+    count = 0
+    while True:
+        count += 1
+        with staging.staging(out, "partial") as staged:
+            staged.joinpath("manifest.json").write_text(json.dumps(
+                {"schema_version": 1, "models": {}, "tokenizer": {}, "tag": str(count)}))
+            staged.joinpath("weights.bin").write_bytes(os.urandom(1 << 16))
+            staging.publish(staged, out)
+        print(count, flush=True)
+    """
+)
+
+
+def run_swapper(out: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-c", SWAPPER, str(out), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("mode", ["exchange", "renames"])
+def test_a_bundle_survives_sigkill_at_any_moment(tmp_path, mode):
+    """A writer swapping bundles in a loop is SIGKILLed at 12 random moments; after each the
+    bundle loads (recovered if it was parked) and the next writer cleans the leftovers."""
+    out = fake_bundle(tmp_path / "b", "0")
+    rng = __import__("random").Random(mode)
+    for _ in range(12):
+        process = run_swapper(out, mode)
+        process.stdout.readline()  # it is swapping
+        time.sleep(rng.uniform(0, 0.05))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        recover(out)
+        assert (out / "manifest.json").is_file()
+        tag(out)  # a whole manifest
+    remove_stale(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_killed_between_the_two_renames_is_recovered_on_load(tmp_path, llama_bundle):
+    """The two-rename path's window, hit for certain: the writer SIGKILLs itself right after
+    parking the old bundle. The bundle is gone from its place until the next read, which puts it
+    back; the next writer removes the dead one's staging directory."""
+    out = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, out)
+    process = run_swapper(out, "die-between-renames")
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not out.exists() and (tmp_path / ".bundle.old").is_dir()
+    assert read_manifest(out).models["target"].num_layers == 2  # recovered
+    assert not (tmp_path / ".bundle.old").exists()
+    leftovers = list(tmp_path.glob(".bundle.partial-*"))
+    assert len(leftovers) == 1
+    with staging(out, "build"):
+        assert not leftovers[0].exists()
+
+
+def test_interrupt_between_the_two_renames_keeps_the_old_bundle(tmp_path, monkeypatch):
+    from specrt import staging as staging_module
+
+    out = fake_bundle(tmp_path / "b", "old")
+    monkeypatch.setattr(staging_module, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+
+    def replace(a, b):
+        if Path(a).name.startswith(".b.partial-"):
+            raise KeyboardInterrupt
+        real_replace(a, b)
+
+    monkeypatch.setattr(staging_module.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt), staging(out, "partial") as staged:
+        fake_bundle(staged, "new")
+        publish(staged, out)
+    assert tag(out) == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_only_dead_writers_leftovers_are_removed(tmp_path):
+    out = tmp_path / "b"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    leftovers = {
+        "dead": (tmp_path / ".b.partial-dead", dead.stdout.decode().strip()),
+        "no marker": (tmp_path / ".b.build-nomarker", None),
+        "live": (tmp_path / ".b.partial-live", str(os.getpid())),
+    }
+    for path, pid in leftovers.values():
+        path.mkdir()
+        if pid is not None:
+            (path / OWNER_FILE).write_text(pid)
+    other = tmp_path / ".b.partial.txt"
+    other.write_text("not ours")
+    mine = tmp_path / ".c.partial-x"
+    mine.mkdir()
+    removed = remove_stale(out)
+    assert sorted(p.name for p in removed) == [".b.build-nomarker", ".b.partial-dead"]
+    assert leftovers["live"][0].is_dir() and other.is_file() and mine.is_dir()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_bundles_follow_the_umask(tmp_path, umask):
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from pathlib import Path
+        from specrt import staging
+        out = Path(sys.argv[1])
+        with staging.staging(out, "partial") as staged:
+            (staged / "sub").mkdir()
+            (staged / "sub" / "weights.bin").write_bytes(b"w")
+            (staged / "manifest.json").write_text("{}")
+            os.chmod(staged / "manifest.json", 0o600)  # as a tool that writes private files
+            staging.publish(staged, out)
+        """
+    )
+    out = tmp_path / "b"
+    subprocess.run(
+        [sys.executable, "-c", f"import os; os.umask({umask}); exec({script!r})", str(out)],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    for path in [out, out / "sub"]:
+        assert path.stat().st_mode & 0o777 == 0o777 & ~umask
+    for path in [out / "manifest.json", out / "sub" / "weights.bin"]:
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_exported_bundles_are_readable_by_others_under_umask_022(llama_bundle):
+    from specrt.staging import current_umask
+
+    if current_umask() != 0o022:
+        pytest.skip(f"this test's process runs under umask {current_umask():o}, not 022")
+    for path in [llama_bundle, *llama_bundle.rglob("*")]:
+        expected = 0o755 if path.is_dir() else 0o644
+        assert path.stat().st_mode & 0o777 == expected, path
