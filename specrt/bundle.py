@@ -14,9 +14,12 @@ never guesses input names or shapes. This module imports nothing beyond the stan
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from specrt.errors import BundleError
@@ -60,7 +63,7 @@ class EngineSpec:
     vocab_size: int
     cache: str = "in_place"
     precision: str = "float32"
-    export_check: dict[str, float] = field(default_factory=dict)
+    export_check: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,7 +82,7 @@ class ModelSpec:
     dtype: str  # "float32" or "float16"
     io: ModelIO
     tokenizer_hash: str = ""  # canonical hash of the tokenizer the model was trained with
-    export_check: dict[str, float] = field(default_factory=dict)
+    export_check: dict[str, float | None] = field(default_factory=dict)
     source: str = ""  # the checkpoint directory it was exported from
     source_sha256: str = ""  # of that checkpoint's config and weights, at export
     cache: str = "concat"
@@ -129,28 +132,77 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:
-        try:
-            models = {}
-            for role, raw in data["models"].items():
-                raw = dict(raw)
-                raw["io"] = ModelIO(**raw["io"])
-                raw["engines"] = {
-                    name: EngineSpec(**{**engine, "io": ModelIO(**engine["io"])})
-                    for name, engine in raw.get("engines", {}).items()
-                }
-                models[role] = ModelSpec(**raw)
-            return cls(
-                models=models,
-                tokenizer=TokenizerSpec(**data["tokenizer"]),
-                vocab_size=int(data["vocab_size"]),
-                schema_version=int(data["schema_version"]),
-                specrt_version=str(data.get("specrt_version", "")),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BundleError(
-                f"manifest.json is malformed ({type(exc).__name__}: {exc}); "
-                "re-export the bundle with `specrt export`"
-            ) from exc
+        """The manifest of ``data`` (parsed JSON), every field checked for its type: a wrong
+        one is named in the error."""
+        return _decode(cls, data, "manifest")
+
+
+def _decode(cls: type, data: object, where: str):
+    """Build dataclass ``cls`` from JSON ``data``, checking each field against its type hint."""
+    if not isinstance(data, dict):
+        raise _malformed(where, f"is {_kind(data)}, not an object")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise _malformed(where, f"has unknown field(s) {unknown[:3]}")
+    values = {}
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise _malformed(f"{where}.{f.name}", "is missing")
+            continue
+        values[f.name] = _value(data[f.name], hints[f.name], f"{where}.{f.name}")
+    return cls(**values)
+
+
+def _value(value: object, hint: object, where: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):  # X | None
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _value(value, hint, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _malformed(where, f"is {_kind(value)}, not a list")
+        return [_value(item, args[0], f"{where}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _malformed(where, f"is {_kind(value)}, not an object")
+        return {key: _value(item, args[1], f"{where}.{key}") for key, item in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return _decode(hint, value, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise _malformed(where, f"is {_kind(value)} {value!r:.40}, not {_kind_name(hint)}")
+    return value
+
+
+def _malformed(where: str, problem: str) -> BundleError:
+    return BundleError(
+        f"manifest.json is malformed: {where} {problem}; re-export the bundle with `specrt export`"
+    )
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
+
+
+def _kind_name(hint: type) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, hint.__name__
+    )
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -183,6 +235,11 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
     """Read and structurally validate a bundle's manifest (no file hashing)."""
     root = Path(bundle_dir)
     recover(root)  # a swap killed halfway leaves the bundle parked beside it
+    if root.exists() and not root.is_dir():
+        raise BundleError(
+            f"{str(root)!r} is a file, not a bundle directory; pass the directory that holds "
+            f"{MANIFEST_NAME}"
+        )
     if not root.is_dir():
         raise BundleError(
             f"bundle directory {str(root)!r} does not exist; build it with "
@@ -194,31 +251,61 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
             f"{str(root)!r} is not a bundle: it has no {MANIFEST_NAME}; "
             "re-export it with `specrt export` (an interrupted export leaves no manifest)"
         )
+    manifest = parse_manifest(path.read_bytes(), path)
+    validate_manifest(manifest, root)
+    return manifest
+
+
+def parse_manifest(content: bytes, path: Path) -> Manifest:
+    """The manifest in ``content`` (the bytes of ``path``), its schema version and types checked."""
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # NaN and Infinity are not JSON: refused like any other parse error
+        data = json.loads(content.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
         raise BundleError(f"{path} is not valid JSON ({exc}); re-export the bundle") from exc
     if not isinstance(data, dict):
         raise BundleError(f"{path} does not hold a JSON object; re-export the bundle")
     version = data.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise BundleError(
+            f"{path} has schema_version {version}, written by a newer specrt; this one reads "
+            f"{SCHEMA_VERSION}: upgrade specrt (pip install -U specrt)"
+        )
     if version != SCHEMA_VERSION:
         raise BundleError(
             f"{path} has schema_version {version!r}, this specrt reads {SCHEMA_VERSION}; "
             "re-export the bundle with this version of specrt"
         )
-    manifest = Manifest.from_dict(data)
-    validate_manifest(manifest, root)
-    return manifest
+    return Manifest.from_dict(data)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def validate_manifest(manifest: Manifest, root: Path) -> None:
+    """Ranges and cross-references the types cannot say; every file named must be there."""
     missing_roles = [r for r in ROLES if r not in manifest.models]
-    if missing_roles:
-        raise BundleError(f"manifest in {root} lacks model(s) {missing_roles}; re-export it")
+    extra_roles = [r for r in manifest.models if r not in ROLES]
+    if missing_roles or extra_roles:
+        raise BundleError(
+            f"manifest in {root} has models {sorted(manifest.models)}, not {list(ROLES)}; "
+            "re-export it"
+        )
+    _at_least("manifest.vocab_size", manifest.vocab_size, 1)
+    tokenizer = manifest.tokenizer
+    _at_least("tokenizer.vocab_size", tokenizer.vocab_size, 1)
+    special = [("eos_token_ids", t) for t in tokenizer.eos_token_ids]
+    special += [("bos_token_id", tokenizer.bos_token_id), ("pad_token_id", tokenizer.pad_token_id)]
+    for name, token in special:
+        if token is not None and not 0 <= token < manifest.vocab_size:
+            _range_error(f"tokenizer.{name}", token, f"a token id in [0, {manifest.vocab_size})")
+    _check_relative("tokenizer.path", tokenizer.path)
     for role in ROLES:
         spec = manifest.models[role]
         for name, view in [("", spec)] + [(n, spec.engine_view(n)) for n in spec.engines]:
-            _validate_view(f"{role} {name} engine" if name else role, view, manifest.vocab_size)
+            label = f"models.{role}" + (f".engines.{name}" if name else "")
+            _validate_view(label, view, manifest.vocab_size)
         for rel in spec.all_files():
             if not (root / rel).is_file():
                 raise BundleError(
@@ -236,9 +323,39 @@ def validate_manifest(manifest: Manifest, root: Path) -> None:
 
 
 CACHE_KINDS = ("concat", "in_place")
+DTYPES = ("float32", "float16")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        _range_error(name, value, f"an integer >= {low}")
+
+
+def _range_error(name: str, value: object, rule: str) -> None:
+    raise BundleError(
+        f"manifest.json is malformed: {name} is {value!r}, it must be {rule}; re-export the bundle"
+    )
+
+
+def _check_relative(name: str, rel: str) -> None:
+    """Every path in a manifest stays inside the bundle."""
+    path = Path(rel)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        _range_error(name, rel, "a path inside the bundle")
 
 
 def _validate_view(label: str, spec: ModelSpec, vocab_size: int) -> None:
+    for name, low in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1), ("vocab_size", 1)):
+        _at_least(f"{label}.{name}", getattr(spec, name), low)
+    _at_least(f"{label}.max_positions", spec.max_positions, 2)
+    if spec.dtype not in DTYPES:
+        _range_error(f"{label}.dtype", spec.dtype, f"one of {DTYPES}")
+    if not spec.files:
+        _range_error(f"{label}.files", spec.files, "the graph's files with their sha256")
+    if spec.path not in spec.files:
+        _range_error(f"{label}.path", spec.path, "one of the files listed (each is verified)")
+    for rel in spec.files:
+        _check_relative(f"{label}.files", rel)
     io, n = spec.io, spec.num_layers
     lengths = {len(io.past_keys), len(io.past_values), len(io.present_keys), len(io.present_values)}
     if lengths != {n}:

@@ -12,7 +12,7 @@ import click
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
-from specrt.errors import InvalidInputError, SpecrtError
+from specrt.errors import InvalidInputError, SpecrtError, describe_os_error
 from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, PRECISIONS
 from specrt.prompts import collect_prompts
 from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationConfig
@@ -22,7 +22,8 @@ EXPORT_EXTRA = "pip install torch==2.13.0 && pip install 'specrt[export]'"
 
 
 def _friendly_errors(command):
-    """Turn specrt's own errors into a one-line message and exit status 1."""
+    """Turn specrt's own errors and the machine's (disk full, read-only, permissions) into a
+    one-line message and exit status 1; anything else is a bug and keeps its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -30,6 +31,8 @@ def _friendly_errors(command):
             return command(*args, **kwargs)
         except SpecrtError as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:
+            raise click.ClickException(describe_os_error(exc)) from exc
 
     return wrapper
 
@@ -182,7 +185,9 @@ def build(bundle, draft_precision, atol) -> None:
     show_default=True,
     help="How many tokens each round drafts (adaptive = --adaptive-draft).",
 )
-@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=None, help="onnxruntime intra-op threads."
+)
 @ENGINE_OPTION
 @click.option(
     "--max-length",

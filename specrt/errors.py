@@ -1,5 +1,10 @@
 """The package's own exception types. Every message says what is wrong and what to do."""
 
+from __future__ import annotations
+
+import errno
+import shutil
+
 
 class SpecrtError(Exception):
     """Base class of every error specrt raises on purpose."""
@@ -23,3 +28,25 @@ class InvalidInputError(SpecrtError, ValueError):
 
 class NumericalError(SpecrtError):
     """A model produced NaN or infinite logits."""
+
+
+_OS_ADVICE = {
+    errno.ENOSPC: "free some space, or write somewhere else",
+    errno.EDQUOT: "free some space, or write somewhere else",
+    errno.EROFS: "the file system is read-only: write somewhere else",
+    errno.EACCES: "check the permissions, or write somewhere else",
+    errno.EPERM: "check the permissions, or write somewhere else",
+    errno.ENOENT: "check the path",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n)",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an error of the machine (disk full, read-only, permissions): what and where,
+    and what to do."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
+        source, _, why = exc.args[0][0]  # copytree's list of (source, destination, reason)
+        return f"copying {source} failed: {why}"
+    where = f": {exc.filename}" if exc.filename else ""
+    advice = _OS_ADVICE.get(exc.errno)
+    return f"{exc.strerror or exc}{where}" + (f" ({advice})" if advice else "")

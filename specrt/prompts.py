@@ -1,29 +1,31 @@
 """Prompt files, read one way for the CLI, the benchmarks and the demo scripts.
 
-A ``.jsonl`` file holds one JSON value per line: ``{"prompt": ...}`` or a JSON string (prompts
-that span lines); any other file holds one prompt per line. Blank lines are skipped.
+A ``.jsonl`` file (any case) holds one JSON value per line: ``{"prompt": "..."}`` or a JSON string
+(prompts that span lines); any other file holds one prompt per line. Blank lines are skipped.
+Files are UTF-8 (a byte-order mark is dropped) or UTF-16 with a byte-order mark; ``-`` reads
+standard input, and pipes and process substitutions read like files.
 This module imports nothing beyond the standard library (the onnxruntime-genai benchmark reads
 prompts with it from its own environment).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from specrt.errors import InvalidInputError
 
+STDIN = "-"
+
 
 def read_prompt_file(path: str | Path) -> list[str]:
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidInputError(f"prompt file {path} does not exist")
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"cannot read prompt file {path}: {exc}") from exc
-    if path.suffix != ".jsonl":
+    """The prompts of ``path``; `InvalidInputError` naming the file and line for anything else."""
+    name = str(path)
+    lines = _decode(_read_bytes(name), name).splitlines()
+    if not name.lower().endswith(".jsonl"):
         return [line for line in lines if line.strip()]
     prompts = []
     for number, line in enumerate(lines, 1):
@@ -32,13 +34,19 @@ def read_prompt_file(path: str | Path) -> list[str]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise InvalidInputError(f"{path}:{number} is not JSON ({exc})") from exc
-        prompt = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(prompt, str):
+            raise InvalidInputError(f"{name}:{number} is not JSON ({exc})") from exc
+        if isinstance(item, dict):
+            if "prompt" not in item:
+                raise InvalidInputError(
+                    f'{name}:{number} has no "prompt" key (keys: {sorted(item)[:5]}); '
+                    'write {"prompt": "..."}'
+                )
+            item = item["prompt"]
+        if not isinstance(item, str):
             raise InvalidInputError(
-                f'{path}:{number} is neither {{"prompt": "..."}} nor a JSON string'
+                f"{name}:{number}: a prompt must be a JSON string, not {_json_kind(item)}"
             )
-        prompts.append(prompt)
+        prompts.append(item)
     return prompts
 
 
@@ -52,3 +60,42 @@ def collect_prompts(
     if not collected:
         raise InvalidInputError("give a prompt with --prompt TEXT or --prompt-file FILE")
     return collected
+
+
+def _read_bytes(name: str) -> bytes:
+    if name == STDIN:
+        return sys.stdin.buffer.read()
+    try:
+        with open(name, "rb") as handle:  # not Path.is_file(): pipes are files to read too
+            return handle.read()
+    except FileNotFoundError as exc:
+        raise InvalidInputError(f"prompt file {name} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise InvalidInputError(f"prompt file {name} is a directory; give a file") from exc
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read prompt file {name}: {exc.strerror}") from exc
+
+
+def _decode(data: bytes, name: str) -> str:
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return data.decode("utf-16")
+        except UnicodeDecodeError as exc:
+            raise InvalidInputError(f"{name} is not valid UTF-16 text ({exc.reason})") from exc
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InvalidInputError(
+            f"{name}:{line} is not UTF-8 text (byte {data[exc.start]:#04x}); save the file as UTF-8"
+        ) from exc
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "an array" if isinstance(value, list) else "an object"

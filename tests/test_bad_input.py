@@ -191,6 +191,14 @@ def test_export_usage_errors(tmp_path):
 
 
 def test_engine_on_a_gpu_provider_is_refused_with_the_way_out(llama_bundle):
+    from specrt.backends.select import select_graph
+    from specrt.bundle import read_manifest
+
+    spec = read_manifest(llama_bundle).models["target"]
     gpu = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     with pytest.raises(InvalidInputError, match="use engine 'portable' or 'auto' on GPU"):
+        select_graph(spec, "target", "onnxruntime", gpu)
+    assert select_graph(spec, "target", "auto", gpu) is spec  # auto: the portable graph
+    # and this CPU build of onnxruntime refuses the GPU provider instead of falling back
+    with pytest.raises(InvalidInputError, match="not available in this onnxruntime"):
         SpeculativeGenerator.from_bundle(llama_bundle, providers=gpu, engine="onnxruntime")

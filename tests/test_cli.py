@@ -23,6 +23,7 @@ STATS_KEYS = {
     "accepted_per_position",
     "wall_time_s",
     "tokens_per_second",
+    "draft_stopped",
 }
 
 

@@ -44,6 +44,7 @@ class Decoder(Protocol):
     role: str  # "target" or "draft": named in error messages
     vocab_size: int  # logits are cut to this width
     max_positions: int  # positions the cache holds
+    model_max_positions: int  # the model's own limit (max_positions may be lower: max_length)
     run_time_s: float  # total time spent running the model, for overhead accounting
 
     @property
@@ -89,6 +90,7 @@ class DecoderBase:
         self.spec = spec
         self.role = role
         self.vocab_size = vocab_size
+        self.model_max_positions = spec.max_positions
         self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
         self.run_time_s = 0.0
 
@@ -117,7 +119,7 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
     """Refuse a graph whose inputs/outputs are not the ones the manifest names."""
     io = spec.io
     inputs = {i.name: i for i in session.get_inputs()}
-    outputs = {o.name for o in session.get_outputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
     wanted = [io.input_ids, *io.past_keys, *io.past_values]
     optional = (
         io.attention_mask,
@@ -134,6 +136,13 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
         raise BundleError(
             f"{role}: the ONNX graph lacks {missing[:4]} named in the manifest; "
             "the graph and manifest come from different exports, re-export the bundle"
+        )
+    width = outputs[io.logits].shape[-1]
+    if isinstance(width, int) and width != spec.vocab_size:
+        raise BundleError(
+            f"{role}: the graph's logits are {width} wide, the manifest says vocab_size="
+            f"{spec.vocab_size}; the graph and manifest come from different exports, re-export "
+            "the bundle"
         )
     shape = inputs[io.past_keys[0]].shape
     for axis, expected in ((1, spec.num_kv_heads), (3, spec.head_dim)):

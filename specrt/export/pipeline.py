@@ -139,7 +139,14 @@ def _load_config(path: Path, role: str):
             f"{role} checkpoint {str(path)!r} has no config.json; pass a Hugging Face model "
             "directory (the output of `save_pretrained`)"
         )
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors
+        raise ExportError(
+            f"{role} checkpoint {str(path)!r}: its config.json cannot be read "
+            f"({type(exc).__name__}: {str(exc)[:200]}); repair it or save the model again with "
+            "`save_pretrained`"
+        ) from exc
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ExportError(
             f"{role} model type {config.model_type!r} is not supported yet; supported: "

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from specrt.errors import InvalidInputError
+from specrt.validation import flag, integer, number, out_of_range
 
 MAX_DRAFT_TOKENS = 64
 DRAFT_SCHEDULES = ("fixed", "adaptive", "heuristic")
@@ -58,33 +57,30 @@ class GenerationConfig:
     draft_schedule: str = "fixed"
 
     def __post_init__(self) -> None:
-        def bad(name: str, value: object, rule: str) -> InvalidInputError:
-            return InvalidInputError(f"{name}={value!r} is out of range: {rule}")
+        def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
+            object.__setattr__(self, name, value)
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", self.max_new_tokens, "use an integer >= 1")
-        if not isinstance(self.num_draft_tokens, int) or not (
-            0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS
-        ):
-            raise bad(
-                "num_draft_tokens",
-                self.num_draft_tokens,
-                f"use an integer in [0, {MAX_DRAFT_TOKENS}] (0 runs the target alone)",
-            )
-        if not isinstance(self.temperature, (int, float)) or not (
-            math.isfinite(self.temperature) and self.temperature >= 0
-        ):
-            raise bad("temperature", self.temperature, "use a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "use an integer >= 0 (0 = no top-k filter)")
-        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
-            raise bad("top_p", self.top_p, "use a number in (0, 1] (1 = no nucleus filter)")
+        set("max_new_tokens", integer("max_new_tokens", self.max_new_tokens, 1))
+        rule = f"use an integer in [0, {MAX_DRAFT_TOKENS}] (0 runs the target alone)"
+        k = integer("num_draft_tokens", self.num_draft_tokens, 0, MAX_DRAFT_TOKENS, rule)
+        set("num_draft_tokens", k)
+        rule = "use a finite number >= 0 (0 = greedy)"
+        set("temperature", number("temperature", self.temperature, rule, lambda t: t >= 0))
+        rule = "use an integer >= 0 (0 = no top-k filter)"
+        set("top_k", integer("top_k", self.top_k, 0, rule=rule))
+        rule = "use a number in (0, 1] (1 = no nucleus filter)"
+        set("top_p", number("top_p", self.top_p, rule, lambda p: 0 < p <= 1))
+        if self.seed is not None:
+            rule = "use a non-negative integer, or None for a random seed"
+            set("seed", integer("seed", self.seed, 0, rule=rule))
+        set("ignore_eos", flag("ignore_eos", self.ignore_eos))
+        set("adaptive_draft", flag("adaptive_draft", self.adaptive_draft))
         if self.draft_schedule not in DRAFT_SCHEDULES:
-            raise bad("draft_schedule", self.draft_schedule, f"use one of {DRAFT_SCHEDULES}")
+            raise out_of_range(
+                "draft_schedule", self.draft_schedule, f"use one of {DRAFT_SCHEDULES}"
+            )
         if self.adaptive_draft and self.draft_schedule == "fixed":
-            object.__setattr__(self, "draft_schedule", "adaptive")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", self.seed, "use a non-negative integer, or None for a random seed")
+            set("draft_schedule", "adaptive")
 
     @property
     def greedy(self) -> bool:

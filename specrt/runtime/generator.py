@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -61,8 +62,11 @@ class SpeculativeGenerator:
     # ----------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Tokenize and check every prompt before any work starts."""
-        if isinstance(prompts, str):
-            raise InvalidInputError("prompts must be a list of prompts, not a single string")
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
+            raise InvalidInputError(
+                "prompts must be a list of prompts (strings or lists of token ids), not "
+                f"{type(prompts).__name__}"
+            )
         if len(prompts) == 0:
             raise InvalidInputError("no prompts given")
         encoded = []
@@ -72,25 +76,46 @@ class SpeculativeGenerator:
                     raise InvalidInputError("this generator has no tokenizer; pass token ids")
                 ids = self.tokenizer.encode(prompt)
             else:
-                ids = [int(t) for t in prompt]
-                if not ids:
-                    raise InvalidInputError(f"prompt {index} is empty; give at least one token")
-                bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-                if bad:
-                    raise InvalidInputError(
-                        f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary "
-                        f"[0, {self.target.vocab_size})"
-                    )
-            limit = self.target.max_positions
-            if len(ids) >= limit:
-                raise InvalidInputError(
-                    f"prompt {index} has {len(ids)} tokens; at most {limit} positions fit (the "
-                    "model's max positions, or the max length the generator was loaded with), "
-                    f"which leaves no room to generate. Shorten it to at most {limit - 1} tokens"
-                    " or load with a larger max length (--max-length)"
-                )
+                ids = self._token_ids(index, prompt)
+            if len(ids) >= self.target.max_positions:
+                raise InvalidInputError(self._too_long(index, len(ids)))
             encoded.append(ids)
         return encoded
+
+    def _too_long(self, index: int, length: int) -> str:
+        limit, own = self.target.max_positions, self.target.model_max_positions
+        message = (
+            f"prompt {index} has {length} tokens; at most {limit} positions fit, which leaves no "
+            f"room to generate. Shorten it to at most {limit - 1} tokens"
+        )
+        if limit < own:
+            return (
+                message + f" or load with a larger max length (--max-length; the model has {own})"
+            )
+        return message + " (the model's own limit)"
+
+    def _token_ids(self, index: int, prompt: object) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Sequence):
+            raise InvalidInputError(
+                f"prompt {index} is {type(prompt).__name__}; a prompt is a string or a list of "
+                "token ids"
+            )
+        ids = []
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                raise InvalidInputError(
+                    f"prompt {index} has a token id {token!r} that is not an integer"
+                )
+            ids.append(int(token))
+        if not ids:
+            raise InvalidInputError(f"prompt {index} is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise InvalidInputError(
+                f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary "
+                f"[0, {self.target.vocab_size})"
+            )
+        return ids
 
     def generate(
         self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
@@ -102,8 +127,18 @@ class SpeculativeGenerator:
         self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
     ) -> Iterator[GenerationResult]:
         """Like `generate`, yielding each row's result as soon as it is done."""
-        config = config or GenerationConfig()
-        encoded = self.encode_prompts(prompts)
+        if config is None:
+            config = GenerationConfig()
+        elif not isinstance(config, GenerationConfig):
+            raise InvalidInputError(
+                f"config must be a GenerationConfig, not {type(config).__name__} (build one "
+                "with GenerationConfig(max_new_tokens=..., ...))"
+            )
+        return self._rows(self.encode_prompts(prompts), config)
+
+    def _rows(
+        self, encoded: list[list[int]], config: GenerationConfig
+    ) -> Iterator[GenerationResult]:
         for row, ids in enumerate(encoded):
             rng = np.random.default_rng(None if config.seed is None else [config.seed, row])
             with self._lock:
@@ -131,35 +166,38 @@ class SpeculativeGenerator:
         limit = min(target.max_positions, len(prompt) + config.max_new_tokens)
         finish_reason = "length"
 
-        # Both models see all but the last prompt token, which the first round feeds.
+        # Both models see all but the last prompt token, which the first round feeds. A draft
+        # with fewer positions than the prompt cannot follow: the target decodes alone.
         target.reset()
         drafter.reset()
+        drafting = k_max > 0 and len(prompt) < drafter.max_positions
         if len(prompt) > 1:
             target.prefill(prompt[:-1])
-            if k_max:
+            if drafting:
                 drafter.prefill(prompt[:-1])
 
         while len(tokens) < limit:
             # A round emits at most k+1 tokens, and every position fed must fit in each model.
             room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
-            k = schedule.start_round(max(0, room))
+            k = schedule.start_round(max(0, room) if drafting else 0)
             step = speculative_round(
                 target, drafter, tokens, k, sampling, rng, schedule.keep_drafting
             )
             schedule.update(step.drafted, step.accepted, step.draft_time_s, step.verify_time_s)
-            stats.add_round(step.drafted, step.accepted)
 
             # Roll back: each cache keeps only what is still history (all but the newest token).
             target.rollback(len(tokens) + step.accepted)
-            tokens.extend(step.tokens)
-            drafter.rollback(len(tokens) - 1)
-
             stop = self._eos_index(step.tokens, config)
+            emitted = step.tokens if stop is None else step.tokens[: stop + 1]
+            tokens.extend(emitted)
+            drafter.rollback(len(tokens) - 1)
+            # What stands: draft tokens after an EOS were accepted but are not output.
+            stats.add_round(step.drafted, min(step.accepted, len(emitted)))
             if stop is not None:
-                del tokens[len(tokens) - len(step.tokens) + stop + 1 :]
                 finish_reason = "stop"
                 break
 
+        stats.draft_stopped = k_max > 0 and len(tokens) >= drafter.max_positions
         new_ids = tokens[len(prompt) :]
         stats.new_tokens = len(new_ids)
         text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""

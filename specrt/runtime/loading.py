@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.backends import DEFAULT_MAX_LENGTH, Decoder, open_decoder
+import onnxruntime as ort
+
+from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, Decoder, open_decoder
 from specrt.bundle import Manifest, read_manifest, verify_checksums
 from specrt.errors import InvalidInputError, PairMismatchError
 from specrt.runtime.tokenizer import BundleTokenizer
+from specrt.validation import flag, integer
 
 
 @dataclass
@@ -39,8 +43,19 @@ def load_pair(
     portable graph; ``"portable"`` or ``"onnxruntime"`` insist on one (the latter fails if it is
     missing). ``max_length``: the longest sequence (prompt + new tokens) the engines'
     preallocated KV caches hold, at most the model's max positions (None: the model's)."""
-    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
-        raise InvalidInputError(f"max_length={max_length!r}: use an integer >= 2 (or None)")
+    if max_length is not None:
+        max_length = integer("max_length", max_length, 2, rule="use an integer >= 2, or None")
+    if threads is not None:
+        threads = integer("threads", threads, 1, rule="use an integer >= 1, or None: all cores")
+    draft_threads = integer("draft_threads", draft_threads, 1)
+    flag("check_files", check_files)
+    if engine not in ENGINE_CHOICES:
+        raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
+    providers = check_providers(providers)
+    if not isinstance(bundle_dir, (str, os.PathLike)):
+        raise InvalidInputError(
+            f"bundle_dir={bundle_dir!r}: give the bundle directory's path (a str or Path)"
+        )
     root = Path(bundle_dir)
     manifest = read_manifest(root)
     if check_files:
@@ -63,6 +78,25 @@ def load_pair(
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
     )
+
+
+def check_providers(providers: Sequence[str] | None) -> list[str] | None:
+    """The onnxruntime providers asked for, each one this onnxruntime has."""
+    if providers is None:
+        return None
+    if isinstance(providers, str) or not isinstance(providers, Sequence) or not providers:
+        raise InvalidInputError(
+            f"providers={providers!r}: give a list of provider names, e.g. "
+            '["CPUExecutionProvider"]'
+        )
+    available = ort.get_available_providers()
+    unknown = [p for p in providers if p not in available]
+    if unknown:
+        raise InvalidInputError(
+            f"provider(s) {unknown} are not available in this onnxruntime (it has "
+            f"{', '.join(available)}); install onnxruntime-gpu for CUDA"
+        )
+    return list(providers)
 
 
 def check_pair(manifest: Manifest) -> None:

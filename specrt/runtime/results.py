@@ -16,6 +16,8 @@ class GenerationStats:
     tokens_per_round: tokens emitted per target pass (accepted + the corrected or bonus token).
     accepted_per_position: how often draft position i (0-based) was accepted.
     wall_time_s / tokens_per_second: generation wall time (prefill included), new tokens / it.
+    draft_stopped: the sequence reached the draft model's max positions (or the prompt alone did),
+    so the target decoded from there on alone.
     """
 
     prompt_tokens: int = 0
@@ -29,6 +31,7 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
     tokens_per_second: float = 0.0
+    draft_stopped: bool = False
 
     def add_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1

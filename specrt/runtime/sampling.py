@@ -63,20 +63,28 @@ def warp(
     """Turn logits ``[..., V]`` into sampling probabilities, rows summing to 1.
 
     ``temperature`` must be > 0 here; greedy decoding never needs probabilities. With ``model``
-    (its role, for the message), NaN/inf logits raise `NumericalError` (checked on the row max
-    the warp computes anyway: it is NaN or +inf if any logit is, and -inf only if all are). The
-    loop warps in float32, half the time of float64 over a vocabulary (probabilities within
-    ~1e-8 of float64's, far below what sampling can resolve); float64 is the default elsewhere.
+    (its role, for the message), NaN/inf logits raise `NumericalError` (checked on the row max:
+    it is NaN or +inf if any logit is, and -inf only if all are). No setting makes NaN: logits
+    are shifted by their max before they are scaled, so at any temperature the best token scores
+    0 and the others at most that (a tiny temperature sends them to -inf, not to inf - inf), and
+    top-p always keeps the most likely token. The loop warps in float32, half the time of
+    float64 over a vocabulary (probabilities within ~1e-8 of float64's, far below what sampling
+    can resolve); float64 is the default elsewhere.
     """
-    probs = np.multiply(logits, 1.0 / temperature, dtype=dtype)  # one new array
+    top = logits.max(axis=-1, keepdims=True)
+    if model is not None and not np.isfinite(top).all():
+        raise_not_finite(logits, model)
+    probs = np.subtract(logits, top, dtype=dtype)  # one new array
+    scale = 1.0 / temperature
+    if scale < 1e30:
+        probs *= scale
+    else:  # the other tokens' scores overflow to -inf, as they should
+        with np.errstate(over="ignore"):
+            probs *= min(scale, float(np.finfo(probs.dtype).max))
     vocab = probs.shape[-1]
     if 0 < top_k < vocab:
         kth = np.partition(probs, vocab - top_k, axis=-1)[..., vocab - top_k, None]
         probs[probs < kth] = -np.inf
-    top = probs.max(axis=-1, keepdims=True)
-    if model is not None and not np.isfinite(top).all():
-        raise_not_finite(logits, model)
-    probs -= top
     np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
     if top_p < 1.0:
@@ -84,6 +92,7 @@ def warp(
         sorted_probs = np.take_along_axis(probs, order, axis=-1)
         mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
         keep_sorted = mass_before < top_p  # smallest prefix whose mass reaches top_p
+        keep_sorted[..., 0] = True  # a top_p below float precision still keeps the best token
         keep = np.empty_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)

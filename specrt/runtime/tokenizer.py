@@ -24,6 +24,13 @@ class BundleTokenizer:
             raise InvalidInputError(f"a prompt must be a string, got {type(text).__name__}")
         if not text.strip():
             raise InvalidInputError("the prompt is empty; give some text to continue")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes a terminal passed through undecoded
+            raise InvalidInputError(
+                f"the prompt {text[:40]!r} is not valid UTF-8 text (at character {exc.start}); "
+                "pass UTF-8"
+            ) from exc
         ids = self._tokenizer.encode(text, add_special_tokens=True).ids
         if not ids:
             raise InvalidInputError(f"the prompt {text[:40]!r} encodes to no tokens")

@@ -1,0 +1,44 @@
+"""Checks of values a user passes (Python API, CLI, manifest): the type and the range, with a
+message naming the value and the rule. Bools are not integers here (``max_new_tokens=True``
+is a mistake, not 1); numpy integers and floats are numbers."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from specrt.errors import InvalidInputError
+
+
+def out_of_range(name: str, value: object, rule: str) -> InvalidInputError:
+    return InvalidInputError(f"{name}={value!r} is out of range: {rule}")
+
+
+def integer(name: str, value: object, low: int, high: int | None = None, rule: str = "") -> int:
+    """``value`` as an int in [low, high]; anything else (a bool, a float, a string) refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise out_of_range(name, value, rule or _integer_rule(low, high))
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        raise out_of_range(name, value, rule or _integer_rule(low, high))
+    return value
+
+
+def number(name: str, value: object, rule: str, check) -> float:
+    """``value`` as a finite float passing ``check``; bools and non-numbers refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise out_of_range(name, value, rule)
+    value = float(value)
+    if not (math.isfinite(value) and check(value)):
+        raise out_of_range(name, value, rule)
+    return value
+
+
+def flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise out_of_range(name, value, "use True or False")
+    return value
+
+
+def _integer_rule(low: int, high: int | None) -> str:
+    return f"use an integer in [{low}, {high}]" if high is not None else f"use an integer >= {low}"
