@@ -11,7 +11,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "specrt"
 # What each stage may import from specrt (besides itself). The runtime is what services embed,
 # so it stays below export (torch) and above nothing but backends and the bundle contract.
-BASE = {"specrt", "specrt.errors", "specrt.bundle", "specrt.prompts", "specrt.staging"}
+BASE = {
+    "specrt",
+    "specrt.errors",
+    "specrt.bundle",
+    "specrt.prompts",
+    "specrt.staging",
+    "specrt.validation",
+}
 ALLOWED = {
     "base": BASE,
     "backends": BASE,

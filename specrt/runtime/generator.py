@@ -95,6 +95,8 @@ class SpeculativeGenerator:
         return message + " (the model's own limit)"
 
     def _token_ids(self, index: int, prompt: object) -> list[int]:
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+            prompt = prompt.tolist()
         if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Sequence):
             raise InvalidInputError(
                 f"prompt {index} is {type(prompt).__name__}; a prompt is a string or a list of "

@@ -86,8 +86,7 @@ def check_providers(providers: Sequence[str] | None) -> list[str] | None:
         return None
     if isinstance(providers, str) or not isinstance(providers, Sequence) or not providers:
         raise InvalidInputError(
-            f"providers={providers!r}: give a list of provider names, e.g. "
-            '["CPUExecutionProvider"]'
+            f'providers={providers!r}: give a list of provider names, e.g. ["CPUExecutionProvider"]'
         )
     available = ort.get_available_providers()
     unknown = [p for p in providers if p not in available]

@@ -1,0 +1,418 @@
+"""Whatever a user types and whatever state the machine is in: one clear line and a non-zero
+exit, never a traceback, never a silently wrong result."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import main
+from specrt.errors import InvalidInputError
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.conftest import build_bundle
+
+
+def cli(*args, **kwargs):
+    return CliRunner().invoke(main, [str(a) for a in args], **kwargs)
+
+
+def one_clear_line(result, exit_code: int = 1) -> str:
+    """The CLI failed the way a user's mistake should: the exit code and one line, no
+    traceback (CliRunner keeps an escaped exception in result.exception)."""
+    assert result.exit_code == exit_code, result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    return result.output
+
+
+def generate(bundle, *args, **kwargs):
+    return cli("generate", "--bundle", bundle, "--max-new-tokens", 4, *args, **kwargs)
+
+
+# -- prompt files ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("latin1.txt", "café\n".encode("latin-1"), "latin1.txt:1 is not UTF-8"),
+        ("late.txt", b"ok\nfine\n\xff\xfe\x00oops\n", "late.txt:3 is not UTF-8"),
+        ("nokey.jsonl", b'{"text": "x"}\n', 'nokey.jsonl:1 has no "prompt" key'),
+        ("number.jsonl", b'{"prompt": "a"}\n{"prompt": 3}\n', "number.jsonl:2: a prompt must"),
+        ("null.jsonl", b"null\n", "null.jsonl:1: a prompt must be a JSON string, not null"),
+        ("bool.jsonl", b"true\n", "not a boolean"),
+        ("object.jsonl", b'{"prompt": {"a": 1}}\n', "not an object"),
+        ("list.jsonl", b"[1, 2]\n", "not an array"),
+        ("broken.jsonl", b'{"prompt": \n', "broken.jsonl:1 is not JSON"),
+        ("bad16.txt", codecs.BOM_UTF16_LE + b"\x00\xd8", "is not valid UTF-16"),
+    ],
+)
+def test_bad_prompt_files_name_the_file_and_line(llama_bundle, tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    output = one_clear_line(generate(llama_bundle, "--prompt-file", path), exit_code=2)
+    assert message in output
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("bom.txt", codecs.BOM_UTF8 + b"Simple is\n"),
+        ("utf16.txt", "Simple is\n".encode("utf-16")),
+        ("upper.JSONL", b'{"prompt": "Simple is"}\n'),
+        ("plain.txt", b"\n  \nSimple is\n\n"),
+    ],
+)
+def test_prompt_files_in_every_encoding_read_the_same(llama_bundle, tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    expected = generate(llama_bundle, "--prompt", "Simple is", "--json")
+    result = generate(llama_bundle, "--prompt-file", path, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["token_ids"] == json.loads(expected.output)["token_ids"]
+
+
+def test_prompts_from_stdin_and_a_pipe(llama_bundle, tmp_path):
+    expected = json.loads(generate(llama_bundle, "--prompt", "Simple is", "--json").output)
+    result = generate(llama_bundle, "--prompt-file", "-", "--json", input="Simple is\n")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["token_ids"] == expected["token_ids"]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("Simple is\n"))
+    writer.start()
+    result = generate(llama_bundle, "--prompt-file", fifo, "--json")
+    writer.join()
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["token_ids"] == expected["token_ids"]
+
+
+def test_prompt_that_is_not_utf8_text(llama_bundle):
+    output = one_clear_line(generate(llama_bundle, "--prompt", "caf\udce9"))
+    assert "not valid UTF-8" in output
+
+
+# -- the machine's state -------------------------------------------------------------------------
+@pytest.fixture
+def mount(tmp_path):
+    """Mount a small tmpfs (root only): real ENOSPC and EROFS, no simulation."""
+    mounted = []
+
+    def make(name: str, options: str) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
+        mounted.append(point)
+        return point
+
+    yield make
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    from specrt.export.tiny import make_tiny_pair
+
+    return make_tiny_pair(out_dir=tmp_path_factory.mktemp("src") / "pair", arch="llama")
+
+
+def test_disk_full_during_export(sources, mount):
+    disk = mount("full", "size=256k")
+    target, draft = sources
+    output = one_clear_line(
+        cli("export", "--target", target, "--draft", draft, "--out", disk / "b", "--no-ort-engine")
+    )
+    assert "No space left on device" in output or "no space" in output.lower(), output
+    assert list(disk.iterdir()) == []  # nothing left behind
+
+
+def test_read_only_file_system(sources, mount, llama_bundle, tmp_path):
+    readonly = mount("ro", "ro,size=1m")
+    target, draft = sources
+    output = one_clear_line(
+        cli("export", "--target", target, "--draft", draft, "--out", readonly / "b")
+    )
+    assert "Read-only file system" in output and "write somewhere else" in output
+    output = one_clear_line(generate(llama_bundle, "--prompt-file", readonly / "none.txt"), 2)
+    assert "does not exist" in output
+
+
+def test_broken_config_json(sources, tmp_path):
+    target, draft = sources
+    broken = tmp_path / "target"
+    shutil.copytree(target, broken)
+    (broken / "config.json").write_text('{"model_type": "llama", ')
+    output = one_clear_line(
+        cli("export", "--target", broken, "--draft", draft, "--out", tmp_path / "b")
+    )
+    assert "config.json cannot be read" in output
+    assert not (tmp_path / "b").exists()
+
+
+# -- manifests -----------------------------------------------------------------------------------
+def edit_manifest(bundle: Path, edit) -> None:
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def target(data):
+    return data["models"]["target"]
+
+
+MANIFEST_EDITS = {
+    "models-list": (lambda m: m.update(models=[1]), "manifest.models is a list, not an object"),
+    "eos-int": (lambda m: m["tokenizer"].update(eos_token_ids=0), "eos_token_ids is an integer"),
+    "eos-str": (lambda m: m["tokenizer"].update(eos_token_ids="0"), "eos_token_ids is a string"),
+    "eos-range": (lambda m: m["tokenizer"].update(eos_token_ids=[10**6]), "tokenizer.eos_token"),
+    "max-pos-neg": (lambda m: target(m).update(max_positions=-5), "max_positions is -5"),
+    "max-pos-zero": (lambda m: target(m).update(max_positions=0), "max_positions is 0"),
+    "max-pos-str": (lambda m: target(m).update(max_positions="1024"), "max_positions is a str"),
+    "max-pos-bool": (lambda m: target(m).update(max_positions=True), "max_positions is a bool"),
+    "dtype": (lambda m: target(m).update(dtype="bfloat16"), "dtype is 'bfloat16'"),
+    "files-list": (lambda m: target(m).update(files=["a"]), "files is a list, not an object"),
+    "files-empty": (lambda m: target(m).update(files={}), "files is {}"),
+    "path-unlisted": (lambda m: target(m).update(path="tokenizer/tokenizer.json"), ".path is"),
+    "path-escapes": (
+        lambda m: target(m)["files"].update({"../../etc/passwd": "0" * 64}),
+        "a path inside the bundle",
+    ),
+    "tok-vocab-str": (lambda m: m["tokenizer"].update(vocab_size="4096"), "vocab_size is a str"),
+    "vocab-zero": (lambda m: m.update(vocab_size=0), "manifest.vocab_size is 0"),
+    "unknown-field": (lambda m: target(m).update(colour="red"), "unknown field(s) ['colour']"),
+    "io-missing": (lambda m: target(m).pop("io"), "manifest.models.target.io is missing"),
+    "layers-float": (lambda m: target(m).update(num_layers=2.5), "num_layers is a number"),
+    "cache": (lambda m: target(m).update(cache="paged"), "cache kind 'paged'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MANIFEST_EDITS))
+def test_manifest_fields_are_checked_at_load(llama_bundle, tmp_path, case):
+    edit, message = MANIFEST_EDITS[case]
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+    edit_manifest(bundle, edit)
+    output = one_clear_line(generate(bundle, "--prompt", "a"))
+    assert message in output and "re-export" in output, output
+
+
+def test_manifest_with_infinity_or_a_newer_schema(llama_bundle, tmp_path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+    text = (bundle / "manifest.json").read_text()
+    (bundle / "manifest.json").write_text(text.replace('"atol": 0.001', '"atol": Infinity', 1))
+    assert "Infinity is not a JSON value" in one_clear_line(generate(bundle, "--prompt", "a"))
+    (bundle / "manifest.json").write_text(
+        text.replace('"schema_version": 1', '"schema_version": 7')
+    )
+    output = one_clear_line(generate(bundle, "--prompt", "a"))
+    assert "newer specrt" in output and "upgrade specrt" in output
+    assert "Infinity" not in "".join(p.read_text() for p in [llama_bundle / "manifest.json"])
+
+
+def test_bundle_path_that_is_a_file(llama_bundle):
+    output = one_clear_line(generate(llama_bundle / "manifest.json", "--prompt", "a"))
+    assert "is a file, not a bundle directory" in output
+
+
+def test_graph_wider_than_the_manifest_says(llama_bundle, tmp_path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+
+    def narrower(m):
+        engine = target(m)["engines"]["onnxruntime"]
+        engine["vocab_size"] -= 1
+        m["vocab_size"] -= 1
+        m["tokenizer"]["vocab_size"] -= 1
+        target(m)["vocab_size"] -= 1
+        m["models"]["draft"]["vocab_size"] -= 1
+        m["models"]["draft"]["engines"]["onnxruntime"]["vocab_size"] -= 1
+
+    edit_manifest(bundle, narrower)
+    output = one_clear_line(generate(bundle, "--prompt", "a", "--engine", "onnxruntime"))
+    assert "the graph's logits are" in output and "wide" in output
+
+
+# -- the Python API ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        (None, "prompts must be a list"),
+        ({"prompt": "Simple"}, "prompts must be a list"),
+        ("Simple", "prompts must be a list"),
+        (b"Simple", "prompts must be a list"),
+        ([b"Simple"], "prompt 0 is bytes"),
+        ([[3, 4.5]], "token id 4.5 that is not an integer"),
+        ([[True, 4]], "token id True that is not an integer"),
+        ([["3"]], "token id '3' that is not an integer"),
+        ([[3], None], "prompt 1 is NoneType"),
+        ([{"a": 1}], "prompt 0 is dict"),
+        ([[]], "prompt 0 is empty"),
+        ([[-1]], "outside the vocabulary"),
+    ],
+)
+def test_prompts_of_the_wrong_type(llama_generator, prompts, message):
+    with pytest.raises(InvalidInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        llama_generator.generate(prompts, GenerationConfig(max_new_tokens=2))
+
+
+def test_numpy_token_ids_are_token_ids(llama_generator):
+    config = GenerationConfig(max_new_tokens=np.int64(6), num_draft_tokens=np.int32(2))
+    as_numpy = llama_generator.generate([np.array([3, 4, 5])], config)
+    as_list = llama_generator.generate([[3, 4, 5]], GenerationConfig(6, 2))
+    assert as_numpy[0].token_ids == as_list[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"max_new_tokens": 3}, "config must be a GenerationConfig, not dict"),
+        ("greedy", "config must be a GenerationConfig, not str"),
+    ],
+)
+def test_config_of_the_wrong_type(llama_generator, config, message):
+    with pytest.raises(InvalidInputError, match=message):
+        llama_generator.generate(["Simple"], config)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_new_tokens", True),
+        ("max_new_tokens", 2.0),
+        ("num_draft_tokens", True),
+        ("num_draft_tokens", "4"),
+        ("temperature", False),
+        ("temperature", "0.5"),
+        ("temperature", float("inf")),
+        ("top_k", 1.5),
+        ("top_p", None),
+        ("seed", 1.0),
+        ("seed", True),
+        ("ignore_eos", 1),
+        ("adaptive_draft", "yes"),
+        ("draft_schedule", None),
+    ],
+)
+def test_generation_config_types(field, value):
+    with pytest.raises(InvalidInputError, match=f"{field}="):
+        GenerationConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"threads": "2"}, "threads='2' is out of range"),
+        ({"threads": 0}, "threads=0 is out of range"),
+        ({"draft_threads": 0}, "draft_threads=0 is out of range"),
+        ({"providers": "CPUExecutionProvider"}, "give a list of provider names"),
+        ({"providers": ["Nope"]}, r"provider\(s\) \['Nope'\] are not available"),
+        ({"providers": []}, "give a list of provider names"),
+        ({"engine": "tensorrt"}, "engine='tensorrt'"),
+        ({"max_length": 1}, "max_length=1 is out of range"),
+        ({"check_files": "no"}, "check_files='no' is out of range"),
+    ],
+)
+def test_load_options_of_the_wrong_type(llama_bundle, options, message):
+    with pytest.raises(InvalidInputError, match=message):
+        SpeculativeGenerator.from_bundle(llama_bundle, **options)
+
+
+def test_cli_threads_must_be_positive(llama_bundle):
+    output = one_clear_line(generate(llama_bundle, "--prompt", "a", "--threads", "-3"), 2)
+    assert "-3" in output
+
+
+# -- results that were silently wrong ------------------------------------------------------------
+PROMPTS = ["Simple is", "def f", "for i in", "Flat is better"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=1e-38),
+        dict(temperature=1e-46),
+        dict(temperature=5e-324),
+        dict(temperature=1.0, top_p=1e-46),
+        dict(temperature=0.7, top_p=1e-9, top_k=3),
+    ],
+    ids=["t1e-38", "t1e-46", "t-min", "topp1e-46", "topp1e-9-topk3"],
+)
+def test_extreme_sampling_settings_are_greedy_not_garbage(llama_generator, settings):
+    """A temperature near 0 or a top-p below float precision leaves only the best token: the
+    output is the greedy output, never NaN-driven garbage."""
+    options = dict(max_new_tokens=16, ignore_eos=True, seed=0)
+    greedy = llama_generator.generate(PROMPTS, GenerationConfig(**options))
+    for k in (0, 3):
+        config = GenerationConfig(num_draft_tokens=k, **options, **settings)
+        sampled = llama_generator.generate(PROMPTS, config)
+        assert [r.token_ids for r in sampled] == [r.token_ids for r in greedy], (k, settings)
+
+
+def test_stats_count_only_tokens_that_stand(llama_bundle):
+    """With frequent end-of-sequence tokens, rounds often accept draft tokens past an EOS that
+    the output then drops: they are not counted as accepted."""
+    probe = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, ignore_eos=True)
+    counts = np.bincount(
+        [t for r in probe.generate(PROMPTS, config) for t in r.token_ids], minlength=2
+    )
+    frequent = np.argsort(counts)[-3:].tolist()
+    generator = SpeculativeGenerator(probe.target, probe.drafter, probe.tokenizer, frequent)
+    results = generator.generate(PROMPTS * 3, GenerationConfig(max_new_tokens=24, seed=1))
+    stopped = [r for r in results if r.finish_reason == "stop"]
+    assert stopped
+    for result in results:
+        stats = result.stats
+        # Each round outputs its accepted draft tokens and then one token of the target's,
+        # except a last round whose EOS was an accepted draft token: its own token is dropped.
+        dropped = stats.rounds - (stats.new_tokens - stats.accepted_tokens)
+        assert dropped in ((0, 1) if result.finish_reason == "stop" else (0,)), stats
+        assert sum(stats.accepted_per_position) == stats.accepted_tokens
+        assert result.token_ids[-1] in frequent or result.finish_reason == "length"
+
+
+def test_prompt_longer_than_the_draft_can_hold(tmp_path):
+    bundle = build_bundle(
+        tmp_path, "shortdraft", arch="llama", max_positions=64, draft_max_positions=20
+    )
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    prompt = list(range(3, 33))  # 30 tokens: past the draft's 20, within the target's 64
+    config = dict(max_new_tokens=12, ignore_eos=True)
+    [base] = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **config))
+    [spec] = generator.generate([prompt], GenerationConfig(num_draft_tokens=4, **config))
+    assert spec.token_ids == base.token_ids
+    assert spec.stats.drafted_tokens == 0 and spec.stats.draft_stopped
+    assert not base.stats.draft_stopped  # the target alone never drafts
+    [short] = generator.generate([prompt[:5]], GenerationConfig(num_draft_tokens=4, **config))
+    assert short.stats.drafted_tokens > 0 and not short.stats.draft_stopped
+
+
+# -- messages that misled ----------------------------------------------------------------------
+def test_over_long_prompt_names_the_limit_that_applies(llama_bundle):
+    long_prompt = "Simple is better than complex. " * 6
+    output = one_clear_line(generate(llama_bundle, "--prompt", long_prompt))
+    assert "the model's own limit" in output and "--max-length" not in output
+    output = one_clear_line(
+        generate(llama_bundle, "--prompt", "Simple is better than complex. ", "--max-length", 20)
+    )
+    assert "--max-length; the model has 128" in output
+
+
+def test_export_refuses_what_build_refuses(llama_bundle):
+    for atol in ("0", "-1"):
+        output = one_clear_line(cli("build", "--bundle", llama_bundle, "--atol", atol))
+        assert f"atol={float(atol)}" in output
