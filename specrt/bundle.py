@@ -15,13 +15,13 @@ never guesses input names or shapes. This module imports nothing beyond the stan
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from specrt.checksums import cached_sha256
 from specrt.errors import BundleError
 from specrt.staging import recover
 
@@ -205,14 +205,6 @@ def _kind_name(hint: type) -> str:
     )
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(bundle_dir: str | Path, manifest: Manifest) -> Path:
     path = Path(bundle_dir) / MANIFEST_NAME
     # allow_nan=False: NaN and Infinity are not JSON, and other languages' parsers refuse them
@@ -375,18 +367,19 @@ def _validate_view(label: str, spec: ModelSpec, vocab_size: int) -> None:
 
 
 def verify_checksums(manifest: Manifest, root: str | Path) -> None:
-    """Hash every model file and the tokenizer against the manifest."""
+    """Hash every model file and the tokenizer against the manifest (a file hashed before and
+    unchanged since is not read again: `specrt.checksums`)."""
     root = Path(root)
     for role in ROLES:
         for rel, expected in manifest.models[role].all_files().items():
-            actual = sha256_file(root / rel)
+            actual = cached_sha256(root / rel)
             if actual != expected:
                 raise BundleError(
                     f"{role}: {rel} does not match its sha256 in the manifest (the file changed "
                     "or is corrupted); re-export or re-copy the bundle"
                 )
     tok = root / manifest.tokenizer.path / "tokenizer.json"
-    if sha256_file(tok) != manifest.tokenizer.sha256:
+    if cached_sha256(tok) != manifest.tokenizer.sha256:
         raise BundleError(
             f"{tok} does not match its sha256 in the manifest; re-export or re-copy the bundle"
         )

@@ -198,12 +198,27 @@ def build(bundle, draft_precision, atol) -> None:
     "model's max positions).",
 )
 @click.option(
+    "--skip-checksums",
+    is_flag=True,
+    help="Trust the bundle's files without checking their sha256 (checked files are remembered, "
+    "so only a first load of a bundle pays for it).",
+)
+@click.option(
     "--compare", is_flag=True, help="Also run the target alone and report the measured speedup."
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt.")
 @_friendly_errors
 def generate(
-    bundle, prompts, prompt_file, as_json, threads, engine, max_length, compare, **params
+    bundle,
+    prompts,
+    prompt_file,
+    as_json,
+    threads,
+    engine,
+    max_length,
+    skip_checksums,
+    compare,
+    **params,
 ) -> None:
     """Generate from a bundle with speculative decoding."""
     from specrt.runtime import SpeculativeGenerator
@@ -212,7 +227,11 @@ def generate(
     texts = _prompts(prompts, prompt_file)
     config = GenerationConfig(**params)
     generator = SpeculativeGenerator.from_bundle(
-        bundle, threads=threads, engine=engine, max_length=max_length
+        bundle,
+        threads=threads,
+        engine=engine,
+        max_length=max_length,
+        check_files=not skip_checksums,
     )
     if compare:
         outputs = compare_with_target_only(generator, texts, config)

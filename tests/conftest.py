@@ -34,3 +34,11 @@ def llama_bundle(bundles):
 @pytest.fixture(scope="session")
 def llama_generator(llama_bundle):
     return SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checksum_memory(tmp_path_factory):
+    """Remembered file hashes go to a scratch folder, not the user's cache."""
+    import os
+
+    os.environ["SPECRT_CACHE_DIR"] = str(tmp_path_factory.mktemp("specrt-cache"))

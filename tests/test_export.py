@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BertConfig
 
-from specrt.bundle import read_manifest, sha256_file
+from specrt.bundle import read_manifest
+from specrt.checksums import sha256_file
 from specrt.errors import ExportError, PairMismatchError
 from specrt.export import SUPPORTED_MODEL_TYPES, export_bundle
 from specrt.export.tiny import make_tiny_pair, make_tokenizer

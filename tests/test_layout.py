@@ -18,6 +18,7 @@ BASE = {
     "specrt.prompts",
     "specrt.staging",
     "specrt.validation",
+    "specrt.checksums",
 }
 ALLOWED = {
     "base": BASE,

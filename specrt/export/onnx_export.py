@@ -18,7 +18,8 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-from specrt.bundle import ModelIO, ModelSpec, sha256_file
+from specrt.bundle import ModelIO, ModelSpec
+from specrt.checksums import sha256_file
 from specrt.errors import ExportError
 
 STANDARD_DOMAINS = {"", "ai.onnx"}

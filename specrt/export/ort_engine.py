@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.bundle import ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, ModelSpec, sha256_file
+from specrt.bundle import ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, ModelSpec
+from specrt.checksums import sha256_file
 from specrt.export.numeric_check import max_logit_difference
 from specrt.export.ort_graph import (
     LOGITS_TO_KEEP,

@@ -22,9 +22,9 @@ from specrt.bundle import (
     ModelSpec,
     TokenizerSpec,
     is_bundle,
-    sha256_file,
     write_manifest,
 )
+from specrt.checksums import sha256_file
 from specrt.errors import ExportError, PairMismatchError
 from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json

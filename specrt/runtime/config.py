@@ -42,8 +42,10 @@ class GenerationConfig:
     is shorthand for ``draft_schedule="adaptive"``.
     ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0`` and
     ``top_p == 1`` switch those filters off. ``num_draft_tokens == 0`` runs the target alone: the
-    baseline every comparison uses. ``seed`` makes sampling reproducible; row ``i`` of a batch uses
-    the stream ``(seed, i)``.
+    baseline every comparison uses. ``seed`` makes sampling reproducible, bit for bit across calls
+    and processes for a given configuration; row ``i`` of a batch uses the stream ``(seed, i)``
+    (with a seed, the adaptive and heuristic schedules start afresh for each row, and the
+    adaptive one models its costs instead of timing them).
     """
 
     max_new_tokens: int = 64

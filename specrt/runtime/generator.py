@@ -149,8 +149,12 @@ class SpeculativeGenerator:
 
     def _schedule(self, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
-        draft's calibration, the machine's costs) holds for the pair, not for one prompt."""
+        draft's calibration, the machine's costs) holds for the pair, not for one prompt.
+        Except under a seed when sampling: the drafts decide which random draws the output
+        takes, so the schedule is new for each row and decides from that row alone."""
         name = config.draft_schedule if config.num_draft_tokens else "fixed"
+        if name != "fixed" and config.seed is not None and not config.greedy:
+            return make_schedule(name, config.num_draft_tokens, reproducible=True)
         key = (name, config.num_draft_tokens, config.greedy)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)

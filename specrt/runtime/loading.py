@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,10 +11,12 @@ from pathlib import Path
 import onnxruntime as ort
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, Decoder, open_decoder
-from specrt.bundle import Manifest, read_manifest, verify_checksums
-from specrt.errors import InvalidInputError, PairMismatchError
+from specrt.bundle import MANIFEST_NAME, Manifest, read_manifest, verify_checksums
+from specrt.errors import BundleError, InvalidInputError, PairMismatchError
 from specrt.runtime.tokenizer import BundleTokenizer
 from specrt.validation import flag, integer
+
+log = logging.getLogger("specrt")
 
 
 @dataclass
@@ -57,6 +60,27 @@ def load_pair(
             f"bundle_dir={bundle_dir!r}: give the bundle directory's path (a str or Path)"
         )
     root = Path(bundle_dir)
+    options = dict(
+        engine=engine,
+        providers=providers,
+        check_files=check_files,
+        threads=threads,
+        draft_threads=draft_threads,
+        max_length=max_length,
+    )
+    before = _manifest_bytes(root)
+    try:
+        return _load(root, **options)
+    except (BundleError, OSError):
+        # A concurrent re-export swaps the whole bundle at once; a load that read across the
+        # swap (the old manifest, the new files) is done again, once, on the new bundle.
+        if before is None or _manifest_bytes(root) in (None, before):
+            raise
+        log.warning("the bundle %s changed while it was loading (re-exported?): loaded again", root)
+        return _load(root, **options)
+
+
+def _load(root: Path, check_files: bool, threads, draft_threads, max_length, **select) -> ModelPair:
     manifest = read_manifest(root)
     if check_files:
         verify_checksums(manifest, root)
@@ -67,10 +91,9 @@ def load_pair(
             spec,
             role,
             manifest.vocab_size,
-            engine=engine,
-            providers=providers,
             threads=draft_threads if role == "draft" else threads,
             max_length=max_length,
+            **select,
         )
         for role, spec in manifest.models.items()
     }
@@ -78,6 +101,13 @@ def load_pair(
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
     )
+
+
+def _manifest_bytes(root: Path) -> bytes | None:
+    try:
+        return (root / MANIFEST_NAME).read_bytes()
+    except OSError:
+        return None
 
 
 def check_providers(providers: Sequence[str] | None) -> list[str] | None:

@@ -1,0 +1,82 @@
+"""Verified file hashes, remembered: loading a bundle hashes every file once, not on every load.
+
+A file's sha256 is kept with its identity (device, inode, size, modification and change times in
+ns). Any write to the file changes its change time, which no user can set back, so a file whose
+identity is unchanged still has the remembered hash. The memory is per process and, best effort,
+on disk (``$SPECRT_CACHE_DIR``, else ``$XDG_CACHE_HOME/specrt`` or ``~/.cache/specrt``), so
+services that restart and CLI calls load multi-GB bundles without re-reading them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+CACHE_FILE = "verified-files.json"
+MAX_ENTRIES = 10_000
+_memory: dict[str, tuple[list[int], str]] = {}
+_lock = threading.Lock()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_sha256(path: str | Path) -> str:
+    """``sha256_file(path)``, from memory when the file is the one hashed before."""
+    key = os.path.realpath(path)
+    identity = _identity(key)
+    with _lock:
+        if not _memory:
+            _memory.update(_load())
+        remembered = _memory.get(key)
+    if remembered is not None and remembered[0] == identity:
+        return remembered[1]
+    digest = sha256_file(key)
+    if _identity(key) == identity:  # unchanged while it was read
+        with _lock:
+            _memory[key] = (identity, digest)
+            _save(_memory)
+    return digest
+
+
+def _identity(path: str) -> list[int]:
+    stat = os.stat(path)
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SPECRT_CACHE_DIR"):
+        return Path(os.environ["SPECRT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specrt"
+
+
+def _load() -> dict[str, tuple[list[int], str]]:
+    try:
+        data = json.loads((cache_dir() / CACHE_FILE).read_text())
+        return {key: (list(entry[0]), str(entry[1])) for key, entry in data.items()}
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return {}  # no memory yet, or an unreadable one: hash again
+
+
+def _save(entries: dict[str, tuple[list[int], str]]) -> None:
+    """Write the memory atomically; a read-only or full disk only costs re-hashing later."""
+    if len(entries) > MAX_ENTRIES:
+        for key in list(entries)[: len(entries) - MAX_ENTRIES]:
+            del entries[key]
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        scratch = directory / f".{CACHE_FILE}.{os.getpid()}.{threading.get_ident()}"
+        scratch.write_text(json.dumps(entries))
+        os.replace(scratch, directory / CACHE_FILE)
+    except OSError:
+        pass
