@@ -28,7 +28,8 @@ from specrt.staging import recover
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ROLES = ("target", "draft")
-ONNXRUNTIME_ENGINE = "onnxruntime"  # the key of the onnxruntime engine in ModelSpec.engines
+ONNXRUNTIME_ENGINE = "onnxruntime"  # the key of the onnxruntime CPU engine in ModelSpec.engines
+CUDA_ENGINE = "cuda"  # the key of the fp16 onnxruntime engine for the CUDA provider
 
 
 @dataclass
@@ -48,6 +49,8 @@ class ModelIO:
     total_length: str | None = None
     probabilities: str | None = None  # softmax of the logits, where the graph computes it
     logits_to_keep: str | None = None  # how many trailing positions get logits, where it can
+    argmax: str | None = None  # each kept row's best token, where the graph computes it
+    max_logit: str | None = None  # and that token's logit (NaN/inf checks without the logits)
 
 
 @dataclass
@@ -62,8 +65,10 @@ class EngineSpec:
     io: ModelIO
     vocab_size: int
     cache: str = "in_place"
-    precision: str = "float32"
+    precision: str = "float32"  # of the weights: float32, float16, int8, int4
     export_check: dict[str, float | None] = field(default_factory=dict)
+    provider: str = "CPUExecutionProvider"  # the onnxruntime provider it is built for
+    dtype: str = "float32"  # of its activations and KV cache
 
 
 @dataclass
@@ -98,6 +103,7 @@ class ModelSpec:
             io=engine.io,
             vocab_size=engine.vocab_size,
             cache=engine.cache,
+            dtype=engine.dtype,
             export_check=engine.export_check,
             engines={},
         )

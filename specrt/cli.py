@@ -13,7 +13,7 @@ import click
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
 from specrt.errors import InvalidInputError, SpecrtError, describe_os_error
-from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, PRECISIONS
+from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, DEVICES, PRECISIONS
 from specrt.prompts import collect_prompts
 from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationConfig
 
@@ -44,6 +44,16 @@ ENGINE_OPTION = click.option(
     show_default=True,
     help="Which graphs run: each model's onnxruntime engine where the bundle has one (auto), or "
     "the portable ones.",
+)
+
+
+DEVICE_OPTION = click.option(
+    "--device",
+    "devices",
+    type=click.Choice(DEVICES),
+    multiple=True,
+    help="What to build engines for (repeatable) [cpu]: cuda builds the float16 engines the CUDA "
+    "provider runs (they are checked here, on the CPU).",
 )
 
 
@@ -91,6 +101,7 @@ def main() -> None:
     help="Also build the onnxruntime engine (fused graph, in-place KV cache) [on].",
 )
 @draft_precision_option(None)
+@DEVICE_OPTION
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
 def export(target, draft, out, recipe, force, **given) -> None:
@@ -111,6 +122,7 @@ def export(target, draft, out, recipe, force, **given) -> None:
     elif not (target and draft and out):
         raise click.UsageError("give --target, --draft and --out (or --recipe)")
     given["slim"] = given["slim"] or None  # an absent flag leaves the recipe's choice
+    given["devices"] = given["devices"] or None
     options = ExportOptions.from_settings(recipe_options, given)
     log = lambda message: click.echo(message, err=True)  # noqa: E731
     manifest = export_bundle(target, draft, out, options, force=force, log=log)
@@ -130,11 +142,12 @@ def export(target, draft, out, recipe, force, **given) -> None:
 @main.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @draft_precision_option(DEFAULT_DRAFT_PRECISION)
+@DEVICE_OPTION
 @click.option(
     "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Max |logit diff|."
 )
 @_friendly_errors
-def build(bundle, draft_precision, atol) -> None:
+def build(bundle, draft_precision, devices, atol) -> None:
     """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
     try:
         from specrt.export.build import build_engines
@@ -143,7 +156,7 @@ def build(bundle, draft_precision, atol) -> None:
         raise click.ClickException(
             f"specrt build needs the export extra ({exc.name} is missing): {EXPORT_EXTRA}"
         ) from exc
-    options = ExportOptions(atol=atol, draft_precision=draft_precision)
+    options = ExportOptions(atol=atol, draft_precision=draft_precision, devices=devices or ("cpu",))
     manifest = build_engines(bundle, options, log=lambda message: click.echo(message, err=True))
     for role, spec in manifest.models.items():
         names = ", ".join(f"{n} ({e.precision})" for n, e in spec.engines.items()) or "none"

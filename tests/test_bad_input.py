@@ -196,7 +196,7 @@ def test_engine_on_a_gpu_provider_is_refused_with_the_way_out(llama_bundle):
 
     spec = read_manifest(llama_bundle).models["target"]
     gpu = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    with pytest.raises(InvalidInputError, match="use engine 'portable' or 'auto' on GPU"):
+    with pytest.raises(InvalidInputError, match="use engine 'cuda', 'portable' or 'auto' on GPU"):
         select_graph(spec, "target", "onnxruntime", gpu)
     assert select_graph(spec, "target", "auto", gpu) is spec  # auto: the portable graph
     # and this CPU build of onnxruntime refuses the GPU provider instead of falling back

@@ -8,6 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from specrt.backends import Forward
 from specrt.errors import NumericalError
 from specrt.runtime import verification
 from specrt.runtime.config import SamplingParams
@@ -111,7 +112,7 @@ def verify_outcomes(branches, drafted, q_rows, p_rows) -> dict[tuple[int, ...], 
     logits = np.zeros_like(p_rows)
 
     def run(rng):
-        accepted, token = verify(drafted, q_rows, logits, PLAIN, rng, p_rows)
+        accepted, token = verify(drafted, q_rows, Forward(logits, p_rows), PLAIN, rng)
         return (*drafted[:accepted], token)
 
     return branches.outcomes(run)
@@ -199,7 +200,7 @@ def _first_tokens(p, q, draft_tokens_rng, seed):
     logits = np.zeros_like(p)
     for _ in range(DRAWS):
         drafted = [sample(q[i], draft_tokens_rng) for i in range(k)]
-        n, token = verify(drafted, q, logits, PLAIN, rng, p)
+        n, token = verify(drafted, q, Forward(logits, p), PLAIN, rng)
         counts[drafted[0] if n > 0 else token] += 1
     return counts
 
@@ -264,7 +265,7 @@ def test_warp_temperature_top_k_top_p_match_their_definitions():
 
 
 def greedy_verify(drafted: list[int], logits: np.ndarray) -> tuple[int, int]:
-    return verify(drafted, None, logits, GREEDY, np.random.default_rng(0))
+    return verify(drafted, None, Forward(logits), GREEDY, np.random.default_rng(0))
 
 
 def test_greedy_verify():
@@ -358,3 +359,15 @@ def test_sample_is_the_inverse_cdf(size):
         edges = cdf[max(expected - 1, 0) : expected + 1]
         if np.abs(edges - target).min() > 1e-5 * cdf[-1]:  # away from float32 rounding at edges
             assert got == expected, (u, got, expected)
+
+
+def test_greedy_verify_with_the_backends_own_argmax():
+    """A device backend brings back each row's argmax and max logit instead of the logits."""
+    rng = np.random.default_rng(0)
+    out = Forward(None, argmax=[2, 4, 1, 3], max_logit=np.full(4, 5.0, np.float32))
+    assert verify([2, 4, 1], None, out, GREEDY, rng) == (3, 3)
+    assert verify([2, 0, 1], None, out, GREEDY, rng) == (1, 4)
+    for bad in (np.nan, np.inf, -np.inf):
+        out.max_logit[1] = bad
+        with pytest.raises(NumericalError, match="the target model produced NaN/inf"):
+            verify([2, 4, 1], None, out, GREEDY, rng)

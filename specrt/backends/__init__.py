@@ -1,11 +1,27 @@
 """What runs a graph: backends behind one `Decoder` protocol (`base.py`).
 
 `in_place.InPlaceDecoder` runs the onnxruntime engine (fused graph, KV cache updated in place),
-`portable.PortableDecoder` the portable standard-op graph; `select.open_decoder` picks one for
-the requested providers.
+`portable.PortableDecoder` the portable standard-op graph, `device.DeviceDecoder` the cuda
+engine with its cache in GPU memory; `select.open_decoder` picks one for the requested
+providers.
 """
 
-from specrt.backends.base import Decoder, Forward
+from specrt.backends.base import (
+    NEED_ARGMAX,
+    NEED_LOGITS,
+    NEED_PROBABILITIES,
+    Decoder,
+    Forward,
+)
 from specrt.backends.select import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, open_decoder
 
-__all__ = ["DEFAULT_MAX_LENGTH", "ENGINE_CHOICES", "Decoder", "Forward", "open_decoder"]
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "ENGINE_CHOICES",
+    "NEED_ARGMAX",
+    "NEED_LOGITS",
+    "NEED_PROBABILITIES",
+    "Decoder",
+    "Forward",
+    "open_decoder",
+]

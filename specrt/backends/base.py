@@ -26,16 +26,27 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 PREFILL_CHUNK = 256
 
 
+# What a call must bring back to the host. A device backend copies only that; a host backend
+# returns everything it has whatever is asked.
+NEED_LOGITS = "logits"  # the logits rows (to warp them, or to check them)
+NEED_PROBABILITIES = "probabilities"  # the graph's softmax rows (temperature 1, confidence)
+NEED_ARGMAX = "argmax"  # each row's best token and its logit (greedy decoding)
+
+
 @dataclass
 class Forward:
-    """What one call returns: ``logits [rows, vocab]`` of the last positions fed and, where the
-    graph computes it, their softmax ``probabilities`` (else None).
+    """What one call returns for the last positions fed, as far as the backend has it and the
+    caller asked for it: ``logits [rows, vocab]``, their softmax ``probabilities``, and
+    ``argmax`` (each row's best token) with ``max_logit`` (its logit, so NaN/inf can be
+    refused without the logits).
 
     The arrays belong to the decoder and are valid until its next call: a backend may write
     the next call's output into the same memory. Copy what must outlive the next call."""
 
-    logits: np.ndarray
+    logits: np.ndarray | None
     probabilities: np.ndarray | None = None
+    argmax: list[int] | None = None
+    max_logit: np.ndarray | None = None
 
 
 class Decoder(Protocol):
@@ -60,9 +71,11 @@ class Decoder(Protocol):
         """Keep only the first ``length`` positions; never grows the cache."""
         ...
 
-    def forward(self, tokens: Sequence[int], keep_last: int = 0) -> Forward:
-        """Feed ``tokens`` after the cached prefix; return the logits of all of them, or of the
-        last ``keep_last`` only."""
+    def forward(
+        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
+    ) -> Forward:
+        """Feed ``tokens`` after the cached prefix; return what ``need`` names (at least) for
+        all of them, or for the last ``keep_last`` only."""
         ...
 
     def prefill(self, tokens: Sequence[int]) -> None:

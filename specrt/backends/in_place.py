@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from specrt.backends.base import NUMPY_DTYPES, DecoderBase, Forward
+from specrt.backends.base import NEED_LOGITS, NUMPY_DTYPES, DecoderBase, Forward
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
@@ -82,7 +82,9 @@ class InPlaceDecoder(DecoderBase):
         """Keep only the first ``length`` positions (the rest is overwritten by later calls)."""
         self.length = min(self.length, length)
 
-    def forward(self, tokens: Sequence[int], keep_last: int = 0) -> Forward:
+    def forward(
+        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
+    ) -> Forward:
         """Logits (and probabilities) of the last ``keep_last`` positions fed, all by default;
         written into arrays the next call of the same shape writes again."""
         count = len(tokens)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from specrt.backends.base import NUMPY_DTYPES, DecoderBase, Forward
+from specrt.backends.base import NEED_LOGITS, NUMPY_DTYPES, DecoderBase, Forward
 from specrt.bundle import ModelSpec
 
 
@@ -74,7 +74,9 @@ class PortableDecoder(DecoderBase):
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
-    def forward(self, tokens: Sequence[int], keep_last: int = 0) -> Forward:
+    def forward(
+        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
+    ) -> Forward:
         """Logits of the last ``keep_last`` positions fed (all by default); the graph computes
         them all anyway, and no probabilities."""
         io, cache = self.spec.io, self.cache

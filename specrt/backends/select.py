@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import onnxruntime as ort
 
 from specrt.backends.base import Decoder
+from specrt.backends.device import DeviceDecoder
 from specrt.backends.in_place import InPlaceDecoder
 from specrt.backends.portable import PortableDecoder
 from specrt.backends.session import create_session, default_providers
-from specrt.bundle import ONNXRUNTIME_ENGINE, ModelSpec
+from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, ModelSpec
 from specrt.errors import InvalidInputError
 
-# "auto": each model's onnxruntime engine where the bundle has one and the provider suits it,
-# else its portable graph; the others insist on one.
-ENGINE_CHOICES = ("auto", "portable", ONNXRUNTIME_ENGINE)
+# "auto": on the CPU provider each model's onnxruntime engine, on the CUDA provider its cuda
+# engine, where the bundle has one, else its portable graph; the others insist on one ("cuda" on
+# the CPU provider runs the cuda engine's graph on the CPU, as a check of it).
+ENGINE_CHOICES = ("auto", "portable", ONNXRUNTIME_ENGINE, CUDA_ENGINE)
 DEFAULT_MAX_LENGTH = 8192  # positions of preallocated KV cache per engine model
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+log = logging.getLogger("specrt")
 
 
 def open_decoder(
@@ -34,6 +39,9 @@ def open_decoder(
     providers = list(providers or default_providers())
     graph = select_graph(spec, role, engine, providers)
     session = create_session(bundle_root / graph.path, threads=threads, providers=providers)
+    if graph.io.argmax:  # a device engine: its cache lives where the provider computes
+        device = "cuda" if providers[0] == CUDA else "cpu"
+        return DeviceDecoder(session, graph, vocab_size, role, max_length, device)
     return make_decoder(session, graph, vocab_size, role, max_length)
 
 
@@ -44,31 +52,41 @@ def make_decoder(
     role: str,
     max_length: int | None = None,
 ) -> Decoder:
-    """The decoder class the graph's cache contract (``spec.cache``) needs."""
+    """The decoder class the graph's cache contract (``spec.cache``) needs, on the host."""
     if spec.cache == "in_place":
         return InPlaceDecoder(session, spec, vocab_size, role, max_length)
     return PortableDecoder(session, spec, vocab_size, role, max_length)
 
 
 def select_graph(spec: ModelSpec, role: str, engine: str, providers: list[str]) -> ModelSpec:
-    """The model as seen through the graph that runs: its onnxruntime engine or the portable one."""
+    """The model as seen through the graph that runs: an engine or the portable graph."""
     if engine not in ENGINE_CHOICES:
         raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
-    has_engine = ONNXRUNTIME_ENGINE in spec.engines
-    # The engine's in-place cache lives in host memory; on a GPU provider every call would copy
-    # it across, so auto takes the portable graph there.
-    on_cpu = providers[0] == "CPUExecutionProvider"
-    if engine == "portable" or (engine == "auto" and not (has_engine and on_cpu)):
+    provider = providers[0]
+    if engine == "auto":
+        wanted = {CPU: ONNXRUNTIME_ENGINE, CUDA: CUDA_ENGINE}.get(provider)
+        if wanted in spec.engines:
+            return spec.engine_view(wanted)
+        if provider == CUDA:
+            log.warning(
+                "%s: the bundle has no cuda engine, so the portable graph runs on CUDA (its KV "
+                "cache crosses PCIe every call); build one: specrt build --bundle DIR --device "
+                "cuda",
+                role,
+            )
         return spec
-    if not on_cpu:
+    if engine == "portable":
+        return spec
+    if engine not in spec.engines:
+        how = "--device cuda" if engine == CUDA_ENGINE else "(llama, qwen2, mistral, gpt2)"
+        raise InvalidInputError(
+            f"the bundle's {role} has no {engine} engine (`specrt build --bundle DIR {how}` "
+            "builds one); use engine 'auto' or 'portable'"
+        )
+    if engine == ONNXRUNTIME_ENGINE and provider != CPU:
+        # Its in-place cache lives in host memory: on a GPU every call would copy it across.
         raise InvalidInputError(
             f"the onnxruntime engine keeps its KV cache in host memory and runs on the CPU "
-            f"provider only (asked for {providers[0]}); use engine 'portable' or 'auto' on GPU"
+            f"provider only (asked for {provider}); use engine 'cuda', 'portable' or 'auto' on GPU"
         )
-    if not has_engine:
-        raise InvalidInputError(
-            f"the bundle's {role} has no onnxruntime engine (`specrt export` builds one for "
-            "every supported architecture); use engine 'auto' or 'portable', or re-export the "
-            "bundle"
-        )
-    return spec.engine_view(ONNXRUNTIME_ENGINE)
+    return spec.engine_view(engine)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from specrt.bundle import (
+    CUDA_ENGINE,
     ONNXRUNTIME_ENGINE,
     ROLES,
     Manifest,
@@ -54,9 +55,11 @@ def build_engines(
         shutil.copytree(root, scratch, dirs_exist_ok=True)
         for role in ROLES:
             spec = manifest.models[role]
-            old = spec.engines.pop(ONNXRUNTIME_ENGINE, None)
-            if old is not None:
-                shutil.rmtree((scratch / old.path).parent, ignore_errors=True)
+            keys = [ONNXRUNTIME_ENGINE] * options.cpu_engine + [CUDA_ENGINE] * options.cuda_engine
+            for key in keys:  # the engines asked for are rebuilt; others are kept
+                old = spec.engines.pop(key, None)
+                if old is not None:
+                    shutil.rmtree((scratch / old.path).parent, ignore_errors=True)
             model = AutoModelForCausalLM.from_pretrained(
                 sources[role], dtype=torch.float32, local_files_only=True
             ).eval()

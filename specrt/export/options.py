@@ -17,26 +17,47 @@ from specrt.errors import ExportError
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
 PRECISIONS = ("float32", "int8", "int4")  # of a draft engine's weights
 DEFAULT_ATOL = 1e-3
+DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larger models
 DEFAULT_DRAFT_PRECISION = "int8"
+DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines
 
 
 @dataclass(frozen=True)
 class ExportOptions:
     """``atol``: the largest |logit difference| to PyTorch an export may show. ``opset``: the
     ONNX opset (None: optimum's). ``slim``: simplify the portable graphs with onnxslim (still
-    standard ops). ``ort_engine``: also build each model's onnxruntime engine (fused graph,
-    in-place KV cache). ``draft_precision``: the draft engine's weights (a cheaper draft, the
-    same output: every token is still decided by the float32 target)."""
+    standard ops). ``ort_engine``: also build each model's onnxruntime engines (fused graph,
+    in-place KV cache). ``draft_precision``: the CPU draft engine's weights (a cheaper draft,
+    the same output: every token is still decided by the float32 target). ``devices``: "cpu"
+    builds the CPU engines, "cuda" the float16 engines for the CUDA provider (checked against
+    PyTorch within ``fp16_atol``)."""
 
     atol: float = DEFAULT_ATOL
     opset: int | None = None
     slim: bool = False
     ort_engine: bool = True
     draft_precision: str = DEFAULT_DRAFT_PRECISION
+    devices: tuple[str, ...] = ("cpu",)
+    fp16_atol: float = DEFAULT_FP16_ATOL
+
+    @property
+    def cpu_engine(self) -> bool:
+        return self.ort_engine and "cpu" in self.devices
+
+    @property
+    def cuda_engine(self) -> bool:
+        return self.ort_engine and "cuda" in self.devices
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.atol, (int, float)) and self.atol > 0):
-            raise ExportError(f"atol={self.atol} must be > 0")
+        for name in ("atol", "fp16_atol"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+                raise ExportError(f"{name}={value} must be > 0")
+        devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
+        object.__setattr__(self, "devices", devices)
+        unknown = [d for d in self.devices if d not in DEVICES]
+        if unknown or not self.devices:
+            raise ExportError(f"devices={self.devices!r}: use one or more of {DEVICES}")
         if self.draft_precision not in PRECISIONS:
             raise ExportError(
                 f"draft precision {self.draft_precision!r} is unknown; use one of "

@@ -8,11 +8,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specrt.bundle import ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, ModelSpec
+from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, ModelSpec
 from specrt.checksums import sha256_file
 from specrt.export.numeric_check import max_logit_difference
 from specrt.export.ort_graph import (
+    ARGMAX,
     LOGITS_TO_KEEP,
+    MAX_LOGIT,
     PROBABILITIES,
     SEQLENS_K,
     TOTAL_LENGTH,
@@ -30,14 +32,19 @@ def build_ort_engine(
     role: str,
     vocab: int,
     precision: str = "float32",
+    device: str = "cpu",
 ) -> EngineSpec:
-    """Write ``ROLE/onnxruntime/model.onnx`` into the bundle and return its checked entry.
+    """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
+    (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
+    bundle and return its entry with the check against PyTorch, run on this machine's CPU.
 
-    ``precision`` other than float32 quantises the weights (drafts only: see
+    ``precision`` int8/int4 quantises a CPU engine's weights (drafts only: see
     `specrt.export.quantize`); the check then reports the difference without a bound."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
-    out = bundle_root / role / ONNXRUNTIME_ENGINE / "model.onnx"
+    key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
+    dtype = "float16" if device == "cuda" else "float32"
+    out = bundle_root / role / key / "model.onnx"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -45,6 +52,8 @@ def build_ort_engine(
         head_dim=spec.head_dim,
         norm_eps=float(getattr(config, "rms_norm_eps", None) or config.layer_norm_epsilon),
         vocab_size=vocab,
+        dtype=dtype,
+        greedy_outputs=device == "cuda",
     )
     if config.model_type == "gpt2":
         graph = build_gpt2_graph(shape, weights, out)
@@ -60,7 +69,8 @@ def build_ort_engine(
             sin[0, :, :half].numpy().astype(np.float32),
             out,
         )
-    quantize_weights(graph, precision)
+    if device == "cpu":
+        quantize_weights(graph, precision)
     layers = range(spec.num_layers)
     engine = EngineSpec(
         path=str(graph.relative_to(bundle_root)),
@@ -80,12 +90,16 @@ def build_ort_engine(
             total_length=TOTAL_LENGTH,
             probabilities=PROBABILITIES,
             logits_to_keep=LOGITS_TO_KEEP,
+            argmax=ARGMAX if shape.greedy_outputs else None,
+            max_logit=MAX_LOGIT if shape.greedy_outputs else None,
         ),
         vocab_size=vocab,
         cache="in_place",
-        precision=precision,
+        precision=dtype if device == "cuda" else precision,
+        provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
+        dtype=dtype,
     )
-    spec.engines[ONNXRUNTIME_ENGINE] = engine
-    check = max_logit_difference(model, graph, spec.engine_view(ONNXRUNTIME_ENGINE), vocab)
+    spec.engines[key] = engine
+    check = max_logit_difference(model, graph, spec.engine_view(key), vocab)
     engine.export_check = check
     return engine

@@ -37,6 +37,8 @@ OPSET = 21
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
 TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
 PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxruntime's code is hot
+ARGMAX = "argmax"  # int64 [1, n]: each kept row's best token (greedy_outputs)
+MAX_LOGIT = "max_logit"  # float32 [1, n]: its logit, so the host can refuse NaN/inf
 LOGITS_TO_KEEP = "logits_to_keep"  # int64 [1]: logits for the last n positions fed (prefill: 1)
 _MS = "com.microsoft"
 
@@ -51,6 +53,12 @@ class DecoderShape:
     head_dim: int
     norm_eps: float
     vocab_size: int  # logits width written (the tokenizer's vocabulary)
+    # "float16" for GPU engines: weights, activations and KV cache; logits and their softmax
+    # stay float32 (the sampler's precision, and fp16 would round close logits together).
+    dtype: str = "float32"
+    # Also output each kept row's argmax and max logit: a device backend copies back those few
+    # numbers for greedy decoding instead of the logits.
+    greedy_outputs: bool = False
 
 
 def unsupported_reason(config, max_positions: int) -> str | None:
@@ -102,9 +110,9 @@ def build_decoder_graph(
     ``weights`` uses the HF state-dict names (``model.layers.0.self_attn.q_proj.weight`` …, each
     ``[out, in]``); ``cos``/``sin`` are ``[max_positions, head_dim / 2]`` (rotary, scaled).
     """
-    b = _GraphBuilder(weights)
-    b.initializer("cos_cache", cos.astype(np.float32))
-    b.initializer("sin_cache", sin.astype(np.float32))
+    b = _GraphBuilder(weights, shape.dtype)
+    b.initializer("cos_cache", cos)
+    b.initializer("sin_cache", sin)
 
     b.node("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], ["embedded"])
     eps = float(shape.norm_eps)
@@ -150,7 +158,7 @@ def build_decoder_graph(
         residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    _lm_head(b, normed, weights[head][: shape.vocab_size].T)
+    _lm_head(b, normed, weights[head][: shape.vocab_size].T, shape)
     return _save(b, shape, out_path)
 
 
@@ -161,7 +169,7 @@ def build_gpt2_graph(
 
     ``weights`` uses the HF state-dict names (``transformer.h.0.attn.c_attn.weight`` …; GPT-2's
     Conv1D weights are already ``[in, out]``)."""
-    b = _GraphBuilder(weights)
+    b = _GraphBuilder(weights, shape.dtype)
     # Positions past .. past+S-1, from the total length and the number of new tokens.
     b.node("Cast", [TOTAL_LENGTH], ["total_len64"], to=TensorProto.INT64)
     b.node("Shape", ["input_ids"], ["ids_shape"], start=1, end=2)
@@ -226,21 +234,29 @@ def build_gpt2_graph(
         residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "transformer.wte.weight"
-    _lm_head(b, normed, weights[head][: shape.vocab_size].T)
+    _lm_head(b, normed, weights[head][: shape.vocab_size].T, shape)
     return _save(b, shape, out_path)
 
 
-def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray) -> None:
+def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderShape) -> None:
     """Logits ``[1, n, vocab]`` of the last n = ``logits_to_keep`` positions (``matrix``:
-    ``[hidden, vocab]``) and their softmax. A prompt needs none of its logits, and on a large
-    vocabulary the head is a good part of a prefill's work."""
+    ``[hidden, vocab]``) and their softmax, in float32. A prompt needs none of its logits, and
+    on a large vocabulary the head is a good part of a prefill's work."""
     b.node("Neg", [LOGITS_TO_KEEP], ["keep_from"])
     b.constant("positions_end", np.array([2**62], dtype=np.int64))
     b.constant("positions_axis", np.array([1], dtype=np.int64))
     b.node("Slice", [normed, "keep_from", "positions_end", "positions_axis"], ["head_in"])
     b.initializer("lm_head.MatMul", matrix)
-    b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits"])
+    if shape.dtype == "float32":
+        b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits"])
+    else:
+        b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits_half"])
+        b.node("Cast", ["logits_half"], ["logits"], to=TensorProto.FLOAT)
     b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
+    if shape.greedy_outputs:
+        b.node("ArgMax", ["logits"], [ARGMAX], axis=-1, keepdims=0)
+        b.constant("vocab_axis", np.array([-1], dtype=np.int64))
+        b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
 
 
 def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
@@ -269,6 +285,7 @@ def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: 
 
 
 def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
+    cache_type = TENSOR_TYPES[shape.dtype]
     kv_dims = ["batch", shape.num_kv_heads, "past_sequence_length", shape.head_dim]
     present_dims = ["batch", shape.num_kv_heads, "total_sequence_length", shape.head_dim]
     inputs = [
@@ -281,17 +298,18 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
         helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "kept", shape.vocab_size])
         for name in ("logits", PROBABILITIES)
     ]
+    if shape.greedy_outputs:
+        outputs.append(helper.make_tensor_value_info(ARGMAX, TensorProto.INT64, ["batch", "kept"]))
+        outputs.append(
+            helper.make_tensor_value_info(MAX_LOGIT, TensorProto.FLOAT, ["batch", "kept"])
+        )
     for i in range(shape.num_layers):
         for kind in ("key", "value"):
             inputs.append(
-                helper.make_tensor_value_info(
-                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, kv_dims
-                )
+                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", cache_type, kv_dims)
             )
             outputs.append(
-                helper.make_tensor_value_info(
-                    f"present.{i}.{kind}", TensorProto.FLOAT, present_dims
-                )
+                helper.make_tensor_value_info(f"present.{i}.{kind}", cache_type, present_dims)
             )
     graph = helper.make_graph(b.nodes, "specrt_decoder", inputs, outputs, b.initializers)
     model = helper.make_model(
@@ -311,9 +329,13 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
     return out_path
 
 
+TENSOR_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+
+
 class _GraphBuilder:
-    def __init__(self, weights: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, weights: Mapping[str, np.ndarray], dtype: str = "float32") -> None:
         self.weights = weights
+        self.float_type = np.dtype(dtype)
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._names: set[str] = set()
@@ -325,7 +347,7 @@ class _GraphBuilder:
     def initializer(self, name: str, array: np.ndarray) -> str:
         if name not in self._names:
             array = np.ascontiguousarray(
-                array, dtype=np.float32 if array.dtype.kind == "f" else None
+                array, dtype=self.float_type if array.dtype.kind == "f" else None
             )
             self.initializers.append(numpy_helper.from_array(array, name))
             self._names.add(name)

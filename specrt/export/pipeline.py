@@ -204,14 +204,18 @@ def add_ort_engine(
     if reason:
         log(f"  {role}: no onnxruntime engine ({reason}); the portable graph will run")
         return
-    precision = options.draft_precision if role == "draft" else "float32"
-    engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
-    what = f"{role} onnxruntime engine"
     source = Path(spec.source)
-    if precision == "float32":
-        require_close(engine.export_check, options.atol, what, source)
-    else:  # a quantised draft is not meant to match; it only has to be a number
-        require_close(engine.export_check, math.inf, what, source)
+    if options.cpu_engine:
+        precision = options.draft_precision if role == "draft" else "float32"
+        engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
+        what = f"{role} onnxruntime engine"
+        if precision == "float32":
+            require_close(engine.export_check, options.atol, what, source)
+        else:  # a quantised draft is not meant to match; it only has to be a number
+            require_close(engine.export_check, math.inf, what, source)
+    if options.cuda_engine:
+        engine = build_ort_engine(model, spec, bundle_root, role, token_range, device="cuda")
+        require_close(engine.export_check, options.fp16_atol, f"{role} cuda engine", source)
 
 
 def require_close(check: dict[str, float], atol: float, what: str, source: Path) -> dict:

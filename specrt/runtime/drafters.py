@@ -15,12 +15,13 @@ from typing import Protocol
 
 import numpy as np
 
-from specrt.backends import Decoder
+from specrt.backends import NEED_PROBABILITIES, Decoder
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
-    argmax_tokens,
     check_probabilities,
+    greedy_tokens,
+    rows_needed,
     sample,
     top_probability,
     warp,
@@ -91,11 +92,14 @@ class ModelDrafter:
         drafted: list[int] = []
         q = None if sampling.greedy else self._q_buffer(k)
         pending = tokens[self.decoder.length :]
+        # greedy with a schedule that asks: the softmax, for the draft's confidence
+        need = NEED_PROBABILITIES if sampling.greedy and keep_drafting else rows_needed(sampling)
         while len(drafted) < k:
-            out = self.decoder.forward(pending, keep_last=1)
-            logits, probabilities = out.logits[-1], out.probabilities
+            out = self.decoder.forward(pending, keep_last=1, need=need)
+            logits = None if out.logits is None else out.logits[-1]
+            probabilities = out.probabilities
             if q is None:
-                [token] = argmax_tokens(out.logits, "draft")
+                [token] = greedy_tokens(out, "draft")
                 if keep_drafting is None:
                     confidence = 0.0
                 elif probabilities is not None:

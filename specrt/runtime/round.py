@@ -14,6 +14,7 @@ import numpy as np
 from specrt.backends import Decoder
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
+from specrt.runtime.sampling import rows_needed
 from specrt.runtime.schedules import KeepGoing
 from specrt.runtime.verification import verify
 
@@ -45,10 +46,9 @@ def speculative_round(
     draft = drafter.propose(tokens, k, sampling, rng, keep_drafting)
     drafted_at = time.perf_counter()
 
-    out = target.forward(tokens[target.length :] + draft.tokens, keep_last=len(draft.tokens) + 1)
-    accepted, next_token = verify(
-        draft.tokens, draft.probabilities, out.logits, sampling, rng, out.probabilities
-    )
+    fed = tokens[target.length :] + draft.tokens
+    out = target.forward(fed, keep_last=len(draft.tokens) + 1, need=rows_needed(sampling))
+    accepted, next_token = verify(draft.tokens, draft.probabilities, out, sampling, rng)
     return RoundResult(
         drafted=len(draft.tokens),
         accepted=accepted,

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES, Forward
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
 
@@ -30,13 +31,37 @@ def argmax_tokens(logits: np.ndarray, model: str) -> list[int]:
     return best
 
 
+def rows_needed(sampling: SamplingParams) -> str:
+    """What sampling reads of a pass: the argmax per row when greedy, the model's own softmax
+    at temperature 1 without filters, else the logits to warp."""
+    if sampling.greedy:
+        return NEED_ARGMAX
+    return NEED_PROBABILITIES if sampling.identity_warp else NEED_LOGITS
+
+
+def greedy_tokens(out: Forward, model: str) -> list[int]:
+    """Each row's best token from what a pass brought back: the backend's own argmax (refusing
+    NaN/inf by the row's max logit), else the logits' argmax, else the softmax's."""
+    if out.argmax is not None:
+        for value in out.max_logit.tolist():
+            if not math.isfinite(value):
+                raise_not_finite(out.logits, model)
+        return out.argmax
+    if out.logits is not None:
+        return argmax_tokens(out.logits, model)
+    best = out.probabilities.argmax(axis=-1).tolist()
+    for row in out.probabilities:
+        check_probabilities(row, None, model)
+    return best
+
+
 def top_probability(logits: np.ndarray, best: int) -> float:
     """softmax(logits)[best] of a row whose argmax is ``best``."""
     shifted = logits - logits[best]
     return float(1.0 / np.exp(shifted, out=shifted).sum())
 
 
-def check_probabilities(probabilities: np.ndarray, logits: np.ndarray, model: str) -> None:
+def check_probabilities(probabilities: np.ndarray, logits: np.ndarray | None, model: str) -> None:
     """Refuse a graph's softmax row made from NaN/inf logits. One entry tells: a NaN or +inf
     logit, or a row of -inf, makes the row's sum NaN and so every entry (the softmax divides
     by it)."""
@@ -44,10 +69,13 @@ def check_probabilities(probabilities: np.ndarray, logits: np.ndarray, model: st
         raise_not_finite(logits, model)
 
 
-def raise_not_finite(logits: np.ndarray, model: str) -> None:
-    bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
+def raise_not_finite(logits: np.ndarray | None, model: str) -> None:
+    """``logits``: where they are on the host, to count the bad ones."""
+    count = ""
+    if logits is not None:
+        count = f"{int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))} "
     raise NumericalError(
-        f"the {model} model produced {bad} NaN/inf logit(s); the ONNX graph or its inputs are "
+        f"the {model} model produced {count}NaN/inf logit(s); the ONNX graph or its inputs are "
         "broken (an fp16 overflow is the usual cause: re-export in float32)"
     )
 

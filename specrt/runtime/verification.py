@@ -24,29 +24,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.backends import Forward
 from specrt.runtime.config import SamplingParams
-from specrt.runtime.sampling import WarpedRows, argmax_tokens, sample
+from specrt.runtime.sampling import WarpedRows, greedy_tokens, sample
 
 
 def verify(
     draft_tokens: list[int],
     draft_probabilities: np.ndarray | None,
-    target_logits: np.ndarray,
+    target: Forward,
     sampling: SamplingParams,
     rng: np.random.Generator,
-    target_probabilities: np.ndarray | None = None,
 ) -> tuple[int, int]:
     """Return (how many of the K ``draft_tokens`` are accepted, the token emitted after them).
 
-    ``target_logits``: ``[K+1, V]``, the target's logits at the positions of the last accepted
-    token and the K draft tokens. ``draft_probabilities``: ``[K, V]`` warped draft distributions
-    (unused when greedy). ``target_probabilities``: the graph's softmax of ``target_logits``,
-    used instead of warping where the warp is the identity. K may be 0 (a plain decoding step).
-    Sampling draws one uniform per position tested, then one for the emitted token; the target's
-    rows are warped only as far as the test reaches (most rounds stop early).
+    ``target``: the target's pass over the positions of the last accepted token and the K draft
+    tokens: its logits ``[K+1, V]``, or its own argmax per row where the backend computed them
+    (greedy), and its softmax (used instead of warping where the warp is the identity).
+    ``draft_probabilities``: ``[K, V]`` warped draft distributions (unused when greedy). K may
+    be 0 (a plain decoding step). Sampling draws one uniform per position tested, then one for
+    the emitted token; the target's rows are warped only as far as the test reaches (most
+    rounds stop early).
     """
     if sampling.greedy:
-        choice = argmax_tokens(target_logits, "target")
+        choice = greedy_tokens(target, "target")
         accepted = 0
         for drafted, wanted in zip(draft_tokens, choice):
             if drafted != wanted:
@@ -54,7 +55,7 @@ def verify(
             accepted += 1
         return accepted, choice[accepted]
 
-    p = WarpedRows(target_logits, sampling, "target", target_probabilities)
+    p = WarpedRows(target.logits, sampling, "target", target.probabilities)
     for i, x in enumerate(draft_tokens):
         p_i, q_i = p[i], draft_probabilities[i]
         if not rng.random() < acceptance_probability(p_i[x], q_i[x]):

@@ -1,0 +1,169 @@
+"""The onnxruntime engine with its KV cache in device memory: the CUDA backend.
+
+Each layer's cache is one ``OrtValue`` allocated once on the device and bound as both ``past``
+and ``present`` (GroupQueryAttention updates it in place), so the cache never crosses PCIe.
+Every input and output is bound once per call shape; a step writes only small host values
+(token ids, two lengths, how many rows to keep), which onnxruntime copies to the device.
+Of the outputs only what the loop needs comes back (`Forward`'s ``need``): for greedy decoding
+each row's argmax and its logit (computed in the graph: K+1 integers and floats), for
+temperature-1 sampling the softmax rows, else the logits rows; the rest stays on the device.
+
+The same code runs with ``device="cpu"`` (CPU ``OrtValue``s): that is how it is tested on
+machines without a GPU, and how a CUDA engine can be checked on one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from specrt.backends.base import (
+    NEED_ARGMAX,
+    NEED_LOGITS,
+    NEED_PROBABILITIES,
+    NUMPY_DTYPES,
+    DecoderBase,
+    Forward,
+)
+from specrt.bundle import ModelSpec
+from specrt.errors import BundleError
+
+MAX_KEPT_CALL_SHAPES = 64  # call shapes (tokens fed, rows kept, need) whose bindings are kept
+
+
+class DeviceDecoder(DecoderBase):
+    """Runs an in-place engine whose cache lives on ``device`` ("cuda" or "cpu")."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+        device: str = "cuda",
+    ) -> None:
+        io = spec.io
+        needed = (io.seqlens_k, io.total_length, io.logits_to_keep, io.argmax, io.max_logit)
+        if not all(needed):
+            raise BundleError(
+                f"{role}: this graph lacks the inputs or outputs of a device engine (lengths, "
+                "logits_to_keep, argmax, max_logit); build it with `specrt build --bundle DIR "
+                "--device cuda`"
+            )
+        super().__init__(session, spec, vocab_size, role, max_length)
+        if spec.vocab_size != vocab_size:
+            raise BundleError(
+                f"{role}: the device engine's logits are {spec.vocab_size} wide, the bundle's "
+                f"vocabulary {vocab_size}; rebuild it: specrt build --bundle DIR --device cuda"
+            )
+        self.device = device
+        self.length = 0
+        self._binding = session.io_binding()
+        shape = (1, spec.num_kv_heads, self.max_positions, spec.head_dim)
+        pairs = zip([*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values])
+        self._cache = []
+        for past, present in pairs:
+            # Zeroed once (positions past the length are never read). On the CPU the OrtValue
+            # is the numpy array's own memory, so each layer needs its own array, kept alive.
+            zeros = np.zeros(shape, NUMPY_DTYPES[spec.dtype])
+            value = ort.OrtValue.ortvalue_from_numpy(zeros, device, 0)
+            self._binding.bind_ortvalue_input(past, value)
+            self._binding.bind_ortvalue_output(present, value)
+            self._cache.append((value, zeros if device == "cpu" else None))
+        self._seqlens_k = np.zeros(1, dtype=np.int32)
+        self._total_length = np.zeros((), dtype=np.int32)
+        self._logits_to_keep = np.ones(1, dtype=np.int64)
+        for name, array in (
+            (io.seqlens_k, self._seqlens_k),
+            (io.total_length, self._total_length),
+            (io.logits_to_keep, self._logits_to_keep),
+        ):
+            self._binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        self._calls: dict[tuple[int, int, str], _DeviceCall] = {}
+        self._bound: _DeviceCall | None = None
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def forward(
+        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
+    ) -> Forward:
+        count = len(tokens)
+        total = self.length + count
+        self._check_room(self.length, count)
+        key = (count, keep_last or count, need)
+        call = self._bound
+        if call is None or call.key != key:
+            call = self._bind(key)
+        call.ids[0] = tokens
+        self._seqlens_k[0] = total - 1
+        self._total_length.fill(total)
+        if self.device != "cpu":
+            self._binding.synchronize_inputs()
+        self._timed(self.session.run_with_iobinding, self._binding)
+        if self.device != "cpu":
+            self._binding.synchronize_outputs()
+        self.length = total
+        return call.result()
+
+    def _bind(self, key: tuple[int, int, str]) -> _DeviceCall:
+        call = self._calls.get(key)
+        if call is None:
+            call = _DeviceCall(key, self.spec, self.device)
+            if len(self._calls) < MAX_KEPT_CALL_SHAPES:
+                self._calls[key] = call
+        io, binding = self.spec.io, self._binding
+        self._logits_to_keep[0] = key[1]
+        binding.bind_ortvalue_input(io.input_ids, call.values["ids"])
+        for name in ("logits", "probabilities", "argmax", "max_logit"):
+            binding.bind_ortvalue_output(getattr(io, name), call.values[name])
+        self._bound = call
+        return call
+
+
+class _DeviceCall:
+    """The values one call shape binds: token ids on the host; of the outputs, those ``need``
+    names on the host (numpy arrays onnxruntime copies into), the others on the device."""
+
+    def __init__(self, key: tuple[int, int, str], spec: ModelSpec, device: str) -> None:
+        self.key = key
+        count, keep, need = key
+        self.ids = np.zeros((1, count), dtype=np.int64)
+        self.values = {"ids": ort.OrtValue.ortvalue_from_numpy(self.ids)}
+        on_host = {
+            NEED_LOGITS: {"logits"},
+            NEED_PROBABILITIES: {"probabilities"},
+            NEED_ARGMAX: {"argmax", "max_logit"},
+        }[need]
+        shapes = {
+            "logits": ((1, keep, spec.vocab_size), np.float32),
+            "probabilities": ((1, keep, spec.vocab_size), np.float32),
+            "argmax": ((1, keep), np.int64),
+            "max_logit": ((1, keep), np.float32),
+        }
+        self.host: dict[str, np.ndarray] = {}
+        for name, (shape, dtype) in shapes.items():
+            if name in on_host:
+                self.host[name] = np.empty(shape, dtype)
+                self.values[name] = ort.OrtValue.ortvalue_from_numpy(self.host[name])
+            else:
+                self.values[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, dtype, device, 0
+                )
+
+    def result(self) -> Forward:
+        host = self.host
+        argmax = host.get("argmax")
+        max_logit = host.get("max_logit")
+        return Forward(
+            logits=host["logits"][0] if "logits" in host else None,
+            probabilities=host["probabilities"][0] if "probabilities" in host else None,
+            argmax=argmax[0].tolist() if argmax is not None else None,
+            max_logit=max_logit[0] if max_logit is not None else None,
+        )

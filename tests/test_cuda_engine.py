@@ -1,0 +1,146 @@
+"""The CUDA engines (float16, greedy outputs) and the device backend, tested on the CPU: the same
+binding code with CPU OrtValues, and the float16 graph on onnxruntime's CPU kernels. Where a GPU
+and onnxruntime-gpu are present the last test runs it on CUDA."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES
+from specrt.backends.device import DeviceDecoder
+from specrt.backends.select import select_graph
+from specrt.bundle import read_manifest
+from specrt.export.options import DEFAULT_FP16_ATOL
+from specrt.export.tiny import make_tiny_pair
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+PROMPTS = ["Simple is", "def f", "for i in range(", "Flat is better than", "x = "]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def cuda_bundle(request, tmp_path_factory):
+    from specrt.export import export_bundle
+
+    root = tmp_path_factory.mktemp(f"cuda-{request.param}")
+    target, draft = make_tiny_pair(request.param, root / "src", seed=3, draft_noise=0.3)
+    export_bundle(target, draft, root / "bundle", devices=("cpu", "cuda"))
+    return root / "bundle"
+
+
+def test_export_records_the_cuda_engines(cuda_bundle):
+    manifest = read_manifest(cuda_bundle)
+    for spec in manifest.models.values():
+        engine = spec.engines["cuda"]
+        assert engine.provider == "CUDAExecutionProvider"
+        assert engine.dtype == engine.precision == "float16"
+        assert engine.io.argmax == "argmax" and engine.io.max_logit == "max_logit"
+        check = engine.export_check
+        assert 0 < check["max_abs_logit_diff"] <= check["atol"] == DEFAULT_FP16_ATOL, check
+        graph = onnx.load(str(cuda_bundle / engine.path), load_external_data=False).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+        assert types["past_key_values.0.key"] == onnx.TensorProto.FLOAT16
+        assert types["logits"] == types["probabilities"] == onnx.TensorProto.FLOAT
+        assert "onnxruntime" in spec.engines  # the CPU engines are built as well
+
+
+def cpu_twin(bundle) -> SpeculativeGenerator:
+    """The cuda engines through the device backend, with the cache in CPU OrtValues."""
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1, engine="cuda")
+    assert isinstance(generator.target, DeviceDecoder) and generator.target.device == "cpu"
+    return generator
+
+
+def test_speculative_greedy_equals_target_only_on_the_cuda_engine(cuda_bundle):
+    generator = cpu_twin(cuda_bundle)
+    options = dict(max_new_tokens=24, ignore_eos=True)
+    baseline = [
+        r.token_ids
+        for r in generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=0, **options))
+    ]
+    for k, schedule in [(1, "fixed"), (2, "fixed"), (4, "fixed"), (6, "adaptive")]:
+        config = GenerationConfig(num_draft_tokens=k, draft_schedule=schedule, **options)
+        results = generator.generate(PROMPTS, config)
+        assert [r.token_ids for r in results] == baseline, (k, schedule)
+        accepted = sum(r.stats.accepted_tokens for r in results)
+        assert 0 < accepted < sum(r.stats.drafted_tokens for r in results)
+
+
+def test_only_what_is_needed_comes_back(cuda_bundle):
+    decoder = cpu_twin(cuda_bundle).target
+    prompt = [3, 4, 5, 6, 7, 8]
+    full = decoder.forward(prompt, need=NEED_LOGITS)
+    logits = full.logits.copy()
+    assert full.probabilities is None and full.argmax is None
+    decoder.rollback(0)
+    picks = decoder.forward(prompt, need=NEED_ARGMAX)
+    assert picks.logits is None and picks.probabilities is None
+    assert picks.argmax == logits.argmax(axis=-1).tolist()
+    np.testing.assert_allclose(picks.max_logit, logits.max(axis=-1), rtol=0, atol=1e-6)
+    decoder.rollback(0)
+    soft = decoder.forward(prompt, need=NEED_PROBABILITIES)
+    assert soft.logits is None
+    expected = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(
+        soft.probabilities, expected / expected.sum(-1, keepdims=True), atol=1e-6
+    )
+
+
+def test_rollback_on_the_device_cache(cuda_bundle):
+    """The cache is bound once and never replaced; rolled-back positions are overwritten."""
+    decoder = cpu_twin(cuda_bundle).target
+    pointers = [value.data_ptr() for value, _ in decoder._cache]
+    assert len(set(pointers)) == len(pointers)  # one buffer per layer and kind
+    rng = np.random.default_rng(0)
+    prompt, rejected, kept = [rng.integers(3, 40, n).tolist() for n in (9, 5, 3)]
+    decoder.forward(prompt)
+    decoder.forward(rejected)
+    decoder.rollback(len(prompt) + 2)
+    after = decoder.forward(kept).logits.copy()
+    assert [value.data_ptr() for value, _ in decoder._cache] == pointers
+    decoder.rollback(0)
+    clean = decoder.forward(prompt + rejected[:2] + kept).logits[-3:]
+    np.testing.assert_allclose(after, clean, atol=2e-2, rtol=0)  # float16 engine, other shapes
+
+
+def test_the_cuda_engine_is_close_to_the_float32_graph(cuda_bundle):
+    ids = np.random.default_rng(1).integers(3, 40, 12).tolist()
+    half = cpu_twin(cuda_bundle).target.forward(ids).logits.copy()
+    full = SpeculativeGenerator.from_bundle(cuda_bundle, threads=1, engine="portable")
+    reference = full.target.forward(ids).logits
+    assert np.abs(half - reference).max() < DEFAULT_FP16_ATOL
+
+
+def test_backend_choice_follows_the_providers(cuda_bundle, caplog):
+    spec = read_manifest(cuda_bundle).models["target"]
+    cpu = ["CPUExecutionProvider"]
+    assert select_graph(spec, "target", "auto", cpu).path == spec.engines["onnxruntime"].path
+    assert select_graph(spec, "target", "auto", CUDA).path == spec.engines["cuda"].path
+    assert select_graph(spec, "target", "cuda", cpu).path == spec.engines["cuda"].path
+    with pytest.raises(Exception, match="use engine 'cuda', 'portable' or 'auto' on GPU"):
+        select_graph(spec, "target", "onnxruntime", CUDA)
+    bare = spec.engine_view("onnxruntime")  # a model without engines
+    with caplog.at_level(logging.WARNING, logger="specrt"):
+        assert select_graph(bare, "target", "auto", CUDA) is bare
+    assert "no cuda engine" in caplog.text and "--device cuda" in caplog.text
+    with pytest.raises(Exception, match="--device cuda"):
+        select_graph(bare, "target", "cuda", cpu)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA provider here (onnxruntime-gpu and a GPU)")
+def test_on_cuda(cuda_bundle):
+    generator = SpeculativeGenerator.from_bundle(cuda_bundle, providers=CUDA)
+    assert generator.target.device == "cuda"
+    options = dict(max_new_tokens=24, ignore_eos=True)
+    baseline = [
+        r.token_ids
+        for r in generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=0, **options))
+    ]
+    spec = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=4, **options))
+    assert [r.token_ids for r in spec] == baseline
