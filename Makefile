@@ -6,9 +6,12 @@ SPECRT := $(BIN)/specrt
 RECIPES := $(wildcard engines/*.json)
 BUNDLES := $(RECIPES:engines/%.json=engines/%/manifest.json)
 DEMO_BUNDLE ?= engines/demo
+# cuda where nvidia-smi sees a GPU: the float16 GPU engines are built beside the CPU ones.
+DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+DEVICES := --device cpu $(if $(filter cuda,$(DEVICE)),--device cuda)
 PROMPT ?= import os\n\n\ndef read_config(path):\n
 
-.PHONY: install test lint engines demo demo-models measure-demo bench bench-all clean
+.PHONY: install test lint engines demo demo-models measure-demo bench bench-all gpu-check clean
 
 # torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -30,8 +33,12 @@ test: lint
 engines: install $(BUNDLES)
 
 # The engine graph's builder is a prerequisite: a bundle from an older one may not load.
-engines/%/manifest.json: engines/%.json specrt/export/ort_graph.py
-	$(SPECRT) export --recipe $< --force
+engines/%/manifest.json: engines/%.json specrt/export/ort_graph.py engines/.device-$(DEVICE)
+	$(SPECRT) export --recipe $< --force $(DEVICES)
+
+# Rebuilds the bundles when DEVICE changes (make engines DEVICE=cuda).
+engines/.device-$(DEVICE):
+	rm -f engines/.device-* && touch $@
 
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '$(PROMPT)')" --max-new-tokens 96 --compare
@@ -55,5 +62,9 @@ bench-all: engines
 	bash bench/genai_env.sh
 	$(BENCH) --genai-python build/genai-venv/bin/python
 
+# On a machine with an NVIDIA GPU and onnxruntime-gpu: build, check and measure (README, GPU).
+gpu-check: install
+	bash bench/gpu_check.sh
+
 clean:
-	rm -rf $(VENV) engines/*/ engines/.*.sources .pytest_cache .ruff_cache
+	rm -rf $(VENV) engines/*/ engines/.*.sources engines/.device-* .pytest_cache .ruff_cache

@@ -102,6 +102,12 @@ def main() -> None:
 )
 @draft_precision_option(None)
 @DEVICE_OPTION
+@click.option(
+    "--portable/--no-portable",
+    default=None,
+    help="Also write the portable standard-op graph (needs optimum-onnx; what TensorRT takes) "
+    "[on]. Without it each model's graph is its engine.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
 def export(target, draft, out, recipe, force, **given) -> None:

@@ -144,3 +144,33 @@ def test_on_cuda(cuda_bundle):
     ]
     spec = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=4, **options))
     assert [r.token_ids for r in spec] == baseline
+
+
+def test_engines_only_bundle_needs_no_optimum(tmp_path, monkeypatch):
+    """--no-portable: no optimum import (it is made to fail here), the model's graph is its
+    cuda engine, and the bundle runs through the device backend."""
+    import builtins
+
+    from specrt.export import export_bundle
+
+    real_import = builtins.__import__
+
+    def no_optimum(name, *args, **kwargs):
+        if name.startswith("optimum"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    target, draft = make_tiny_pair("llama", tmp_path / "src", seed=3, draft_noise=0.3)
+    monkeypatch.setattr(builtins, "__import__", no_optimum)
+    export_bundle(target, draft, tmp_path / "b", portable=False, devices=("cuda",))
+    monkeypatch.undo()
+    manifest = read_manifest(tmp_path / "b")
+    for spec in manifest.models.values():
+        assert spec.path == spec.engines["cuda"].path and spec.dtype == "float16"
+        assert list(spec.engines) == ["cuda"]
+    generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
+    assert isinstance(generator.target, DeviceDecoder)
+    options = dict(max_new_tokens=16, ignore_eos=True)
+    base = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=0, **options))
+    spec = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=3, **options))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]

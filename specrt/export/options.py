@@ -30,7 +30,8 @@ class ExportOptions:
     in-place KV cache). ``draft_precision``: the CPU draft engine's weights (a cheaper draft,
     the same output: every token is still decided by the float32 target). ``devices``: "cpu"
     builds the CPU engines, "cuda" the float16 engines for the CUDA provider (checked against
-    PyTorch within ``fp16_atol``)."""
+    PyTorch within ``fp16_atol``). ``portable``: also write the portable standard-op graph (what
+    TensorRT takes; needs optimum-onnx); without it a model's own graph is its first engine."""
 
     atol: float = DEFAULT_ATOL
     opset: int | None = None
@@ -39,6 +40,7 @@ class ExportOptions:
     draft_precision: str = DEFAULT_DRAFT_PRECISION
     devices: tuple[str, ...] = ("cpu",)
     fp16_atol: float = DEFAULT_FP16_ATOL
+    portable: bool = True
 
     @property
     def cpu_engine(self) -> bool:
@@ -58,6 +60,8 @@ class ExportOptions:
         unknown = [d for d in self.devices if d not in DEVICES]
         if unknown or not self.devices:
             raise ExportError(f"devices={self.devices!r}: use one or more of {DEVICES}")
+        if not (self.portable or self.ort_engine):
+            raise ExportError("a bundle needs a graph: keep the portable graph or the engines")
         if self.draft_precision not in PRECISIONS:
             raise ExportError(
                 f"draft precision {self.draft_precision!r} is unknown; use one of "

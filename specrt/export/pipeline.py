@@ -18,7 +18,10 @@ from typing import Any
 
 from specrt import __version__
 from specrt.bundle import (
+    CUDA_ENGINE,
+    ONNXRUNTIME_ENGINE,
     Manifest,
+    ModelIO,
     ModelSpec,
     TokenizerSpec,
     is_bundle,
@@ -80,7 +83,7 @@ def export_bundle(
             specs[role] = _export_checked(
                 source, configs[role], scratch, role, tokenizer_hash, vocab, options, log
             )
-            checks = [("portable", specs[role].export_check)]
+            checks = [("portable", specs[role].export_check)] if options.portable else []
             checks += [
                 (f"{name} engine, {e.precision}", e.export_check)
                 for name, e in specs[role].engines.items()
@@ -169,20 +172,71 @@ def _export_checked(
     from transformers import AutoModelForCausalLM
 
     from specrt.export.numeric_check import max_logit_difference
+
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch.float32, local_files_only=True
+    ).eval()
+    if not options.portable:
+        return _engines_only(
+            model, config, bundle_root, role, tokenizer_hash, token_range, options, log, source
+        )
     from specrt.export.onnx_export import describe_model, export_onnx
 
     graph = export_onnx(source, bundle_root / role, options.opset, options.slim)
     spec = describe_model(graph, bundle_root, config, tokenizer_hash)
     spec.source = str(source.resolve())
     spec.source_sha256 = checkpoint_sha256(source)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch.float32, local_files_only=True
-    ).eval()
     spec.export_check = require_close(
         max_logit_difference(model, graph, spec, token_range), options.atol, role, source
     )
     if options.ort_engine:
         add_ort_engine(model, spec, config, bundle_root, role, token_range, options, log)
+    return spec
+
+
+def _engines_only(
+    model,
+    config,
+    bundle_root: Path,
+    role: str,
+    tokenizer_hash: str,
+    token_range: int,
+    options: ExportOptions,
+    log: Log,
+    source: Path,
+) -> ModelSpec:
+    """A model without the portable graph (no optimum needed): its own graph is its first
+    engine, a GPU one where asked for."""
+    heads = int(config.num_attention_heads)
+    spec = ModelSpec(
+        path="",
+        files={},
+        architecture=(config.architectures or [type(config).__name__])[0],
+        model_type=config.model_type,
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        vocab_size=int(config.vocab_size),
+        max_positions=int(config.max_position_embeddings),
+        dtype="float32",
+        io=ModelIO("", None, None, [], [], "", [], []),
+        tokenizer_hash=tokenizer_hash,
+        source=str(source.resolve()),
+        source_sha256=checkpoint_sha256(source),
+    )
+    add_ort_engine(model, spec, config, bundle_root, role, token_range, options, log)
+    if not spec.engines:
+        raise ExportError(
+            f"{role}: {config.model_type} gets no engine here, and without the portable graph "
+            "the bundle would have none: export with the portable graph"
+        )
+    first = spec.engines[CUDA_ENGINE if CUDA_ENGINE in spec.engines else ONNXRUNTIME_ENGINE]
+    spec.path, spec.files, spec.io, spec.cache = first.path, first.files, first.io, first.cache
+    spec.dtype, spec.vocab_size, spec.export_check = (
+        first.dtype,
+        first.vocab_size,
+        first.export_check,
+    )
     return spec
 
 
