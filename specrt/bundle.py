@@ -51,6 +51,7 @@ class ModelIO:
     logits_to_keep: str | None = None  # how many trailing positions get logits, where it can
     argmax: str | None = None  # each kept row's best token, where the graph computes it
     max_logit: str | None = None  # and that token's logit (NaN/inf checks without the logits)
+    max_probability: str | None = None  # and its probability (the draft's confidence)
 
 
 @dataclass

@@ -83,6 +83,8 @@ def test_only_what_is_needed_comes_back(cuda_bundle):
     assert picks.logits is None and picks.probabilities is None
     assert picks.argmax == logits.argmax(axis=-1).tolist()
     np.testing.assert_allclose(picks.max_logit, logits.max(axis=-1), rtol=0, atol=1e-6)
+    top = 1 / np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)
+    np.testing.assert_allclose(picks.max_probability, top, rtol=0, atol=1e-6)
     decoder.rollback(0)
     soft = decoder.forward(prompt, need=NEED_PROBABILITIES)
     assert soft.logits is None

@@ -30,7 +30,7 @@ PREFILL_CHUNK = 256
 # returns everything it has whatever is asked.
 NEED_LOGITS = "logits"  # the logits rows (to warp them, or to check them)
 NEED_PROBABILITIES = "probabilities"  # the graph's softmax rows (temperature 1, confidence)
-NEED_ARGMAX = "argmax"  # each row's best token and its logit (greedy decoding)
+NEED_ARGMAX = "argmax"  # each row's best token, its logit and probability (greedy decoding)
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Forward:
     """What one call returns for the last positions fed, as far as the backend has it and the
     caller asked for it: ``logits [rows, vocab]``, their softmax ``probabilities``, and
     ``argmax`` (each row's best token) with ``max_logit`` (its logit, so NaN/inf can be
-    refused without the logits).
+    refused without the logits) and ``max_probability`` (its probability).
 
     The arrays belong to the decoder and are valid until its next call: a backend may write
     the next call's output into the same memory. Copy what must outlive the next call."""
@@ -47,6 +47,7 @@ class Forward:
     probabilities: np.ndarray | None = None
     argmax: list[int] | None = None
     max_logit: np.ndarray | None = None
+    max_probability: np.ndarray | None = None
 
 
 class Decoder(Protocol):
@@ -111,8 +112,8 @@ class DecoderBase:
         """Feed a prompt ``PREFILL_CHUNK`` positions at a time, asking for the last position's
         logits only (an engine then skips the head for the rest)."""
         self._check_room(self.length, len(tokens))
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            self.forward(tokens[start : start + PREFILL_CHUNK], keep_last=1)
+        for start in range(0, len(tokens), PREFILL_CHUNK):  # ARGMAX: the least to bring back
+            self.forward(tokens[start : start + PREFILL_CHUNK], keep_last=1, need=NEED_ARGMAX)
 
     def _check_room(self, start: int, count: int) -> None:
         if start + count > self.max_positions:

@@ -30,6 +30,7 @@ from specrt.backends.base import (
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
+OUTPUTS = ("logits", "probabilities", "argmax", "max_logit", "max_probability")
 MAX_KEPT_CALL_SHAPES = 64  # call shapes (tokens fed, rows kept, need) whose bindings are kept
 
 
@@ -47,11 +48,12 @@ class DeviceDecoder(DecoderBase):
     ) -> None:
         io = spec.io
         needed = (io.seqlens_k, io.total_length, io.logits_to_keep, io.argmax, io.max_logit)
+        needed += (io.max_probability,)
         if not all(needed):
             raise BundleError(
                 f"{role}: this graph lacks the inputs or outputs of a device engine (lengths, "
-                "logits_to_keep, argmax, max_logit); build it with `specrt build --bundle DIR "
-                "--device cuda`"
+                "logits_to_keep, argmax, max_logit, max_probability); build it with "
+                "`specrt build --bundle DIR --device cuda`"
             )
         super().__init__(session, spec, vocab_size, role, max_length)
         if spec.vocab_size != vocab_size:
@@ -84,6 +86,8 @@ class DeviceDecoder(DecoderBase):
             self._binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         self._calls: dict[tuple[int, int, str], _DeviceCall] = {}
         self._bound: _DeviceCall | None = None
+        self.calls = 0  # model calls, and the bytes their outputs brought back to the host
+        self.bytes_to_host = 0
 
     def reset(self) -> None:
         self.length = 0
@@ -110,6 +114,8 @@ class DeviceDecoder(DecoderBase):
         if self.device != "cpu":
             self._binding.synchronize_outputs()
         self.length = total
+        self.calls += 1
+        self.bytes_to_host += call.host_bytes
         return call.result()
 
     def _bind(self, key: tuple[int, int, str]) -> _DeviceCall:
@@ -121,7 +127,7 @@ class DeviceDecoder(DecoderBase):
         io, binding = self.spec.io, self._binding
         self._logits_to_keep[0] = key[1]
         binding.bind_ortvalue_input(io.input_ids, call.values["ids"])
-        for name in ("logits", "probabilities", "argmax", "max_logit"):
+        for name in OUTPUTS:
             binding.bind_ortvalue_output(getattr(io, name), call.values[name])
         self._bound = call
         return call
@@ -139,13 +145,14 @@ class _DeviceCall:
         on_host = {
             NEED_LOGITS: {"logits"},
             NEED_PROBABILITIES: {"probabilities"},
-            NEED_ARGMAX: {"argmax", "max_logit"},
+            NEED_ARGMAX: {"argmax", "max_logit", "max_probability"},
         }[need]
         shapes = {
             "logits": ((1, keep, spec.vocab_size), np.float32),
             "probabilities": ((1, keep, spec.vocab_size), np.float32),
             "argmax": ((1, keep), np.int64),
             "max_logit": ((1, keep), np.float32),
+            "max_probability": ((1, keep), np.float32),
         }
         self.host: dict[str, np.ndarray] = {}
         for name, (shape, dtype) in shapes.items():
@@ -157,13 +164,13 @@ class _DeviceCall:
                     shape, dtype, device, 0
                 )
 
+        self.host_bytes = sum(array.nbytes for array in self.host.values())
+
     def result(self) -> Forward:
-        host = self.host
-        argmax = host.get("argmax")
-        max_logit = host.get("max_logit")
+        rows = {name: array[0] for name, array in self.host.items()}
+        argmax = rows.pop("argmax", None)
         return Forward(
-            logits=host["logits"][0] if "logits" in host else None,
-            probabilities=host["probabilities"][0] if "probabilities" in host else None,
-            argmax=argmax[0].tolist() if argmax is not None else None,
-            max_logit=max_logit[0] if max_logit is not None else None,
+            logits=rows.pop("logits", None),
+            argmax=None if argmax is None else argmax.tolist(),
+            **rows,
         )

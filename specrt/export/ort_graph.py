@@ -39,6 +39,7 @@ TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after th
 PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxruntime's code is hot
 ARGMAX = "argmax"  # int64 [1, n]: each kept row's best token (greedy_outputs)
 MAX_LOGIT = "max_logit"  # float32 [1, n]: its logit, so the host can refuse NaN/inf
+MAX_PROBABILITY = "max_probability"  # float32 [1, n]: its probability (the draft's confidence)
 LOGITS_TO_KEEP = "logits_to_keep"  # int64 [1]: logits for the last n positions fed (prefill: 1)
 _MS = "com.microsoft"
 
@@ -257,6 +258,7 @@ def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderSh
         b.node("ArgMax", ["logits"], [ARGMAX], axis=-1, keepdims=0)
         b.constant("vocab_axis", np.array([-1], dtype=np.int64))
         b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
+        b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
 
 
 def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
@@ -300,9 +302,10 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
     ]
     if shape.greedy_outputs:
         outputs.append(helper.make_tensor_value_info(ARGMAX, TensorProto.INT64, ["batch", "kept"]))
-        outputs.append(
-            helper.make_tensor_value_info(MAX_LOGIT, TensorProto.FLOAT, ["batch", "kept"])
-        )
+        for name in (MAX_LOGIT, MAX_PROBABILITY):
+            outputs.append(
+                helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "kept"])
+            )
     for i in range(shape.num_layers):
         for kind in ("key", "value"):
             inputs.append(

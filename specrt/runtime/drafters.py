@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specrt.backends import NEED_PROBABILITIES, Decoder
+from specrt.backends import Decoder
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
@@ -92,8 +92,7 @@ class ModelDrafter:
         drafted: list[int] = []
         q = None if sampling.greedy else self._q_buffer(k)
         pending = tokens[self.decoder.length :]
-        # greedy with a schedule that asks: the softmax, for the draft's confidence
-        need = NEED_PROBABILITIES if sampling.greedy and keep_drafting else rows_needed(sampling)
+        need = rows_needed(sampling)
         while len(drafted) < k:
             out = self.decoder.forward(pending, keep_last=1, need=need)
             logits = None if out.logits is None else out.logits[-1]
@@ -102,6 +101,8 @@ class ModelDrafter:
                 [token] = greedy_tokens(out, "draft")
                 if keep_drafting is None:
                     confidence = 0.0
+                elif out.max_probability is not None:  # computed where the model ran
+                    confidence = float(out.max_probability[-1])
                 elif probabilities is not None:
                     confidence = float(probabilities[-1, token])
                 else:

@@ -1,0 +1,300 @@
+"""The device check: build GPU engines, check exactness and measure speed on an NVIDIA GPU.
+
+    bash bench/gpu_check.sh                      # on the GPU machine (sets up onnxruntime-gpu)
+    .venv/bin/python bench/gpu_check.py --dry-run   # anywhere: tiny shapes, the CPU twin
+
+For the shipped demo pair and a random-weight pair at real shapes (a Llama-3.2-1B-shaped target,
+a ~0.1B draft, vocabulary 128256), through the project's own export path (float16 cuda engines,
+no portable graph: the GPU machine has no optimum): speculative greedy output must equal
+target-only output; then target-only tokens/s, K = 1..8 and adaptive, the draft/target step cost
+c, the verify cost v_K, the time outside onnxruntime, the bytes each round brings back to the
+host, and transformers assisted generation on the same GPU. Writes one JSON report, prints a
+table. ``--dry-run`` shrinks the random pair and runs the cuda engines on CPU OrtValues (the
+same code); its numbers mean nothing, only that every step runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from specrt.bench.costs import step_seconds  # noqa: E402
+from specrt.bench.runner import predicted_speedup  # noqa: E402
+from specrt.prompts import read_prompt_file  # noqa: E402
+from specrt.runtime import GenerationConfig, SpeculativeGenerator  # noqa: E402
+from specrt.runtime.loading import load_pair  # noqa: E402
+
+CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+LLAMA_1B = dict(  # Llama-3.2-1B's shape
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+DRAFT_01B = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+REAL_VOCAB = 128256
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=True,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, on the CPU")
+    parser.add_argument("--work", type=Path, default=REPO / "build" / "gpu")
+    parser.add_argument("--out", type=Path, default=REPO / "build" / "gpu_report.json")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-k", type=int, default=8)
+    parser.add_argument("--budget-s", type=float, default=420.0)
+    args = parser.parse_args()
+    started = time.monotonic()
+    report: dict = {"dry_run": args.dry_run, "machine": machine(), "pairs": {}}
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    pairs = {"demo": (REPO / "models" / "demo" / "target", REPO / "models" / "demo" / "draft")}
+    pairs["llama-1b-shaped"] = random_pair(args.work / "random", args.dry_run)
+    for name, (target, draft) in pairs.items():
+        if time.monotonic() - started > args.budget_s:
+            report["pairs"][name] = {"skipped": "out of time"}
+            continue
+        log(f"{name}: building cuda engines")
+        bundle = build(target, draft, args.work / f"{name}-bundle")
+        entry = report["pairs"][name] = {"build_s": round(time.monotonic() - started, 1)}
+        measure(bundle, name, entry, args, started)
+        if not args.dry_run:
+            entry["transformers"] = transformers_assisted(target, draft, entry["prompt_ids"], args)
+        entry.pop("prompt_ids")
+        write(report, args.out)
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    write(report, args.out)
+    print(table(report))
+
+
+def machine() -> dict:
+    import onnxruntime as ort
+
+    info = {"onnxruntime": ort.__version__, "providers": ort.get_available_providers()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def random_pair(root: Path, dry_run: bool) -> tuple[Path, Path]:
+    """Random-weight Llama checkpoints at real shapes (tiny ones in a dry run)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specrt.export.tiny import make_tokenizer
+
+    if (root / "target" / "config.json").is_file():
+        return root / "target", root / "draft"
+    base = make_tokenizer()
+    vocab = 4096 if dry_run else REAL_VOCAB
+    tokenizer = make_tokenizer(extra_tokens=max(0, vocab - len(base)))
+    for role, shape in (("target", LLAMA_1B), ("draft", DRAFT_01B)):
+        shape = TINY if dry_run else shape
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            max_position_embeddings=2048,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **shape,
+        )
+        torch.manual_seed(0 if role == "target" else 1)
+        model = LlamaForCausalLM(config).eval()
+        model.save_pretrained(root / role)
+        tokenizer.save_pretrained(root / role)
+    return root / "target", root / "draft"
+
+
+def build(target: Path, draft: Path, out: Path) -> Path:
+    from specrt.export import export_bundle
+
+    export_bundle(target, draft, out, force=True, portable=False, devices=("cuda",), log=log)
+    return out
+
+
+def generator_for(bundle: Path, dry_run: bool):
+    if dry_run:  # the cuda engines through the device backend, on CPU OrtValues
+        return load_pair(bundle, engine="cuda", providers=["CPUExecutionProvider"])
+    return load_pair(bundle, engine="cuda", providers=CUDA)
+
+
+def measure(bundle: Path, name: str, entry: dict, args, started: float) -> None:
+    pair = generator_for(bundle, args.dry_run)
+    generator = SpeculativeGenerator.from_pair(pair)
+    entry["device"] = pair.target.device
+    if name == "demo":
+        texts = read_prompt_file(REPO / "models" / "demo" / "heldout_prompts.jsonl")
+        prompts = generator.encode_prompts(texts[: args.prompts])
+    else:
+        rng = np.random.default_rng(0)
+        vocab = pair.target.vocab_size
+        prompts = [rng.integers(100, vocab, 64).tolist() for _ in range(args.prompts)]
+    entry["prompt_ids"] = prompts
+
+    def config(k: int, schedule: str = "fixed", new: int = args.new_tokens) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=new, num_draft_tokens=k, draft_schedule=schedule, ignore_eos=True
+        )
+
+    for k in (0, 4):  # warm-up
+        generator.generate(prompts[:1], config(k, new=8))
+    baseline = [r.token_ids for r in generator.generate(prompts, config(0))]
+    same = [r.token_ids for r in generator.generate(prompts, config(4))] == baseline
+    entry["greedy_equals_target_only"] = same
+    log(f"{name}: speculative greedy == target-only: {same}")
+
+    target_step = step_seconds(pair.target, context=256)
+    entry["target_step_ms"] = target_step * 1e3
+    entry["cost_ratio"] = step_seconds(pair.draft, context=256) / target_step
+    entry["verify_cost_ratio"] = {
+        str(k): step_seconds(pair.target, context=256, tokens=k + 1) / target_step
+        for k in range(1, args.max_k + 1)
+    }
+    contenders = [("target only", config(0))]
+    contenders += [(f"K={k}", config(k)) for k in range(1, args.max_k + 1)]
+    contenders += [(f"adaptive K<={args.max_k}", config(args.max_k, "adaptive"))]
+    results: dict[str, dict] = {}
+    for label, cfg in contenders:
+        if time.monotonic() - started > args.budget_s:
+            results[label] = {"skipped": "out of time"}
+            continue
+        rates, outside, rounds, accepted, drafted = [], 0.0, 0, 0, 0
+        bytes_before = pair.target.bytes_to_host + pair.draft.bytes_to_host
+        wall_total = 0.0
+        for prompt in prompts:
+            model_before, t0 = generator.model_time_s, time.perf_counter()
+            [result] = generator.generate([prompt], cfg)
+            wall = time.perf_counter() - t0
+            wall_total += wall
+            outside += wall - (generator.model_time_s - model_before)
+            rates.append(len(result.token_ids) / wall)
+            rounds += result.stats.rounds
+            accepted += result.stats.accepted_tokens
+            drafted += result.stats.drafted_tokens
+        copied = pair.target.bytes_to_host + pair.draft.bytes_to_host - bytes_before
+        results[label] = {
+            "tokens_per_second": statistics.median(rates),
+            "outside_onnxruntime": outside / wall_total,
+            "bytes_to_host_per_round": copied / max(rounds, 1),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tokens_per_round": (accepted + rounds) / max(rounds, 1),
+        }
+    base = results["target only"]["tokens_per_second"]
+    for result in results.values():
+        if "tokens_per_second" in result:
+            result["speedup"] = result["tokens_per_second"] / base
+    entry["results"] = results
+    entry["predicted_at_alpha_0.7"] = {
+        str(k): predicted_speedup(0.7, k, entry["cost_ratio"]) for k in range(1, args.max_k + 1)
+    }
+
+
+def transformers_assisted(target: Path, draft: Path, prompts: list[list[int]], args) -> dict:
+    """transformers' assisted generation on the same GPU, float16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    load = dict(dtype=torch.float16, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(target, **load).cuda().eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft, **load).cuda().eval()
+    out = {}
+    for label, helper in (("transformers target only", None), ("transformers assisted", assistant)):
+        rates = []
+        for prompt in prompts[:4]:
+            ids = torch.tensor([prompt], device="cuda")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                generated = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    assistant_model=helper,
+                    max_new_tokens=args.new_tokens,
+                    min_new_tokens=args.new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            torch.cuda.synchronize()
+            rates.append((generated.shape[1] - len(prompt)) / (time.perf_counter() - t0))
+        out[label] = statistics.median(rates)
+    return out
+
+
+def table(report: dict) -> str:
+    lines = [f"machine: {report['machine']}  dry run: {report['dry_run']}"]
+    for name, entry in report["pairs"].items():
+        if "results" not in entry:
+            lines.append(f"{name}: {entry}")
+            continue
+        lines.append(
+            f"\n{name} on {entry['device']}: greedy == target-only "
+            f"{entry['greedy_equals_target_only']}, c = {entry['cost_ratio']:.3f}, target step "
+            f"{entry['target_step_ms']:.2f} ms"
+        )
+        lines.append(
+            f"{'contender':<22}{'tokens/s':>10}{'x target':>10}{'outside ort':>13}"
+            f"{'B to host/round':>17}"
+        )
+        for label, result in entry["results"].items():
+            if "tokens_per_second" not in result:
+                lines.append(f"{label:<22}{'skipped':>10}")
+                continue
+            lines.append(
+                f"{label:<22}{result['tokens_per_second']:>10.1f}{result['speedup']:>9.2f}x"
+                f"{result['outside_onnxruntime']:>12.1%}{result['bytes_to_host_per_round']:>17.0f}"
+            )
+        for label, rate in entry.get("transformers", {}).items():
+            base = entry["results"]["target only"]["tokens_per_second"]
+            lines.append(f"{label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
+        verify = ", ".join(f"K={k} {v:.2f}" for k, v in entry["verify_cost_ratio"].items())
+        lines.append(f"v_K: {verify}")
+    return "\n".join(lines)
+
+
+def write(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
