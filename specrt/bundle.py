@@ -70,6 +70,7 @@ class EngineSpec:
     export_check: dict[str, float | None] = field(default_factory=dict)
     provider: str = "CPUExecutionProvider"  # the onnxruntime provider it is built for
     dtype: str = "float32"  # of its activations and KV cache
+    built_for: dict[str, str] = field(default_factory=dict)  # a TensorRT plan's GPU and version
 
 
 @dataclass

@@ -152,9 +152,24 @@ def export(target, draft, out, recipe, force, **given) -> None:
 @click.option(
     "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Max |logit diff|."
 )
+@click.option(
+    "--tensorrt",
+    is_flag=True,
+    help="Build TensorRT plans of the portable graphs instead (needs the tensorrt extra and an "
+    "NVIDIA GPU; a plan runs only on the GPU model and TensorRT version it was built with).",
+)
 @_friendly_errors
-def build(bundle, draft_precision, devices, atol) -> None:
+def build(bundle, draft_precision, devices, atol, tensorrt) -> None:
     """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
+    if tensorrt:
+        from specrt.export.tensorrt_plans import build_plans
+
+        manifest = build_plans(bundle, log=lambda message: click.echo(message, err=True))
+        for role, spec in manifest.models.items():
+            built_for = spec.engines["tensorrt"].built_for
+            click.echo(f"{role}: TensorRT plan for {built_for['gpu']}, {built_for['tensorrt']}")
+        click.echo(f"bundle: {bundle}")
+        return
     try:
         from specrt.export.build import build_engines
         from specrt.export.options import ExportOptions

@@ -106,8 +106,8 @@ def test_engine_from_an_earlier_specrt_asks_for_a_rebuild(bundle_copy):
 
 
 def test_unknown_or_missing_engine(bundle_copy):
-    result = generate(bundle_copy, "--prompt", "a", "--engine", "tensorrt")
-    assert result.exit_code == 2 and "tensorrt" in result.output
+    result = generate(bundle_copy, "--prompt", "a", "--engine", "vulkan")
+    assert result.exit_code == 2 and "vulkan" in result.output
     edit_manifest(bundle_copy, lambda m: m["models"]["draft"].update(engines={}))
     result = generate(bundle_copy, "--prompt", "a", "--engine", "onnxruntime")
     assert result.exit_code == 1 and "draft has no onnxruntime engine" in result.output

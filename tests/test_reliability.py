@@ -321,7 +321,7 @@ def test_generation_config_types(field, value):
         ({"providers": "CPUExecutionProvider"}, "give a list of provider names"),
         ({"providers": ["Nope"]}, r"provider\(s\) \['Nope'\] are not available"),
         ({"providers": []}, "give a list of provider names"),
-        ({"engine": "tensorrt"}, "engine='tensorrt'"),
+        ({"engine": "vulkan"}, "engine='vulkan'"),
         ({"max_length": 1}, "max_length=1 is out of range"),
         ({"check_files": "no"}, "check_files='no' is out of range"),
     ],

@@ -13,13 +13,21 @@ from specrt.backends.device import DeviceDecoder
 from specrt.backends.in_place import InPlaceDecoder
 from specrt.backends.portable import PortableDecoder
 from specrt.backends.session import create_session, default_providers
+from specrt.backends.tensorrt import (
+    TENSORRT_ENGINE,
+    TENSORRT_PROVIDER,
+    PlanDecoder,
+    check_plan,
+    ep_options,
+    gpu_identity,
+)
 from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, ModelSpec
 from specrt.errors import InvalidInputError
 
 # "auto": on the CPU provider each model's onnxruntime engine, on the CUDA provider its cuda
 # engine, where the bundle has one, else its portable graph; the others insist on one ("cuda" on
 # the CPU provider runs the cuda engine's graph on the CPU, as a check of it).
-ENGINE_CHOICES = ("auto", "portable", ONNXRUNTIME_ENGINE, CUDA_ENGINE)
+ENGINE_CHOICES = ("auto", "portable", ONNXRUNTIME_ENGINE, CUDA_ENGINE, TENSORRT_ENGINE)
 DEFAULT_MAX_LENGTH = 8192  # positions of preallocated KV cache per engine model
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 log = logging.getLogger("specrt")
@@ -38,6 +46,15 @@ def open_decoder(
     """Open ``role``'s graph chosen by ``engine`` for ``providers`` and wrap it in its decoder."""
     providers = list(providers or default_providers())
     graph = select_graph(spec, role, engine, providers)
+    if engine == TENSORRT_ENGINE:
+        built_for = spec.engines[TENSORRT_ENGINE].built_for
+        check_plan(built_for, gpu_identity(), role)
+        limit = int(built_for.get("max_length", spec.max_positions))  # the profiles' range
+        length = min(max_length or limit, limit)
+        return PlanDecoder(bundle_root / graph.path, graph, vocab_size, role, length)
+    if providers[0] == TENSORRT_PROVIDER:  # the portable graph, compiled by the provider
+        options = ep_options(graph, bundle_root, role, max_length or spec.max_positions)
+        providers = [(TENSORRT_PROVIDER, options), *providers[1:]]
     session = create_session(bundle_root / graph.path, threads=threads, providers=providers)
     if graph.io.argmax:  # a device engine: its cache lives where the provider computes
         device = "cuda" if providers[0] == CUDA else "cpu"
@@ -63,6 +80,8 @@ def select_graph(spec: ModelSpec, role: str, engine: str, providers: list[str]) 
     if engine not in ENGINE_CHOICES:
         raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
     provider = providers[0]
+    if provider == TENSORRT_PROVIDER and engine in ("auto", "portable"):
+        return spec  # what TensorRT compiles: standard ops only
     if engine == "auto":
         wanted = {CPU: ONNXRUNTIME_ENGINE, CUDA: CUDA_ENGINE}.get(provider)
         if wanted in spec.engines:
@@ -78,7 +97,7 @@ def select_graph(spec: ModelSpec, role: str, engine: str, providers: list[str]) 
     if engine == "portable":
         return spec
     if engine not in spec.engines:
-        how = "--device cuda" if engine == CUDA_ENGINE else "(llama, qwen2, mistral, gpt2)"
+        how = {CUDA_ENGINE: "--device cuda", TENSORRT_ENGINE: "--tensorrt"}.get(engine, "")
         raise InvalidInputError(
             f"the bundle's {role} has no {engine} engine (`specrt build --bundle DIR {how}` "
             "builds one); use engine 'auto' or 'portable'"

@@ -28,9 +28,10 @@ def default_providers() -> list[str]:
 def create_session(
     path: str | Path,
     threads: int | None = None,
-    providers: Sequence[str] | None = None,
+    providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
 ) -> ort.InferenceSession:
-    """Open one ONNX graph. ``threads`` sets intra-op threads (default: all cores)."""
+    """Open one ONNX graph. ``threads`` sets intra-op threads (default: all cores);
+    ``providers``: names, or (name, provider options) pairs."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads or (os.cpu_count() or 1)
