@@ -91,6 +91,7 @@ def main() -> None:
         entry = report["pairs"][name] = {"build_s": round(time.monotonic() - started, 1)}
         measure(bundle, name, entry, args, started)
         if not args.dry_run:
+            entry["cuda_graph_draft_step"] = cuda_graph_probe(bundle)
             entry["transformers"] = transformers_assisted(target, draft, entry["prompt_ids"], args)
         entry.pop("prompt_ids")
         write(report, args.out)
@@ -223,6 +224,72 @@ def measure(bundle: Path, name: str, entry: dict, args, started: float) -> None:
     entry["predicted_at_alpha_0.7"] = {
         str(k): predicted_speedup(0.7, k, entry["cost_ratio"]) for k in range(1, args.max_k + 1)
     }
+
+
+def cuda_graph_probe(bundle: Path, steps: int = 64) -> dict:
+    """The draft's one-token step with onnxruntime's CUDA graphs off and on: everything bound
+    once on the device (a captured graph replays the same addresses), the lengths advanced
+    between replays. Reports the median step time of each and whether they chose the same
+    tokens (a replay that ignored the new lengths would not)."""
+    out = {}
+    for label, enabled in (("off", False), ("on", True)):
+        try:
+            out[label] = _draft_steps(bundle, enabled, steps)
+        except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
+            out[label] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    if "tokens" in out.get("off", {}) and "tokens" in out.get("on", {}):
+        out["same_tokens"] = out["off"].pop("tokens") == out["on"].pop("tokens")
+    return out
+
+
+def _draft_steps(bundle: Path, cuda_graph: bool, steps: int) -> dict:
+    import onnxruntime as ort
+
+    from specrt.bundle import read_manifest
+
+    spec = read_manifest(bundle).models["draft"].engine_view("cuda")
+    io = spec.io
+    provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})
+    session = ort.InferenceSession(str(bundle / spec.path), providers=[provider])
+    binding = session.io_binding()
+    positions = min(spec.max_positions, 1024)
+    shape = (1, spec.num_kv_heads, positions, spec.head_dim)
+    for past, present in zip(
+        [*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values]
+    ):
+        value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float16), "cuda", 0)
+        binding.bind_ortvalue_input(past, value)
+        binding.bind_ortvalue_output(present, value)
+    ids = ort.OrtValue.ortvalue_from_numpy(np.array([[5]], np.int64), "cuda", 0)
+    seqlens = ort.OrtValue.ortvalue_from_numpy(np.array([0], np.int32), "cuda", 0)
+    total = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int32))
+    keep = ort.OrtValue.ortvalue_from_numpy(np.array([1], np.int64), "cuda", 0)
+    for name, value in (
+        (io.input_ids, ids),
+        (io.seqlens_k, seqlens),
+        (io.total_length, total),
+        (io.logits_to_keep, keep),
+    ):
+        binding.bind_ortvalue_input(name, value)
+    best = ort.OrtValue.ortvalue_from_shape_and_type((1, 1), np.int64, "cuda", 0)
+    binding.bind_ortvalue_output(io.argmax, best)
+    kept = {io.logits: (1, 1, spec.vocab_size), io.probabilities: (1, 1, spec.vocab_size)}
+    kept.update({io.max_logit: (1, 1), io.max_probability: (1, 1)})
+    for name, dims in kept.items():  # fixed addresses for every output too
+        value = ort.OrtValue.ortvalue_from_shape_and_type(dims, np.float32, "cuda", 0)
+        binding.bind_ortvalue_output(name, value)
+    tokens, times, token = [], [], 5
+    for step in range(steps):
+        ids.update_inplace(np.array([[token]], np.int64))
+        seqlens.update_inplace(np.array([step], np.int32))
+        total.update_inplace(np.array(step + 1, np.int32))
+        started = time.perf_counter()
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        times.append(time.perf_counter() - started)
+        token = int(best.numpy()[0, 0])
+        tokens.append(token)
+    return {"step_ms": statistics.median(times[2:]) * 1e3, "tokens": tokens}
 
 
 def transformers_assisted(target: Path, draft: Path, prompts: list[list[int]], args) -> dict:

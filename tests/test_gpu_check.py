@@ -1,0 +1,30 @@
+"""The device check runs end to end here as a dry run (tiny shapes, the cuda engines on CPU
+OrtValues): on the GPU machine the same script only changes device and sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "report.json"
+    command = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run"]
+    command += ["--prompts", "2", "--new-tokens", "8", "--max-k", "2"]
+    command += ["--work", str(tmp_path / "work"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True
+    assert set(report["pairs"]) == {"demo", "llama-1b-shaped"}
+    for entry in report["pairs"].values():
+        assert entry["greedy_equals_target_only"] is True
+        assert entry["device"] == "cpu"
+        assert {"target only", "K=1", "K=2", "adaptive K<=2"} <= set(entry["results"])
+        assert entry["results"]["K=2"]["bytes_to_host_per_round"] < 1000  # argmax, not logits
+        assert 0 < entry["cost_ratio"]
+    assert "greedy == target-only True" in done.stdout
