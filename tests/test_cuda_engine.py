@@ -97,7 +97,7 @@ def test_only_what_is_needed_comes_back(cuda_bundle):
 def test_rollback_on_the_device_cache(cuda_bundle):
     """The cache is bound once and never replaced; rolled-back positions are overwritten."""
     decoder = cpu_twin(cuda_bundle).target
-    pointers = [value.data_ptr() for value, _ in decoder._cache]
+    pointers = [value.data_ptr() for value in decoder._cache]
     assert len(set(pointers)) == len(pointers)  # one buffer per layer and kind
     rng = np.random.default_rng(0)
     prompt, rejected, kept = [rng.integers(3, 40, n).tolist() for n in (9, 5, 3)]
@@ -105,7 +105,7 @@ def test_rollback_on_the_device_cache(cuda_bundle):
     decoder.forward(rejected)
     decoder.rollback(len(prompt) + 2)
     after = decoder.forward(kept).logits.copy()
-    assert [value.data_ptr() for value, _ in decoder._cache] == pointers
+    assert [value.data_ptr() for value in decoder._cache] == pointers
     decoder.rollback(0)
     clean = decoder.forward(prompt + rejected[:2] + kept).logits[-3:]
     np.testing.assert_allclose(after, clean, atol=2e-2, rtol=0)  # float16 engine, other shapes

@@ -19,14 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from specrt.backends.base import (
-    NEED_ARGMAX,
-    NEED_LOGITS,
-    NEED_PROBABILITIES,
-    NUMPY_DTYPES,
-    DecoderBase,
-    Forward,
-)
+from specrt.backends.base import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES, Forward
+from specrt.backends.in_place import InPlaceBase
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
@@ -34,8 +28,15 @@ OUTPUTS = ("logits", "probabilities", "argmax", "max_logit", "max_probability")
 MAX_KEPT_CALL_SHAPES = 64  # call shapes (tokens fed, rows kept, need) whose bindings are kept
 
 
-class DeviceDecoder(DecoderBase):
+class DeviceDecoder(InPlaceBase):
     """Runs an in-place engine whose cache lives on ``device`` ("cuda" or "cpu")."""
+
+    needs = (*InPlaceBase.needs, "argmax", "max_logit", "max_probability")
+    rebuild_hint = (
+        "this graph lacks the inputs or outputs of a device engine (lengths, logits_to_keep, "
+        "argmax, max_logit, max_probability); build it with `specrt build --bundle DIR "
+        "--device cuda`"
+    )
 
     def __init__(
         self,
@@ -46,68 +47,27 @@ class DeviceDecoder(DecoderBase):
         max_length: int | None = None,
         device: str = "cuda",
     ) -> None:
-        io = spec.io
-        needed = (io.seqlens_k, io.total_length, io.logits_to_keep, io.argmax, io.max_logit)
-        needed += (io.max_probability,)
-        if not all(needed):
-            raise BundleError(
-                f"{role}: this graph lacks the inputs or outputs of a device engine (lengths, "
-                "logits_to_keep, argmax, max_logit, max_probability); build it with "
-                "`specrt build --bundle DIR --device cuda`"
-            )
-        super().__init__(session, spec, vocab_size, role, max_length)
         if spec.vocab_size != vocab_size:
             raise BundleError(
                 f"{role}: the device engine's logits are {spec.vocab_size} wide, the bundle's "
                 f"vocabulary {vocab_size}; rebuild it: specrt build --bundle DIR --device cuda"
             )
-        self.device = device
-        self.length = 0
-        self._binding = session.io_binding()
-        shape = (1, spec.num_kv_heads, self.max_positions, spec.head_dim)
-        pairs = zip([*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values])
-        self._cache = []
-        for past, present in pairs:
-            # Zeroed once (positions past the length are never read). On the CPU the OrtValue
-            # is the numpy array's own memory, so each layer needs its own array, kept alive.
-            zeros = np.zeros(shape, NUMPY_DTYPES[spec.dtype])
-            value = ort.OrtValue.ortvalue_from_numpy(zeros, device, 0)
-            self._binding.bind_ortvalue_input(past, value)
-            self._binding.bind_ortvalue_output(present, value)
-            self._cache.append((value, zeros if device == "cpu" else None))
-        self._seqlens_k = np.zeros(1, dtype=np.int32)
-        self._total_length = np.zeros((), dtype=np.int32)
-        self._logits_to_keep = np.ones(1, dtype=np.int64)
-        for name, array in (
-            (io.seqlens_k, self._seqlens_k),
-            (io.total_length, self._total_length),
-            (io.logits_to_keep, self._logits_to_keep),
-        ):
-            self._binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        super().__init__(session, spec, vocab_size, role, max_length, device)
         self._calls: dict[tuple[int, int, str], _DeviceCall] = {}
         self._bound: _DeviceCall | None = None
         self.calls = 0  # model calls, and the bytes their outputs brought back to the host
         self.bytes_to_host = 0
 
-    def reset(self) -> None:
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        self.length = min(self.length, length)
-
     def forward(
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
     ) -> Forward:
         count = len(tokens)
-        total = self.length + count
-        self._check_room(self.length, count)
+        total = self._advance(count)
         key = (count, keep_last or count, need)
         call = self._bound
         if call is None or call.key != key:
             call = self._bind(key)
         call.ids[0] = tokens
-        self._seqlens_k[0] = total - 1
-        self._total_length.fill(total)
         if self.device != "cpu":
             self._binding.synchronize_inputs()
         self._timed(self.session.run_with_iobinding, self._binding)

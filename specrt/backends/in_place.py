@@ -29,8 +29,81 @@ from specrt.errors import BundleError
 MAX_KEPT_CALL_TOKENS = 80
 
 
-class InPlaceDecoder(DecoderBase):
+class InPlaceBase(DecoderBase):
+    """What the in-place decoders share: one cache buffer per layer and kind, zeroed once, bound
+    as past and present, and the valid length as the cache's only state, fed as two numbers
+    (with ``logits_to_keep``) through host arrays bound once. ``device``: where the buffers
+    live ("cpu": numpy arrays, which are the OrtValues' own memory; "cuda": GPU memory)."""
+
+    needs: tuple[str, ...] = ("seqlens_k", "total_length", "logits_to_keep")
+    rebuild_hint = ""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+        device: str = "cpu",
+    ) -> None:
+        """``max_length`` caps the preallocated cache (and so the sequence length) below the
+        model's max positions: a 128k-position model would otherwise reserve its whole cache."""
+        io = spec.io
+        if not all(getattr(io, name) for name in self.needs):
+            raise BundleError(f"{role}: {self.rebuild_hint}")
+        super().__init__(session, spec, vocab_size, role, max_length)
+        self.device = device
+        self.length = 0
+        binding = self._binding = session.io_binding()
+        shape = (1, spec.num_kv_heads, self.max_positions, spec.head_dim)
+        names = zip(
+            [*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values], strict=True
+        )
+        self._buffers: list[np.ndarray] = []  # on the CPU: the cache itself, kept alive
+        self._cache: list[ort.OrtValue] = []
+        for past, present in names:
+            buffer = np.zeros(shape, NUMPY_DTYPES[spec.dtype])
+            value = ort.OrtValue.ortvalue_from_numpy(buffer, device, 0)
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+            self._cache.append(value)
+            if device == "cpu":
+                self._buffers.append(buffer)
+        self._seqlens_k = np.zeros(1, dtype=np.int32)
+        self._total_length = np.zeros((), dtype=np.int32)
+        self._logits_to_keep = np.ones(1, dtype=np.int64)
+        for name, array in (
+            (io.seqlens_k, self._seqlens_k),
+            (io.total_length, self._total_length),
+            (io.logits_to_keep, self._logits_to_keep),
+        ):
+            binding.bind_ortvalue_input(name, _shared(array))
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` positions (the rest is overwritten by later calls)."""
+        self.length = min(self.length, length)
+
+    def _advance(self, count: int) -> int:
+        """Check room for ``count`` new positions and set the lengths the next call sees."""
+        total = self.length + count
+        self._check_room(self.length, count)
+        self._seqlens_k[0] = total - 1
+        self._total_length.fill(total)
+        return total
+
+
+class InPlaceDecoder(InPlaceBase):
     """Runs an in-place-cache graph on new tokens after its cached prefix; returns their logits."""
+
+    rebuild_hint = (
+        "this in-place cache engine has the inputs of engines built by earlier versions of "
+        "specrt (an attention mask, or no logits_to_keep); rebuild the bundle's engines with "
+        "`specrt build --bundle DIR` (or run it with engine 'portable')"
+    )
 
     def __init__(
         self,
@@ -40,47 +113,11 @@ class InPlaceDecoder(DecoderBase):
         role: str,
         max_length: int | None = None,
     ) -> None:
-        """``max_length`` caps the preallocated cache (and so the sequence length) below the
-        model's max positions: a 128k-position model would otherwise reserve its whole cache."""
-        io = spec.io
-        if not (io.seqlens_k and io.total_length and io.logits_to_keep):
-            raise BundleError(
-                f"{role}: this in-place cache engine has the inputs of engines built by earlier "
-                "versions of specrt (an attention mask, or no logits_to_keep); rebuild the "
-                "bundle's engines with `specrt build --bundle DIR` (or run it with engine "
-                "'portable')"
-            )
         super().__init__(session, spec, vocab_size, role, max_length)
-        self.length = 0
-        binding = self._binding = session.io_binding()
-        shape = (1, spec.num_kv_heads, self.max_positions, spec.head_dim)
-        names = zip(
-            [*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values], strict=True
-        )
-        self._buffers = []
-        for past, present in names:
-            buffer = np.zeros(shape, NUMPY_DTYPES[spec.dtype])
-            value = _shared(buffer)
-            binding.bind_ortvalue_input(past, value)
-            binding.bind_ortvalue_output(present, value)
-            self._buffers.append(buffer)
-        self._seqlens_k = np.zeros(1, dtype=np.int32)
-        self._total_length = np.zeros((), dtype=np.int32)
-        binding.bind_ortvalue_input(io.seqlens_k, _shared(self._seqlens_k))
-        binding.bind_ortvalue_input(io.total_length, _shared(self._total_length))
-        self._logits_to_keep = np.ones(1, dtype=np.int64)
-        binding.bind_ortvalue_input(io.logits_to_keep, _shared(self._logits_to_keep))
         # The graph's softmax is the distribution only if it spans exactly the vocabulary.
-        self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
+        self._with_probabilities = bool(spec.io.probabilities) and spec.vocab_size == vocab_size
         self._shapes: dict[tuple[int, int], _CallArrays] = {}
         self._bound: _CallArrays | None = None
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def rollback(self, length: int) -> None:
-        """Keep only the first ``length`` positions (the rest is overwritten by later calls)."""
-        self.length = min(self.length, length)
 
     def forward(
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
@@ -88,15 +125,12 @@ class InPlaceDecoder(DecoderBase):
         """Logits (and probabilities) of the last ``keep_last`` positions fed, all by default;
         written into arrays the next call of the same shape writes again."""
         count = len(tokens)
-        total = self.length + count
-        self._check_room(self.length, count)
+        total = self._advance(count)
         arrays = self._bound
         shape = (count, keep_last or count)
         if arrays is None or arrays.shape != shape:
             arrays = self._bind(*shape)
         arrays.ids[0] = tokens
-        self._seqlens_k[0] = total - 1
-        self._total_length.fill(total)
         self._timed(self.session.run_with_iobinding, self._binding)
         self.length = total
         return arrays.result
