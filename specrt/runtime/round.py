@@ -41,7 +41,8 @@ def speculative_round(
     the drafter earlier), all of them checked by one target pass. k = 0 is a plain target step.
 
     The target's cache holds all of ``tokens`` but the newest (the caller rolls it back so); it
-    is fed that token and the draft, K+1 positions, and returns their logits."""
+    is fed that token and the draft, K+1 positions, and returns what verification reads of
+    them (`sampling.rows_needed`)."""
     started = time.perf_counter()
     draft = drafter.propose(tokens, k, sampling, rng, keep_drafting)
     drafted_at = time.perf_counter()
