@@ -67,6 +67,78 @@ def draft_precision_option(default: str | None):
     )
 
 
+def _stack(*decorators):
+    """One decorator applying several click options, in the order written."""
+
+    def apply(command):
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+generation_options = _stack(
+    click.option(
+        "--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"], show_default=True
+    ),
+    click.option(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULTS["num_draft_tokens"],
+        show_default=True,
+        help="K; 0 = target only.",
+    ),
+    click.option(
+        "--temperature",
+        type=float,
+        default=DEFAULTS["temperature"],
+        show_default=True,
+        help="0 = greedy.",
+    ),
+    click.option(
+        "--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off."
+    ),
+    click.option(
+        "--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off."
+    ),
+    click.option(
+        "--seed", type=int, default=None, help="Seed for sampling (row i uses (seed, i))."
+    ),
+    click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
+    click.option(
+        "--adaptive-draft", is_flag=True, help="Choose K per round (at most --num-draft-tokens)."
+    ),
+    click.option(
+        "--draft-schedule",
+        type=click.Choice(DRAFT_SCHEDULES),
+        default=DEFAULTS["draft_schedule"],
+        show_default=True,
+        help="How many tokens each round drafts (adaptive = --adaptive-draft).",
+    ),
+)
+load_options = _stack(
+    click.option(
+        "--threads", type=click.IntRange(min=1), default=None, help="onnxruntime intra-op threads."
+    ),
+    ENGINE_OPTION,
+    click.option(
+        "--max-length",
+        type=click.IntRange(min=2),
+        default=DEFAULT_MAX_LENGTH,
+        show_default=True,
+        help="Longest prompt + output the engines' preallocated KV caches hold (capped at the "
+        "model's max positions).",
+    ),
+    click.option(
+        "--skip-checksums",
+        is_flag=True,
+        help="Trust the bundle's files without checking their sha256 (checked files are "
+        "remembered, so only a first load of a bundle pays for it).",
+    ),
+)
+
+
 def _prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
     try:
         return collect_prompts(prompts, prompt_file)
@@ -190,53 +262,8 @@ def build(bundle, draft_precision, devices, atol, tensorrt) -> None:
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
-@click.option("--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"], show_default=True)
-@click.option(
-    "--num-draft-tokens",
-    type=int,
-    default=DEFAULTS["num_draft_tokens"],
-    show_default=True,
-    help="K; 0 = target only.",
-)
-@click.option(
-    "--temperature",
-    type=float,
-    default=DEFAULTS["temperature"],
-    show_default=True,
-    help="0 = greedy.",
-)
-@click.option("--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling (row i uses (seed, i)).")
-@click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
-@click.option(
-    "--adaptive-draft", is_flag=True, help="Choose K per round (at most --num-draft-tokens)."
-)
-@click.option(
-    "--draft-schedule",
-    type=click.Choice(DRAFT_SCHEDULES),
-    default=DEFAULTS["draft_schedule"],
-    show_default=True,
-    help="How many tokens each round drafts (adaptive = --adaptive-draft).",
-)
-@click.option(
-    "--threads", type=click.IntRange(min=1), default=None, help="onnxruntime intra-op threads."
-)
-@ENGINE_OPTION
-@click.option(
-    "--max-length",
-    type=click.IntRange(min=2),
-    default=DEFAULT_MAX_LENGTH,
-    show_default=True,
-    help="Longest prompt + output the engines' preallocated KV caches hold (capped at the "
-    "model's max positions).",
-)
-@click.option(
-    "--skip-checksums",
-    is_flag=True,
-    help="Trust the bundle's files without checking their sha256 (checked files are remembered, "
-    "so only a first load of a bundle pays for it).",
-)
+@generation_options
+@load_options
 @click.option(
     "--compare", is_flag=True, help="Also run the target alone and report the measured speedup."
 )
@@ -255,18 +282,11 @@ def generate(
     **params,
 ) -> None:
     """Generate from a bundle with speculative decoding."""
-    from specrt.runtime import SpeculativeGenerator
     from specrt.runtime.comparison import compare_with_target_only
 
     texts = _prompts(prompts, prompt_file)
     config = GenerationConfig(**params)
-    generator = SpeculativeGenerator.from_bundle(
-        bundle,
-        threads=threads,
-        engine=engine,
-        max_length=max_length,
-        check_files=not skip_checksums,
-    )
+    generator = _load(bundle, threads, engine, max_length, skip_checksums)
     if compare:
         outputs = compare_with_target_only(generator, texts, config)
     else:
@@ -281,6 +301,75 @@ def generate(
         else:
             _print_human(text, record)
         sys.stdout.flush()
+
+
+def _load(bundle, threads, engine, max_length, skip_checksums):
+    from specrt.runtime import SpeculativeGenerator
+
+    return SpeculativeGenerator.from_bundle(
+        bundle,
+        threads=threads,
+        engine=engine,
+        max_length=max_length,
+        check_files=not skip_checksums,
+    )
+
+
+@main.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option(
+    "--input",
+    "input_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help='JSONL: {"id", "prompt", optional "max_new_tokens", "temperature", "top_k", "top_p", '
+    '"seed", "num_draft_tokens"}, or OpenAI batch-file lines.',
+)
+@click.option(
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="JSONL results, one per row as it finishes; rerun to resume after a crash.",
+)
+@click.option("--summary", type=click.Path(path_type=Path), help="Write the summary as JSON.")
+@click.option("--progress/--no-progress", default=None, help="A progress bar [on a terminal].")
+@generation_options
+@load_options
+@_friendly_errors
+def batch(
+    bundle,
+    input_path,
+    output_path,
+    summary,
+    progress,
+    threads,
+    engine,
+    max_length,
+    skip_checksums,
+    **params,
+) -> None:
+    """Run a JSONL file of prompts into a JSONL file of results (resumable, row errors kept)."""
+    from specrt.jobs.batch import progress_bar, run_batch
+
+    if input_path.resolve() == output_path.resolve():
+        raise click.UsageError("--output must not be the --input file")
+    if output_path.is_dir():
+        raise click.UsageError(f"--output {output_path} is a directory; give a file")
+    defaults = GenerationConfig(**params)
+    generator = _load(bundle, threads, engine, max_length, skip_checksums)
+    result = run_batch(generator, input_path, output_path, defaults, progress_bar(progress))
+    report = result.to_dict()
+    if summary is not None:
+        summary.write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(
+        f"{result.rows} rows: {result.ok} ok, {result.failed} failed, {result.skipped} already "
+        f"done ({result.skipped_errors} of them errors); {result.new_tokens} tokens at "
+        f"{result.tokens_per_second:.1f} tokens/s, acceptance {result.acceptance_rate:.2f}",
+        err=True,
+    )
+    if not result.all_ok:
+        sys.exit(1)
 
 
 @main.command()

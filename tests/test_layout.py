@@ -26,7 +26,8 @@ ALLOWED = {
     "runtime": BASE | {"backends"},
     "export": BASE | {"backends"},
     "bench": BASE | {"backends", "runtime"},
-    "cli": BASE | {"backends", "runtime", "export", "bench"},
+    "jobs": BASE | {"backends", "runtime"},
+    "cli": BASE | {"backends", "runtime", "export", "bench", "jobs"},
 }
 # Third-party packages a stage must not import (they belong to extras).
 FORBIDDEN = {

@@ -1,0 +1,1 @@
+"""Offline jobs over the runtime: `batch.run_batch` behind `specrt batch`."""

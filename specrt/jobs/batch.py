@@ -1,0 +1,245 @@
+"""`specrt batch`: an offline job from a JSONL file of prompts to a JSONL file of results.
+
+Input lines are ``{"id": ..., "prompt": "...", optional "max_new_tokens", "temperature",
+"top_k", "top_p", "seed", "num_draft_tokens"}``, or OpenAI batch-file lines (``custom_id``,
+``body`` with ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``). The input is
+streamed (bounded memory but for the set of ids); each finished row is written and flushed at
+once as ``{"id", "text", "token_ids", "finish_reason", "stats"}``, or ``{"id", "error"}`` for a
+row that cannot run (malformed, too long, a bad parameter): the job goes on.
+
+Crash-safe: rerunning the same command after a crash or ``kill -9`` skips the ids already in
+the output, so no row is lost or written twice; a last line torn by the crash is cut off and
+its row done again. Duplicate ids in the input are refused before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from specrt.errors import InvalidInputError, SpecrtError
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.generator import SpeculativeGenerator
+
+ROW_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_draft_tokens")
+OPENAI_OPTIONS = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+}
+
+
+@dataclass
+class Row:
+    id: str
+    prompt: str | None = None
+    options: dict = field(default_factory=dict)
+    error: str | None = None  # why the line cannot run
+
+
+@dataclass
+class Summary:
+    rows: int = 0  # in the input
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0  # already in the output from an earlier run
+    skipped_errors: int = 0  # of them, error records
+    new_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    wall_time_s: float = 0.0
+
+    @property
+    def all_ok(self) -> bool:
+        """No error record in the output, from this run or an earlier one."""
+        return not (self.failed or self.skipped_errors)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "tokens_per_second": self.tokens_per_second,
+            "acceptance_rate": self.acceptance_rate,
+        }
+
+
+def read_rows(path: Path) -> Iterator[Row]:
+    """The input's rows, one per non-blank line, parsed as they are read."""
+    try:
+        handle = open(path, encoding="utf-8-sig", errors="strict")
+    except FileNotFoundError as exc:
+        raise InvalidInputError(f"input file {path} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise InvalidInputError(f"input file {path} is a directory; give a JSONL file") from exc
+    with handle:
+        number = 0
+        while True:
+            try:
+                line = handle.readline()
+            except UnicodeDecodeError as exc:
+                raise InvalidInputError(f"{path}:{number + 1} is not UTF-8 text") from exc
+            if not line:
+                return
+            number += 1
+            if line.strip():
+                yield parse_row(line, f"line {number}")
+
+
+def parse_row(line: str, fallback_id: str) -> Row:
+    """One input line as a `Row`; a line that cannot run keeps an id and says why."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return Row(fallback_id, error=f"not JSON ({exc.msg} at column {exc.colno})")
+    if not isinstance(item, dict):
+        return Row(fallback_id, error="a line must be a JSON object")
+    if "custom_id" in item:  # an OpenAI batch-file line
+        body = item.get("body") if isinstance(item.get("body"), dict) else {}
+        row_id, prompt = item["custom_id"], body.get("prompt")
+        options = {ours: body[theirs] for theirs, ours in OPENAI_OPTIONS.items() if theirs in body}
+        extra = sorted(set(body) - set(OPENAI_OPTIONS) - {"prompt", "model"})
+    else:
+        row_id, prompt = item.get("id"), item.get("prompt")
+        options = {key: item[key] for key in ROW_OPTIONS if key in item}
+        extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt"})
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        return Row(fallback_id, error='a line needs an "id" (a string or an integer)')
+    row = Row(str(row_id), prompt if isinstance(prompt, str) else None, options)
+    if extra:
+        row.error = f"unknown field(s) {extra}; known: {', '.join(ROW_OPTIONS)}"
+    elif not isinstance(prompt, str):
+        row.error = 'a line needs a "prompt" string'
+    return row
+
+
+def check_ids(path: Path) -> int:
+    """Refuse duplicate ids before any work; return the number of rows."""
+    seen: set[str] = set()
+    for row in read_rows(path):
+        if row.id in seen:
+            raise InvalidInputError(
+                f"{path}: id {row.id!r} appears twice; every row needs its own id (results are "
+                "matched and resumed by id)"
+            )
+        seen.add(row.id)
+    return len(seen)
+
+
+def done_ids(output: Path) -> dict[str, bool]:
+    """Ids already in ``output``, each with whether its record is an error. A last line without
+    its newline (a crash mid-write) or that is not a whole JSON object is cut off, and its row
+    runs again."""
+    if not output.exists():
+        return {}
+    data = output.read_bytes()
+    keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
+    ids = {}
+    lines = keep.splitlines(keepends=True)
+    for index, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            ids[str(record["id"])] = "error" in record
+        except (ValueError, KeyError, TypeError) as exc:
+            if index == len(lines) - 1:  # a torn last line: written partly, then the crash
+                keep = keep[: len(keep) - len(line)]
+                break
+            raise InvalidInputError(
+                f"{output} line {index + 1} is not a result of specrt batch; give another "
+                "--output (this one is left as it is)"
+            ) from exc
+    if len(keep) != len(data):
+        with open(output, "r+b") as handle:
+            handle.truncate(len(keep))
+    return ids
+
+
+def run_batch(
+    generator: SpeculativeGenerator,
+    input_path: Path,
+    output_path: Path,
+    defaults: GenerationConfig,
+    progress: Callable[[Summary, int], None] = lambda summary, total: None,
+) -> Summary:
+    """Run every row of ``input_path`` not yet in ``output_path``, appending its result."""
+    total = check_ids(input_path)
+    finished = done_ids(output_path)
+    summary = Summary(rows=total)
+    started = time.perf_counter()
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(output_path, "a", encoding="utf-8") as out:
+        for row in read_rows(input_path):
+            if row.id in finished:
+                summary.skipped += 1
+                summary.skipped_errors += finished[row.id]
+                progress(summary, total)
+                continue
+            record = run_row(generator, row, defaults)
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()  # a row is done once it is in the file: a kill -9 cannot lose it
+            if "error" in record:
+                summary.failed += 1
+            else:
+                stats = record["stats"]
+                summary.ok += 1
+                summary.new_tokens += stats["new_tokens"]
+                summary.drafted_tokens += stats["drafted_tokens"]
+                summary.accepted_tokens += stats["accepted_tokens"]
+            summary.wall_time_s = time.perf_counter() - started
+            progress(summary, total)
+        os.fsync(out.fileno())
+    summary.wall_time_s = time.perf_counter() - started
+    return summary
+
+
+def run_row(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig) -> dict:
+    if row.error is not None:
+        return {"id": row.id, "error": {"message": row.error}}
+    try:
+        config = replace(defaults, **row.options)
+        [result] = generator.generate([row.prompt], config)
+    except InvalidInputError as exc:
+        return {"id": row.id, "error": {"message": str(exc)}}
+    except SpecrtError as exc:  # the model itself failed (NaN logits): say so, go on
+        return {"id": row.id, "error": {"message": str(exc)}}
+    return {"id": row.id, **result.to_dict()}
+
+
+def progress_bar(enabled: bool | None = None) -> Callable[[Summary, int], None]:
+    """A tqdm bar on a terminal (rows done / total, tokens/s, acceptance); quiet elsewhere."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return lambda summary, total: None
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(summary: Summary, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="row", file=sys.stderr)
+        bar.n = summary.ok + summary.failed + summary.skipped
+        bar.set_postfix(
+            tokens_per_s=f"{summary.tokens_per_second:.0f}",
+            acceptance=f"{summary.acceptance_rate:.2f}",
+            failed=summary.failed,
+            refresh=False,
+        )
+        bar.refresh()
+        if bar.n >= total:
+            bar.close()
+
+    return update

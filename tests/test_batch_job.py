@@ -1,0 +1,134 @@
+"""`specrt batch`: a real subprocess, killed with SIGKILL at several points and rerun, loses no
+row and writes none twice; bad rows become error records and the job goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
+
+
+def write_input(path: Path, rows: int = 30) -> list[dict]:
+    lines = []
+    for i in range(rows):
+        prompt = " ".join(WORDS[i % 10 : i % 10 + 1 + i % 4])
+        lines.append({"id": f"row-{i}", "prompt": prompt, "max_new_tokens": 8 + i % 9})
+    lines[7] = {"id": "too-long", "prompt": "Simple is better than complex. " * 6}
+    lines[12] = {"id": "bad-parameter", "prompt": "a", "top_p": 0}
+    text = [json.dumps(line) for line in lines]
+    text.insert(20, '{"id": "broken", "prompt": ')  # a malformed line in the middle
+    text.append(
+        json.dumps({"custom_id": "openai", "body": {"prompt": "for i in", "max_tokens": 5}})
+    )
+    path.write_text("\n".join(text) + "\n")
+    return lines
+
+
+def command(bundle: Path, input_path: Path, output: Path, *extra) -> list[str]:
+    args = ["batch", "--bundle", str(bundle), "--input", str(input_path), "--output", str(output)]
+    return [sys.executable, "-m", "specrt.cli", *args, "--ignore-eos", "--threads", "1", *extra]
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def results(output: Path) -> dict[str, dict]:
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)), "a row was written twice"
+    return {r["id"]: {k: v for k, v in r.items() if k != "stats"} for r in records}
+
+
+@pytest.fixture(scope="module")
+def reference(llama_bundle, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    write_input(root / "in.jsonl")
+    done = run(
+        command(
+            llama_bundle, root / "in.jsonl", root / "out.jsonl", "--summary", root / "summary.json"
+        )
+    )
+    assert done.returncode == 1, done.stderr  # some rows failed, on purpose
+    return root, results(root / "out.jsonl"), json.loads((root / "summary.json").read_text())
+
+
+def test_bad_rows_become_error_records(reference):
+    _, records, summary = reference
+    assert len(records) == 32
+    for row_id in ("too-long", "bad-parameter", "line 21"):
+        assert "error" in records[row_id] and "text" not in records[row_id], row_id
+    assert "at most 128 positions fit" in records["too-long"]["error"]["message"]
+    assert "top_p=0" in records["bad-parameter"]["error"]["message"]
+    assert (
+        records["openai"]["finish_reason"] == "length" and len(records["openai"]["token_ids"]) == 5
+    )
+    assert len(records["row-3"]["token_ids"]) == 8 + 3 % 9
+    assert summary["rows"] == 32 and summary["ok"] == 29 and summary["failed"] == 3
+    assert summary["skipped"] == 0 and summary["new_tokens"] > 0
+
+
+def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, tmp_path):
+    root, expected, _ = reference
+    input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for lines_before_kill in (0, 3, 11, 24):
+        process = subprocess.Popen(
+            command(llama_bundle, input_path, output),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            written = output.read_text().count("\n") if output.exists() else 0
+            if written >= lines_before_kill:
+                break
+            time.sleep(0.01)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    # a line torn by a crash mid-write: detected, cut off, its row done again
+    with open(output, "a") as handle:
+        handle.write('{"id": "row-29", "text": "half a rec')
+    done = run(command(llama_bundle, input_path, output, "--summary", tmp_path / "s.json"))
+    assert done.returncode == 1, done.stderr
+    assert results(output) == expected  # every id exactly once, the same tokens
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["skipped"] > 0 and summary["ok"] + summary["failed"] + summary["skipped"] == 32
+    assert summary["failed"] + summary["skipped_errors"] == 3
+    assert summary["ok"] > 0  # the kills did leave rows undone
+    again = run(command(llama_bundle, input_path, output))
+    assert again.returncode == 1  # the output still holds the three error records
+    assert "0 ok, 0 failed, 32 already done (3 of them errors)" in again.stderr
+
+
+def test_duplicate_ids_are_refused_before_any_work(llama_bundle, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text(
+        '{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b"}\n{"id": "1", "prompt": "c"}\n'
+    )
+    done = run(command(llama_bundle, path, tmp_path / "out.jsonl"))
+    assert done.returncode == 1 and "id '1' appears twice" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_output_that_is_not_ours_is_left_alone(llama_bundle, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 1, "prompt": "a"}\n')
+    output = tmp_path / "notes.jsonl"
+    output.write_text("my notes\nmore notes\n")
+    done = run(command(llama_bundle, path, output))
+    assert done.returncode == 1 and "is not a result of specrt batch" in done.stderr
+    assert output.read_text() == "my notes\nmore notes\n"
+    done = run(command(llama_bundle, path, path))
+    assert done.returncode == 2 and "must not be the --input" in done.stderr
