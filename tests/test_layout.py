@@ -30,10 +30,8 @@ ALLOWED = {
     "cli": BASE | {"backends", "runtime", "export", "bench", "jobs"},
 }
 # Third-party packages a stage must not import (they belong to extras).
-FORBIDDEN = {
-    "backends": {"torch", "transformers", "optimum", "onnx"},
-    "runtime": {"torch", "transformers", "optimum", "onnx"},
-}
+EXTRAS = {"torch", "transformers", "optimum", "onnx", "ray", "fastapi", "starlette", "uvicorn"}
+FORBIDDEN = {"backends": EXTRAS, "runtime": EXTRAS}
 
 
 def module_name(path: Path) -> str:

@@ -104,6 +104,11 @@ def parse_row(line: str, fallback_id: str) -> Row:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
         return Row(fallback_id, error=f"not JSON ({exc.msg} at column {exc.colno})")
+    return row_from_item(item, fallback_id)
+
+
+def row_from_item(item: object, fallback_id: str) -> Row:
+    """A parsed input object (a JSON line, a dataset row) as a `Row`."""
     if not isinstance(item, dict):
         return Row(fallback_id, error="a line must be a JSON object")
     if "custom_id" in item:  # an OpenAI batch-file line

@@ -1,0 +1,82 @@
+"""Scale out on Ray Data: one generator per actor, rows mapped to results.
+
+    import ray
+    from specrt.jobs.ray_data import SpecrtPredictor
+
+    rows = ray.data.read_json("prompts.jsonl")  # or read_parquet: columns id, prompt, ...
+    results = rows.map_batches(
+        SpecrtPredictor,
+        fn_constructor_kwargs={"bundle": "engines/demo", "max_new_tokens": 128},
+        concurrency=4,  # actors, each loading the bundle once
+        batch_size=16,
+    )
+    results.write_parquet("results/")
+
+Rows are those of `specrt batch` (``id``, ``prompt``, optional ``max_new_tokens``,
+``temperature``, ``top_k``, ``top_p``, ``seed``, ``num_draft_tokens``). A row that cannot run
+comes back with its message in the ``error`` column instead of failing the job. Needs the
+``ray`` extra; `specrt.runtime` never imports Ray.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from specrt.jobs.batch import row_from_item, run_row
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.generator import SpeculativeGenerator
+
+STATS = ("new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate")
+
+
+class SpecrtPredictor:
+    """A callable class for ``Dataset.map_batches``: ``bundle`` and load options (``threads``,
+    default 1: actors share the machine's cores; ``engine``, ``max_length``) and the generation
+    defaults (`GenerationConfig` fields) as constructor keywords."""
+
+    def __init__(
+        self,
+        bundle: str,
+        threads: int | None = 1,
+        engine: str = "auto",
+        max_length: int | None = None,
+        **generation: Any,
+    ) -> None:
+        options = {"threads": threads, "engine": engine}
+        if max_length is not None:
+            options["max_length"] = max_length
+        self.generator = SpeculativeGenerator.from_bundle(bundle, **options)
+        self.defaults = GenerationConfig(**generation)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        columns = {name: list(values) for name, values in batch.items()}
+        count = len(next(iter(columns.values()))) if columns else 0
+        out: dict[str, list] = {
+            name: [] for name in ("id", "text", "token_ids", "finish_reason", "error", *STATS)
+        }
+        for index in range(count):
+            item = {name: _plain(values[index]) for name, values in columns.items()}
+            item = {name: value for name, value in item.items() if value is not None}
+            row = row_from_item(item, f"row {index}")
+            record = run_row(self.generator, row, self.defaults)
+            stats = record.get("stats", {})
+            out["id"].append(row.id)
+            out["text"].append(record.get("text", ""))
+            out["token_ids"].append(record.get("token_ids", []))
+            out["finish_reason"].append(record.get("finish_reason", "error"))
+            out["error"].append(record["error"]["message"] if "error" in record else None)
+            for name in STATS:
+                out[name].append(stats.get(name, 0))
+        return out
+
+
+def _plain(value: Any) -> Any:
+    """A dataset cell as a plain Python value; a missing one (null, NaN) as None."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value

@@ -1,0 +1,59 @@
+"""Ray Data: a real local Ray instance, two actors each loading the bundle, rows mapped to the
+results a single process gives (ids kept, bad rows in the error column)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrt.jobs.batch import row_from_item, run_row
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+
+ray = pytest.importorskip(
+    "ray", reason="the ray extra is not installed (pip install 'specrt[ray]')"
+)
+
+WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_map_batches_equals_a_single_process(local_ray, llama_bundle):
+    from specrt.jobs.ray_data import SpecrtPredictor
+
+    rows = [
+        {
+            "id": f"r{i}",
+            "prompt": " ".join(WORDS[i % 10 : i % 10 + 1 + i % 3]),
+            "max_new_tokens": 6 + i % 5,
+        }
+        for i in range(30)
+    ]
+    rows[4] = {"id": "r4", "prompt": "Simple is better than complex. " * 6, "max_new_tokens": 6}
+    rows[9] = {"id": "r9", "prompt": "x", "max_new_tokens": 0}
+    dataset = ray.data.from_items(rows)
+    options = {"bundle": str(llama_bundle), "ignore_eos": True}
+    mapped = dataset.map_batches(
+        SpecrtPredictor, fn_constructor_kwargs=options, concurrency=2, batch_size=4
+    )
+    got = {row["id"]: row for row in mapped.take_all()}
+    assert sorted(got) == sorted(r["id"] for r in rows)  # every id, once
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    defaults = GenerationConfig(ignore_eos=True)
+    for item in rows:
+        expected = run_row(generator, row_from_item(item, "?"), defaults)
+        result = got[item["id"]]
+        if "error" in expected:
+            assert result["error"] == expected["error"]["message"], item["id"]
+            assert result["finish_reason"] == "error"
+        else:
+            assert result["error"] is None
+            assert list(result["token_ids"]) == expected["token_ids"], item["id"]
+            assert result["text"] == expected["text"]
+    assert "at most 128 positions fit" in got["r4"]["error"]
+    assert "max_new_tokens=0" in got["r9"]["error"]
