@@ -132,3 +132,20 @@ def test_an_output_that_is_not_ours_is_left_alone(llama_bundle, tmp_path):
     assert output.read_text() == "my notes\nmore notes\n"
     done = run(command(llama_bundle, path, path))
     assert done.returncode == 2 and "must not be the --input" in done.stderr
+
+
+def test_a_seeded_job_gives_each_row_its_own_stream(llama_bundle, tmp_path):
+    """With --seed, every row samples from a stream keyed by (seed, id): rows with the same
+    prompt differ, and a rerun (or a resumed job) gives the same tokens per id."""
+    path = tmp_path / "in.jsonl"
+    path.write_text(
+        "".join(json.dumps({"id": f"r{i}", "prompt": "Simple is"}) + "\n" for i in range(6))
+    )
+    sampled = ["--temperature", "1", "--seed", "7", "--max-new-tokens", "12"]
+    run(command(llama_bundle, path, tmp_path / "a.jsonl", *sampled))
+    first = results(tmp_path / "a.jsonl")
+    assert len({tuple(r["token_ids"]) for r in first.values()}) > 1  # not one stream for all
+    reordered = tmp_path / "reordered.jsonl"
+    reordered.write_text("".join(reversed(path.read_text().splitlines(keepends=True))))
+    run(command(llama_bundle, reordered, tmp_path / "b.jsonl", *sampled))
+    assert results(tmp_path / "b.jsonl") == first  # the same tokens per id, whatever the order

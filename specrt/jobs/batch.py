@@ -14,6 +14,7 @@ its row done again. Duplicate ids in the input are refused before any work.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -214,12 +215,22 @@ def run_row(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfi
         return {"id": row.id, "error": {"message": row.error}}
     try:
         config = replace(defaults, **row.options)
+        if "seed" not in row.options and config.seed is not None:
+            config = replace(config, seed=row_seed(config.seed, row.id))
         [result] = generator.generate([row.prompt], config)
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
     except SpecrtError as exc:  # the model itself failed (NaN logits): say so, go on
         return {"id": row.id, "error": {"message": str(exc)}}
     return {"id": row.id, **result.to_dict()}
+
+
+def row_seed(seed: int, row_id: str) -> int:
+    """The job's seed made the row's own: rows draw from independent streams, and a row's
+    tokens do not depend on its place in the file or on the rows run before it (a resumed job
+    gives what an uninterrupted one would)."""
+    digest = hashlib.sha256(f"{seed}\0{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def progress_bar(enabled: bool | None = None) -> Callable[[Summary, int], None]:
