@@ -107,7 +107,7 @@ WRITER = textwrap.dedent(
             publish(staged, out)
         count += 1
         print(count, flush=True)
-        time.sleep(0.15)
+        time.sleep(0.4)  # a load (~0.1 s here) reads across at most one swap
     """
 )
 
