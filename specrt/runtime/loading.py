@@ -41,11 +41,13 @@ def load_pair(
     """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
 
     ``threads``: the target's intra-op threads (default: all cores). ``draft_threads``: the
-    draft's (default 1: see `specrt.backends.session` for why). ``engine``: ``"auto"`` runs each
-    model's onnxruntime engine where the bundle has one and the provider suits it, else its
-    portable graph; ``"portable"`` or ``"onnxruntime"`` insist on one (the latter fails if it is
-    missing). ``max_length``: the longest sequence (prompt + new tokens) the engines'
-    preallocated KV caches hold, at most the model's max positions (None: the model's)."""
+    draft's (default 1: see `specrt.backends.session` for why). ``providers``: onnxruntime's,
+    first choice first (default: CUDA where available, else CPU). ``engine``: ``"auto"`` runs
+    each model's engine for the provider where the bundle has one (the CPU engine on CPU, the
+    cuda engine on CUDA), else its portable graph; ``"portable"``, ``"onnxruntime"``, ``"cuda"``
+    or ``"tensorrt"`` insist on one (see `specrt.backends.select`). ``max_length``: the longest
+    sequence (prompt + new tokens) the engines' preallocated KV caches hold, at most the
+    model's max positions (None: the model's)."""
     if max_length is not None:
         max_length = integer("max_length", max_length, 2, rule="use an integer >= 2, or None")
     if threads is not None:
