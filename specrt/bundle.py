@@ -52,14 +52,18 @@ class ModelIO:
     argmax: str | None = None  # each kept row's best token, where the graph computes it
     max_logit: str | None = None  # and that token's logit (NaN/inf checks without the logits)
     max_probability: str | None = None  # and its probability (the draft's confidence)
+    # Batched cache graphs: where each new token's k and v go, (row, position) pairs.
+    cache_indices: str | None = None
 
 
 @dataclass
 class EngineSpec:
     """A backend-specific graph of the same model (e.g. ORT contrib ops), checked like the
-    portable one. ``cache``: ``"concat"`` (present = past + new, fed back each call) or
+    portable one. ``cache``: ``"concat"`` (present = past + new, fed back each call),
     ``"in_place"`` (past and present are one preallocated buffer of ``max_positions``; the valid
-    length is fed as ``io.seqlens_k`` / ``io.total_length``)."""
+    length is fed as ``io.seqlens_k`` / ``io.total_length``; one row per call when more than one
+    token is fed) or ``"batched"`` (one buffer ``[rows, positions, kv_heads * head_dim]``; each
+    row's positions, cache indices and attention mask are fed: any rows, any tokens per call)."""
 
     path: str
     files: dict[str, str]
@@ -322,7 +326,7 @@ def validate_manifest(manifest: Manifest, root: Path) -> None:
         )
 
 
-CACHE_KINDS = ("concat", "in_place")
+CACHE_KINDS = ("concat", "in_place", "batched")
 DTYPES = ("float32", "float16")
 
 

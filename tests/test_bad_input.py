@@ -93,11 +93,15 @@ def test_graph_that_does_not_match_manifest(bundle_copy, engine):
 
 
 def test_engine_from_an_earlier_specrt_asks_for_a_rebuild(bundle_copy):
-    """Engines once took an attention mask; such a manifest entry is refused with the fix."""
+    """In-place engines once took an attention mask, and batched ones need their position
+    inputs; such manifest entries are refused with the fix."""
 
     def edit(manifest):
-        io = manifest["models"]["target"]["engines"]["onnxruntime"]["io"]
-        io.update(attention_mask="attention_mask", seqlens_k=None, total_length=None)
+        engine = manifest["models"]["target"]["engines"]["onnxruntime"]
+        engine["cache"] = "in_place"
+        engine["io"].update(attention_mask="attention_mask", seqlens_k=None, total_length=None)
+        draft = manifest["models"]["draft"]["engines"]["onnxruntime"]
+        draft["io"].update(cache_indices=None)
 
     edit_manifest(bundle_copy, edit)
     result = generate(bundle_copy, "--prompt", "a")

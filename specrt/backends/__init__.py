@@ -1,6 +1,7 @@
 """What runs a graph: backends behind one `Decoder` protocol (`base.py`).
 
-`in_place.InPlaceDecoder` runs the onnxruntime engine (fused graph, KV cache updated in place),
+`batched.BatchedDecoder` runs the onnxruntime engine (fused graph, KV cache updated in place,
+many rows per call), `in_place.InPlaceDecoder` its one-row form from earlier versions,
 `portable.PortableDecoder` the portable standard-op graph, `device.DeviceDecoder` the cuda
 engine with its cache in GPU memory; `select.open_decoder` picks one for the requested
 providers.
@@ -13,9 +14,11 @@ from specrt.backends.base import (
     Decoder,
     Forward,
 )
+from specrt.backends.batched import BatchedDecoder
 from specrt.backends.select import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, open_decoder
 
 __all__ = [
+    "BatchedDecoder",
     "DEFAULT_MAX_LENGTH",
     "ENGINE_CHOICES",
     "NEED_ARGMAX",

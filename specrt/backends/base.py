@@ -141,6 +141,7 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
         io.seqlens_k,
         io.total_length,
         io.logits_to_keep,
+        io.cache_indices,
     )
     wanted += [n for n in optional if n]
     produced = [io.logits, *io.present_keys, *io.present_values]
@@ -159,7 +160,10 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
             "the bundle"
         )
     shape = inputs[io.past_keys[0]].shape
-    for axis, expected in ((1, spec.num_kv_heads), (3, spec.head_dim)):
+    expected_sizes = ((1, spec.num_kv_heads), (3, spec.head_dim))
+    if spec.cache == "batched":  # [rows, positions, kv_heads * head_dim]
+        expected_sizes = ((2, spec.num_kv_heads * spec.head_dim),)
+    for axis, expected in expected_sizes:
         if isinstance(shape[axis], int) and shape[axis] != expected:
             raise BundleError(
                 f"{role}: cache input {io.past_keys[0]} has shape {shape}, the manifest "

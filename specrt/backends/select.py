@@ -9,6 +9,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from specrt.backends.base import Decoder
+from specrt.backends.batched import BatchedDecoder
 from specrt.backends.device import DeviceDecoder
 from specrt.backends.in_place import InPlaceDecoder
 from specrt.backends.portable import PortableDecoder
@@ -42,8 +43,10 @@ def open_decoder(
     providers: Sequence[str] | None = None,
     threads: int | None = None,
     max_length: int | None = DEFAULT_MAX_LENGTH,
+    max_batch: int = 1,
 ) -> Decoder:
-    """Open ``role``'s graph chosen by ``engine`` for ``providers`` and wrap it in its decoder."""
+    """Open ``role``'s graph chosen by ``engine`` for ``providers`` and wrap it in its decoder
+    (``max_batch``: rows a batched engine holds; other decoders run one row)."""
     providers = list(providers or default_providers())
     graph = select_graph(spec, role, engine, providers)
     if engine == TENSORRT_ENGINE:
@@ -59,7 +62,7 @@ def open_decoder(
     if graph.io.argmax:  # a device engine: its cache lives where the provider computes
         device = "cuda" if providers[0] == CUDA else "cpu"
         return DeviceDecoder(session, graph, vocab_size, role, max_length, device)
-    return make_decoder(session, graph, vocab_size, role, max_length)
+    return make_decoder(session, graph, vocab_size, role, max_length, max_batch)
 
 
 def make_decoder(
@@ -68,8 +71,12 @@ def make_decoder(
     vocab_size: int,
     role: str,
     max_length: int | None = None,
+    max_batch: int = 1,
 ) -> Decoder:
-    """The decoder class the graph's cache contract (``spec.cache``) needs, on the host."""
+    """The decoder class the graph's cache contract (``spec.cache``) needs, on the host
+    (``max_batch``: rows a batched engine holds)."""
+    if spec.cache == "batched":
+        return BatchedDecoder(session, spec, vocab_size, role, max_length, max_batch)
     if spec.cache == "in_place":
         return InPlaceDecoder(session, spec, vocab_size, role, max_length)
     return PortableDecoder(session, spec, vocab_size, role, max_length)

@@ -13,9 +13,12 @@ from specrt.checksums import sha256_file
 from specrt.export.numeric_check import max_logit_difference
 from specrt.export.ort_graph import (
     ARGMAX,
+    ATTENTION_MASK,
+    CACHE_INDICES,
     LOGITS_TO_KEEP,
     MAX_LOGIT,
     MAX_PROBABILITY,
+    POSITION_IDS,
     PROBABILITIES,
     SEQLENS_K,
     TOTAL_LENGTH,
@@ -55,6 +58,9 @@ def build_ort_engine(
         vocab_size=vocab,
         dtype=dtype,
         greedy_outputs=device == "cuda",
+        # CPU: any rows and tokens per call; CUDA keeps GroupQueryAttention (one row per call
+        # when more than one token is fed) until the batched graph is checked on a GPU.
+        attention="group_query" if device == "cuda" else "batched",
     )
     if config.model_type == "gpt2":
         graph = build_gpt2_graph(shape, weights, out)
@@ -73,6 +79,7 @@ def build_ort_engine(
     if device == "cpu":
         quantize_weights(graph, precision)
     layers = range(spec.num_layers)
+    batched = shape.attention == "batched"
     engine = EngineSpec(
         path=str(graph.relative_to(bundle_root)),
         files={
@@ -80,15 +87,16 @@ def build_ort_engine(
         },
         io=ModelIO(
             input_ids="input_ids",
-            attention_mask=None,
-            position_ids=None,
+            attention_mask=ATTENTION_MASK if batched else None,
+            position_ids=POSITION_IDS if batched else None,
             past_keys=[f"past_key_values.{i}.key" for i in layers],
             past_values=[f"past_key_values.{i}.value" for i in layers],
             logits="logits",
             present_keys=[f"present.{i}.key" for i in layers],
             present_values=[f"present.{i}.value" for i in layers],
-            seqlens_k=SEQLENS_K,
-            total_length=TOTAL_LENGTH,
+            seqlens_k=None if batched else SEQLENS_K,
+            total_length=None if batched else TOTAL_LENGTH,
+            cache_indices=CACHE_INDICES if batched else None,
             probabilities=PROBABILITIES,
             logits_to_keep=LOGITS_TO_KEEP,
             argmax=ARGMAX if shape.greedy_outputs else None,
@@ -96,7 +104,7 @@ def build_ort_engine(
             max_probability=MAX_PROBABILITY if shape.greedy_outputs else None,
         ),
         vocab_size=vocab,
-        cache="in_place",
+        cache="batched" if batched else "in_place",
         precision=dtype if device == "cuda" else precision,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,

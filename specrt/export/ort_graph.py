@@ -34,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specrt.export.options import SUPPORTED_MODEL_TYPES
 
 OPSET = 21
+BATCHED_OPSET = 23  # the Attention op
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
 TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
 PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxruntime's code is hot
@@ -41,6 +42,10 @@ ARGMAX = "argmax"  # int64 [1, n]: each kept row's best token (greedy_outputs)
 MAX_LOGIT = "max_logit"  # float32 [1, n]: its logit, so the host can refuse NaN/inf
 MAX_PROBABILITY = "max_probability"  # float32 [1, n]: its probability (the draft's confidence)
 LOGITS_TO_KEEP = "logits_to_keep"  # int64 [1]: logits for the last n positions fed (prefill: 1)
+# The batched engine's inputs, computed by the host from each row's length:
+POSITION_IDS = "position_ids"  # int64 [B, S]: each new token's position
+CACHE_INDICES = "cache_indices"  # int64 [B, S, 2]: (row, position) its k and v are written at
+ATTENTION_MASK = "attention_mask"  # bool [B, 1, S, L]: which cache slots each new token sees
 _MS = "com.microsoft"
 
 
@@ -60,6 +65,10 @@ class DecoderShape:
     # Also output each kept row's argmax and max logit: a device backend copies back those few
     # numbers for greedy decoding instead of the logits.
     greedy_outputs: bool = False
+    # "batched": attention from standard ops over a cache indexed per row, so a call feeds
+    # several tokens to each of several rows (GroupQueryAttention refuses batch > 1 when more
+    # than one token follows a cached prefix).
+    attention: str = "group_query"
 
 
 def unsupported_reason(config, max_positions: int) -> str | None:
@@ -171,15 +180,17 @@ def build_gpt2_graph(
     ``weights`` uses the HF state-dict names (``transformer.h.0.attn.c_attn.weight`` …; GPT-2's
     Conv1D weights are already ``[in, out]``)."""
     b = _GraphBuilder(weights, shape.dtype)
-    # Positions past .. past+S-1, from the total length and the number of new tokens.
-    b.node("Cast", [TOTAL_LENGTH], ["total_len64"], to=TensorProto.INT64)
-    b.node("Shape", ["input_ids"], ["ids_shape"], start=1, end=2)
-    b.node("Squeeze", ["ids_shape"], ["new_len64"])
-    b.node("Sub", ["total_len64", "new_len64"], ["past_len64"])
-    b.constant("step", np.array(1, dtype=np.int64))
-    b.node("Range", ["past_len64", "total_len64", "step"], ["positions"])
+    positions = POSITION_IDS
+    if shape.attention != "batched":  # past .. past+S-1, from the total and new lengths
+        positions = "positions"
+        b.node("Cast", [TOTAL_LENGTH], ["total_len64"], to=TensorProto.INT64)
+        b.node("Shape", ["input_ids"], ["ids_shape"], start=1, end=2)
+        b.node("Squeeze", ["ids_shape"], ["new_len64"])
+        b.node("Sub", ["total_len64", "new_len64"], ["past_len64"])
+        b.constant("step", np.array(1, dtype=np.int64))
+        b.node("Range", ["past_len64", "total_len64", "step"], [positions])
     b.node("Gather", [b.weight("transformer.wte.weight"), "input_ids"], ["token_embedded"])
-    b.node("Gather", [b.weight("transformer.wpe.weight"), "positions"], ["position_embedded"])
+    b.node("Gather", [b.weight("transformer.wpe.weight"), positions], ["position_embedded"])
     b.node("Add", ["token_embedded", "position_embedded"], ["embedded"])
     eps = float(shape.norm_eps)
     b.node(
@@ -261,8 +272,46 @@ def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderSh
         b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
 
 
+def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool):
+    """Layer ``i``'s attention for a batch of rows of different lengths: rotate q and k at each
+    row's positions, write k and v into the layer's cache ``[B, L, kv_heads * head_dim]`` at
+    ``(row, position)`` (ScatterND; past and present are bound to one buffer, so in place), then
+    attend over the cache under the mask (the Attention op groups query heads itself)."""
+    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    b.initializer("qkv_split", np.array([h * hd, kvh * hd, kvh * hd], dtype=np.int64))
+    b.node("Split", [qkv, "qkv_split"], [f"q.{i}", f"k.{i}", f"v.{i}"], axis=-1)
+    q, k = f"q.{i}", f"k.{i}"
+    if rotary:
+        for name, heads in ((q, h), (k, kvh)):
+            b.node(
+                "RotaryEmbedding",
+                [name, POSITION_IDS, "cos_cache", "sin_cache"],
+                [f"{name}.rot"],
+                domain=_MS,
+                interleaved=0,
+                num_heads=heads,
+            )
+        q, k = f"{q}.rot", f"{k}.rot"
+    for kind, new in (("key", k), ("value", f"v.{i}")):
+        b.node(  # the cache is [B, L, kv_heads * head_dim]: new rows go in as they come
+            "ScatterND",
+            [f"past_key_values.{i}.{kind}", CACHE_INDICES, new],
+            [f"present.{i}.{kind}"],
+        )
+    b.node(
+        "Attention",
+        [q, f"present.{i}.key", f"present.{i}.value", ATTENTION_MASK],
+        [f"attn.{i}"],
+        q_num_heads=h,
+        kv_num_heads=kvh,
+        scale=float(hd**-0.5),
+    )
+
+
 def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
     """Layer ``i``'s GroupQueryAttention on packed q/k/v; reads and writes the layer's cache."""
+    if shape.attention == "batched":
+        return _batched_attention(b, shape, i, qkv, rotary)
     inputs = [
         qkv,
         "",
@@ -290,12 +339,24 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
     cache_type = TENSOR_TYPES[shape.dtype]
     kv_dims = ["batch", shape.num_kv_heads, "past_sequence_length", shape.head_dim]
     present_dims = ["batch", shape.num_kv_heads, "total_sequence_length", shape.head_dim]
+    if shape.attention == "batched":
+        kv_dims = present_dims = ["batch", "max_length", shape.num_kv_heads * shape.head_dim]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
         helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
         helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]),
     ]
+    if shape.attention == "batched":
+        inputs[1:3] = [
+            helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", "sequence"]),
+            helper.make_tensor_value_info(
+                CACHE_INDICES, TensorProto.INT64, ["batch", "sequence", 2]
+            ),
+            helper.make_tensor_value_info(
+                ATTENTION_MASK, TensorProto.BOOL, ["batch", 1, "sequence", "max_length"]
+            ),
+        ]
     outputs = [
         helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "kept", shape.vocab_size])
         for name in ("logits", PROBABILITIES)
@@ -315,9 +376,10 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
                 helper.make_tensor_value_info(f"present.{i}.{kind}", cache_type, present_dims)
             )
     graph = helper.make_graph(b.nodes, "specrt_decoder", inputs, outputs, b.initializers)
+    opset = BATCHED_OPSET if shape.attention == "batched" else OPSET
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(_MS, 1)],
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(_MS, 1)],
         producer_name="specrt",
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)

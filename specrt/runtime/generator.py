@@ -5,20 +5,21 @@ from __future__ import annotations
 import numbers
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specrt.backends import Decoder
+from specrt.backends import BatchedDecoder, Decoder
 from specrt.errors import InvalidInputError
+from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import speculative_round
-from specrt.runtime.schedules import DraftSchedule, make_schedule
+from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -27,9 +28,10 @@ Prompt = str | Sequence[int]
 class SpeculativeGenerator:
     """Generates with a target model, optionally sped up by a drafter; output as the target's.
 
-    The models' caches and output arrays belong to the generator, so rows run one at a time: a
-    lock serialises rows from several threads (load one generator per thread to run them in
-    parallel)."""
+    Loaded with ``max_batch`` > 1 (onnxruntime CPU engines), up to that many rows share every
+    model call (`specrt.runtime.batching`); otherwise rows run one at a time. The models'
+    caches and output arrays belong to the generator: a lock serialises calls from several
+    threads (load one generator per thread to run them in parallel)."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class SpeculativeGenerator:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._lock = threading.Lock()
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
+        self._load_schedules: dict[str, LoadSchedule] = {}  # what batches learn, kept
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, **options: Any) -> SpeculativeGenerator:
@@ -53,6 +56,14 @@ class SpeculativeGenerator:
     @classmethod
     def from_pair(cls, pair: ModelPair) -> SpeculativeGenerator:
         return cls(pair.target, ModelDrafter(pair.draft), pair.tokenizer, pair.eos_token_ids)
+
+    @property
+    def max_batch(self) -> int:
+        """Rows that run together (1 unless both models are batched engines loaded so)."""
+        target, draft = self.target, getattr(self.drafter, "decoder", None)
+        if isinstance(target, BatchedDecoder) and isinstance(draft, BatchedDecoder):
+            return min(target.max_batch, draft.max_batch)
+        return 1
 
     @property
     def model_time_s(self) -> float:
@@ -141,11 +152,37 @@ class SpeculativeGenerator:
     def _rows(
         self, encoded: list[list[int]], config: GenerationConfig
     ) -> Iterator[GenerationResult]:
+        if self.max_batch > 1:  # rows finish out of order: hand them out in order
+            requests = [
+                Request(i, ids, config, row_rng(config, i)) for i, ids in enumerate(encoded)
+            ]
+            done: dict[int, GenerationResult] = {}
+            results = self.run(requests)
+            for row in range(len(encoded)):
+                while row not in done:
+                    key, result = next(results)
+                    done[key] = result
+                yield done.pop(row)
+            return
         for row, ids in enumerate(encoded):
-            rng = np.random.default_rng(None if config.seed is None else [config.seed, row])
             with self._lock:
-                result = self._generate_row(ids, config, rng)
+                result = self._generate_row(ids, config, row_rng(config, row))
             yield result
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
+        """Generate each `Request` (its prompt checked by `encode_prompts`, its own config and
+        random stream), yielding ``(request.key, result)`` as rows finish: with ``max_batch``
+        > 1 up to that many at a time, finishing out of order; else one after another."""
+        if self.max_batch == 1:
+            for request in requests:
+                with self._lock:
+                    result = self._generate_row(request.prompt, request.config, request.rng)
+                yield request.key, result
+            return
+        runner = BatchRunner(self.target, self.drafter.decoder, self.tokenizer, self.eos_token_ids)
+        runner.schedules = self._load_schedules
+        with self._lock:
+            yield from runner.run(requests)
 
     def _schedule(self, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
@@ -215,3 +252,8 @@ class SpeculativeGenerator:
         if config.ignore_eos or self.eos_token_ids.isdisjoint(emitted):
             return None
         return next(i for i, t in enumerate(emitted) if t in self.eos_token_ids)
+
+
+def row_rng(config: GenerationConfig, row: int) -> np.random.Generator:
+    """Row ``row``'s own random stream: keyed by (seed, row) under a seed, else fresh."""
+    return np.random.default_rng(None if config.seed is None else [config.seed, row])

@@ -37,6 +37,7 @@ def load_pair(
     draft_threads: int = 1,
     engine: str = "auto",
     max_length: int | None = DEFAULT_MAX_LENGTH,
+    max_batch: int = 1,
 ) -> ModelPair:
     """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
 
@@ -47,12 +48,15 @@ def load_pair(
     cuda engine on CUDA), else its portable graph; ``"portable"``, ``"onnxruntime"``, ``"cuda"``
     or ``"tensorrt"`` insist on one (see `specrt.backends.select`). ``max_length``: the longest
     sequence (prompt + new tokens) the engines' preallocated KV caches hold, at most the
-    model's max positions (None: the model's)."""
+    model's max positions (None: the model's). ``max_batch``: rows the engines run per call
+    (their caches hold that many sequences; the onnxruntime CPU engine only: other graphs run
+    one row)."""
     if max_length is not None:
         max_length = integer("max_length", max_length, 2, rule="use an integer >= 2, or None")
     if threads is not None:
         threads = integer("threads", threads, 1, rule="use an integer >= 1, or None: all cores")
     draft_threads = integer("draft_threads", draft_threads, 1)
+    max_batch = integer("max_batch", max_batch, 1, rule="use an integer >= 1")
     flag("check_files", check_files)
     if engine not in ENGINE_CHOICES:
         raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
@@ -69,6 +73,7 @@ def load_pair(
         threads=threads,
         draft_threads=draft_threads,
         max_length=max_length,
+        max_batch=max_batch,
     )
     before = _manifest_bytes(root)
     try:
@@ -82,7 +87,9 @@ def load_pair(
         return _load(root, **options)
 
 
-def _load(root: Path, check_files: bool, threads, draft_threads, max_length, **select) -> ModelPair:
+def _load(
+    root: Path, check_files: bool, threads, draft_threads, max_length, max_batch, **select
+) -> ModelPair:
     manifest = read_manifest(root)
     if check_files:
         verify_checksums(manifest, root)
@@ -95,6 +102,7 @@ def _load(root: Path, check_files: bool, threads, draft_threads, max_length, **s
             manifest.vocab_size,
             threads=draft_threads if role == "draft" else threads,
             max_length=max_length,
+            max_batch=max_batch,
             **select,
         )
         for role, spec in manifest.models.items()

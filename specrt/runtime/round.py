@@ -11,12 +11,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.backends import Decoder
+from specrt.backends import BatchedDecoder, Decoder, Forward
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
-from specrt.runtime.sampling import rows_needed
+from specrt.runtime.sampling import (
+    LOOP_DTYPE,
+    argmax_tokens,
+    check_probabilities,
+    rows_needed,
+    sample,
+    warp,
+)
 from specrt.runtime.schedules import KeepGoing
-from specrt.runtime.verification import verify
+from specrt.runtime.verification import accept_greedy, verify
 
 
 @dataclass
@@ -57,3 +64,110 @@ def speculative_round(
         draft_time_s=drafted_at - started,
         verify_time_s=time.perf_counter() - drafted_at,
     )
+
+
+@dataclass
+class RowRound:
+    """One row's part in a batched round: its tokens (the target's cache holds all but the
+    newest), how to sample, its own random stream, and how many of the round's K draft tokens
+    it may use (fewer near its length limit)."""
+
+    tokens: list[int]
+    sampling: SamplingParams
+    rng: np.random.Generator
+    k: int
+
+
+def batched_round(
+    target: BatchedDecoder, draft: BatchedDecoder, rows: list[RowRound], k: int
+) -> list[RoundResult]:
+    """One round for rows 0 .. n-1 of both models' caches: K draft steps, each one draft call
+    for every row, then ONE target call verifying ``[n, K+1]``; each row accepts its own
+    prefix. A row uses its first ``row.k`` draft tokens: it draws nothing past them (its
+    random stream advances as if it were alone) and its later draft slots are filler."""
+    started = time.perf_counter()
+    drafts, q = draft_rows(draft, rows, k) if k else (np.zeros((len(rows), 0), np.int64), [])
+    drafted_at = time.perf_counter()
+
+    fed = np.empty((len(rows), k + 1), dtype=np.int64)
+    fed[:, 0] = [row.tokens[-1] for row in rows]
+    fed[:, 1:] = drafts
+    out = target.forward_rows(fed, keep_last=k + 1)
+    drafts_per_row = drafts.tolist()
+    if all(row.sampling.greedy for row in rows):  # one argmax over the whole batch
+        choices = argmax_tokens(out.logits.reshape(-1, out.logits.shape[-1]), "target")
+        verdicts = [
+            accept_greedy(drafts_per_row[i][: row.k], choices[i * (k + 1) : (i + 1) * (k + 1)])
+            for i, row in enumerate(rows)
+        ]
+    else:
+        verdicts = []
+        for i, row in enumerate(rows):
+            probabilities = None if out.probabilities is None else out.probabilities[i]
+            row_out = Forward(out.logits[i, : row.k + 1], probabilities)
+            row_q = q[i][: row.k] if q else None
+            verdicts.append(
+                verify(drafts_per_row[i][: row.k], row_q, row_out, row.sampling, row.rng)
+            )
+    verify_time = time.perf_counter() - drafted_at
+    return [
+        RoundResult(
+            drafted=row.k,
+            accepted=accepted,
+            tokens=[*drafts_per_row[i][:accepted], token],
+            draft_time_s=drafted_at - started,
+            verify_time_s=verify_time,
+        )
+        for i, (row, (accepted, token)) in enumerate(zip(rows, verdicts))
+    ]
+
+
+def draft_rows(
+    draft: BatchedDecoder, rows: list[RowRound], k: int
+) -> tuple[np.ndarray, list[np.ndarray | None]]:
+    """K draft tokens for every row ``[n, K]`` and, per sampled row, the distributions they
+    were drawn from ``[K, V]``. The first call feeds each row what it has not yet seen (1
+    token, or 2 after a fully accepted round), right-padded to the longest."""
+    n = len(rows)
+    unseen = [row.tokens[length:] for row, length in zip(rows, draft.lengths[:n].tolist())]
+    width = max(map(len, unseen))
+    ids = np.zeros((n, width), dtype=np.int64)
+    for i, tokens in enumerate(unseen):
+        ids[i, : len(tokens)] = tokens
+    fed = np.array([len(tokens) for tokens in unseen], dtype=np.int64)
+    newest = (np.arange(n), fed - 1)  # each row's newest real token, in the first call's output
+    drafts = np.zeros((n, k), dtype=np.int64)
+    vocab = draft.vocab_size
+    q = [None if row.sampling.greedy else np.empty((k, vocab), LOOP_DTYPE) for row in rows]
+    greedy = all(row.sampling.greedy for row in rows)
+    for step in range(k):
+        if step == 0 and width > 1:
+            out = draft.forward_rows(ids, keep_last=width, fed=fed)
+            logits, probabilities = _rows_at(out, newest)
+        else:
+            out = draft.forward_rows(ids if step == 0 else drafts[:, step - 1 : step], keep_last=1)
+            logits, probabilities = _rows_at(out, (slice(None), 0))
+        if greedy:
+            drafts[:, step] = argmax_tokens(logits, "draft")
+            continue
+        for i, row in enumerate(rows):
+            if step >= row.k:  # past this row's share: filler, and no draw
+                drafts[i, step] = drafts[i, step - 1] if step else 0
+                continue
+            s = row.sampling
+            if s.greedy:
+                [drafts[i, step]] = argmax_tokens(logits[i : i + 1], "draft")
+                continue
+            if probabilities is not None and s.identity_warp:
+                q[i][step] = probabilities[i]
+                check_probabilities(q[i][step], logits[i], "draft")
+            else:
+                q[i][step] = warp(logits[i], s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
+            drafts[i, step] = sample(q[i][step], row.rng)
+    return drafts, q
+
+
+def _rows_at(out: Forward, index: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """The ``[n, V]`` logits and probabilities at ``index`` of a ``[n, kept, V]`` output."""
+    probabilities = None if out.probabilities is None else out.probabilities[index]
+    return out.logits[index], probabilities

@@ -299,3 +299,86 @@ class HeuristicSchedule:
             self.k = min(self.k_max, self.k + 2)
         else:
             self.k = max(1, self.k - 1)
+
+
+LOAD_EXPLORE_EVERY = 16  # rounds between re-measuring a neighbour of the best K
+LOAD_DECAY = 0.98  # per round, of the acceptance counts: the text drifts
+
+
+class LoadSchedule:
+    """K for a batched round of n rows, from what rounds of n rows have cost.
+
+    Drafting pays less as the batch grows: verifying n * (K+1) positions stops being free, and
+    so does each draft step. For each batch size n and each K the schedule keeps the measured
+    time of a whole round (a moving average; the first round of a kind warms caches and is
+    dropped), and for each draft position i the rate at which it is accepted when reached
+    (decayed counts over a prior). It picks the K with the most expected tokens per second:
+
+    .. math:: \\arg\\max_K \\frac{1 + \\sum_{j=1}^{K} \\prod_{i \\le j} a_i}{T(n, K)}
+
+    K = 0 (the target alone) is one of the choices, so a batch where drafting does not pay runs
+    as fast as one without it. Every K is measured at each batch size before the choice starts,
+    and a neighbour of the best is measured again every `LOAD_EXPLORE_EVERY` rounds.
+    ``adapt=False``: always K = the largest allowed (the "fixed" schedule)."""
+
+    def __init__(self, adapt: bool = True) -> None:
+        self.adapt = adapt
+        self.seconds: dict[tuple[int, int], float] = {}  # (rows, K) -> round time
+        self._seen: dict[tuple[int, int], int] = {}  # (rows, K) -> rounds measured
+        self.reached: list[float] = []  # per draft position: decayed counts
+        self.accepted: list[float] = []
+        self.rounds = 0
+
+    def choose(self, rows: int, k_max: int) -> int:
+        if not self.adapt:
+            return k_max
+        self.rounds += 1
+        for k in (k_max, 0, *range(1, k_max)):
+            if self._seen.get((rows, k), 0) < 2:
+                return k
+        rates = [self.expected_tokens(k) / self.seconds[rows, k] for k in range(k_max + 1)]
+        best = max(range(k_max + 1), key=rates.__getitem__)
+        if self.rounds % LOAD_EXPLORE_EVERY == 0:
+            side = 1 if (self.rounds // LOAD_EXPLORE_EVERY) % 2 else -1
+            return min(k_max, max(0, best + side))
+        return best
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a row emits per round drafting ``k``: the bonus/correction token plus each
+        draft token that survives with all before it."""
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.acceptance(i)
+            total += survive
+        return total
+
+    def acceptance(self, position: int) -> float:
+        prior = 2.0
+        if position >= len(self.reached):
+            return PRIOR_ACCEPTANCE
+        return (self.accepted[position] + prior * PRIOR_ACCEPTANCE) / (
+            self.reached[position] + prior
+        )
+
+    def update(self, rows: int, k: int, seconds: float, parts: list, steps: list) -> None:
+        """Record a round of ``rows`` rows drafting ``k``: its wall time, and for each row
+        (``parts[i].k`` drafted, ``steps[i].accepted`` kept) which positions were reached."""
+        key = (rows, k)
+        seen = self._seen.get(key, 0)
+        self._seen[key] = seen + 1
+        if seen == 1 or key not in self.seconds:  # the first is a warm-up
+            self.seconds[key] = seconds
+        else:
+            self.seconds[key] += 0.3 * (seconds - self.seconds[key])
+        if k > len(self.reached):
+            grow = k - len(self.reached)
+            self.reached += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for i in range(len(self.reached)):
+            self.reached[i] *= LOAD_DECAY
+            self.accepted[i] *= LOAD_DECAY
+        for part, step in zip(parts, steps):
+            for i in range(min(step.accepted + 1, part.k)):
+                self.reached[i] += 1.0
+            for i in range(step.accepted):
+                self.accepted[i] += 1.0

@@ -47,13 +47,7 @@ def verify(
     rounds stop early).
     """
     if sampling.greedy:
-        choice = greedy_tokens(target, "target")
-        accepted = 0
-        for drafted, wanted in zip(draft_tokens, choice):
-            if drafted != wanted:
-                break
-            accepted += 1
-        return accepted, choice[accepted]
+        return accept_greedy(draft_tokens, greedy_tokens(target, "target"))
 
     p = WarpedRows(target.logits, sampling, "target", target.probabilities)
     for i, x in enumerate(draft_tokens):
@@ -61,6 +55,17 @@ def verify(
         if not rng.random() < acceptance_probability(p_i[x], q_i[x]):
             return i, sample(residual_distribution(p_i, q_i), rng)
     return len(draft_tokens), sample(p[len(draft_tokens)], rng)
+
+
+def accept_greedy(draft_tokens: list[int], choice: list[int]) -> tuple[int, int]:
+    """Greedy verification given the target's pick at each of the K+1 positions: keep draft
+    tokens while they are the pick; emit the pick after them."""
+    accepted = 0
+    for drafted, wanted in zip(draft_tokens, choice):
+        if drafted != wanted:
+            break
+        accepted += 1
+    return accepted, choice[accepted]
 
 
 def acceptance_probability(p_of_x: float, q_of_x: float) -> float:

@@ -1,0 +1,260 @@
+"""The onnxruntime engine's decoder for many rows at once: each call feeds S tokens to each of B
+rows, every row after its own cached prefix.
+
+The graph (``cache == "batched"``) keeps one cache buffer per layer and kind,
+``[max_batch, capacity, kv_heads * head_dim]``, bound as both past and present: it writes each
+new token's k and v at ``(row, position)`` (``cache_indices``) and attends under a mask of the
+slots each token may see. The host owns the lengths: a row's state is ``lengths[row]``, and
+rolling it back is lowering that number (later calls overwrite the stale slots).
+
+Attention reads the whole buffer, so its capacity grows with the longest row (in steps of
+`CAPACITY_STEP`, up to ``max_length``) rather than being reserved at ``max_length`` up front.
+A call covers rows ``start .. start + n``, a contiguous view of the buffers: the scheduler keeps
+its live rows packed at the front (`move_row`).
+
+Row 0 alone is also a `Decoder` (``length``, ``forward``, ``rollback`` …), so the one-row loop
+runs on this engine unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from specrt.backends.base import NEED_LOGITS, NUMPY_DTYPES, PREFILL_CHUNK, DecoderBase, Forward
+from specrt.bundle import ModelSpec
+from specrt.errors import BundleError
+
+CAPACITY_STEP = 256  # cache positions added at a time
+MAX_KEPT_CALL_TOKENS = 80  # calls of at most this many tokens per row keep their arrays
+SMALL_CALL = 16  # positions per call up to which the host writes its inputs in plain Python
+
+
+class BatchedDecoder(DecoderBase):
+    """Runs a batched-cache graph on ``[rows, tokens]`` after each row's cached prefix."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+        max_batch: int = 1,
+    ) -> None:
+        """``max_batch`` rows get a cache; ``max_length`` caps each row's positions."""
+        io = spec.io
+        if not (io.position_ids and io.cache_indices and io.attention_mask and io.logits_to_keep):
+            raise BundleError(
+                f"{role}: the batched engine lacks position_ids / cache_indices / attention_mask"
+                " inputs; rebuild the bundle's engines with `specrt build --bundle DIR`"
+            )
+        super().__init__(session, spec, vocab_size, role, max_length)
+        self.max_batch = max_batch
+        self.lengths = np.zeros(max_batch, dtype=np.int64)
+        self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
+        self._names = list(
+            zip([*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values])
+        )
+        self._width = spec.num_kv_heads * spec.head_dim
+        self._dtype = NUMPY_DTYPES[spec.dtype]
+        self._buffers: list[np.ndarray] = []
+        self.capacity = 0
+        self._binding = session.io_binding()
+        self._rows: tuple[int, int] | None = None  # the rows the cache binding covers
+        self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
+        self._bound: _CallArrays | None = None
+        self._logits_to_keep = np.ones(1, dtype=np.int64)
+        self._binding.bind_ortvalue_input(io.logits_to_keep, _shared(self._logits_to_keep))
+        self._grow(min(self.max_positions, CAPACITY_STEP))
+
+    @property
+    def cache_bytes_per_row(self) -> int:
+        """Cache memory one row takes at ``max_positions`` (what a slot can grow to)."""
+        itemsize = np.dtype(self._dtype).itemsize
+        return len(self._names) * self.max_positions * self._width * itemsize
+
+    @property
+    def cache_bytes(self) -> int:
+        """Cache memory reserved now, all rows."""
+        return sum(buffer.nbytes for buffer in self._buffers)
+
+    # The one-row `Decoder` protocol, on row 0 ---------------------------------------------
+    @property
+    def length(self) -> int:
+        return int(self.lengths[0])
+
+    def reset(self) -> None:
+        self.lengths[:] = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` positions of row 0."""
+        self.lengths[0] = min(self.lengths[0], length)
+
+    def forward(
+        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
+    ) -> Forward:
+        count = len(tokens)
+        arrays = self._prepare(0, 1, count, keep_last or count)
+        arrays.ids[0] = tokens
+        self._run(arrays, 0, 1, count)
+        return arrays.row_result
+
+    # Rows ---------------------------------------------------------------------------------
+    def prefill_row(self, row: int, tokens: Sequence[int]) -> None:
+        """Feed a prompt to ``row`` alone (its length must be 0)."""
+        self._check_room(int(self.lengths[row]), len(tokens))
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            arrays = self._prepare(row, 1, len(chunk), 1)
+            arrays.ids[0] = chunk
+            self._run(arrays, row, 1, len(chunk))
+
+    def forward_rows(
+        self, tokens: np.ndarray, keep_last: int = 0, fed: np.ndarray | None = None
+    ) -> Forward:
+        """Feed ``tokens [n, S]`` to rows 0 .. n-1, each after its own prefix; logits
+        ``[n, keep_last, vocab]`` (and probabilities) of the last ``keep_last`` positions.
+        ``fed [n]``: how many of its S tokens each row really has (default S): the rest are
+        padding at its end, computed and then dropped (the row's length grows by ``fed``)."""
+        n, count = tokens.shape
+        arrays = self._prepare(0, n, count, keep_last or count)
+        arrays.ids[...] = tokens
+        self._run(arrays, 0, n, count if fed is None else fed)
+        return arrays.result
+
+    def set_length(self, row: int, length: int) -> None:
+        """Keep only the first ``length`` positions of ``row`` (0: the row is free)."""
+        self.lengths[row] = min(self.lengths[row], length)
+
+    def move_row(self, source: int, dest: int) -> None:
+        """Copy ``source``'s cache and length into ``dest`` (packing live rows at the front)."""
+        length = int(self.lengths[source])
+        for buffer in self._buffers:
+            buffer[dest, :length] = buffer[source, :length]
+        self.lengths[dest] = length
+        self.lengths[source] = 0
+
+    # ---------------------------------------------------------------------------------------
+    def _prepare(self, start: int, n: int, count: int, keep_last: int) -> _CallArrays:
+        """Check room, grow the cache if a row would pass its capacity, write the rows'
+        positions, cache indices and mask, and bind the arrays of this call's shape."""
+        lengths = self.lengths[start : start + n].tolist()
+        longest = max(lengths)
+        self._check_room(longest, count)
+        if longest + count > self.capacity:
+            self._grow(longest + count)
+        if self._rows != (start, n):
+            self._bind_rows(start, n)
+        arrays = self._bound
+        if arrays is None or arrays.shape != (n, count, keep_last):
+            arrays = self._bind(n, count, keep_last)
+        if n * count > SMALL_CALL:
+            np.add(self.lengths[start : start + n, None], arrays.steps, out=arrays.positions)
+            arrays.indices[..., 1] = arrays.positions
+            np.less_equal(arrays.slots, arrays.positions[:, None, :, None], out=arrays.mask)
+            return arrays
+        # A few positions (a draft step, one row's verification): plain Python stores beat
+        # numpy's per-call cost, which runs cold right after a model call.
+        positions, indices, mask = arrays.positions, arrays.indices, arrays.mask
+        for row, length in enumerate(lengths):
+            for step in range(count):
+                position = length + step
+                positions[row, step] = position
+                indices[row, step, 1] = position
+                visible = mask[row, 0, step]
+                visible[: position + 1] = True
+                visible[position + 1 :] = False
+        return arrays
+
+    def _run(self, arrays: _CallArrays, start: int, n: int, fed: int | np.ndarray) -> None:
+        self._timed(self.session.run_with_iobinding, self._binding)
+        if n == 1:
+            self.lengths[start] += fed
+        else:
+            self.lengths[start : start + n] += fed
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate the cache with room for ``needed`` positions per row, keeping its content."""
+        steps = -(-needed // CAPACITY_STEP)
+        capacity = min(self.max_positions, steps * CAPACITY_STEP)
+        shape = (self.max_batch, capacity, self._width)
+        old = self._buffers
+        self._buffers = [np.zeros(shape, self._dtype) for _ in self._names]
+        for new, previous in zip(self._buffers, old):
+            new[:, : self.capacity] = previous
+        self.capacity = capacity
+        self._shapes.clear()
+        self._bound = None
+        self._rows = None
+
+    def _bind_rows(self, start: int, n: int) -> None:
+        for (past, present), buffer in zip(self._names, self._buffers):
+            value = _shared(buffer[start : start + n])
+            self._binding.bind_ortvalue_input(past, value)
+            self._binding.bind_ortvalue_output(present, value)
+        self._rows = (start, n)
+
+    def _bind(self, n: int, count: int, keep_last: int) -> _CallArrays:
+        shape = (n, count, keep_last)
+        arrays = self._shapes.get(shape)
+        if arrays is None:
+            arrays = _CallArrays(
+                shape,
+                self.capacity,
+                self.spec.vocab_size,
+                self.vocab_size,
+                self._with_probabilities,
+            )
+            if count <= MAX_KEPT_CALL_TOKENS:
+                self._shapes[shape] = arrays
+        io, binding = self.spec.io, self._binding
+        self._logits_to_keep[0] = keep_last
+        binding.bind_ortvalue_input(io.input_ids, arrays.values[0])
+        binding.bind_ortvalue_input(io.position_ids, arrays.values[1])
+        binding.bind_ortvalue_input(io.cache_indices, arrays.values[2])
+        binding.bind_ortvalue_input(io.attention_mask, arrays.values[3])
+        binding.bind_ortvalue_output(io.logits, arrays.values[4])
+        if self._with_probabilities:
+            binding.bind_ortvalue_output(io.probabilities, arrays.values[5])
+        self._bound = arrays
+        return arrays
+
+
+class _CallArrays:
+    """The arrays one call shape ``(rows, tokens, kept)`` binds, and the `Forward`s handed out:
+    ``result`` with ``[rows, kept, vocab]`` arrays, ``row_result`` with row 0's ``[kept,
+    vocab]``."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        capacity: int,
+        graph_vocab: int,
+        vocab: int,
+        probabilities: bool,
+    ) -> None:
+        n, count, keep_last = self.shape = shape
+        self.ids = np.zeros((n, count), dtype=np.int64)
+        self.steps = np.arange(count, dtype=np.int64)
+        self.positions = np.zeros((n, count), dtype=np.int64)
+        self.indices = np.zeros((n, count, 2), dtype=np.int64)
+        self.indices[..., 0] = np.arange(n)[:, None]
+        self.slots = np.arange(capacity, dtype=np.int64)
+        self.mask = np.zeros((n, 1, count, capacity), dtype=bool)
+        logits = np.empty((n, keep_last, graph_vocab), dtype=np.float32)
+        arrays = [self.ids, self.positions, self.indices, self.mask, logits]
+        self.result = Forward(logits[:, :, :vocab])
+        self.row_result = Forward(logits[0, :, :vocab])
+        if probabilities:
+            arrays.append(np.empty((n, keep_last, graph_vocab), dtype=np.float32))
+            self.result.probabilities = arrays[-1][:, :, :vocab]
+            self.row_result.probabilities = arrays[-1][0, :, :vocab]
+        self.values = [_shared(a) for a in arrays]
+
+
+def _shared(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over the array's own memory: writes to either are seen by both."""
+    return ort.OrtValue.ortvalue_from_numpy(array)

@@ -1,0 +1,192 @@
+"""Many sequences at once: rows share every model call, each with its own length, and a row
+that finishes frees its slot for the next request at the round boundary (continuous refill).
+
+Rows live in slots 0 .. n-1 of both models' caches (a call covers a contiguous block); when a
+row finishes, the last row moves into its slot. Each row samples from its own random stream and
+uses only its own share of the round's draft tokens, so a seeded row's tokens do not depend on
+which rows share its batch, nor on how many (when its draft length is fixed: see
+`BatchRunner.draft_length`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specrt.backends import BatchedDecoder
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.results import GenerationResult, GenerationStats
+from specrt.runtime.round import RowRound, batched_round
+from specrt.runtime.schedules import LoadSchedule
+from specrt.runtime.tokenizer import BundleTokenizer
+
+
+@dataclass
+class Request:
+    """One sequence to generate: ``key`` names it in the results, ``prompt`` its token ids
+    (checked: see `SpeculativeGenerator.encode_prompts`)."""
+
+    key: Hashable
+    prompt: list[int]
+    config: GenerationConfig
+    rng: np.random.Generator
+
+
+@dataclass
+class _Row:
+    request: Request
+    tokens: list[int]
+    limit: int  # the length at which it stops
+    drafting: bool
+    stats: GenerationStats
+    started: float
+    finish_reason: str = ""
+    round: RowRound = field(init=False)
+
+    def __post_init__(self) -> None:
+        sampling = self.request.config.sampling
+        self.round = RowRound(self.tokens, sampling, self.request.rng, 0)
+
+
+class BatchRunner:
+    """Runs requests through the two batched decoders, up to ``target.max_batch`` at a time."""
+
+    def __init__(
+        self,
+        target: BatchedDecoder,
+        draft: BatchedDecoder,
+        tokenizer: BundleTokenizer | None,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.target, self.draft = target, draft
+        self.max_batch = min(target.max_batch, draft.max_batch)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.schedules: dict[int, LoadSchedule] = {}
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
+        """Yield ``(key, result)`` for each request as it finishes (not in request order).
+        Requests are read only as slots free up, so an endless iterator is fine."""
+        waiting = iter(requests)
+        rows: list[_Row] = []
+        more = True
+        while True:
+            while more and len(rows) < self.max_batch:
+                request = next(waiting, None)
+                if request is None:
+                    more = False
+                    break
+                row = self._start(request, len(rows))
+                if row.finish_reason:
+                    yield request.key, self._result(row)
+                else:
+                    rows.append(row)
+            if not rows:
+                return
+            for index in reversed(self._round(rows)):
+                row = rows[index]
+                self._free(rows, index)
+                yield row.request.key, self._result(row)
+
+    def _start(self, request: Request, slot: int) -> _Row:
+        """Prefill ``request``'s prompt (all but its last token) into ``slot``."""
+        prompt, config = request.prompt, request.config
+        k_max = config.num_draft_tokens
+        stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
+        limit = min(self.target.max_positions, len(prompt) + config.max_new_tokens)
+        drafting = k_max > 0 and len(prompt) < self.draft.max_positions
+        row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter())
+        self.target.set_length(slot, 0)
+        self.draft.set_length(slot, 0)
+        if len(prompt) >= limit:
+            row.finish_reason = "length"
+            return row
+        if len(prompt) > 1:
+            self.target.prefill_row(slot, prompt[:-1])
+            if drafting:
+                self.draft.prefill_row(slot, prompt[:-1])
+        return row
+
+    def _round(self, rows: list[_Row]) -> list[int]:
+        """One batched round over every row; returns the indices of rows that finished."""
+        k = self.draft_length(rows)
+        for row in rows:
+            room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
+            row.round.k = min(k, room, row.request.config.num_draft_tokens) if row.drafting else 0
+        started = time.perf_counter()
+        steps = batched_round(self.target, self.draft, [row.round for row in rows], k)
+        seconds = time.perf_counter() - started
+        finished = []
+        for slot, (row, step) in enumerate(zip(rows, steps)):
+            self.target.set_length(slot, len(row.tokens) + step.accepted)
+            stop = self._eos_index(step.tokens, row.request.config)
+            emitted = step.tokens if stop is None else step.tokens[: stop + 1]
+            row.tokens.extend(emitted)
+            self.draft.set_length(slot, len(row.tokens) - 1)
+            row.stats.add_round(step.drafted, min(step.accepted, len(emitted)))
+            if stop is not None:
+                row.finish_reason = "stop"
+            elif len(row.tokens) >= row.limit:
+                row.finish_reason = "length"
+            if row.finish_reason:
+                finished.append(slot)
+        if k or not self._reproducible(rows):
+            self._schedule(rows).update(len(rows), k, seconds, [r.round for r in rows], steps)
+        return finished
+
+    def draft_length(self, rows: list[_Row]) -> int:
+        """The round's K for every row. Fixed (each row's own ``num_draft_tokens``) when a row
+        samples under a seed: its draws must not depend on its neighbours or the machine's
+        speed. Otherwise the load schedule picks K for this many rows from measured round
+        times and acceptance (K = 0 when drafting does not pay at this batch size). K is
+        capped so that every row's positions fit in both caches."""
+        k_max = max(row.request.config.num_draft_tokens if row.drafting else 0 for row in rows)
+        longest = max(len(row.tokens) for row in rows)
+        fits = min(self.target.max_positions - longest, self.draft.max_positions - longest - 1)
+        k_max = max(0, min(k_max, fits))
+        if k_max == 0 or self._reproducible(rows):
+            return k_max
+        return self._schedule(rows).choose(len(rows), k_max)
+
+    def _schedule(self, rows: list[_Row]) -> LoadSchedule:
+        """One per draft schedule name: "fixed" always drafts K, the others adapt K to load."""
+        names = {row.request.config.draft_schedule for row in rows}
+        name = "fixed" if names == {"fixed"} else "load"
+        if name not in self.schedules:
+            self.schedules[name] = LoadSchedule(adapt=name == "load")
+        return self.schedules[name]
+
+    @staticmethod
+    def _reproducible(rows: list[_Row]) -> bool:
+        return any(
+            row.request.config.seed is not None and not row.request.config.greedy for row in rows
+        )
+
+    def _free(self, rows: list[_Row], slot: int) -> None:
+        """Drop the row in ``slot``; the last row moves into it (slots stay packed)."""
+        last = len(rows) - 1
+        if slot != last:
+            self.target.move_row(last, slot)
+            self.draft.move_row(last, slot)
+            rows[slot] = rows[last]
+        rows.pop()
+        self.target.set_length(last, 0)
+        self.draft.set_length(last, 0)
+
+    def _result(self, row: _Row) -> GenerationResult:
+        prompt = row.request.prompt
+        k_max = row.request.config.num_draft_tokens
+        row.stats.draft_stopped = k_max > 0 and len(row.tokens) >= self.draft.max_positions
+        new_ids = row.tokens[len(prompt) :]
+        row.stats.new_tokens = len(new_ids)
+        text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
+        row.stats.finish(time.perf_counter() - row.started)
+        return GenerationResult(text, new_ids, row.finish_reason, row.stats)
+
+    def _eos_index(self, emitted: list[int], config: GenerationConfig) -> int | None:
+        if config.ignore_eos or self.eos_token_ids.isdisjoint(emitted):
+            return None
+        return next(i for i, t in enumerate(emitted) if t in self.eos_token_ids)
