@@ -4,9 +4,13 @@ The exact marginal law of the 1st, 2nd and 3rd new token is computed from the ta
 itself by enumerating every prefix (small vocabulary), and both the speculative loop and
 target-only sampling are checked against it with a chi-square test.
 
+The loop runs one row at a time and batched (8 rows per model call, rows accepting different
+numbers of draft tokens), each path tested on its own.
+
 False-alarm rate: each chi-square test rejects a correct sampler with probability ALPHA = 1e-4;
-there are 3 settings x 3 positions x 2 modes = 18 tests, so a correct implementation fails this
-module with probability at most 1.8e-3 (seeds are fixed, so a given outcome is reproducible).
+there are 3 settings x 3 positions x 2 modes x 2 paths = 36 tests, so a correct implementation
+fails this module with probability at most 3.6e-3 (seeds are fixed, so a given outcome is
+reproducible).
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ def bundle(tmp_path_factory):
 def generator(bundle):
     """What users run: the onnxruntime engine graphs."""
     return SpeculativeGenerator.from_bundle(bundle, threads=1, engine="onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def generators(generator, bundle):
+    batched = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=8)
+    return {"one row": generator, "batched": batched}
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +87,10 @@ def exact_marginals(reference, prompt: list[int], settings: dict) -> list[np.nda
     return [p1, p1 @ p2_given_1, m3]
 
 
+@pytest.mark.parametrize("path", ["one row", "batched"])
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_sampled_tokens_follow_the_target(generator, reference, settings):
+def test_sampled_tokens_follow_the_target(generators, reference, settings, path):
+    generator = generators[path]
     prompt = generator.encode_prompts(["Simple is"])[0]
     expected = exact_marginals(reference, prompt, settings)
     for marginal in expected:

@@ -171,7 +171,7 @@ class BatchedDecoder(DecoderBase):
 
     def _run(self, arrays: _CallArrays, start: int, n: int, fed: int | np.ndarray) -> None:
         self._timed(self.session.run_with_iobinding, self._binding)
-        if n == 1:
+        if n == 1 and isinstance(fed, int):
             self.lengths[start] += fed
         else:
             self.lengths[start : start + n] += fed

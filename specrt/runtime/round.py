@@ -103,9 +103,10 @@ def batched_round(
     else:
         verdicts = []
         for i, row in enumerate(rows):
-            probabilities = None if out.probabilities is None else out.probabilities[i]
-            row_out = Forward(out.logits[i, : row.k + 1], probabilities)
-            row_q = q[i][: row.k] if q else None
+            kept = slice(0, row.k + 1)
+            probabilities = None if out.probabilities is None else out.probabilities[i, kept]
+            row_out = Forward(out.logits[i, kept], probabilities)
+            row_q = q[i][: row.k] if q and q[i] is not None else None
             verdicts.append(
                 verify(drafts_per_row[i][: row.k], row_q, row_out, row.sampling, row.rng)
             )
