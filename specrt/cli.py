@@ -15,6 +15,7 @@ from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENA
 from specrt.errors import InvalidInputError, SpecrtError, describe_os_error
 from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, DEVICES, PRECISIONS
 from specrt.prompts import collect_prompts
+from specrt.runtime.batching import DEFAULT_BATCH_SIZE, MAX_BATCH
 from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationConfig
 
 DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}
@@ -303,7 +304,7 @@ def generate(
         sys.stdout.flush()
 
 
-def _load(bundle, threads, engine, max_length, skip_checksums):
+def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1):
     from specrt.runtime import SpeculativeGenerator
 
     return SpeculativeGenerator.from_bundle(
@@ -312,6 +313,7 @@ def _load(bundle, threads, engine, max_length, skip_checksums):
         engine=engine,
         max_length=max_length,
         check_files=not skip_checksums,
+        max_batch=max_batch,
     )
 
 
@@ -334,6 +336,13 @@ def _load(bundle, threads, engine, max_length, skip_checksums):
 )
 @click.option("--summary", type=click.Path(path_type=Path), help="Write the summary as JSON.")
 @click.option("--progress/--no-progress", default=None, help="A progress bar [on a terminal].")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, MAX_BATCH),
+    default=DEFAULT_BATCH_SIZE,
+    show_default=True,
+    help="Rows that share each model call (the onnxruntime CPU engine; others run one row).",
+)
 @generation_options
 @load_options
 @_friendly_errors
@@ -343,21 +352,34 @@ def batch(
     output_path,
     summary,
     progress,
+    batch_size,
     threads,
     engine,
     max_length,
     skip_checksums,
     **params,
 ) -> None:
-    """Run a JSONL file of prompts into a JSONL file of results (resumable, row errors kept)."""
+    """Run a JSONL file of prompts into a JSONL file of results (resumable, row errors kept).
+
+    Up to --batch-size rows share each model call; the draft length adapts to the load (K = 0
+    where drafting does not pay) unless --draft-schedule fixed is given."""
     from specrt.jobs.batch import progress_bar, run_batch
 
     if input_path.resolve() == output_path.resolve():
         raise click.UsageError("--output must not be the --input file")
     if output_path.is_dir():
         raise click.UsageError(f"--output {output_path} is a directory; give a file")
+    source = click.get_current_context().get_parameter_source("draft_schedule")
+    if source == click.core.ParameterSource.DEFAULT:  # batches: K chosen for the load
+        params["draft_schedule"] = "adaptive"
     defaults = GenerationConfig(**params)
-    generator = _load(bundle, threads, engine, max_length, skip_checksums)
+    generator = _load(bundle, threads, engine, max_length, skip_checksums, batch_size)
+    if generator.max_batch < batch_size:
+        click.echo(
+            f"note: the {engine} graphs run one row per call; --batch-size {batch_size} needs "
+            "the bundle's onnxruntime engine (rebuild an older one: specrt build --bundle DIR)",
+            err=True,
+        )
     result = run_batch(generator, input_path, output_path, defaults, progress_bar(progress))
     report = result.to_dict()
     if summary is not None:

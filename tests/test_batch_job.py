@@ -1,5 +1,7 @@
 """`specrt batch`: a real subprocess, killed with SIGKILL at several points and rerun, loses no
-row and writes none twice; bad rows become error records and the job goes on."""
+row and writes none twice; bad rows become error records and the job goes on. The reference is
+an uninterrupted run one row at a time; the killed runs batch rows (refilling slots, finishing
+out of order) and must write the same tokens."""
 
 from __future__ import annotations
 
@@ -56,7 +58,13 @@ def reference(llama_bundle, tmp_path_factory):
     write_input(root / "in.jsonl")
     done = run(
         command(
-            llama_bundle, root / "in.jsonl", root / "out.jsonl", "--summary", root / "summary.json"
+            llama_bundle,
+            root / "in.jsonl",
+            root / "out.jsonl",
+            "--summary",
+            root / "summary.json",
+            "--batch-size",
+            "1",
         )
     )
     assert done.returncode == 1, done.stderr  # some rows failed, on purpose
@@ -75,16 +83,16 @@ def test_bad_rows_become_error_records(reference):
     )
     assert len(records["row-3"]["token_ids"]) == 8 + 3 % 9
     assert summary["rows"] == 32 and summary["ok"] == 29 and summary["failed"] == 3
-    assert summary["skipped"] == 0 and summary["new_tokens"] > 0
+    assert summary["skipped"] == 0 and summary["new_tokens"] > 0 and summary["batch_size"] == 1
 
 
 def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, tmp_path):
     root, expected, _ = reference
     input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for lines_before_kill in (0, 3, 11, 24):
+    for lines_before_kill, batch in ((0, 4), (3, 4), (11, 8), (24, 3)):
         process = subprocess.Popen(
-            command(llama_bundle, input_path, output),
+            command(llama_bundle, input_path, output, "--batch-size", str(batch)),
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from specrt.errors import InvalidInputError, SpecrtError
+from specrt.errors import InvalidInputError
+from specrt.runtime.batching import Request
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.generator import SpeculativeGenerator
+from specrt.runtime.generator import SpeculativeGenerator, row_rng
 
 ROW_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_draft_tokens")
 OPENAI_OPTIONS = {
@@ -55,6 +56,18 @@ class Summary:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     wall_time_s: float = 0.0
+    batch_size: int = 1  # rows per model call, at most
+
+    def add(self, record: dict) -> None:
+        """Count a row written by this run."""
+        if "error" in record:
+            self.failed += 1
+            return
+        stats = record["stats"]
+        self.ok += 1
+        self.new_tokens += stats["new_tokens"]
+        self.drafted_tokens += stats["drafted_tokens"]
+        self.accepted_tokens += stats["accepted_tokens"]
 
     @property
     def all_ok(self) -> bool:
@@ -179,49 +192,65 @@ def run_batch(
     defaults: GenerationConfig,
     progress: Callable[[Summary, int], None] = lambda summary, total: None,
 ) -> Summary:
-    """Run every row of ``input_path`` not yet in ``output_path``, appending its result."""
+    """Run every row of ``input_path`` not yet in ``output_path``, appending its result as it
+    finishes (rows share model calls when the generator was loaded with ``max_batch`` > 1, so
+    they finish out of input order)."""
     total = check_ids(input_path)
     finished = done_ids(output_path)
-    summary = Summary(rows=total)
+    summary = Summary(rows=total, batch_size=generator.max_batch)
     started = time.perf_counter()
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with open(output_path, "a", encoding="utf-8") as out:
-        for row in read_rows(input_path):
-            if row.id in finished:
-                summary.skipped += 1
-                summary.skipped_errors += finished[row.id]
-                progress(summary, total)
-                continue
-            record = run_row(generator, row, defaults)
+
+        def write(record: dict) -> None:
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()  # a row is done once it is in the file: a kill -9 cannot lose it
-            if "error" in record:
-                summary.failed += 1
-            else:
-                stats = record["stats"]
-                summary.ok += 1
-                summary.new_tokens += stats["new_tokens"]
-                summary.drafted_tokens += stats["drafted_tokens"]
-                summary.accepted_tokens += stats["accepted_tokens"]
+            summary.add(record)
             summary.wall_time_s = time.perf_counter() - started
             progress(summary, total)
+
+        def requests() -> Iterator[Request]:
+            """The rows to run, read as slots free up; the others are settled on the way."""
+            for row in read_rows(input_path):
+                if row.id in finished:
+                    summary.skipped += 1
+                    summary.skipped_errors += finished[row.id]
+                    progress(summary, total)
+                    continue
+                request = make_request(generator, row, defaults)
+                if isinstance(request, dict):
+                    write(request)
+                else:
+                    yield request
+
+        for key, result in generator.run(requests()):
+            write({"id": key, **result.to_dict()})
         os.fsync(out.fileno())
     summary.wall_time_s = time.perf_counter() - started
     return summary
 
 
-def run_row(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig) -> dict:
+def make_request(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig):
+    """The row as a `Request` (its prompt tokenized and checked, its config and own random
+    stream), or its error record."""
     if row.error is not None:
         return {"id": row.id, "error": {"message": row.error}}
     try:
         config = replace(defaults, **row.options)
         if "seed" not in row.options and config.seed is not None:
             config = replace(config, seed=row_seed(config.seed, row.id))
-        [result] = generator.generate([row.prompt], config)
+        [prompt] = generator.encode_prompts([row.prompt])
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
-    except SpecrtError as exc:  # the model itself failed (NaN logits): say so, go on
-        return {"id": row.id, "error": {"message": str(exc)}}
+    return Request(row.id, prompt, config, row_rng(config, 0))
+
+
+def run_row(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig) -> dict:
+    """One row alone, as `run_batch` writes it."""
+    request = make_request(generator, row, defaults)
+    if isinstance(request, dict):
+        return request
+    [(_, result)] = generator.run([request])
     return {"id": row.id, **result.to_dict()}
 
 

@@ -21,11 +21,12 @@ comes back with its message in the ``error`` column instead of failing the job. 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from specrt.jobs.batch import row_from_item, run_row
+from specrt.jobs.batch import make_request, row_from_item
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator
 
@@ -35,7 +36,8 @@ STATS = ("new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptanc
 class SpecrtPredictor:
     """A callable class for ``Dataset.map_batches``: ``bundle`` and load options (``threads``,
     default 1: actors share the machine's cores; ``engine``, ``max_length``) and the generation
-    defaults (`GenerationConfig` fields) as constructor keywords."""
+    defaults (`GenerationConfig` fields) as constructor keywords. ``max_batch``: rows of a Ray
+    batch that share each model call (the onnxruntime CPU engine; others run one row)."""
 
     def __init__(
         self,
@@ -43,9 +45,10 @@ class SpecrtPredictor:
         threads: int | None = 1,
         engine: str = "auto",
         max_length: int | None = None,
+        max_batch: int = 8,
         **generation: Any,
     ) -> None:
-        options = {"threads": threads, "engine": engine}
+        options = {"threads": threads, "engine": engine, "max_batch": max_batch}
         if max_length is not None:
             options["max_length"] = max_length
         self.generator = SpeculativeGenerator.from_bundle(bundle, **options)
@@ -57,11 +60,20 @@ class SpecrtPredictor:
         out: dict[str, list] = {
             name: [] for name in ("id", "text", "token_ids", "finish_reason", "error", *STATS)
         }
+        rows, records, requests = [], {}, []
         for index in range(count):
             item = {name: _plain(values[index]) for name, values in columns.items()}
             item = {name: value for name, value in item.items() if value is not None}
-            row = row_from_item(item, f"row {index}")
-            record = run_row(self.generator, row, self.defaults)
+            rows.append(row_from_item(item, f"row {index}"))
+            request = make_request(self.generator, rows[-1], self.defaults)
+            if isinstance(request, dict):
+                records[index] = request
+            else:
+                requests.append(replace(request, key=index))  # ids need not be unique here
+        for index, result in self.generator.run(requests):
+            records[index] = result.to_dict()
+        for index, row in enumerate(rows):
+            record = records[index]
             stats = record.get("stats", {})
             out["id"].append(row.id)
             out["text"].append(record.get("text", ""))

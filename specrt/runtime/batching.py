@@ -18,10 +18,13 @@ import numpy as np
 
 from specrt.backends import BatchedDecoder
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.results import GenerationResult, GenerationStats
+from specrt.runtime.results import GenerationResult, GenerationStats, eos_index
 from specrt.runtime.round import RowRound, batched_round
 from specrt.runtime.schedules import LoadSchedule
 from specrt.runtime.tokenizer import BundleTokenizer
+
+DEFAULT_BATCH_SIZE = 8  # rows per call of `specrt batch` (best measured on the demo pair)
+MAX_BATCH = 256
 
 
 @dataclass
@@ -122,7 +125,7 @@ class BatchRunner:
         finished = []
         for slot, (row, step) in enumerate(zip(rows, steps)):
             self.target.set_length(slot, len(row.tokens) + step.accepted)
-            stop = self._eos_index(step.tokens, row.request.config)
+            stop = eos_index(step.tokens, self.eos_token_ids, row.request.config)
             emitted = step.tokens if stop is None else step.tokens[: stop + 1]
             row.tokens.extend(emitted)
             self.draft.set_length(slot, len(row.tokens) - 1)
@@ -185,8 +188,3 @@ class BatchRunner:
         text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         row.stats.finish(time.perf_counter() - row.started)
         return GenerationResult(text, new_ids, row.finish_reason, row.stats)
-
-    def _eos_index(self, emitted: list[int], config: GenerationConfig) -> int | None:
-        if config.ignore_eos or self.eos_token_ids.isdisjoint(emitted):
-            return None
-        return next(i for i, t in enumerate(emitted) if t in self.eos_token_ids)

@@ -17,7 +17,7 @@ from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.loading import ModelPair, load_pair
-from specrt.runtime.results import GenerationResult, GenerationStats
+from specrt.runtime.results import GenerationResult, GenerationStats, eos_index
 from specrt.runtime.round import speculative_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -230,7 +230,7 @@ class SpeculativeGenerator:
 
             # Roll back: each cache keeps only what is still history (all but the newest token).
             target.rollback(len(tokens) + step.accepted)
-            stop = self._eos_index(step.tokens, config)
+            stop = eos_index(step.tokens, self.eos_token_ids, config)
             emitted = step.tokens if stop is None else step.tokens[: stop + 1]
             tokens.extend(emitted)
             drafter.rollback(len(tokens) - 1)
@@ -246,12 +246,6 @@ class SpeculativeGenerator:
         text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         stats.finish(time.perf_counter() - start)
         return GenerationResult(text, new_ids, finish_reason, stats)
-
-    def _eos_index(self, emitted: list[int], config: GenerationConfig) -> int | None:
-        """Where the first end-of-sequence token is among ``emitted``, unless EOS is ignored."""
-        if config.ignore_eos or self.eos_token_ids.isdisjoint(emitted):
-            return None
-        return next(i for i, t in enumerate(emitted) if t in self.eos_token_ids)
 
 
 def row_rng(config: GenerationConfig, row: int) -> np.random.Generator:
