@@ -128,14 +128,16 @@ def draft_rows(
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
     """K draft tokens for every row ``[n, K]`` and, per sampled row, the distributions they
     were drawn from ``[K, V]``. The first call feeds each row what it has not yet seen (1
-    token, or 2 after a fully accepted round), right-padded to the longest."""
+    token, or 2 after a fully accepted round), right-padded to the longest; a draft further
+    behind (after rounds without drafting) first catches up in a call of its own."""
     n = len(rows)
     unseen = [row.tokens[length:] for row, length in zip(rows, draft.lengths[:n].tolist())]
-    width = max(map(len, unseen))
-    ids = np.zeros((n, width), dtype=np.int64)
-    for i, tokens in enumerate(unseen):
-        ids[i, : len(tokens)] = tokens
-    fed = np.array([len(tokens) for tokens in unseen], dtype=np.int64)
+    if max(map(len, unseen)) > 2:  # far behind (rounds without drafting): catch up first
+        ids, fed = _right_padded([tokens[:-1] for tokens in unseen])
+        draft.forward_rows(ids, keep_last=1, fed=fed)
+        unseen = [tokens[-1:] for tokens in unseen]
+    ids, fed = _right_padded(unseen)
+    width = ids.shape[1]
     newest = (np.arange(n), fed - 1)  # each row's newest real token, in the first call's output
     drafts = np.zeros((n, k), dtype=np.int64)
     vocab = draft.vocab_size
@@ -172,3 +174,12 @@ def _rows_at(out: Forward, index: tuple) -> tuple[np.ndarray, np.ndarray | None]
     """The ``[n, V]`` logits and probabilities at ``index`` of a ``[n, kept, V]`` output."""
     probabilities = None if out.probabilities is None else out.probabilities[index]
     return out.logits[index], probabilities
+
+
+def _right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``[n, longest]`` token ids, each row's padded at its end, and how many are real."""
+    fed = np.array([len(tokens) for tokens in rows], dtype=np.int64)
+    ids = np.zeros((len(rows), max(1, int(fed.max()))), dtype=np.int64)
+    for i, tokens in enumerate(rows):
+        ids[i, : len(tokens)] = tokens
+    return ids, fed

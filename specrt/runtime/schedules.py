@@ -26,7 +26,9 @@ fixed K.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -301,30 +303,36 @@ class HeuristicSchedule:
             self.k = max(1, self.k - 1)
 
 
-LOAD_EXPLORE_EVERY = 16  # rounds between re-measuring a neighbour of the best K
-LOAD_DECAY = 0.98  # per round, of the acceptance counts: the text drifts
+LOAD_EXPLORE_EVERY = 32  # rounds between re-measuring a neighbour of the best K
+LOAD_DECAY = 0.98  # per drafting round, of the acceptance counts
+LOAD_WINDOW = 24  # round times kept per K
 
 
 class LoadSchedule:
-    """K for a batched round of n rows, from what rounds of n rows have cost.
+    """K for a batched round of n rows, from what rounds have cost.
 
     Drafting pays less as the batch grows: verifying n * (K+1) positions stops being free, and
-    so does each draft step. For each batch size n and each K the schedule keeps the measured
-    time of a whole round (a moving average; the first round of a kind warms caches and is
-    dropped), and for each draft position i the rate at which it is accepted when reached
-    (decayed counts over a prior). It picks the K with the most expected tokens per second:
+    so does each draft step. For each K the schedule keeps the wall times of its recent rounds
+    with their batch sizes (the first round of each K warms caches and is dropped) and predicts
+    a round of n rows by a line through the median time at each batch size seen (a constant
+    until two sizes are seen: the choice rests on the ratios between K, which change slowly
+    with n). For each draft position i it keeps the rate a_i at which the token is accepted
+    when reached (decayed counts over a prior). It picks the K with the most expected tokens
+    per second:
 
     .. math:: \\arg\\max_K \\frac{1 + \\sum_{j=1}^{K} \\prod_{i \\le j} a_i}{T(n, K)}
 
-    K = 0 (the target alone) is one of the choices, so a batch where drafting does not pay runs
-    as fast as one without it. Every K is measured at each batch size before the choice starts,
-    and a neighbour of the best is measured again every `LOAD_EXPLORE_EVERY` rounds.
-    ``adapt=False``: always K = the largest allowed (the "fixed" schedule)."""
+    K = 0 (the target alone) is one of the choices, so a batch where drafting does not pay
+    runs as fast as one without it. K = 0 and 1 are measured first, then K + 1 while the best
+    K so far is the largest measured (rates are unimodal in K: each extra token gains less and
+    costs as much); a neighbour of the best is measured again every `LOAD_EXPLORE_EVERY` rounds
+    (costs and acceptance drift). ``adapt=False``: always the largest K allowed (the "fixed"
+    schedule)."""
 
     def __init__(self, adapt: bool = True) -> None:
         self.adapt = adapt
-        self.seconds: dict[tuple[int, int], float] = {}  # (rows, K) -> round time
-        self._seen: dict[tuple[int, int], int] = {}  # (rows, K) -> rounds measured
+        self.times: dict[int, deque[tuple[int, float]]] = {}  # K -> (rows, seconds)
+        self._warmed: set[int] = set()
         self.reached: list[float] = []  # per draft position: decayed counts
         self.accepted: list[float] = []
         self.rounds = 0
@@ -333,15 +341,34 @@ class LoadSchedule:
         if not self.adapt:
             return k_max
         self.rounds += 1
-        for k in (k_max, 0, *range(1, k_max)):
-            if self._seen.get((rows, k), 0) < 2:
+        known = [k for k in range(k_max + 1) if len(self.times.get(k, ())) >= 2]
+        for k in range(min(1, k_max) + 1):  # the target alone and one draft token first
+            if k not in known:
                 return k
-        rates = [self.expected_tokens(k) / self.seconds[rows, k] for k in range(k_max + 1)]
-        best = max(range(k_max + 1), key=rates.__getitem__)
+        best = max(known, key=lambda k: self.rate(rows, k))
+        if best < k_max and best + 1 not in known:  # climb while one more token pays
+            return best + 1
         if self.rounds % LOAD_EXPLORE_EVERY == 0:
             side = 1 if (self.rounds // LOAD_EXPLORE_EVERY) % 2 else -1
             return min(k_max, max(0, best + side))
         return best
+
+    def rate(self, rows: int, k: int) -> float:
+        """Expected tokens per second of a round of ``rows`` rows drafting ``k``."""
+        return rows * self.expected_tokens(k) / self.predicted_seconds(rows, k)
+
+    def predicted_seconds(self, rows: int, k: int) -> float:
+        by_size: dict[int, list[float]] = {}
+        for size, seconds in self.times[k]:
+            by_size.setdefault(size, []).append(seconds)
+        points = [(size, statistics.median(values)) for size, values in by_size.items()]
+        if len(points) == 1:
+            return points[0][1]
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
+        return max(mean_t + max(slope, 0.0) * (rows - mean_n), 1e-6)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a row emits per round drafting ``k``: the bonus/correction token plus each
@@ -363,20 +390,18 @@ class LoadSchedule:
     def update(self, rows: int, k: int, seconds: float, parts: list, steps: list) -> None:
         """Record a round of ``rows`` rows drafting ``k``: its wall time, and for each row
         (``parts[i].k`` drafted, ``steps[i].accepted`` kept) which positions were reached."""
-        key = (rows, k)
-        seen = self._seen.get(key, 0)
-        self._seen[key] = seen + 1
-        if seen == 1 or key not in self.seconds:  # the first is a warm-up
-            self.seconds[key] = seconds
+        if k not in self._warmed:  # the first round of a K: new shapes, cold caches
+            self._warmed.add(k)
         else:
-            self.seconds[key] += 0.3 * (seconds - self.seconds[key])
+            self.times.setdefault(k, deque(maxlen=LOAD_WINDOW)).append((rows, seconds))
         if k > len(self.reached):
             grow = k - len(self.reached)
             self.reached += [0.0] * grow
             self.accepted += [0.0] * grow
-        for i in range(len(self.reached)):
-            self.reached[i] *= LOAD_DECAY
-            self.accepted[i] *= LOAD_DECAY
+        if k:  # the text drifts: older rounds weigh less (rounds without drafts tell nothing)
+            for i in range(len(self.reached)):
+                self.reached[i] *= LOAD_DECAY
+                self.accepted[i] *= LOAD_DECAY
         for part, step in zip(parts, steps):
             for i in range(min(step.accepted + 1, part.k)):
                 self.reached[i] += 1.0
