@@ -306,6 +306,7 @@ class HeuristicSchedule:
 LOAD_EXPLORE_EVERY = 32  # rounds between re-measuring a neighbour of the best K
 LOAD_DECAY = 0.98  # per drafting round, of the acceptance counts
 LOAD_WINDOW = 24  # round times kept per K
+LOAD_MARGIN = 0.03  # by which more drafting must beat less to be chosen
 
 
 class LoadSchedule:
@@ -345,7 +346,11 @@ class LoadSchedule:
         for k in range(min(1, k_max) + 1):  # the target alone and one draft token first
             if k not in known:
                 return k
-        best = max(known, key=lambda k: self.rate(rows, k))
+        rates = {k: self.rate(rows, k) for k in known}
+        best = 0
+        for k in known:  # a longer draft must beat a shorter one clearly: round times are noisy
+            if rates[k] > rates[best] * (1 + LOAD_MARGIN):
+                best = k
         if best < k_max and best + 1 not in known:  # climb while one more token pays
             return best + 1
         if self.rounds % LOAD_EXPLORE_EVERY == 0:
