@@ -303,7 +303,7 @@ class HeuristicSchedule:
             self.k = max(1, self.k - 1)
 
 
-LOAD_EXPLORE_EVERY = 32  # rounds between re-measuring a neighbour of the best K
+LOAD_EXPLORE_EVERY = 32  # rounds between re-measuring a neighbour of the best K, at first
 LOAD_DECAY = 0.98  # per drafting round, of the acceptance counts
 LOAD_WINDOW = 24  # round times kept per K
 LOAD_MARGIN = 0.03  # by which more drafting must beat less to be chosen
@@ -326,9 +326,10 @@ class LoadSchedule:
     K = 0 (the target alone) is one of the choices, so a batch where drafting does not pay
     runs as fast as one without it. K = 0 and 1 are measured first, then K + 1 while the best
     K so far is the largest measured (rates are unimodal in K: each extra token gains less and
-    costs as much); a neighbour of the best is measured again every `LOAD_EXPLORE_EVERY` rounds
-    (costs and acceptance drift). ``adapt=False``: always the largest K allowed (the "fixed"
-    schedule)."""
+    costs as much). Costs and acceptance drift, so a neighbour of the best is measured again
+    after `LOAD_EXPLORE_EVERY` rounds, then half as often each time the best held (every
+    check costs a round off the best, and after rounds without drafting a catch-up call).
+    ``adapt=False``: always the largest K allowed (the "fixed" schedule)."""
 
     def __init__(self, adapt: bool = True) -> None:
         self.adapt = adapt
@@ -336,12 +337,12 @@ class LoadSchedule:
         self._warmed: set[int] = set()
         self.reached: list[float] = []  # per draft position: decayed counts
         self.accepted: list[float] = []
-        self.rounds = 0
+        self._since_check, self._check_every = 0, LOAD_EXPLORE_EVERY
+        self._checked_best, self._side = -1, 1
 
     def choose(self, rows: int, k_max: int) -> int:
         if not self.adapt:
             return k_max
-        self.rounds += 1
         known = [k for k in range(k_max + 1) if len(self.times.get(k, ())) >= 2]
         for k in range(min(1, k_max) + 1):  # the target alone and one draft token first
             if k not in known:
@@ -353,9 +354,17 @@ class LoadSchedule:
                 best = k
         if best < k_max and best + 1 not in known:  # climb while one more token pays
             return best + 1
-        if self.rounds % LOAD_EXPLORE_EVERY == 0:
-            side = 1 if (self.rounds // LOAD_EXPLORE_EVERY) % 2 else -1
-            return min(k_max, max(0, best + side))
+        self._since_check += 1
+        if self._since_check >= self._check_every:  # re-measure a neighbour of the best
+            # A best that held since the last check is checked half as often (up to 16x).
+            held = best == self._checked_best
+            self._check_every = (
+                min(16 * LOAD_EXPLORE_EVERY, 2 * self._check_every) if held else LOAD_EXPLORE_EVERY
+            )
+            self._since_check, self._checked_best = 0, best
+            self._side = -self._side
+            neighbour = best + self._side
+            return neighbour if 0 <= neighbour <= k_max else best - self._side
         return best
 
     def rate(self, rows: int, k: int) -> float:
