@@ -35,6 +35,7 @@ from specrt.export.options import SUPPORTED_MODEL_TYPES
 
 OPSET = 21
 BATCHED_OPSET = 23  # the Attention op
+IR_VERSIONS = {OPSET: 10, BATCHED_OPSET: 11}
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
 TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
 PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxruntime's code is hot
@@ -381,6 +382,9 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
         graph,
         opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(_MS, 1)],
         producer_name="specrt",
+        # The oldest IR version with this opset, not the onnx package's newest: an older
+        # onnxruntime refuses a newer IR version whatever ops the graph uses.
+        ir_version=IR_VERSIONS[opset],
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(
