@@ -108,6 +108,11 @@ generation_options = _stack(
     ),
     click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
     click.option(
+        "--stop",
+        multiple=True,
+        help="Stop where the new text first contains this string (repeatable; not output).",
+    ),
+    click.option(
         "--adaptive-draft", is_flag=True, help="Choose K per round (at most --num-draft-tokens)."
     ),
     click.option(
@@ -341,7 +346,8 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1):
     type=click.IntRange(1, MAX_BATCH),
     default=DEFAULT_BATCH_SIZE,
     show_default=True,
-    help="Rows that share each model call (the onnxruntime CPU engine; others run one row).",
+    help="Rows that share each model call (the onnxruntime engine and the portable graph; "
+    "the cuda and TensorRT engines run one row).",
 )
 @generation_options
 @load_options
@@ -376,8 +382,9 @@ def batch(
     generator = _load(bundle, threads, engine, max_length, skip_checksums, batch_size)
     if generator.max_batch < batch_size:
         click.echo(
-            f"note: the {engine} graphs run one row per call; --batch-size {batch_size} needs "
-            "the bundle's onnxruntime engine (rebuild an older one: specrt build --bundle DIR)",
+            f"note: the {engine} graphs run one row per call (the cuda and TensorRT engines, "
+            "and onnxruntime engines built by earlier versions of specrt: rebuild those with "
+            f"`specrt build --bundle DIR`); --batch-size {batch_size} has no effect",
             err=True,
         )
     result = run_batch(generator, input_path, output_path, defaults, progress_bar(progress))

@@ -26,6 +26,7 @@ def write_input(path: Path, rows: int = 30) -> list[dict]:
         lines.append({"id": f"row-{i}", "prompt": prompt, "max_new_tokens": 8 + i % 9})
     lines[7] = {"id": "too-long", "prompt": "Simple is better than complex. " * 6}
     lines[12] = {"id": "bad-parameter", "prompt": "a", "top_p": 0}
+    lines[15]["stop"] = ["e", "x"]
     text = [json.dumps(line) for line in lines]
     text.insert(20, '{"id": "broken", "prompt": ')  # a malformed line in the middle
     text.append(
@@ -82,6 +83,7 @@ def test_bad_rows_become_error_records(reference):
         records["openai"]["finish_reason"] == "length" and len(records["openai"]["token_ids"]) == 5
     )
     assert len(records["row-3"]["token_ids"]) == 8 + 3 % 9
+    assert "e" not in records["row-15"]["text"] and "x" not in records["row-15"]["text"]
     assert summary["rows"] == 32 and summary["ok"] == 29 and summary["failed"] == 3
     assert summary["skipped"] == 0 and summary["new_tokens"] > 0 and summary["batch_size"] == 1
 

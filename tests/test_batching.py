@@ -54,10 +54,13 @@ def alone(bundles):
     return out
 
 
+@pytest.mark.parametrize("engine", ["onnxruntime", "portable"])
 @pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
-def test_batched_greedy_equals_target_alone(bundles, alone, arch):
+def test_batched_greedy_equals_target_alone(bundles, alone, arch, engine):
     for batch in (2, 4, 8):  # 20 prompts: rows are refilled as others finish
-        generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, max_batch=batch)
+        generator = SpeculativeGenerator.from_bundle(
+            bundles[arch], threads=1, max_batch=batch, engine=engine
+        )
         assert generator.max_batch == batch
         generator.eos_token_ids = alone[arch, "eos"]
         for ignore_eos in (False, True):

@@ -2,9 +2,9 @@
 
 `batched.BatchedDecoder` runs the onnxruntime engine (fused graph, KV cache updated in place,
 many rows per call), `in_place.InPlaceDecoder` its one-row form from earlier versions,
-`portable.PortableDecoder` the portable standard-op graph, `device.DeviceDecoder` the cuda
-engine with its cache in GPU memory; `select.open_decoder` picks one for the requested
-providers.
+`portable.PortableDecoder` the portable standard-op graph (`PortableRowsDecoder`: many rows),
+`device.DeviceDecoder` the cuda engine with its cache in GPU memory; `select.open_decoder`
+picks one for the requested providers.
 """
 
 from specrt.backends.base import (
@@ -14,7 +14,7 @@ from specrt.backends.base import (
     Decoder,
     Forward,
 )
-from specrt.backends.batched import BatchedDecoder
+from specrt.backends.batched import BatchedDecoder, RowsDecoder
 from specrt.backends.select import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, open_decoder
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "NEED_PROBABILITIES",
     "Decoder",
     "Forward",
+    "RowsDecoder",
     "open_decoder",
 ]

@@ -32,8 +32,13 @@ MAX_KEPT_CALL_TOKENS = 80  # calls of at most this many tokens per row keep thei
 SMALL_CALL = 16  # positions per call up to which the host writes its inputs in plain Python
 
 
-class BatchedDecoder(DecoderBase):
-    """Runs a batched-cache graph on ``[rows, tokens]`` after each row's cached prefix."""
+class RowsDecoder(DecoderBase):
+    """What the decoders of many rows share: per-row lengths, one cache buffer per layer and
+    kind whose position axis (``POSITION_AXIS``) grows with the longest row, the one-row
+    `Decoder` protocol on row 0, prefilling a row, moving a row. Subclasses provide
+    ``_buffer_shape(capacity)`` and ``_call(start, n, tokens, keep_last, fed) -> Forward``."""
+
+    POSITION_AXIS = 1
 
     def __init__(
         self,
@@ -45,36 +50,22 @@ class BatchedDecoder(DecoderBase):
         max_batch: int = 1,
     ) -> None:
         """``max_batch`` rows get a cache; ``max_length`` caps each row's positions."""
-        io = spec.io
-        if not (io.position_ids and io.cache_indices and io.attention_mask and io.logits_to_keep):
-            raise BundleError(
-                f"{role}: the batched engine lacks position_ids / cache_indices / attention_mask"
-                " inputs; rebuild the bundle's engines with `specrt build --bundle DIR`"
-            )
         super().__init__(session, spec, vocab_size, role, max_length)
+        io = spec.io
         self.max_batch = max_batch
         self.lengths = np.zeros(max_batch, dtype=np.int64)
-        self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
         self._names = list(
             zip([*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values])
         )
-        self._width = spec.num_kv_heads * spec.head_dim
         self._dtype = NUMPY_DTYPES[spec.dtype]
         self._buffers: list[np.ndarray] = []
         self.capacity = 0
-        self._binding = session.io_binding()
-        self._rows: tuple[int, int] | None = None  # the rows the cache binding covers
-        self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
-        self._bound: _CallArrays | None = None
-        self._logits_to_keep = np.ones(1, dtype=np.int64)
-        self._binding.bind_ortvalue_input(io.logits_to_keep, _shared(self._logits_to_keep))
-        self._grow(min(self.max_positions, CAPACITY_STEP))
 
     @property
     def cache_bytes_per_row(self) -> int:
         """Cache memory one row takes at ``max_positions`` (what a slot can grow to)."""
-        itemsize = np.dtype(self._dtype).itemsize
-        return len(self._names) * self.max_positions * self._width * itemsize
+        per_position = int(np.prod(self._buffer_shape(1))) // self.max_batch
+        return len(self._names) * self.max_positions * per_position * self._dtype().itemsize
 
     @property
     def cache_bytes(self) -> int:
@@ -96,34 +87,28 @@ class BatchedDecoder(DecoderBase):
     def forward(
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
     ) -> Forward:
-        count = len(tokens)
-        arrays = self._prepare(0, 1, count, keep_last or count)
-        arrays.ids[0] = tokens
-        self._run(arrays, 0, 1, count)
-        return arrays.row_result
+        out = self._call(0, 1, np.asarray([tokens], dtype=np.int64), keep_last, len(tokens))
+        probabilities = None if out.probabilities is None else out.probabilities[0]
+        return Forward(out.logits[0], probabilities)
 
     # Rows ---------------------------------------------------------------------------------
     def prefill_row(self, row: int, tokens: Sequence[int]) -> None:
-        """Feed a prompt to ``row`` alone (its length must be 0)."""
+        """Feed a prompt to ``row`` alone, ``PREFILL_CHUNK`` positions a call."""
         self._check_room(int(self.lengths[row]), len(tokens))
         for start in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[start : start + PREFILL_CHUNK]
-            arrays = self._prepare(row, 1, len(chunk), 1)
-            arrays.ids[0] = chunk
-            self._run(arrays, row, 1, len(chunk))
+            chunk = np.asarray([tokens[start : start + PREFILL_CHUNK]], dtype=np.int64)
+            self._call(row, 1, chunk, 1, chunk.shape[1])
 
     def forward_rows(
         self, tokens: np.ndarray, keep_last: int = 0, fed: np.ndarray | None = None
     ) -> Forward:
         """Feed ``tokens [n, S]`` to rows 0 .. n-1, each after its own prefix; logits
-        ``[n, keep_last, vocab]`` (and probabilities) of the last ``keep_last`` positions.
-        ``fed [n]``: how many of its S tokens each row really has (default S): the rest are
-        padding at its end, computed and then dropped (the row's length grows by ``fed``)."""
+        ``[n, keep_last, vocab]`` (and probabilities, where the graph has them) of the last
+        ``keep_last`` positions. ``fed [n]``: how many of its S tokens each row really has
+        (default S): the rest are padding at its end, computed and then dropped (the row's
+        length grows by ``fed``)."""
         n, count = tokens.shape
-        arrays = self._prepare(0, n, count, keep_last or count)
-        arrays.ids[...] = tokens
-        self._run(arrays, 0, n, count if fed is None else fed)
-        return arrays.result
+        return self._call(0, n, tokens, keep_last or count, count if fed is None else fed)
 
     def set_length(self, row: int, length: int) -> None:
         """Keep only the first ``length`` positions of ``row`` (0: the row is free)."""
@@ -132,10 +117,87 @@ class BatchedDecoder(DecoderBase):
     def move_row(self, source: int, dest: int) -> None:
         """Copy ``source``'s cache and length into ``dest`` (packing live rows at the front)."""
         length = int(self.lengths[source])
+        window = (slice(None),) * (self.POSITION_AXIS - 1) + (slice(0, length),)
         for buffer in self._buffers:
-            buffer[dest, :length] = buffer[source, :length]
+            buffer[(dest, *window)] = buffer[(source, *window)]
         self.lengths[dest] = length
         self.lengths[source] = 0
+
+    def _grow(self, needed: int) -> None:
+        """Reallocate the cache with room for ``needed`` positions per row, keeping its
+        content."""
+        steps = -(-needed // CAPACITY_STEP)
+        capacity = min(self.max_positions, steps * CAPACITY_STEP)
+        old = self._buffers
+        self._buffers = [np.zeros(self._buffer_shape(capacity), self._dtype) for _ in self._names]
+        window = (slice(None),) * self.POSITION_AXIS + (slice(0, self.capacity),)
+        for new, previous in zip(self._buffers, old):
+            new[window] = previous
+        self.capacity = capacity
+
+    def _buffer_shape(self, capacity: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _call(
+        self, start: int, n: int, tokens: np.ndarray, keep_last: int, fed: int | np.ndarray
+    ) -> Forward:
+        raise NotImplementedError
+
+
+class BatchedDecoder(RowsDecoder):
+    """Runs a batched-cache graph on ``[rows, tokens]`` after each row's cached prefix."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+        max_batch: int = 1,
+    ) -> None:
+        io = spec.io
+        if not (io.position_ids and io.cache_indices and io.attention_mask and io.logits_to_keep):
+            raise BundleError(
+                f"{role}: the batched engine lacks position_ids / cache_indices / attention_mask"
+                " inputs; rebuild the bundle's engines with `specrt build --bundle DIR`"
+            )
+        super().__init__(session, spec, vocab_size, role, max_length, max_batch)
+        self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
+        self._width = spec.num_kv_heads * spec.head_dim
+        self._binding = session.io_binding()
+        self._rows: tuple[int, int] | None = None  # the rows the cache binding covers
+        self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
+        self._bound: _CallArrays | None = None
+        self._logits_to_keep = np.ones(1, dtype=np.int64)
+        self._binding.bind_ortvalue_input(io.logits_to_keep, _shared(self._logits_to_keep))
+        self._grow(min(self.max_positions, CAPACITY_STEP))
+
+    def forward(
+        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
+    ) -> Forward:
+        count = len(tokens)
+        arrays = self._prepare(0, 1, count, keep_last or count)
+        arrays.ids[0] = tokens
+        self._run(0, 1, count)
+        return arrays.row_result
+
+    def _call(
+        self, start: int, n: int, tokens: np.ndarray, keep_last: int, fed: int | np.ndarray
+    ) -> Forward:
+        arrays = self._prepare(start, n, tokens.shape[1], keep_last)
+        arrays.ids[...] = tokens
+        self._run(start, n, fed)
+        return arrays.result
+
+    def _buffer_shape(self, capacity: int) -> tuple[int, ...]:
+        return (self.max_batch, capacity, self._width)
+
+    def _grow(self, needed: int) -> None:
+        super()._grow(needed)
+        self._shapes.clear()  # the masks span the capacity, and the bindings the buffers
+        self._bound = None
+        self._rows = None
 
     # ---------------------------------------------------------------------------------------
     def _prepare(self, start: int, n: int, count: int, keep_last: int) -> _CallArrays:
@@ -169,26 +231,12 @@ class BatchedDecoder(DecoderBase):
                 visible[position + 1 :] = False
         return arrays
 
-    def _run(self, arrays: _CallArrays, start: int, n: int, fed: int | np.ndarray) -> None:
+    def _run(self, start: int, n: int, fed: int | np.ndarray) -> None:
         self._timed(self.session.run_with_iobinding, self._binding)
         if n == 1 and isinstance(fed, int):
             self.lengths[start] += fed
         else:
             self.lengths[start : start + n] += fed
-
-    def _grow(self, needed: int) -> None:
-        """Reallocate the cache with room for ``needed`` positions per row, keeping its content."""
-        steps = -(-needed // CAPACITY_STEP)
-        capacity = min(self.max_positions, steps * CAPACITY_STEP)
-        shape = (self.max_batch, capacity, self._width)
-        old = self._buffers
-        self._buffers = [np.zeros(shape, self._dtype) for _ in self._names]
-        for new, previous in zip(self._buffers, old):
-            new[:, : self.capacity] = previous
-        self.capacity = capacity
-        self._shapes.clear()
-        self._bound = None
-        self._rows = None
 
     def _bind_rows(self, start: int, n: int) -> None:
         for (past, present), buffer in zip(self._names, self._buffers):

@@ -13,7 +13,9 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.backends.base import NEED_LOGITS, NUMPY_DTYPES, DecoderBase, Forward
+from specrt.backends.batched import CAPACITY_STEP, RowsDecoder
 from specrt.bundle import ModelSpec
+from specrt.errors import BundleError
 
 
 class KVCache:
@@ -93,3 +95,64 @@ class PortableDecoder(DecoderBase):
         layers = self.spec.num_layers
         cache.store(presents[:layers], presents[layers:])
         return Forward(logits[0, count - (keep_last or count) :, : self.vocab_size])
+
+
+class PortableRowsDecoder(RowsDecoder):
+    """The portable graph for many rows at once: each call feeds ``[rows, S]`` tokens after
+    each row's own prefix. The rows' caches live in buffers of ours ``[rows, kv_heads,
+    positions, head_dim]``; a call feeds the first P positions (P: the longest row) as
+    ``past``, masks each shorter row's unused positions through ``attention_mask``, gives every
+    token its row's own ``position_ids``, and copies the S new positions of ``present`` back to
+    where each row's prefix ends. The copies make it slower than the engine; it is what runs
+    batches for models without one."""
+
+    POSITION_AXIS = 2
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        spec: ModelSpec,
+        vocab_size: int,
+        role: str,
+        max_length: int | None = None,
+        max_batch: int = 1,
+    ) -> None:
+        super().__init__(session, spec, vocab_size, role, max_length, max_batch)
+        io = spec.io
+        if not (io.attention_mask and io.position_ids):
+            raise BundleError(
+                f"{role}: the portable graph takes no attention_mask / position_ids, so its rows "
+                "cannot be batched; load it with max_batch=1 (or re-export the bundle)"
+            )
+        self._outputs = [io.logits, *io.present_keys, *io.present_values]
+        self._grow(min(self.max_positions, CAPACITY_STEP))
+
+    def _buffer_shape(self, capacity: int) -> tuple[int, ...]:
+        return (self.max_batch, self.spec.num_kv_heads, capacity, self.spec.head_dim)
+
+    def _call(
+        self, start: int, n: int, tokens: np.ndarray, keep_last: int, fed: int | np.ndarray
+    ) -> Forward:
+        io = self.spec.io
+        lengths = self.lengths[start : start + n]
+        longest, count = int(lengths.max()), tokens.shape[1]
+        self._check_room(longest, count)
+        if longest + count > self.capacity:
+            self._grow(longest + count)
+        slots = np.arange(longest + count)
+        seen = (slots < lengths[:, None]) | (slots >= longest)  # each row's prefix, then the new
+        positions = lengths[:, None] + np.arange(count)
+        feed = {
+            io.input_ids: np.ascontiguousarray(tokens, dtype=np.int64),
+            io.attention_mask: seen.astype(np.int64),
+            io.position_ids: positions,
+        }
+        past = [np.ascontiguousarray(b[start : start + n, :, :longest]) for b in self._buffers]
+        feed.update(zip([name for name, _ in self._names], past))
+        logits, *presents = self._timed(self.session.run, self._outputs, feed)
+        rows = np.arange(n)[:, None]
+        for buffer, present in zip(self._buffers, presents):  # [n, kv_heads, P + S, head_dim]
+            new = present[:, :, longest:].transpose(0, 2, 1, 3)  # [n, S, kv_heads, head_dim]
+            buffer[start : start + n].transpose(0, 2, 1, 3)[rows, positions] = new
+        self.lengths[start : start + n] += fed
+        return Forward(logits[:, count - keep_last :, : self.vocab_size])

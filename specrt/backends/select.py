@@ -12,7 +12,7 @@ from specrt.backends.base import Decoder
 from specrt.backends.batched import BatchedDecoder
 from specrt.backends.device import DeviceDecoder
 from specrt.backends.in_place import InPlaceDecoder
-from specrt.backends.portable import PortableDecoder
+from specrt.backends.portable import PortableDecoder, PortableRowsDecoder
 from specrt.backends.session import create_session, default_providers
 from specrt.backends.tensorrt import (
     TENSORRT_ENGINE,
@@ -58,6 +58,7 @@ def open_decoder(
     if providers[0] == TENSORRT_PROVIDER:  # the portable graph, compiled by the provider
         options = ep_options(graph, bundle_root, role, max_length or spec.max_positions)
         providers = [(TENSORRT_PROVIDER, options), *providers[1:]]
+        max_batch = 1  # its optimisation profiles are built for one row
     session = create_session(bundle_root / graph.path, threads=threads, providers=providers)
     if graph.io.argmax:  # a device engine: its cache lives where the provider computes
         device = "cuda" if providers[0] == CUDA else "cpu"
@@ -79,6 +80,8 @@ def make_decoder(
         return BatchedDecoder(session, spec, vocab_size, role, max_length, max_batch)
     if spec.cache == "in_place":
         return InPlaceDecoder(session, spec, vocab_size, role, max_length)
+    if max_batch > 1:
+        return PortableRowsDecoder(session, spec, vocab_size, role, max_length, max_batch)
     return PortableDecoder(session, spec, vocab_size, role, max_length)
 
 

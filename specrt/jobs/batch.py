@@ -1,8 +1,9 @@
 """`specrt batch`: an offline job from a JSONL file of prompts to a JSONL file of results.
 
 Input lines are ``{"id": ..., "prompt": "...", optional "max_new_tokens", "temperature",
-"top_k", "top_p", "seed", "num_draft_tokens"}``, or OpenAI batch-file lines (``custom_id``,
-``body`` with ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``). The input is
+"top_k", "top_p", "seed", "num_draft_tokens", "stop"}``, or OpenAI batch-file lines
+(``custom_id``, ``body`` with ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
+``stop``). The input is
 streamed (bounded memory but for the set of ids); each finished row is written and flushed at
 once as ``{"id", "text", "token_ids", "finish_reason", "stats"}``, or ``{"id", "error"}`` for a
 row that cannot run (malformed, too long, a bad parameter): the job goes on.
@@ -28,12 +29,21 @@ from specrt.runtime.batching import Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator, row_rng
 
-ROW_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_draft_tokens")
+ROW_OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "num_draft_tokens",
+    "stop",
+)
 OPENAI_OPTIONS = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
+    "stop": "stop",
 }
 
 

@@ -37,7 +37,7 @@ class SpecrtPredictor:
     """A callable class for ``Dataset.map_batches``: ``bundle`` and load options (``threads``,
     default 1: actors share the machine's cores; ``engine``, ``max_length``) and the generation
     defaults (`GenerationConfig` fields) as constructor keywords. ``max_batch``: rows of a Ray
-    batch that share each model call (the onnxruntime CPU engine; others run one row)."""
+    batch that share each model call (the onnxruntime engine and the portable graph)."""
 
     def __init__(
         self,
@@ -89,6 +89,8 @@ def _plain(value: Any) -> Any:
     """A dataset cell as a plain Python value; a missing one (null, NaN) as None."""
     if isinstance(value, np.generic):
         value = value.item()
+    if isinstance(value, np.ndarray):  # a list column (stop strings)
+        value = value.tolist()
     if isinstance(value, float) and math.isnan(value):
         return None
     return value

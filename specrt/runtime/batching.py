@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrt.backends import BatchedDecoder
+from specrt.backends import RowsDecoder
+from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.results import GenerationResult, GenerationStats, eos_index
+from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RowRound, batched_round
 from specrt.runtime.schedules import LoadSchedule
+from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
 DEFAULT_BATCH_SIZE = 8  # rows per call of `specrt batch` (best measured on the demo pair)
@@ -46,7 +48,9 @@ class _Row:
     drafting: bool
     stats: GenerationStats
     started: float
+    stopper: StopStrings | None = None
     finish_reason: str = ""
+    text: str | None = None  # cut before a stop string
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:
@@ -59,8 +63,8 @@ class BatchRunner:
 
     def __init__(
         self,
-        target: BatchedDecoder,
-        draft: BatchedDecoder,
+        target: RowsDecoder,
+        draft: RowsDecoder,
         tokenizer: BundleTokenizer | None,
         eos_token_ids: frozenset[int],
     ) -> None:
@@ -101,7 +105,12 @@ class BatchRunner:
         stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
         limit = min(self.target.max_positions, len(prompt) + config.max_new_tokens)
         drafting = k_max > 0 and len(prompt) < self.draft.max_positions
-        row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter())
+        stopper = None
+        if config.stop:
+            if self.tokenizer is None:
+                raise InvalidInputError("stop strings need the bundle's tokenizer")
+            stopper = StopStrings(config.stop, self.tokenizer.decode)
+        row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
         self.target.set_length(slot, 0)
         self.draft.set_length(slot, 0)
         if len(prompt) >= limit:
@@ -125,13 +134,14 @@ class BatchRunner:
         finished = []
         for slot, (row, step) in enumerate(zip(rows, steps)):
             self.target.set_length(slot, len(row.tokens) + step.accepted)
-            stop = eos_index(step.tokens, self.eos_token_ids, row.request.config)
-            emitted = step.tokens if stop is None else step.tokens[: stop + 1]
-            row.tokens.extend(emitted)
+            config, prompt_length = row.request.config, len(row.request.prompt)
+            settled = settle(
+                row.tokens, prompt_length, step.tokens, self.eos_token_ids, config, row.stopper
+            )
             self.draft.set_length(slot, len(row.tokens) - 1)
-            row.stats.add_round(step.drafted, min(step.accepted, len(emitted)))
-            if stop is not None:
-                row.finish_reason = "stop"
+            row.stats.add_round(step.drafted, min(step.accepted, settled.count))
+            if settled.stopped:
+                row.finish_reason, row.text = "stop", settled.text
             elif len(row.tokens) >= row.limit:
                 row.finish_reason = "length"
             if row.finish_reason:
@@ -185,6 +195,8 @@ class BatchRunner:
         row.stats.draft_stopped = k_max > 0 and len(row.tokens) >= self.draft.max_positions
         new_ids = row.tokens[len(prompt) :]
         row.stats.new_tokens = len(new_ids)
-        text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
+        text = row.text
+        if text is None:
+            text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         row.stats.finish(time.perf_counter() - row.started)
         return GenerationResult(text, new_ids, row.finish_reason, row.stats)

@@ -45,7 +45,9 @@ class GenerationConfig:
     baseline every comparison uses. ``seed`` makes sampling reproducible, bit for bit across calls
     and processes for a given configuration; row ``i`` of a batch uses the stream ``(seed, i)``
     (with a seed, the adaptive and heuristic schedules start afresh for each row, and the
-    adaptive one models its costs instead of timing them).
+    adaptive one models its costs instead of timing them). ``stop``: strings (or one string)
+    that end a row where its new text first contains one; the text stops before it
+    (`specrt.runtime.stopping`).
     """
 
     max_new_tokens: int = 64
@@ -57,6 +59,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     adaptive_draft: bool = False
     draft_schedule: str = "fixed"
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -83,6 +86,7 @@ class GenerationConfig:
             )
         if self.adaptive_draft and self.draft_schedule == "fixed":
             set("draft_schedule", "adaptive")
+        set("stop", stop_strings(self.stop))
 
     @property
     def greedy(self) -> bool:
@@ -91,3 +95,13 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (one string is one stop string)."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    rule = "use a string or a list of non-empty strings"
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise out_of_range("stop", stop, rule)
+    return tuple(stop)

@@ -11,15 +11,16 @@ from typing import Any
 
 import numpy as np
 
-from specrt.backends import BatchedDecoder, Decoder
+from specrt.backends import Decoder, RowsDecoder
 from specrt.errors import InvalidInputError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter, ModelDrafter
 from specrt.runtime.loading import ModelPair, load_pair
-from specrt.runtime.results import GenerationResult, GenerationStats, eos_index
+from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import speculative_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
+from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -61,7 +62,7 @@ class SpeculativeGenerator:
     def max_batch(self) -> int:
         """Rows that run together (1 unless both models are batched engines loaded so)."""
         target, draft = self.target, getattr(self.drafter, "decoder", None)
-        if isinstance(target, BatchedDecoder) and isinstance(draft, BatchedDecoder):
+        if isinstance(target, RowsDecoder) and isinstance(draft, RowsDecoder):
             return min(target.max_batch, draft.max_batch)
         return 1
 
@@ -184,6 +185,16 @@ class SpeculativeGenerator:
         with self._lock:
             yield from runner.run(requests)
 
+    def _stop_strings(self, config: GenerationConfig) -> StopStrings | None:
+        """The row's stop-string search, if its config has stop strings."""
+        if not config.stop:
+            return None
+        if self.tokenizer is None:
+            raise InvalidInputError(
+                "stop strings need the bundle's tokenizer; this generator has none"
+            )
+        return StopStrings(config.stop, self.tokenizer.decode)
+
     def _schedule(self, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
         draft's calibration, the machine's costs) holds for the pair, not for one prompt.
@@ -208,6 +219,7 @@ class SpeculativeGenerator:
         tokens = list(prompt)
         limit = min(target.max_positions, len(prompt) + config.max_new_tokens)
         finish_reason = "length"
+        stopper, stop_text = self._stop_strings(config), None
 
         # Both models see all but the last prompt token, which the first round feeds. A draft
         # with fewer positions than the prompt cannot follow: the target decodes alone.
@@ -230,20 +242,21 @@ class SpeculativeGenerator:
 
             # Roll back: each cache keeps only what is still history (all but the newest token).
             target.rollback(len(tokens) + step.accepted)
-            stop = eos_index(step.tokens, self.eos_token_ids, config)
-            emitted = step.tokens if stop is None else step.tokens[: stop + 1]
-            tokens.extend(emitted)
+            settled = settle(tokens, len(prompt), step.tokens, self.eos_token_ids, config, stopper)
             drafter.rollback(len(tokens) - 1)
-            # What stands: draft tokens after an EOS were accepted but are not output.
-            stats.add_round(step.drafted, min(step.accepted, len(emitted)))
-            if stop is not None:
-                finish_reason = "stop"
+            # What stands: draft tokens after an EOS or a stop string were accepted but are not
+            # output.
+            stats.add_round(step.drafted, min(step.accepted, settled.count))
+            if settled.stopped:
+                finish_reason, stop_text = "stop", settled.text
                 break
 
         stats.draft_stopped = k_max > 0 and len(tokens) >= drafter.max_positions
         new_ids = tokens[len(prompt) :]
         stats.new_tokens = len(new_ids)
-        text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
+        text = stop_text
+        if text is None:
+            text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         stats.finish(time.perf_counter() - start)
         return GenerationResult(text, new_ids, finish_reason, stats)
 

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from specrt.runtime.config import GenerationConfig
 
 
 @dataclass
@@ -71,12 +67,3 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
-
-
-def eos_index(
-    emitted: list[int], eos_token_ids: frozenset[int], config: GenerationConfig
-) -> int | None:
-    """Where the first end-of-sequence token is among ``emitted``, unless EOS is ignored."""
-    if config.ignore_eos or eos_token_ids.isdisjoint(emitted):
-        return None
-    return next(i for i, t in enumerate(emitted) if t in eos_token_ids)

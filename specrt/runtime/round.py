@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.backends import BatchedDecoder, Decoder, Forward
+from specrt.backends import Decoder, Forward, RowsDecoder
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.sampling import (
@@ -79,7 +79,7 @@ class RowRound:
 
 
 def batched_round(
-    target: BatchedDecoder, draft: BatchedDecoder, rows: list[RowRound], k: int
+    target: RowsDecoder, draft: RowsDecoder, rows: list[RowRound], k: int
 ) -> list[RoundResult]:
     """One round for rows 0 .. n-1 of both models' caches: K draft steps, each one draft call
     for every row, then ONE target call verifying ``[n, K+1]``; each row accepts its own
@@ -124,7 +124,7 @@ def batched_round(
 
 
 def draft_rows(
-    draft: BatchedDecoder, rows: list[RowRound], k: int
+    draft: RowsDecoder, rows: list[RowRound], k: int
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
     """K draft tokens for every row ``[n, K]`` and, per sampled row, the distributions they
     were drawn from ``[K, V]``. The first call feeds each row what it has not yet seen (1

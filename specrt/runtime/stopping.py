@@ -1,0 +1,80 @@
+"""Stop strings: a row ends where its new text first contains one of them.
+
+A speculative round emits several tokens at once, and a stop string may end inside any of
+them or span several: the text is searched after every round from just before where the last
+search ended, and the row keeps the tokens up to the one that completed the stop string; its
+text ends where the stop string begins (it is not part of the output, as in the OpenAI API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specrt.runtime.config import GenerationConfig
+
+
+class StopStrings:
+    """The stop strings of one row, searched in its new text as tokens arrive."""
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]) -> None:
+        self.stops = tuple(stops)
+        self.decode = decode
+        self._longest = max(map(len, self.stops))
+        self._searched = 0  # tokens already searched
+        self._text_length = 0  # length of their text
+
+    def check(self, new_ids: list[int]) -> tuple[int, str] | None:
+        """``(tokens to keep, text)`` when a stop string has appeared in the text of
+        ``new_ids`` (the row's new tokens so far), else None."""
+        start = max(0, self._text_length - self._longest + 1)
+        text = self.decode(new_ids)
+        if self._find(text, start) is None:
+            self._searched, self._text_length = len(new_ids), len(text)
+            return None
+        # The fewest tokens whose text holds the stop string: one of this round's.
+        for keep in range(self._searched + 1, len(new_ids) + 1):
+            text = self.decode(new_ids[:keep])
+            found = self._find(text, start)
+            if found is not None:
+                return keep, text[:found]
+        return len(new_ids), text[: self._find(text, start)]
+
+    def _find(self, text: str, start: int) -> int | None:
+        hits = [index for stop in self.stops if (index := text.find(stop, start)) >= 0]
+        return min(hits) if hits else None
+
+
+@dataclass
+class Settled:
+    """What stands of a round: ``count`` of its tokens; ``stopped`` at EOS or a stop string;
+    ``text``: the row's text cut before the stop string (None: decode the tokens)."""
+
+    count: int
+    stopped: bool = False
+    text: str | None = None
+
+
+def settle(
+    tokens: list[int],
+    prompt_length: int,
+    emitted: list[int],
+    eos_token_ids: frozenset[int],
+    config: GenerationConfig,
+    stopper: StopStrings | None,
+) -> Settled:
+    """Append a round's ``emitted`` tokens to the row's ``tokens``, up to and including the
+    first EOS (unless EOS is ignored), and up to the token that completes a stop string."""
+    eos = None
+    if not config.ignore_eos and not eos_token_ids.isdisjoint(emitted):
+        eos = next(i for i, t in enumerate(emitted) if t in eos_token_ids)
+        emitted = emitted[: eos + 1]
+    before = len(tokens)
+    tokens.extend(emitted)
+    if stopper is not None and (hit := stopper.check(tokens[prompt_length:])):
+        kept, text = hit
+        del tokens[prompt_length + kept :]
+        return Settled(len(tokens) - before, True, text)
+    return Settled(len(emitted), eos is not None)

@@ -1,0 +1,66 @@
+"""Stop strings end a row where its new text first contains one, whatever round emits it."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrt.errors import InvalidInputError
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.stopping import StopStrings
+from tests.test_greedy import PROMPTS
+
+
+def chars(ids: list[int]) -> str:
+    """A toy tokenizer: token i is the i-th letter, token 26 is "ab"."""
+    return "".join("ab" if i == 26 else chr(ord("a") + i) for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("rounds", "stops", "expected"),
+    [
+        ([[0, 1], [2, 3]], ["cd"], (4, "ab")),  # the stop string is a whole round
+        ([[0, 1, 2], [3, 4]], ["cd"], (4, "ab")),  # it spans two rounds
+        ([[7, 26, 4]], ["a"], (2, "h")),  # it starts inside a token
+        ([[0, 1, 2, 3]], ["d", "bc"], (3, "a")),  # the earliest stop string wins
+        ([[0, 1], [2], [3]], ["x"], None),  # never there
+    ],
+)
+def test_stop_strings_are_found_across_rounds(rounds, stops, expected):
+    stopper, ids, found = StopStrings(stops, chars), [], None
+    for emitted in rounds:
+        ids = ids + emitted
+        found = stopper.check(ids)
+        if found:
+            break
+    assert found == expected
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_stops_before_the_stop_string(llama_bundle, batch):
+    """Cut a target-only output at a stop string taken from its middle: the speculative run,
+    one row at a time or batched, stops exactly there."""
+    alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    base = alone.generate(PROMPTS[:8], GenerationConfig(max_new_tokens=24, num_draft_tokens=0))
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=batch)
+    checked = 0
+    for prompt, full in zip(PROMPTS[:8], base):
+        if len(full.text) < 12:
+            continue
+        stop = full.text[6:9]
+        config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, stop=[stop])
+        [result] = generator.generate([prompt], config)
+        assert result.finish_reason == "stop"
+        assert result.text == full.text[: full.text.find(stop)]
+        assert stop not in result.text
+        assert result.token_ids == full.token_ids[: len(result.token_ids)]
+        assert stop in alone.tokenizer.decode(result.token_ids)  # the last token completed it
+        assert stop not in alone.tokenizer.decode(result.token_ids[:-1])
+        checked += 1
+    assert checked >= 3
+
+
+def test_bad_stop_strings_are_refused():
+    for bad in ([""], [3], "", {"a": 1}):
+        with pytest.raises(InvalidInputError, match="stop"):
+            GenerationConfig(stop=bad)
+    assert GenerationConfig(stop="\n").stop == ("\n",)
