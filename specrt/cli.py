@@ -394,7 +394,9 @@ def batch(
     click.echo(
         f"{result.rows} rows: {result.ok} ok, {result.failed} failed, {result.skipped} already "
         f"done ({result.skipped_errors} of them errors); {result.new_tokens} tokens at "
-        f"{result.tokens_per_second:.1f} tokens/s, acceptance {result.acceptance_rate:.2f}",
+        f"{result.tokens_per_second:.1f} tokens/s, acceptance {result.acceptance_rate:.2f}; "
+        f"{result.batch_size} rows per call, KV cache {result.cache_bytes / 2**20:.1f} MiB "
+        f"({result.cache_bytes_per_row / 2**20:.1f} MiB per row at most)",
         err=True,
     )
     if not result.all_ok:

@@ -86,13 +86,17 @@ def test_bad_rows_become_error_records(reference):
     assert "e" not in records["row-15"]["text"] and "x" not in records["row-15"]["text"]
     assert summary["rows"] == 32 and summary["ok"] == 29 and summary["failed"] == 3
     assert summary["skipped"] == 0 and summary["new_tokens"] > 0 and summary["batch_size"] == 1
+    assert 0 < summary["cache_bytes"] <= summary["cache_bytes_per_row"]  # one row, grown as needed
 
 
 def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, tmp_path):
     root, expected, _ = reference
     input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for lines_before_kill, batch in ((0, 4), (3, 4), (11, 8), (24, 3)):
+    alive_at_kill = []
+    # Early kill points: batched rows are written in bursts, and a late one could find the job
+    # already done.
+    for lines_before_kill, batch in ((0, 4), (2, 4), (5, 8), (9, 3)):
         process = subprocess.Popen(
             command(llama_bundle, input_path, output, "--batch-size", str(batch)),
             env=env,
@@ -105,6 +109,7 @@ def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, 
             if written >= lines_before_kill:
                 break
             time.sleep(0.01)
+        alive_at_kill.append(process.poll() is None)
         process.send_signal(signal.SIGKILL)
         process.wait()
     # a line torn by a crash mid-write: detected, cut off, its row done again
@@ -116,6 +121,7 @@ def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, 
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["skipped"] > 0 and summary["ok"] + summary["failed"] + summary["skipped"] == 32
     assert summary["failed"] + summary["skipped_errors"] == 3
+    assert all(alive_at_kill)  # every kill hit a running job
     assert summary["ok"] > 0  # the kills did leave rows undone
     again = run(command(llama_bundle, input_path, output))
     assert again.returncode == 1  # the output still holds the three error records

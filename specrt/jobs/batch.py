@@ -67,6 +67,8 @@ class Summary:
     accepted_tokens: int = 0
     wall_time_s: float = 0.0
     batch_size: int = 1  # rows per model call, at most
+    cache_bytes: int = 0  # KV cache reserved at the end, both models, all rows
+    cache_bytes_per_row: int = 0  # what one row's cache can grow to (at max length)
 
     def add(self, record: dict) -> None:
         """Count a row written by this run."""
@@ -237,6 +239,9 @@ def run_batch(
             write({"id": key, **result.to_dict()})
         os.fsync(out.fileno())
     summary.wall_time_s = time.perf_counter() - started
+    decoders = (generator.target, getattr(generator.drafter, "decoder", None))
+    summary.cache_bytes = sum(getattr(d, "cache_bytes", 0) for d in decoders)
+    summary.cache_bytes_per_row = sum(getattr(d, "cache_bytes_per_row", 0) for d in decoders)
     return summary
 
 
