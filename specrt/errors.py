@@ -30,6 +30,10 @@ class NumericalError(SpecrtError):
     """A model produced NaN or infinite logits."""
 
 
+class OverloadedError(SpecrtError):
+    """The service's batch and its waiting queue are full: retry later."""
+
+
 _OS_ADVICE = {
     errno.ENOSPC: "free some space, or write somewhere else",
     errno.EDQUOT: "free some space, or write somewhere else",

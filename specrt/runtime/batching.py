@@ -72,31 +72,65 @@ class BatchRunner:
         self.max_batch = min(target.max_batch, draft.max_batch)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.schedules: dict[int, LoadSchedule] = {}
+        self.schedules: dict[str, LoadSchedule] = {}  # by name: "fixed", "load"
+        self.rows: list[_Row] = []  # in slots 0 .. len - 1
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         """Yield ``(key, result)`` for each request as it finishes (not in request order).
         Requests are read only as slots free up, so an endless iterator is fine."""
         waiting = iter(requests)
-        rows: list[_Row] = []
         more = True
         while True:
-            while more and len(rows) < self.max_batch:
+            while more and self.free:
                 request = next(waiting, None)
                 if request is None:
                     more = False
                     break
-                row = self._start(request, len(rows))
-                if row.finish_reason:
-                    yield request.key, self._result(row)
-                else:
-                    rows.append(row)
-            if not rows:
+                done = self.add(request)
+                if done is not None:
+                    yield request.key, done
+            if not self.rows:
                 return
-            for index in reversed(self._round(rows)):
-                row = rows[index]
-                self._free(rows, index)
-                yield row.request.key, self._result(row)
+            for request, result in self.step():
+                yield request.key, result
+
+    @property
+    def free(self) -> int:
+        """Slots without a row."""
+        return self.max_batch - len(self.rows)
+
+    def add(self, request: Request) -> GenerationResult | None:
+        """Prefill ``request`` into the next free slot; its result at once when there is
+        nothing to generate (a prompt that fills its length)."""
+        row = self._start(request, len(self.rows))
+        if row.finish_reason:
+            return self._result(row)
+        self.rows.append(row)
+        return None
+
+    def step(self) -> list[tuple[Request, GenerationResult]]:
+        """One round over every row; the rows that finished leave, freeing their slots."""
+        finished = []
+        for index in reversed(self._round(self.rows)):
+            row = self.rows[index]
+            self._free(self.rows, index)
+            finished.append((row.request, self._result(row)))
+        return finished
+
+    def active(self) -> Iterator[tuple[Request, list[int]]]:
+        """Each running request and its new tokens so far (valid until the next step)."""
+        for row in self.rows:
+            yield row.request, row.tokens[len(row.request.prompt) :]
+
+    def cancel(self, key: Hashable) -> GenerationResult | None:
+        """Drop the running request ``key`` (its slot is free for the next); its result so
+        far, with finish reason "cancelled" (None: no such request is running)."""
+        for index, row in enumerate(self.rows):
+            if row.request.key == key:
+                self._free(self.rows, index)
+                row.finish_reason = "cancelled"
+                return self._result(row)
+        return None
 
     def _start(self, request: Request, slot: int) -> _Row:
         """Prefill ``request``'s prompt (all but its last token) into ``slot``."""

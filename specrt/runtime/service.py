@@ -1,0 +1,314 @@
+"""One generator shared by many threads or asyncio tasks: requests in, text deltas out.
+
+`Service.submit` queues a request and returns its `RequestHandle` at once. A background thread
+admits waiting requests into the batch between rounds (continuous batching over
+`batching.BatchRunner`), runs rounds, and hands each request the text its accepted tokens add
+(`streaming.TextDeltas`). A handle is iterated for deltas (``for delta in handle`` or
+``async for delta in handle``, which never blocks the event loop), waited on for the result,
+or cancelled: explicitly, or by dropping its iterator; its slot is freed at the next round
+boundary. When the batch and the waiting queue are full, `submit` raises `OverloadedError`.
+
+    with Service(SpeculativeGenerator.from_bundle("engines/demo", max_batch=8)) as service:
+        handle = service.submit("def fibonacci(n):", GenerationConfig(max_new_tokens=64))
+        for delta in handle:
+            print(delta, end="", flush=True)
+        print(handle.result().stats.acceptance_rate)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+
+import numpy as np
+
+from specrt.backends import RowsDecoder
+from specrt.errors import InvalidInputError, OverloadedError, SpecrtError
+from specrt.runtime.batching import BatchRunner, Request
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.generator import Prompt, SpeculativeGenerator
+from specrt.runtime.results import GenerationResult
+from specrt.runtime.streaming import TextDeltas
+
+log = logging.getLogger("specrt")
+DEFAULT_MAX_WAITING = 64
+
+
+class RequestHandle:
+    """One submitted request: its text deltas as they come, its result, its cancellation.
+
+    Deltas concatenate to the result's text exactly. Iterate it once (from a thread, or with
+    ``async for`` from asyncio); ``per_token=True`` at submit hands out one delta per token
+    instead of one per round."""
+
+    def __init__(self, key: int, request: Request, deltas: TextDeltas, per_token: bool) -> None:
+        self.key = key
+        self.request = request
+        self._text = deltas
+        self._per_token = per_token
+        self._sent_tokens = 0
+        self._deltas: list[str] = []
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._changed = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    # For the consumer --------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def cancel(self) -> None:
+        """Stop generating (at the next round boundary); the result keeps what was made."""
+        self._cancelled = True
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the request to finish; its result (finish reason "cancelled" if it was)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.key} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def __iter__(self) -> Iterator[str]:
+        seen = 0
+        try:
+            while True:
+                with self._changed:
+                    while len(self._deltas) <= seen and not self.done:
+                        self._changed.wait()
+                    fresh, finished = self._deltas[seen:], self.done
+                seen += len(fresh)
+                yield from fresh
+                if finished and seen == len(self._deltas):
+                    break
+            if self._error is not None:
+                raise self._error
+        finally:
+            if not self.done:  # the consumer stopped early: free the slot
+                self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        seen = 0
+        try:
+            while True:
+                with self._changed:
+                    fresh, finished = self._deltas[seen:], self.done
+                    waiter = None
+                    if not fresh and not finished:
+                        waiter = loop.create_future()
+                        self._waiters.append((loop, waiter))
+                if waiter is not None:
+                    await waiter
+                    continue
+                seen += len(fresh)
+                for delta in fresh:
+                    yield delta
+                if finished and seen == len(self._deltas):
+                    break
+            if self._error is not None:
+                raise self._error
+        finally:
+            if not self.done:
+                self.cancel()
+
+    async def wait(self) -> GenerationResult:
+        """The result, awaited without blocking the event loop."""
+        async for _ in self:
+            pass
+        return self.result()
+
+    # For the service thread --------------------------------------------------------------
+    def _progress(self, new_ids: list[int]) -> None:
+        if self._per_token:
+            counts = range(self._sent_tokens + 1, len(new_ids) + 1)
+            pieces = [self._text.update(new_ids[:n]) for n in counts]
+        else:
+            pieces = [self._text.update(new_ids)]
+        self._sent_tokens = len(new_ids)
+        self._publish([p for p in pieces if p])
+
+    def _finish(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
+        """The rest of the text (the last round's tokens, cut before a stop string) in one
+        delta, and the result."""
+        tail = self._text.finish(result.text) if result is not None else ""
+        self._publish([tail] if tail else [], result, error)
+
+    def _publish(self, deltas: list[str], result=None, error=None) -> None:
+        with self._changed:
+            self._deltas.extend(deltas)
+            if result is not None:
+                self._result = result
+            if error is not None:
+                self._error = error
+            self._changed.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, waiter in waiters:
+            loop.call_soon_threadsafe(_wake, waiter)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class Service:
+    """Continuous batching over one generator for many concurrent callers (see the module).
+
+    ``max_waiting``: requests that may wait for a slot; beyond that `submit` raises
+    `OverloadedError`."""
+
+    def __init__(
+        self, generator: SpeculativeGenerator, max_waiting: int = DEFAULT_MAX_WAITING
+    ) -> None:
+        draft = getattr(generator.drafter, "decoder", None)
+        if not (isinstance(generator.target, RowsDecoder) and isinstance(draft, RowsDecoder)):
+            raise InvalidInputError(
+                "the service runs the onnxruntime engine or the portable graph (batched "
+                "decoders); the cuda and TensorRT engines run one row per call"
+            )
+        self.generator = generator
+        self.max_waiting = max_waiting
+        self._runner = BatchRunner(
+            generator.target, draft, generator.tokenizer, generator.eos_token_ids
+        )
+        self._runner.schedules = generator._load_schedules
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: dict[int, RequestHandle] = {}
+        self._keys = itertools.count()
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def running(self) -> int:
+        """Requests in the batch now."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(
+        self, prompt: Prompt, config: GenerationConfig | None = None, per_token: bool = False
+    ) -> RequestHandle:
+        """Queue a request (its prompt checked now); returns its handle. A seeded request
+        samples from the stream ``(seed, 0)``, as `SpeculativeGenerator.generate` does for a
+        single prompt, so it is reproducible whatever else runs."""
+        config = config or GenerationConfig()
+        if not isinstance(config, GenerationConfig):
+            raise InvalidInputError(
+                f"config must be a GenerationConfig, not {type(config).__name__}"
+            )
+        [ids] = self.generator.encode_prompts([prompt])
+        if config.stop and self.generator.tokenizer is None:
+            raise InvalidInputError("stop strings need the bundle's tokenizer")
+        rng = np.random.default_rng(None if config.seed is None else [config.seed, 0])
+        key = next(self._keys)
+        request = Request(key, ids, config, rng)
+        decode = self.generator.tokenizer.decode if self.generator.tokenizer else _no_text
+        handle = RequestHandle(key, request, TextDeltas(decode, config.stop), per_token)
+        with self._wake:
+            if self._closing:
+                raise OverloadedError("the service is shutting down: not accepting requests")
+            if len(self._waiting) >= self.max_waiting:
+                raise OverloadedError(
+                    f"overloaded: {self.running} requests running and {len(self._waiting)} "
+                    "waiting; retry later"
+                )
+            self._waiting.append(handle)
+            self._wake.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="specrt-service", daemon=True
+                )
+                self._thread.start()
+        return handle
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop admitting; let running and waiting requests finish (within ``timeout``
+        seconds, after which they are cancelled), then stop the thread."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            for handle in [*self._waiting, *self._running.values()]:
+                handle.cancel()
+            with self._wake:
+                self._wake.notify()
+            thread.join()
+
+    # The service thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._waiting or self._running or self._closing)
+                if not (self._waiting or self._running):
+                    return  # closing, nothing left
+                admitted = []
+                room = self._runner.max_batch - len(self._running)
+                while self._waiting and len(admitted) < room:
+                    admitted.append(self._waiting.popleft())
+            try:
+                with self.generator._lock:  # direct calls on the generator wait for the round
+                    self._admit(admitted)
+                    self._drop_cancelled()
+                    if self._running:
+                        self._round()
+            except SpecrtError as exc:  # a model failure: fail what ran, keep serving
+                log.error("specrt service: %s", exc)
+                for key in list(self._running):
+                    self._runner.cancel(key)
+                    self._running.pop(key)._finish(None, exc)
+
+    def _admit(self, handles: list[RequestHandle]) -> None:
+        for handle in handles:
+            if handle._cancelled:
+                handle._finish(_nothing(handle.request, "cancelled"))
+                continue
+            done = self._runner.add(handle.request)
+            if done is not None:
+                handle._finish(done)
+            else:
+                self._running[handle.key] = handle
+
+    def _drop_cancelled(self) -> None:
+        for key, handle in list(self._running.items()):
+            if handle._cancelled:
+                result = self._runner.cancel(key)
+                del self._running[key]
+                handle._finish(result)
+
+    def _round(self) -> None:
+        for request, result in self._runner.step():
+            self._running.pop(request.key)._finish(result)
+        for request, new_ids in self._runner.active():
+            self._running[request.key]._progress(new_ids)
+
+
+def _no_text(ids: list[int]) -> str:
+    return ""
+
+
+def _nothing(request: Request, reason: str) -> GenerationResult:
+    from specrt.runtime.results import GenerationStats
+
+    stats = GenerationStats(prompt_tokens=len(request.prompt))
+    return GenerationResult("", [], reason, stats)

@@ -1,0 +1,161 @@
+"""The per-request API for services: many threads or asyncio tasks share one generator; each
+request streams text deltas that concatenate to its final text, can be cancelled (or dropped),
+and a full service says it is overloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+
+from specrt.errors import OverloadedError
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.service import Service
+from specrt.runtime.streaming import TextDeltas
+from tests.test_greedy import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def serial(llama_bundle):
+    """Greedy outputs one prompt at a time, without the service."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    return {p: r for p, r in zip(PROMPTS, generator.generate(PROMPTS, config))}
+
+
+@pytest.fixture
+def service(llama_bundle):
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    with Service(generator, max_waiting=32) as running:
+        yield running
+
+
+def test_concurrent_threads_get_their_serial_output(service, serial):
+    """16 threads at once (4 slots, the rest wait): every stream's deltas concatenate to its
+    text, which is the prompt's greedy output alone."""
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    outputs, errors = {}, []
+
+    def client(prompt: str) -> None:
+        try:
+            handle = service.submit(prompt, config)
+            deltas = list(handle)
+            outputs[prompt] = ("".join(deltas), len(deltas), handle.result())
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in PROMPTS[:16]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors
+    assert len(outputs) == 16
+    for prompt, (streamed, _count, result) in outputs.items():
+        assert streamed == result.text == serial[prompt].text, prompt
+        assert result.token_ids == serial[prompt].token_ids
+    assert max(count for _, count, _ in outputs.values()) > 2  # text came in several deltas
+
+
+def test_asyncio_tasks_stream_without_blocking_the_loop(service, serial):
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # runs only if the loop is free while clients wait
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        async def client(prompt):
+            handle = service.submit(prompt, config, per_token=True)
+            deltas = [delta async for delta in handle]
+            return prompt, deltas, await handle.wait()
+
+        tick = asyncio.create_task(ticker())
+        results = await asyncio.gather(*(client(p) for p in PROMPTS[:8]))
+        tick.cancel()
+        return results, ticks
+
+    results, ticks = asyncio.run(main())
+    assert ticks > 10
+    for prompt, deltas, result in results:
+        assert "".join(deltas) == result.text == serial[prompt].text
+
+
+def test_cancel_and_dropped_iterators_free_their_slots(service, serial):
+    long = GenerationConfig(max_new_tokens=100, num_draft_tokens=3, ignore_eos=True)
+    handle = service.submit(PROMPTS[0], long)
+    stream = iter(handle)
+    next(stream)  # it is running
+    handle.cancel()
+    result = handle.result(timeout=30)
+    assert result.finish_reason == "cancelled" and 0 < len(result.token_ids) < 100
+    for _ in range(20):  # consumers that walk away after the first delta
+        dropped = service.submit(PROMPTS[1], long)
+        for _delta in dropped:
+            break
+        del _delta
+        gc.collect()
+        assert dropped.result(timeout=30).finish_reason == "cancelled"
+    deadline = time.monotonic() + 10
+    while service.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.running == 0
+    after = service.submit(PROMPTS[2], GenerationConfig(max_new_tokens=20, num_draft_tokens=3))
+    assert after.result(timeout=30).text == serial[PROMPTS[2]].text
+
+
+def test_a_full_service_is_overloaded(llama_bundle):
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=1)
+    long = GenerationConfig(max_new_tokens=100, num_draft_tokens=2, ignore_eos=True)
+    with Service(generator, max_waiting=1) as service:
+        first = service.submit(PROMPTS[0], long)
+        next(iter(first))  # admitted: the batch of one is full
+        queued = service.submit(PROMPTS[1], long)
+        with pytest.raises(OverloadedError, match="overloaded: 1 requests running and 1 waiting"):
+            service.submit(PROMPTS[2], long)
+        first.cancel()
+        queued.cancel()
+        assert queued.result(timeout=30).finish_reason == "cancelled"
+    with pytest.raises(OverloadedError, match="shutting down"):
+        service.submit(PROMPTS[0], long)
+
+
+def test_stop_strings_never_leak_into_the_stream(service, serial):
+    for prompt in PROMPTS[:10]:
+        full = serial[prompt].text
+        if len(full) < 10:
+            continue
+        stop = full[5:8]
+        config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3, stop=[stop])
+        handle = service.submit(prompt, config, per_token=True)
+        deltas = list(handle)
+        assert "".join(deltas) == full[: full.find(stop)] == handle.result().text
+        assert handle.result().finish_reason == "stop"
+
+
+def test_max_new_tokens_is_exact_when_a_round_overshoots(service):
+    for limit in (1, 2, 5, 7):
+        config = GenerationConfig(max_new_tokens=limit, num_draft_tokens=4, ignore_eos=True)
+        assert len(service.submit(PROMPTS[3], config).result(timeout=30).token_ids) == limit
+
+
+def test_deltas_hold_back_half_characters_and_stop_prefixes():
+    """UTF-8 safe: a character split over tokens is sent whole, once; a tail that may begin a
+    stop string waits; the pieces concatenate to the final text."""
+    tokens = ["é".encode()[:1], "é".encode()[1:], b" a", b"b", b"\n", b"x"]
+
+    def decode(ids):
+        return b"".join(tokens[i] for i in ids).decode("utf-8", errors="replace")
+
+    deltas = TextDeltas(decode, stops=["\n\n"])
+    pieces = [deltas.update(list(range(n))) for n in range(1, 7)]
+    assert pieces == ["", "é", " a", "b", "", "\nx"]
+    assert deltas.finish(decode(list(range(6)))) == ""
+    assert "".join(pieces) == decode(list(range(6)))
