@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[export,bench,dev,ray]'
+	$(BIN)/python -m pip install --quiet -e '.[export,bench,dev,ray,serve]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -405,6 +405,69 @@ def batch(
 
 @main.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--model-name", default=None, help="The model id clients ask for [bundle name].")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, MAX_BATCH),
+    default=DEFAULT_BATCH_SIZE,
+    show_default=True,
+    help="Requests that share each model call.",
+)
+@click.option(
+    "--max-waiting",
+    type=click.IntRange(min=0),
+    default=64,
+    show_default=True,
+    help="Requests that may wait for a slot; beyond them clients get 429.",
+)
+@click.option(
+    "--num-draft-tokens",
+    type=click.IntRange(0, MAX_DRAFT_TOKENS),
+    default=DEFAULTS["num_draft_tokens"],
+    show_default=True,
+    help="K at most; 0 = target only.",
+)
+@click.option(
+    "--draft-schedule",
+    type=click.Choice(DRAFT_SCHEDULES),
+    default="adaptive",
+    show_default=True,
+    help="adaptive: K chosen for the load each round.",
+)
+@load_options
+@_friendly_errors
+def serve(
+    bundle,
+    host,
+    port,
+    model_name,
+    batch_size,
+    max_waiting,
+    num_draft_tokens,
+    draft_schedule,
+    threads,
+    engine,
+    max_length,
+    skip_checksums,
+) -> None:
+    """Serve a bundle over an OpenAI-compatible HTTP API (needs the serve extra)."""
+    try:
+        from specrt.serve.server import serve as run_server
+    except ImportError as exc:
+        raise click.ClickException(
+            f"specrt serve needs the serve extra ({exc.name} is missing): "
+            "pip install 'specrt[serve]'"
+        ) from exc
+    generator = _load(bundle, threads, engine, max_length, skip_checksums, batch_size)
+    defaults = GenerationConfig(num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule)
+    name = model_name or Path(bundle).resolve().name
+    run_server(generator, name, defaults, host=host, port=port, max_waiting=max_waiting)
+
+
+@main.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Use the first N.")

@@ -26,6 +26,10 @@ class InvalidInputError(SpecrtError, ValueError):
     """A prompt or a generation parameter is out of range."""
 
 
+class PromptTooLongError(InvalidInputError):
+    """A prompt leaves no room to generate within the positions the models hold."""
+
+
 class NumericalError(SpecrtError):
     """A model produced NaN or infinite logits."""
 

@@ -27,7 +27,8 @@ ALLOWED = {
     "export": BASE | {"backends"},
     "bench": BASE | {"backends", "runtime"},
     "jobs": BASE | {"backends", "runtime"},
-    "cli": BASE | {"backends", "runtime", "export", "bench", "jobs"},
+    "serve": BASE | {"backends", "runtime"},
+    "cli": BASE | {"backends", "runtime", "export", "bench", "jobs", "serve"},
 }
 # Third-party packages a stage must not import (they belong to extras).
 EXTRAS = {"torch", "transformers", "optimum", "onnx", "ray", "fastapi", "starlette", "uvicorn"}

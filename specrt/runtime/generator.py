@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from specrt.backends import Decoder, RowsDecoder
-from specrt.errors import InvalidInputError
+from specrt.errors import InvalidInputError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter, ModelDrafter
@@ -90,7 +90,7 @@ class SpeculativeGenerator:
             else:
                 ids = self._token_ids(index, prompt)
             if len(ids) >= self.target.max_positions:
-                raise InvalidInputError(self._too_long(index, len(ids)))
+                raise PromptTooLongError(self._too_long(index, len(ids)))
             encoded.append(ids)
         return encoded
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 class GenerationStats:
     """Counters of one request. Meanings follow vLLM's spec-decode metrics.
 
-    rounds: target verification passes (prefill not counted).
+    rounds: target verification passes (prefill not counted); draft_rounds: those with drafts.
     drafted_tokens / accepted_tokens: draft tokens proposed / kept by the target.
     acceptance_rate: accepted_tokens / drafted_tokens.
     mean_accepted_tokens: draft tokens accepted per round (0..K).
@@ -23,6 +23,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0
+    draft_rounds: int = 0  # of them, rounds that verified draft tokens
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
@@ -35,6 +36,7 @@ class GenerationStats:
 
     def add_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
+        self.draft_rounds += drafted > 0
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         for position in range(accepted):

@@ -21,8 +21,9 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
 
@@ -57,11 +58,23 @@ class RequestHandle:
         self._cancelled = False
         self._changed = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._callbacks: list[Callable[[RequestHandle], None]] = []
+        self.submitted_at = time.perf_counter()
+        self.first_text_at: float | None = None  # when its first text was handed out
 
     # For the consumer --------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self._result is not None or self._error is not None
+
+    def add_done_callback(self, callback: Callable[[RequestHandle], None]) -> None:
+        """Call ``callback(handle)`` when the request ends (finished, cancelled or failed), from
+        the service's thread; at once if it has ended."""
+        with self._changed:
+            if not self.done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def cancel(self) -> None:
         """Stop generating (at the next round boundary); the result keeps what was made."""
@@ -142,16 +155,26 @@ class RequestHandle:
         self._publish([tail] if tail else [], result, error)
 
     def _publish(self, deltas: list[str], result=None, error=None) -> None:
+        callbacks = []
         with self._changed:
+            if deltas and self.first_text_at is None:
+                self.first_text_at = time.perf_counter()
             self._deltas.extend(deltas)
             if result is not None:
                 self._result = result
             if error is not None:
                 self._error = error
+            if self.done:
+                callbacks, self._callbacks = self._callbacks, []
             self._changed.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, waiter in waiters:
             loop.call_soon_threadsafe(_wake, waiter)
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a caller's bug must not stop the service
+                log.exception("specrt service: a done callback failed")
 
 
 def _wake(waiter: asyncio.Future) -> None:

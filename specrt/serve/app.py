@@ -1,0 +1,215 @@
+"""The OpenAI-compatible HTTP API over a `specrt.runtime.service.Service` (Starlette).
+
+``POST /v1/completions`` (``stream`` as server-sent events), ``POST /v1/chat/completions``
+(needs a chat template: this version answers 400), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus). Errors are OpenAI-style bodies: 400 bad request, 404 unknown
+model, 413 prompt too long, 429 overloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specrt.errors import InvalidInputError, OverloadedError, PromptTooLongError, SpecrtError
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.results import GenerationResult
+from specrt.runtime.service import RequestHandle, Service
+from specrt.serve.metrics import Metrics
+
+# OpenAI request fields -> GenerationConfig fields (top_k is an extension, as in vLLM).
+FIELDS = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+IGNORED = {"model", "prompt", "stream", "n", "user", "stream_options", "logprobs", "echo"}
+
+
+def create_app(service: Service, model_name: str, defaults: GenerationConfig) -> Starlette:
+    """The app serving ``service`` as model ``model_name``; ``defaults``: the config a request
+    starts from (its num_draft_tokens and draft schedule, above all)."""
+    metrics = Metrics()
+    created = int(time.time())
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(
+            {"status": "ok", "running": service.running, "waiting": service.waiting}
+        )
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": model_name, "object": "model", "created": created, "owned_by": "specrt"}
+                ],
+            }
+        )
+
+    async def metrics_page(request: Request) -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    async def chat(request: Request) -> Response:
+        return error(
+            400,
+            "this bundle's tokenizer has no chat template: use /v1/completions with a prompt",
+            "invalid_request_error",
+        )
+
+    async def completions(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object", "invalid_request_error")
+        try:
+            handle, stream = submit(body)
+        except _HttpError as exc:
+            return error(exc.status, str(exc), exc.kind, exc.param)
+        except PromptTooLongError as exc:
+            return error(413, str(exc), "invalid_request_error", "prompt")
+        except OverloadedError as exc:
+            return error(429, str(exc), "overloaded_error")
+        except InvalidInputError as exc:
+            return error(400, str(exc), "invalid_request_error")
+        ident = f"cmpl-{uuid.uuid4().hex}"
+        if stream:
+            return StreamingResponse(events(handle, ident), media_type="text/event-stream")
+        try:
+            result = await handle.wait()
+        except SpecrtError as exc:
+            return error(500, str(exc), "server_error")
+        return JSONResponse(completion(ident, result, result.text))
+
+    def submit(body: dict) -> tuple[RequestHandle, bool]:
+        if body.get("model", model_name) != model_name:
+            raise _HttpError(
+                404,
+                f"model {body.get('model')!r} is not served here (this is {model_name!r})",
+                "not_found_error",
+                "model",
+            )
+        if body.get("n", 1) != 1:
+            raise _HttpError(400, "only n = 1 is supported", "invalid_request_error", "n")
+        unknown = sorted(set(body) - set(FIELDS) - IGNORED)
+        if unknown:
+            raise _HttpError(
+                400, f"unknown field(s) {unknown}", "invalid_request_error", unknown[0]
+            )
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, (str, list)):
+            raise _HttpError(
+                400,
+                "prompt must be a string (or a list of token ids)",
+                "invalid_request_error",
+                "prompt",
+            )
+        options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
+        options.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
+        if options.get("stop") is None:
+            options.pop("stop", None)
+        if isinstance(options.get("max_new_tokens"), int) and options["max_new_tokens"] < 1:
+            raise _HttpError(
+                400,
+                f"max_tokens={options['max_new_tokens']}: use an integer >= 1",
+                "invalid_request_error",
+                "max_tokens",
+            )
+        config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
+        handle = service.submit(prompt, config)
+        handle.add_done_callback(metrics.record)
+        return handle, bool(body.get("stream", False))
+
+    async def events(handle: RequestHandle, ident: str) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per delta, a last one with the finish reason, usage and
+        stats. A client that goes away cancels the request (the handle's iterator closes)."""
+        try:
+            async for delta in handle:
+                yield sse(chunk(ident, delta, None))
+            result = handle.result()
+        except SpecrtError as exc:
+            yield sse({"error": {"message": str(exc), "type": "server_error"}})
+            return
+        final = chunk(ident, "", result.finish_reason)
+        final["usage"] = usage(result)
+        final["speculative_decoding"] = spec_stats(result)
+        yield sse(final)
+        yield "data: [DONE]\n\n"
+
+    def chunk(ident: str, text: str, finish_reason: str | None) -> dict:
+        return {
+            "id": ident,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
+
+    def completion(ident: str, result: GenerationResult, text: str) -> dict:
+        body = chunk(ident, text, result.finish_reason)
+        body["usage"] = usage(result)
+        body["speculative_decoding"] = spec_stats(result)
+        return body
+
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/metrics", metrics_page),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+_DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos")  # the server's own
+
+
+def usage(result: GenerationResult) -> dict:
+    prompt, new = result.stats.prompt_tokens, len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+
+
+def spec_stats(result: GenerationResult) -> dict:
+    s = result.stats
+    return {
+        "rounds": s.rounds,
+        "draft_tokens": s.drafted_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "acceptance_rate": s.acceptance_rate,
+        "accepted_per_position": s.accepted_per_position,
+    }
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def error(status: int, message: str, kind: str, param: str | None = None) -> Response:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": None}},
+        status_code=status,
+    )
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param

@@ -1,0 +1,84 @@
+"""Prometheus metrics, named as vLLM names its speculative-decoding and latency metrics, so
+existing dashboards read them."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+from specrt.runtime.service import RequestHandle
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """One registry per server: counters of requests, tokens and speculation, and histograms
+    of request latency and time to first token."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "vllm:request_success", "Finished requests", ["finished_reason"], registry=registry
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", registry=registry)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens", registry=registry
+        )
+        self.drafts = Counter(
+            "vllm:spec_decode_num_drafts",
+            "Verification passes that checked drafts",
+            registry=registry,
+        )
+        self.draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=registry
+        )
+        self.accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=registry
+        )
+        self.accepted_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft",
+            ["position"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def record(self, handle: RequestHandle) -> None:
+        """Count a request that ended (a done callback of its handle)."""
+        result = handle._result
+        if result is None:  # failed: no tokens to count
+            self.requests.labels("error").inc()
+            return
+        stats = result.stats
+        self.requests.labels(result.finish_reason).inc()
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(len(result.token_ids))
+        self.drafts.inc(stats.draft_rounds)
+        self.draft_tokens.inc(stats.drafted_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_position):
+            self.accepted_per_position.labels(str(position)).inc(count)
+        now = time.perf_counter()
+        self.latency.observe(now - handle.submitted_at)
+        self.first_token.observe((handle.first_text_at or now) - handle.submitted_at)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

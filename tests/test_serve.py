@@ -1,0 +1,221 @@
+"""`specrt serve`: a real server process on 127.0.0.1, driven by the official openai client and
+raw HTTP; it ends with SIGTERM and must exit 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.test_greedy import PROMPTS
+
+openai = pytest.importorskip("openai", reason="the dev extra's openai client is not installed")
+pytest.importorskip("starlette", reason="the serve extra is not installed")
+
+REPO = Path(__file__).resolve().parents[1]
+K = 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(llama_bundle):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(llama_bundle),
+        "--port", str(port), "--threads", "1", "--batch-size", "4", "--max-waiting", "64",
+        "--num-draft-tokens", str(K), "--model-name", "tiny",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        process.kill()
+        pytest.fail(f"the server did not come up: {process.stderr.read()}")
+    yield url, process
+    process.send_signal(signal.SIGTERM)  # graceful shutdown: exit 0
+    assert process.wait(timeout=60) == 0, process.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_bundle):
+    """What `specrt generate` gives, greedy: the server must answer the same."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=K)
+    return generator, {p: r for p, r in zip(PROMPTS, generator.generate(PROMPTS, config))}
+
+
+def test_completions_streamed_or_not_equal_generate(client, reference):
+    generator, expected = reference
+    for prompt in PROMPTS[:6]:
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=24)
+        choice = reply.choices[0]
+        assert choice.text == expected[prompt].text
+        assert choice.finish_reason == expected[prompt].finish_reason
+        assert reply.usage.completion_tokens == len(expected[prompt].token_ids)
+        assert reply.usage.prompt_tokens == len(generator.encode_prompts([prompt])[0])
+        assert reply.model_extra["speculative_decoding"]["draft_tokens"] >= 0
+        chunks = list(
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=24, stream=True)
+        )
+        assert "".join(c.choices[0].text for c in chunks) == choice.text
+        assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_stop_strings_and_max_tokens_mid_round(client, reference):
+    _, expected = reference
+    checked = 0
+    for prompt in PROMPTS[:10]:
+        full = expected[prompt].text
+        if len(full) < 10:
+            continue
+        stop = full[4:7]
+        for stream in (False, True):
+            reply = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=24, stop=[stop], stream=stream
+            )
+            chunks = list(reply) if stream else [reply]
+            text = "".join(c.choices[0].text for c in chunks)
+            assert text == full[: full.find(stop)]
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        checked += 1
+    assert checked >= 3
+    for limit in (1, 2, 5):  # K = 3: rounds emit up to 4 tokens; the limit is exact
+        reply = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=limit)
+        assert reply.usage.completion_tokens == limit or reply.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed):
+        return (
+            client.completions.create(
+                model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample(11) == sample(11)
+    assert len({sample(11), sample(12), sample(13)}) > 1
+
+
+def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
+    url = server[0]
+    cases = [
+        (dict(max_tokens=-1), openai.BadRequestError, "max_tokens"),
+        (dict(top_p=2.0), openai.BadRequestError, "top_p"),
+        (dict(temperature=-1), openai.BadRequestError, "temperature"),
+        (dict(model="gpt-4"), openai.NotFoundError, "not served here"),
+        (dict(prompt="Simple is better than complex. " * 30), None, "positions fit"),
+    ]
+    for overrides, kind, words in cases:
+        request = {**dict(model="tiny", prompt="Simple is", max_tokens=4), **overrides}
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.completions.create(**request)
+        assert kind is None or isinstance(caught.value, kind)
+        if kind is None:
+            assert caught.value.status_code == 413
+        assert words in caught.value.response.json()["error"]["message"]
+    raw = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=10)
+    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    chat = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="Simple is", max_tokens=4).choices
+    assert client.models.list().data[0].id == "tiny"
+
+
+def test_disconnects_mid_stream_free_their_slots(server, client, reference):
+    url, process = server
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 200, "stream": True}
+
+    def rss() -> int:
+        return int(Path(f"/proc/{process.pid}/statm").read_text().split()[1]) * os.sysconf(
+            "SC_PAGE_SIZE"
+        )
+
+    def drop_one() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    break  # walk away mid-stream
+
+    for _ in range(20):  # warm up: caches, allocator pools
+        drop_one()
+    before = rss()
+    for _ in range(200):
+        drop_one()
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{url}/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+    assert rss() - before < 30 * 2**20, (before, rss())
+    _, expected = reference
+    reply = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=24)
+    assert reply.choices[0].text == expected[PROMPTS[3]].text
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'vllm:request_success_total{finished_reason="cancelled"}' in metrics
+    assert "vllm:spec_decode_num_draft_tokens_total" in metrics
+
+
+def test_sixteen_concurrent_streams_equal_their_serial_output(client, reference):
+    _, expected = reference
+    outputs, errors = {}, []
+
+    def stream(prompt: str) -> None:
+        try:
+            chunks = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=24, stream=True
+            )
+            outputs[prompt] = "".join(c.choices[0].text for c in chunks)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in PROMPTS[:16]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors
+    assert outputs == {p: expected[p].text for p in PROMPTS[:16]}
+
+
+def test_metrics_count_speculation(server):
+    text = httpx.get(f"{server[0]}/metrics").text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#") and "{" not in line
+    }
+    assert values["vllm:generation_tokens_total"] > 0
+    assert (
+        values["vllm:spec_decode_num_accepted_tokens_total"]
+        <= values["vllm:spec_decode_num_draft_tokens_total"]
+    )
+    assert values["vllm:e2e_request_latency_seconds_count"] > 0
