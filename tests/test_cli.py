@@ -15,6 +15,7 @@ STATS_KEYS = {
     "prompt_tokens",
     "new_tokens",
     "rounds",
+    "draft_rounds",
     "drafted_tokens",
     "accepted_tokens",
     "acceptance_rate",

@@ -3,7 +3,10 @@ raw HTTP; it ends with SIGTERM and must exit 0."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,13 +34,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(llama_bundle):
+@contextlib.contextmanager
+def running_server(bundle: Path, *extra: str):
+    """A real `specrt serve` process; on exit, SIGTERM, and it must exit 0."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(llama_bundle),
+        sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(bundle),
         "--port", str(port), "--threads", "1", "--batch-size", "4", "--max-waiting", "64",
-        "--num-draft-tokens", str(K), "--model-name", "tiny",
+        "--num-draft-tokens", str(K), "--model-name", "tiny", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
@@ -55,6 +59,12 @@ def server(llama_bundle):
     yield url, process
     process.send_signal(signal.SIGTERM)  # graceful shutdown: exit 0
     assert process.wait(timeout=60) == 0, process.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def server(llama_bundle):
+    with running_server(llama_bundle) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +229,38 @@ def test_metrics_count_speculation(server):
         <= values["vllm:spec_decode_num_draft_tokens_total"]
     )
     assert values["vllm:e2e_request_latency_seconds_count"] > 0
+
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_path, reference):
+    bundle = tmp_path / "chat"
+    shutil.copytree(llama_bundle, bundle)
+    config_path = bundle / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TEMPLATE
+    config_path.write_text(json.dumps(config))
+    generator, _ = reference
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f"}]
+    rendered = "<system>be brief\n<user>def f\n<assistant>"
+    ids = generator.tokenizer.encode(rendered, add_special_tokens=False)
+    [expected] = generator.generate([ids], GenerationConfig(max_new_tokens=12, num_draft_tokens=K))
+    with running_server(bundle) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+        assert reply.choices[0].message.content == expected.text
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.usage.prompt_tokens == len(ids)
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=12, stream=True
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"})
+        assert bad.status_code == 400 and "messages must be" in bad.json()["error"]["message"]

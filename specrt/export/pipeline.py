@@ -33,7 +33,12 @@ from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 from specrt.staging import publish, recover, staging
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",  # where newer checkpoints keep their chat template
+)
 Log = Callable[[str], None]
 
 

@@ -18,8 +18,11 @@ class BundleTokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception on a broken file
             raise BundleError(f"cannot load {path}: {exc}; re-export the bundle") from exc
         self.spec = spec
+        self.directory = Path(directory)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False`` for text that has them written out (a chat template's
+        output)."""
         if not isinstance(text, str):
             raise InvalidInputError(f"a prompt must be a string, got {type(text).__name__}")
         if not text.strip():
@@ -31,7 +34,7 @@ class BundleTokenizer:
                 f"the prompt {text[:40]!r} is not valid UTF-8 text (at character {exc.start}); "
                 "pass UTF-8"
             ) from exc
-        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if not ids:
             raise InvalidInputError(f"the prompt {text[:40]!r} encodes to no tokens")
         return ids

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over a `specrt.runtime.service.Service` (Starlette).
 
 ``POST /v1/completions`` (``stream`` as server-sent events), ``POST /v1/chat/completions``
-(needs a chat template: this version answers 400), ``GET /v1/models``, ``GET /health``,
+(rendered with the bundle's chat template; 400 without one), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus). Errors are OpenAI-style bodies: 400 bad request, 404 unknown
 model, 413 prompt too long, 429 overloaded.
 """
@@ -22,6 +22,7 @@ from specrt.errors import InvalidInputError, OverloadedError, PromptTooLongError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.service import RequestHandle, Service
+from specrt.serve.chat import ChatTemplate, ChatTemplateError
 from specrt.serve.metrics import Metrics
 
 # OpenAI request fields -> GenerationConfig fields (top_k is an extension, as in vLLM).
@@ -34,7 +35,18 @@ FIELDS = {
     "stop": "stop",
 }
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-IGNORED = {"model", "prompt", "stream", "n", "user", "stream_options", "logprobs", "echo"}
+COMPLETION, CHAT = "completion", "chat"
+IGNORED = {
+    "model",
+    "prompt",
+    "messages",
+    "stream",
+    "n",
+    "user",
+    "stream_options",
+    "logprobs",
+    "echo",
+}
 
 
 def create_app(service: Service, model_name: str, defaults: GenerationConfig) -> Starlette:
@@ -42,6 +54,8 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
     starts from (its num_draft_tokens and draft schedule, above all)."""
     metrics = Metrics()
     created = int(time.time())
+    tokenizer = service.generator.tokenizer
+    template = ChatTemplate.from_directory(tokenizer.directory) if tokenizer else None
 
     async def health(request: Request) -> Response:
         return JSONResponse(
@@ -63,13 +77,18 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
         return Response(body, media_type=content_type)
 
     async def chat(request: Request) -> Response:
-        return error(
-            400,
-            "this bundle's tokenizer has no chat template: use /v1/completions with a prompt",
-            "invalid_request_error",
-        )
+        if template is None:
+            return error(
+                400,
+                "this bundle's tokenizer has no chat template: use /v1/completions with a prompt",
+                "invalid_request_error",
+            )
+        return await answer(request, CHAT)
 
     async def completions(request: Request) -> Response:
+        return await answer(request, COMPLETION)
+
+    async def answer(request: Request, kind: str) -> Response:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -77,7 +96,7 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object", "invalid_request_error")
         try:
-            handle, stream = submit(body)
+            handle, stream = submit(body, kind)
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except PromptTooLongError as exc:
@@ -86,16 +105,19 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
             return error(429, str(exc), "overloaded_error")
         except InvalidInputError as exc:
             return error(400, str(exc), "invalid_request_error")
-        ident = f"cmpl-{uuid.uuid4().hex}"
+        ident = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         if stream:
-            return StreamingResponse(events(handle, ident), media_type="text/event-stream")
+            return StreamingResponse(events(handle, ident, kind), media_type="text/event-stream")
         try:
             result = await handle.wait()
         except SpecrtError as exc:
             return error(500, str(exc), "server_error")
-        return JSONResponse(completion(ident, result, result.text))
+        body = chunk(ident, kind, result.text, result.finish_reason, final=True)
+        body["usage"] = usage(result)
+        body["speculative_decoding"] = spec_stats(result)
+        return JSONResponse(body)
 
-    def submit(body: dict) -> tuple[RequestHandle, bool]:
+    def submit(body: dict, kind: str) -> tuple[RequestHandle, bool]:
         if body.get("model", model_name) != model_name:
             raise _HttpError(
                 404,
@@ -110,16 +132,19 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
             raise _HttpError(
                 400, f"unknown field(s) {unknown}", "invalid_request_error", unknown[0]
             )
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, (str, list)):
-            raise _HttpError(
-                400,
-                "prompt must be a string (or a list of token ids)",
-                "invalid_request_error",
-                "prompt",
-            )
+        if kind == CHAT:
+            prompt = chat_prompt(body.get("messages"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, (str, list)):
+                raise _HttpError(
+                    400,
+                    "prompt must be a string (or a list of token ids)",
+                    "invalid_request_error",
+                    "prompt",
+                )
         options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
         options.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
         if options.get("stop") is None:
@@ -136,38 +161,73 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
         handle.add_done_callback(metrics.record)
         return handle, bool(body.get("stream", False))
 
-    async def events(handle: RequestHandle, ident: str) -> AsyncIterator[str]:
+    async def events(handle: RequestHandle, ident: str, kind: str) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta, a last one with the finish reason, usage and
         stats. A client that goes away cancels the request (the handle's iterator closes)."""
         try:
+            if kind == CHAT:  # the role comes first, as OpenAI sends it
+                yield sse(chunk(ident, kind, None, None))
             async for delta in handle:
-                yield sse(chunk(ident, delta, None))
+                yield sse(chunk(ident, kind, delta, None))
             result = handle.result()
         except SpecrtError as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error"}})
             return
-        final = chunk(ident, "", result.finish_reason)
+        final = chunk(ident, kind, "", result.finish_reason)
         final["usage"] = usage(result)
         final["speculative_decoding"] = spec_stats(result)
         yield sse(final)
         yield "data: [DONE]\n\n"
 
-    def chunk(ident: str, text: str, finish_reason: str | None) -> dict:
+    def chunk(
+        ident: str, kind: str, text: str | None, finish_reason: str | None, final: bool = False
+    ) -> dict:
+        """A completion (``final``: the whole answer) or one streamed chunk of ``kind``;
+        ``text`` None: the chat stream's opening chunk (the role alone)."""
+        if kind == COMPLETION:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            name = "text_completion"
+        elif final:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+            name = "chat.completion"
+        else:
+            delta = {"role": "assistant"} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            name = "chat.completion.chunk"
         return {
             "id": ident,
-            "object": "text_completion",
+            "object": name,
             "created": int(time.time()),
             "model": model_name,
-            "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            ],
+            "choices": [choice],
         }
 
-    def completion(ident: str, result: GenerationResult, text: str) -> dict:
-        body = chunk(ident, text, result.finish_reason)
-        body["usage"] = usage(result)
-        body["speculative_decoding"] = spec_stats(result)
-        return body
+    def chat_prompt(messages: object) -> list[int]:
+        """The conversation rendered by the bundle's chat template, as token ids (the template
+        writes the special tokens itself)."""
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise _HttpError(
+                400,
+                'messages must be a non-empty list of {"role": str, "content": str}',
+                "invalid_request_error",
+                "messages",
+            )
+        try:
+            text = template.render(messages)
+        except ChatTemplateError as exc:
+            raise _HttpError(400, str(exc), "invalid_request_error", "messages") from exc
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     routes = [
         Route("/health", health),

@@ -1,0 +1,67 @@
+"""Chat templates: the bundle tokenizer's Jinja template (as transformers renders it) turning
+OpenAI-style messages into the model's prompt text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class ChatTemplateError(ValueError):
+    """The template cannot render these messages (it raised, or is broken)."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ChatTemplateError(message)
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = raise_exception
+        try:
+            self._template = environment.from_string(source)
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the bundle's chat template is broken: {exc}") from exc
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_directory(cls, directory: Path) -> ChatTemplate | None:
+        """The template of a tokenizer directory (``chat_template.jinja``, or
+        ``chat_template`` in ``tokenizer_config.json``), or None."""
+        try:
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        jinja = directory / "chat_template.jinja"
+        if jinja.is_file():
+            source = jinja.read_text()
+        if not isinstance(source, str) or not source.strip():
+            return None
+        return cls(source, _token(config.get("bos_token")), _token(config.get("eos_token")))
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            message = f"the chat template cannot render these messages: {exc}"
+            raise ChatTemplateError(message) from exc
+
+
+def _token(value: object) -> str:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
