@@ -20,7 +20,7 @@ from specrt.backends import RowsDecoder
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import RowRound, batched_round
+from specrt.runtime.round import RowRound, batched_round, catch_up
 from specrt.runtime.schedules import LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -162,6 +162,8 @@ class BatchRunner:
         for row in rows:
             room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
             row.round.k = min(k, room, row.request.config.num_draft_tokens) if row.drafting else 0
+        if k:  # a draft behind after rounds without drafting: not a cost of this K
+            catch_up(self.draft, [row.round for row in rows])
         started = time.perf_counter()
         steps = batched_round(self.target, self.draft, [row.round for row in rows], k)
         seconds = time.perf_counter() - started

@@ -128,14 +128,10 @@ def draft_rows(
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
     """K draft tokens for every row ``[n, K]`` and, per sampled row, the distributions they
     were drawn from ``[K, V]``. The first call feeds each row what it has not yet seen (1
-    token, or 2 after a fully accepted round), right-padded to the longest; a draft further
-    behind (after rounds without drafting) first catches up in a call of its own."""
+    token, or 2 after a fully accepted round), right-padded to the longest (`catch_up` first
+    when the draft is further behind)."""
     n = len(rows)
     unseen = [row.tokens[length:] for row, length in zip(rows, draft.lengths[:n].tolist())]
-    if max(map(len, unseen)) > 2:  # far behind (rounds without drafting): catch up first
-        ids, fed = _right_padded([tokens[:-1] for tokens in unseen])
-        draft.forward_rows(ids, keep_last=1, fed=fed)
-        unseen = [tokens[-1:] for tokens in unseen]
     ids, fed = _right_padded(unseen)
     width = ids.shape[1]
     newest = (np.arange(n), fed - 1)  # each row's newest real token, in the first call's output
@@ -174,6 +170,17 @@ def _rows_at(out: Forward, index: tuple) -> tuple[np.ndarray, np.ndarray | None]
     """The ``[n, V]`` logits and probabilities at ``index`` of a ``[n, kept, V]`` output."""
     probabilities = None if out.probabilities is None else out.probabilities[index]
     return out.logits[index], probabilities
+
+
+def catch_up(draft: RowsDecoder, rows: list[RowRound]) -> None:
+    """Feed the draft all but the newest of the tokens it has not seen, where it is more than
+    two behind (after rounds without drafting), so that a round's first draft call feeds each
+    row one or two tokens."""
+    n = len(rows)
+    unseen = [row.tokens[length:] for row, length in zip(rows, draft.lengths[:n].tolist())]
+    if max(map(len, unseen)) > 2:
+        ids, fed = _right_padded([tokens[:-1] for tokens in unseen])
+        draft.forward_rows(ids, keep_last=1, fed=fed)
 
 
 def _right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
