@@ -42,3 +42,26 @@ def checksum_memory(tmp_path_factory):
     import os
 
     os.environ["SPECRT_CACHE_DIR"] = str(tmp_path_factory.mktemp("specrt-cache"))
+
+
+def in_threads(work, items, timeout: float = 120) -> dict:
+    """Run ``work(item)`` for every item at once, one thread each; their results by item. A
+    thread's exception is raised here."""
+    import threading
+
+    results, errors = {}, []
+
+    def run(item) -> None:
+        try:
+            results[item] = work(item)
+        except Exception as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(item,)) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    if errors:
+        raise errors[0]
+    return results

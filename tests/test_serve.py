@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.conftest import in_threads
 from tests.test_greedy import PROMPTS
 
 openai = pytest.importorskip("openai", reason="the dev extra's openai client is not installed")
@@ -196,23 +196,12 @@ def test_disconnects_mid_stream_free_their_slots(server, client, reference):
 
 def test_sixteen_concurrent_streams_equal_their_serial_output(client, reference):
     _, expected = reference
-    outputs, errors = {}, []
 
-    def stream(prompt: str) -> None:
-        try:
-            chunks = client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=24, stream=True
-            )
-            outputs[prompt] = "".join(c.choices[0].text for c in chunks)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, stream=True)
+        return "".join(c.choices[0].text for c in chunks)
 
-    threads = [threading.Thread(target=stream, args=(p,)) for p in PROMPTS[:16]]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not errors
+    outputs = in_threads(stream, PROMPTS[:16])
     assert outputs == {p: expected[p].text for p in PROMPTS[:16]}
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from specrt.errors import OverloadedError
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.service import Service
 from specrt.runtime.streaming import TextDeltas
+from tests.conftest import in_threads
 from tests.test_greedy import PROMPTS
 
 
@@ -37,22 +37,13 @@ def test_concurrent_threads_get_their_serial_output(service, serial):
     """16 threads at once (4 slots, the rest wait): every stream's deltas concatenate to its
     text, which is the prompt's greedy output alone."""
     config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
-    outputs, errors = {}, []
 
-    def client(prompt: str) -> None:
-        try:
-            handle = service.submit(prompt, config)
-            deltas = list(handle)
-            outputs[prompt] = ("".join(deltas), len(deltas), handle.result())
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def client(prompt: str):
+        handle = service.submit(prompt, config)
+        deltas = list(handle)
+        return "".join(deltas), len(deltas), handle.result()
 
-    threads = [threading.Thread(target=client, args=(p,)) for p in PROMPTS[:16]]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not errors
+    outputs = in_threads(client, PROMPTS[:16])
     assert len(outputs) == 16
     for prompt, (streamed, _count, result) in outputs.items():
         assert streamed == result.text == serial[prompt].text, prompt
