@@ -35,7 +35,7 @@ SMALL_CALL = 16  # positions per call up to which the host writes its inputs in 
 class RowsDecoder(DecoderBase):
     """What the decoders of many rows share: per-row lengths, one cache buffer per layer and
     kind whose position axis (``POSITION_AXIS``) grows with the longest row, the one-row
-    `Decoder` protocol on row 0, prefilling a row, moving a row. Subclasses provide
+    `Decoder` protocol on row 0, prefilling rows together, moving a row. Subclasses provide
     ``_buffer_shape(capacity)`` and ``_call(start, n, tokens, keep_last, fed) -> Forward``."""
 
     POSITION_AXIS = 1
@@ -92,12 +92,22 @@ class RowsDecoder(DecoderBase):
         return Forward(out.logits[0], probabilities)
 
     # Rows ---------------------------------------------------------------------------------
-    def prefill_row(self, row: int, tokens: Sequence[int]) -> None:
-        """Feed a prompt to ``row`` alone, ``PREFILL_CHUNK`` positions a call."""
-        self._check_room(int(self.lengths[row]), len(tokens))
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = np.asarray([tokens[start : start + PREFILL_CHUNK]], dtype=np.int64)
-            self._call(row, 1, chunk, 1, chunk.shape[1])
+    def prefill_rows(self, start: int, prompts: list[Sequence[int]]) -> None:
+        """Feed prompts to rows ``start .. start + len(prompts)`` together (their lengths must
+        be 0): one call per `PREFILL_CHUNK` positions of the longest, shorter prompts padded at
+        their end (the padding is computed and dropped)."""
+        n, longest = len(prompts), max(map(len, prompts), default=0)
+        for row, prompt in enumerate(prompts):
+            self._check_room(int(self.lengths[start + row]), len(prompt))
+        for offset in range(0, longest, PREFILL_CHUNK):
+            width = min(PREFILL_CHUNK, longest - offset)
+            tokens = np.zeros((n, width), dtype=np.int64)
+            fed = np.zeros(n, dtype=np.int64)
+            for row, prompt in enumerate(prompts):
+                chunk = prompt[offset : offset + width]
+                tokens[row, : len(chunk)] = chunk
+                fed[row] = len(chunk)
+            self._call(start, n, tokens, 1, fed)
 
     def forward_rows(
         self, tokens: np.ndarray, keep_last: int = 0, fed: np.ndarray | None = None

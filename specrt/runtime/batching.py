@@ -81,16 +81,19 @@ class BatchRunner:
         waiting = iter(requests)
         more = True
         while True:
-            while more and self.free:
+            admitted = []
+            while more and self.free > len(admitted):
                 request = next(waiting, None)
                 if request is None:
                     more = False
-                    break
-                done = self.add(request)
-                if done is not None:
-                    yield request.key, done
+                else:
+                    admitted.append(request)
+            for request, result in self.add(admitted):
+                yield request.key, result
             if not self.rows:
-                return
+                if not more:
+                    return
+                continue
             for request, result in self.step():
                 yield request.key, result
 
@@ -99,14 +102,23 @@ class BatchRunner:
         """Slots without a row."""
         return self.max_batch - len(self.rows)
 
-    def add(self, request: Request) -> GenerationResult | None:
-        """Prefill ``request`` into the next free slot; its result at once when there is
-        nothing to generate (a prompt that fills its length)."""
-        row = self._start(request, len(self.rows))
-        if row.finish_reason:
-            return self._result(row)
-        self.rows.append(row)
-        return None
+    def add(self, requests: list[Request]) -> list[tuple[Request, GenerationResult]]:
+        """Prefill ``requests`` into the next free slots, all prompts in one call per model
+        (and prompt chunk); returns those finished at once (a prompt that fills its length)."""
+        rows = [self._new_row(request) for request in requests]
+        finished = [(row.request, self._result(row)) for row in rows if row.finish_reason]
+        rows = [row for row in rows if not row.finish_reason]
+        start = len(self.rows)
+        for slot in range(start, start + len(rows)):
+            self.target.set_length(slot, 0)
+            self.draft.set_length(slot, 0)
+        # Both models see all but the last prompt token, which the first round feeds.
+        self.target.prefill_rows(start, [row.request.prompt[:-1] for row in rows])
+        if any(row.drafting for row in rows):
+            prompts = [row.request.prompt[:-1] if row.drafting else [] for row in rows]
+            self.draft.prefill_rows(start, prompts)
+        self.rows.extend(rows)
+        return finished
 
     def step(self) -> list[tuple[Request, GenerationResult]]:
         """One round over every row; the rows that finished leave, freeing their slots."""
@@ -132,8 +144,7 @@ class BatchRunner:
                 return self._result(row)
         return None
 
-    def _start(self, request: Request, slot: int) -> _Row:
-        """Prefill ``request``'s prompt (all but its last token) into ``slot``."""
+    def _new_row(self, request: Request) -> _Row:
         prompt, config = request.prompt, request.config
         k_max = config.num_draft_tokens
         stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
@@ -145,15 +156,8 @@ class BatchRunner:
                 raise InvalidInputError("stop strings need the bundle's tokenizer")
             stopper = StopStrings(config.stop, self.tokenizer.decode)
         row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
-        self.target.set_length(slot, 0)
-        self.draft.set_length(slot, 0)
         if len(prompt) >= limit:
             row.finish_reason = "length"
-            return row
-        if len(prompt) > 1:
-            self.target.prefill_row(slot, prompt[:-1])
-            if drafting:
-                self.draft.prefill_row(slot, prompt[:-1])
         return row
 
     def _round(self, rows: list[_Row]) -> list[int]:

@@ -302,15 +302,16 @@ class Service:
                     self._running.pop(key)._finish(None, exc)
 
     def _admit(self, handles: list[RequestHandle]) -> None:
+        """Prefill the admitted requests together (one call per model)."""
+        live = []
         for handle in handles:
             if handle._cancelled:
                 handle._finish(_nothing(handle.request, "cancelled"))
-                continue
-            done = self._runner.add(handle.request)
-            if done is not None:
-                handle._finish(done)
             else:
+                live.append(handle)
                 self._running[handle.key] = handle
+        for request, result in self._runner.add([handle.request for handle in live]):
+            self._running.pop(request.key)._finish(result)
 
     def _drop_cancelled(self) -> None:
         for key, handle in list(self._running.items()):
