@@ -253,3 +253,24 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"})
         assert bad.status_code == 400 and "messages must be" in bad.json()["error"]["message"]
+
+
+def test_sigterm_lets_running_requests_finish_and_exits_0(llama_bundle):
+    """A request streaming when SIGTERM arrives gets its whole answer; new connections are
+    refused; the process exits 0."""
+    with running_server(llama_bundle) as (url, process):
+        body = {"model": "tiny", "prompt": PROMPTS[4], "max_tokens": 60, "stream": True}
+        texts = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break  # it is running
+            process.send_signal(signal.SIGTERM)
+            for line in lines:
+                if line.startswith("data: {"):
+                    texts.append(line)
+        assert texts and '"finish_reason": "length"' in texts[-1]
+        assert process.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
