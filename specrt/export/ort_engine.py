@@ -61,6 +61,7 @@ def build_ort_engine(
         # CPU: any rows and tokens per call; CUDA keeps GroupQueryAttention (one row per call
         # when more than one token is fed) until the batched graph is checked on a GPU.
         attention="group_query" if device == "cuda" else "batched",
+        qk_norm=config.model_type == "qwen3",
     )
     if config.model_type == "gpt2":
         graph = build_gpt2_graph(shape, weights, out)

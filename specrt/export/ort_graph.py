@@ -70,6 +70,9 @@ class DecoderShape:
     # several tokens to each of several rows (GroupQueryAttention refuses batch > 1 when more
     # than one token follows a cached prefix).
     attention: str = "group_query"
+    # Qwen3: each head's q and k RMS-normalised (weights ``self_attn.q_norm`` / ``k_norm``,
+    # over head_dim) before the rotation.
+    qk_norm: bool = False
 
 
 def unsupported_reason(config, max_positions: int) -> str | None:
@@ -141,6 +144,8 @@ def build_decoder_graph(
         prefix = f"model.layers.{i}"
         attn = f"{prefix}.self_attn"
         qkv = b.linear(normed, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], f"qkv.{i}")
+        if shape.qk_norm:
+            qkv = _normed_qkv(b, shape, i, qkv, attn)
         _attention(b, shape, i, qkv, rotary=True)
         attn_out = b.linear(f"attn.{i}", [f"{attn}.o_proj"], f"attn_out.{i}")
         b.node(
@@ -271,6 +276,32 @@ def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderSh
         b.constant("vocab_axis", np.array([-1], dtype=np.int64))
         b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
         b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
+
+
+def _normed_qkv(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, attn: str) -> str:
+    """Packed q/k/v with each head of q and k RMS-normalised over head_dim (Qwen3), packed
+    again, so that either attention reads it as it reads a plain projection."""
+    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    b.initializer("qkv_split", np.array([h * hd, kvh * hd, kvh * hd], dtype=np.int64))
+    parts = [f"qn_in.{i}", f"kn_in.{i}", f"vn.{i}"]
+    b.node("Split", [qkv, "qkv_split"], parts, axis=-1)
+    normed = []
+    for part, name, heads in ((parts[0], "q_norm", h), (parts[1], "k_norm", kvh)):
+        b.initializer(f"heads_shape.{heads}", np.array([0, 0, heads, hd], dtype=np.int64))
+        b.node("Reshape", [part, f"heads_shape.{heads}"], [f"{part}.heads"])
+        b.node(
+            "SimplifiedLayerNormalization",
+            [f"{part}.heads", b.weight(f"{attn}.{name}.weight")],
+            [f"{part}.normed"],
+            epsilon=float(shape.norm_eps),
+            axis=-1,
+            stash_type=1,
+        )
+        b.initializer(f"flat_shape.{heads}", np.array([0, 0, heads * hd], dtype=np.int64))
+        b.node("Reshape", [f"{part}.normed", f"flat_shape.{heads}"], [f"{part}.flat"])
+        normed.append(f"{part}.flat")
+    b.node("Concat", [*normed, parts[2]], [f"qkv_normed.{i}"], axis=-1)
+    return f"qkv_normed.{i}"
 
 
 def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool):

@@ -19,6 +19,7 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 CORPUS = [
@@ -62,12 +63,20 @@ def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: in
             tie_word_embeddings=False,
             **common,
         )
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    classes = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+    }
     if arch not in classes:
         raise ValueError(
             f"unknown tiny architecture {arch!r}; use one of gpt2, {', '.join(classes)}"
         )
     extra = {"sliding_window": None} if arch == "mistral" else {}
+    if arch == "qwen3":  # its real checkpoints' features: head_dim set apart from hidden /
+        # heads (32 here, not 16), tied embeddings, per-head q/k norms (in the model class)
+        extra = {"head_dim": 32, "tie_word_embeddings": True}
     return classes[arch](
         hidden_size=64,  # head_dim 16: onnxruntime's GroupQueryAttention needs a multiple of 16
         intermediate_size=64,
@@ -75,9 +84,7 @@ def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: in
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
-        **common,
-        **extra,
+        **{"tie_word_embeddings": False, **common, **extra},
     )
 
 
@@ -103,7 +110,10 @@ def make_tiny_pair(
     torch.manual_seed(seed)
     target = AutoModelForCausalLM.from_config(tiny_config(arch, vocab, max_positions)).eval()
     with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(peak)
+        if target.config.tie_word_embeddings:  # the output layer is the input embedding:
+            target.model.norm.weight.mul_(peak)  # scale what feeds it instead
+        else:
+            target.get_output_embeddings().weight.mul_(peak)
     draft = copy.deepcopy(target)
     if draft_max_positions is not None:  # rotary models: only the declared limit changes
         draft.config.max_position_embeddings = draft_max_positions
