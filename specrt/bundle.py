@@ -75,6 +75,9 @@ class EngineSpec:
     provider: str = "CPUExecutionProvider"  # the onnxruntime provider it is built for
     dtype: str = "float32"  # of its activations and KV cache
     built_for: dict[str, str] = field(default_factory=dict)  # a TensorRT plan's GPU and version
+    # Attention sees only the last ``sliding_window`` positions (Mistral): a batched engine's
+    # host writes it into the mask. None: every position.
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -98,6 +101,7 @@ class ModelSpec:
     source_sha256: str = ""  # of that checkpoint's config and weights, at export
     cache: str = "concat"
     engines: dict[str, EngineSpec] = field(default_factory=dict)
+    sliding_window: int | None = None  # see EngineSpec; the portable graph applies its own
 
     def engine_view(self, name: str) -> ModelSpec:
         """This model as seen through engine ``name``'s graph (its path, files, I/O, cache)."""
@@ -110,6 +114,7 @@ class ModelSpec:
             vocab_size=engine.vocab_size,
             cache=engine.cache,
             dtype=engine.dtype,
+            sliding_window=engine.sliding_window,
             export_check=engine.export_check,
             engines={},
         )

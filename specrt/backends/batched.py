@@ -175,6 +175,7 @@ class BatchedDecoder(RowsDecoder):
         super().__init__(session, spec, vocab_size, role, max_length, max_batch)
         self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
         self._width = spec.num_kv_heads * spec.head_dim
+        self.window = spec.sliding_window  # positions a token attends to, at most
         self._binding = session.io_binding()
         self._rows: tuple[int, int] | None = None  # the rows the cache binding covers
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
@@ -227,6 +228,9 @@ class BatchedDecoder(RowsDecoder):
             np.add(self.lengths[start : start + n, None], arrays.steps, out=arrays.positions)
             arrays.indices[..., 1] = arrays.positions
             np.less_equal(arrays.slots, arrays.positions[:, None, :, None], out=arrays.mask)
+            if self.window:  # and only the last `window` positions
+                oldest = arrays.positions[:, None, :, None] - self.window
+                arrays.mask &= arrays.slots > oldest
             return arrays
         # A few positions (a draft step, one row's verification): plain Python stores beat
         # numpy's per-call cost, which runs cold right after a model call.
@@ -239,6 +243,8 @@ class BatchedDecoder(RowsDecoder):
                 visible = mask[row, 0, step]
                 visible[: position + 1] = True
                 visible[position + 1 :] = False
+                if self.window:
+                    visible[: max(0, position + 1 - self.window)] = False
         return arrays
 
     def _run(self, start: int, n: int, fed: int | np.ndarray) -> None:

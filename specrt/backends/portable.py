@@ -100,9 +100,9 @@ class PortableDecoder(DecoderBase):
 class PortableRowsDecoder(RowsDecoder):
     """The portable graph for many rows at once: each call feeds ``[rows, S]`` tokens after
     each row's own prefix. The rows' caches live in buffers of ours ``[rows, kv_heads,
-    positions, head_dim]``; a call feeds the first P positions (P: the longest row) as
-    ``past``, masks each shorter row's unused positions through ``attention_mask``, gives every
-    token its row's own ``position_ids``, and copies the S new positions of ``present`` back to
+    positions, head_dim]``; a call feeds P positions (P: the longest row) as ``past``, each
+    shorter row's prefix right-aligned with the padding before it masked through
+    ``attention_mask``, gives every token its row's own ``position_ids``, and copies the S new positions of ``present`` back to
     where each row's prefix ends. The copies make it slower than the engine; it is what runs
     batches for models without one."""
 
@@ -139,15 +139,17 @@ class PortableRowsDecoder(RowsDecoder):
         self._check_room(longest, count)
         if longest + count > self.capacity:
             self._grow(longest + count)
+        # Each row's prefix is fed right-aligned (padding before it), so that distances between
+        # cache slots are distances between positions, as a sliding window measures them.
         slots = np.arange(longest + count)
-        seen = (slots < lengths[:, None]) | (slots >= longest)  # each row's prefix, then the new
+        seen = slots >= longest - lengths[:, None]
         positions = lengths[:, None] + np.arange(count)
         feed = {
             io.input_ids: np.ascontiguousarray(tokens, dtype=np.int64),
             io.attention_mask: seen.astype(np.int64),
             io.position_ids: positions,
         }
-        past = [np.ascontiguousarray(b[start : start + n, :, :longest]) for b in self._buffers]
+        past = [self._right_aligned(b[start : start + n], lengths, longest) for b in self._buffers]
         feed.update(zip([name for name, _ in self._names], past))
         logits, *presents = self._timed(self.session.run, self._outputs, feed)
         rows = np.arange(n)[:, None]
@@ -156,3 +158,14 @@ class PortableRowsDecoder(RowsDecoder):
             buffer[start : start + n].transpose(0, 2, 1, 3)[rows, positions] = new
         self.lengths[start : start + n] += fed
         return Forward(logits[:, count - keep_last :, : self.vocab_size])
+
+    @staticmethod
+    def _right_aligned(buffer: np.ndarray, lengths: np.ndarray, longest: int) -> np.ndarray:
+        """``[n, kv_heads, longest, head_dim]``: each row's first ``lengths[row]`` positions
+        at the end, zeros before them."""
+        if (lengths == longest).all():
+            return np.ascontiguousarray(buffer[:, :, :longest])
+        past = np.zeros(buffer.shape[:2] + (longest,) + buffer.shape[3:], buffer.dtype)
+        for row, length in enumerate(lengths.tolist()):
+            past[row, :, longest - length :] = buffer[row, :, :length]
+        return past

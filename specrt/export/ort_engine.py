@@ -25,6 +25,7 @@ from specrt.export.ort_graph import (
     DecoderShape,
     build_decoder_graph,
     build_gpt2_graph,
+    sliding_window,
 )
 from specrt.export.quantize import quantize_weights
 
@@ -106,6 +107,7 @@ def build_ort_engine(
         ),
         vocab_size=vocab,
         cache="batched" if batched else "in_place",
+        sliding_window=sliding_window(config, spec.max_positions) if batched else None,
         precision=dtype if device == "cuda" else precision,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,

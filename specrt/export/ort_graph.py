@@ -75,17 +75,29 @@ class DecoderShape:
     qk_norm: bool = False
 
 
-def unsupported_reason(config, max_positions: int) -> str | None:
-    """Why this checkpoint cannot get the onnxruntime engine (None when it can)."""
+def sliding_window(config, max_positions: int) -> int | None:
+    """The window every layer's attention is limited to, where it is narrower than the model's
+    positions (Mistral-style: one window for all layers); else None."""
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    if uses_window and window is not None and window < max_positions:
+        return int(window)
+    return None
+
+
+def unsupported_reason(config, max_positions: int, device: str = "cpu") -> str | None:
+    """Why this checkpoint cannot get the onnxruntime engine for ``device`` (None when it
+    can). The CPU engine's host writes a sliding window into its mask; the cuda engine's
+    GroupQueryAttention is not set up for one yet."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type {config.model_type!r} has no onnxruntime engine builder yet"
     if config.model_type == "gpt2":
         return _gpt2_unsupported_reason(config)
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} (only silu)"
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
-    if uses_window and window is not None and window < max_positions:
+    window = sliding_window(config, max_positions)
+    if window is not None and (device == "cuda" or config.model_type != "mistral"):
+        # Qwen2/3 limit the window to some layers (max_window_layers): one mask cannot say it.
         return f"sliding window {window} < max positions {max_positions}"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if _head_dim_reason(head_dim):

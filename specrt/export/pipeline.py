@@ -259,12 +259,12 @@ def add_ort_engine(
     from specrt.export.ort_engine import build_ort_engine
     from specrt.export.ort_graph import unsupported_reason
 
-    reason = unsupported_reason(config, spec.max_positions)
-    if reason:
-        log(f"  {role}: no onnxruntime engine ({reason}); the portable graph will run")
-        return
     source = Path(spec.source)
-    if options.cpu_engine:
+    for device, wanted in (("cpu", options.cpu_engine), ("cuda", options.cuda_engine)):
+        reason = wanted and unsupported_reason(config, spec.max_positions, device)
+        if reason:
+            log(f"  {role}: no {device} engine ({reason}); the portable graph will run there")
+    if options.cpu_engine and not unsupported_reason(config, spec.max_positions, "cpu"):
         precision = options.draft_precision if role == "draft" else "float32"
         engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
         what = f"{role} onnxruntime engine"
@@ -272,7 +272,7 @@ def add_ort_engine(
             require_close(engine.export_check, options.atol, what, source)
         else:  # a quantised draft is not meant to match; it only has to be a number
             require_close(engine.export_check, math.inf, what, source)
-    if options.cuda_engine:
+    if options.cuda_engine and not unsupported_reason(config, spec.max_positions, "cuda"):
         engine = build_ort_engine(model, spec, bundle_root, role, token_range, device="cuda")
         require_close(engine.export_check, options.fp16_atol, f"{role} cuda engine", source)
 

@@ -52,7 +52,13 @@ def make_tokenizer(extra_tokens: int = 0) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: int = 2):
+def tiny_config(
+    arch: str,
+    vocab_size: int,
+    max_positions: int = 128,
+    layers: int = 2,
+    sliding_window: int | None = None,
+):
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2)
     if arch == "gpt2":
         return GPT2Config(
@@ -73,7 +79,7 @@ def tiny_config(arch: str, vocab_size: int, max_positions: int = 128, layers: in
         raise ValueError(
             f"unknown tiny architecture {arch!r}; use one of gpt2, {', '.join(classes)}"
         )
-    extra = {"sliding_window": None} if arch == "mistral" else {}
+    extra = {"sliding_window": sliding_window} if arch == "mistral" else {}
     if arch == "qwen3":  # its real checkpoints' features: head_dim set apart from hidden /
         # heads (32 here, not 16), tied embeddings, per-head q/k norms (in the model class)
         extra = {"head_dim": 32, "tie_word_embeddings": True}
@@ -99,16 +105,19 @@ def make_tiny_pair(
     target_vocab_pad: int = 0,
     draft_vocab_pad: int = 0,
     draft_max_positions: int | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[Path, Path]:
     """Write ``out_dir/target`` and ``out_dir/draft`` HF checkpoints sharing one tokenizer.
 
     ``*_vocab_pad`` adds embedding rows beyond the tokenizer's vocabulary, as real Qwen pairs have.
+    ``sliding_window`` (mistral): attention over the last that many positions only.
     """
     out = Path(out_dir)
     tokenizer = make_tokenizer(extra_tokens)
     vocab = len(tokenizer)
     torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(tiny_config(arch, vocab, max_positions)).eval()
+    config = tiny_config(arch, vocab, max_positions, sliding_window=sliding_window)
+    target = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         if target.config.tie_word_embeddings:  # the output layer is the input embedding:
             target.model.norm.weight.mul_(peak)  # scale what feeds it instead
