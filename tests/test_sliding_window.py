@@ -1,4 +1,4 @@
-"""Sliding-window attention (Mistral) in the onnxruntime engine: the host limits each token's
+"""Sliding-window attention (Mistral, Phi-3) in the onnxruntime engine: the host limits each token's
 mask to the last `window` positions. Greedy output 120 tokens past a 16-token window equals
 PyTorch's, through the engine and the portable graph, target-only, speculative and batched."""
 
@@ -15,12 +15,12 @@ WINDOW, NEW = 16, 120
 PROMPTS = ["Simple is better", "def fibonacci(n):", "Errors should never pass"]
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
+@pytest.fixture(scope="module", params=["mistral", "phi3"])
+def bundle(tmp_path_factory, request):
     return build_bundle(
         tmp_path_factory.mktemp("window"),
         "pair",
-        arch="mistral",
+        arch=request.param,
         seed=11,
         max_positions=256,
         sliding_window=WINDOW,

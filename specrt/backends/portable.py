@@ -102,9 +102,9 @@ class PortableRowsDecoder(RowsDecoder):
     each row's own prefix. The rows' caches live in buffers of ours ``[rows, kv_heads,
     positions, head_dim]``; a call feeds P positions (P: the longest row) as ``past``, each
     shorter row's prefix right-aligned with the padding before it masked through
-    ``attention_mask``, gives every token its row's own ``position_ids``, and copies the S new positions of ``present`` back to
-    where each row's prefix ends. The copies make it slower than the engine; it is what runs
-    batches for models without one."""
+    ``attention_mask``, gives every token its row's own ``position_ids``, and copies the S new
+    positions of ``present`` back to where each row's prefix ends. The copies make it slower
+    than the engine; it is what runs batches for models without one."""
 
     POSITION_AXIS = 2
 

@@ -64,6 +64,8 @@ def build_ort_engine(
         attention="group_query" if device == "cuda" else "batched",
         qk_norm=config.model_type == "qwen3",
     )
+    if config.model_type == "phi3":
+        weights = unpacked_phi3(weights, shape, int(config.intermediate_size))
     if config.model_type == "gpt2":
         graph = build_gpt2_graph(shape, weights, out)
     else:
@@ -116,3 +118,19 @@ def build_ort_engine(
     check = max_logit_difference(model, graph, spec.engine_view(key), vocab)
     engine.export_check = check
     return engine
+
+
+def unpacked_phi3(weights: dict, shape: DecoderShape, intermediate: int) -> dict:
+    """Phi-3's packed ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights the
+    builder reads (it packs q/k/v again; rows of a Linear weight are its outputs)."""
+    out = dict(weights)
+    q_rows = shape.num_heads * shape.head_dim
+    k_rows = shape.num_kv_heads * shape.head_dim
+    for i in range(shape.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        q, k, v = np.split(out.pop(f"{attn}.qkv_proj.weight"), [q_rows, q_rows + k_rows])
+        out.update({f"{attn}.q_proj.weight": q, f"{attn}.k_proj.weight": k})
+        out[f"{attn}.v_proj.weight"] = v
+        gate, up = np.split(out.pop(f"{mlp}.gate_up_proj.weight"), [intermediate])
+        out.update({f"{mlp}.gate_proj.weight": gate, f"{mlp}.up_proj.weight": up})
+    return out

@@ -34,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specrt.export.options import SUPPORTED_MODEL_TYPES
 
 OPSET = 21
+WINDOWED_TYPES = ("mistral", "phi3")  # one sliding window for every layer, whenever it is set
 BATCHED_OPSET = 23  # the Attention op
 IR_VERSIONS = {OPSET: 10, BATCHED_OPSET: 11}
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
@@ -79,8 +80,8 @@ def sliding_window(config, max_positions: int) -> int | None:
     """The window every layer's attention is limited to, where it is narrower than the model's
     positions (Mistral-style: one window for all layers); else None."""
     window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
-    if uses_window and window is not None and window < max_positions:
+    default = config.model_type in WINDOWED_TYPES  # these apply it whenever it is set
+    if getattr(config, "use_sliding_window", default) and window and window < max_positions:
         return int(window)
     return None
 
@@ -96,7 +97,7 @@ def unsupported_reason(config, max_positions: int, device: str = "cpu") -> str |
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} (only silu)"
     window = sliding_window(config, max_positions)
-    if window is not None and (device == "cuda" or config.model_type != "mistral"):
+    if window is not None and (device == "cuda" or config.model_type not in WINDOWED_TYPES):
         # Qwen2/3 limit the window to some layers (max_window_layers): one mask cannot say it.
         return f"sliding window {window} < max positions {max_positions}"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -105,6 +106,10 @@ def unsupported_reason(config, max_positions: int, device: str = "cpu") -> str |
     rotary_fraction = getattr(config, "partial_rotary_factor", 1.0)
     if rotary_fraction != 1.0:
         return f"partial rotary factor {rotary_fraction}"
+    rope = getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type in ("longrope", "su", "dynamic"):  # the table depends on the sequence length
+        return f"rope scaling {rope_type!r} (its rotation changes with the sequence length)"
     return None
 
 

@@ -17,6 +17,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -74,12 +75,15 @@ def tiny_config(
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
+        "phi3": Phi3Config,
     }
     if arch not in classes:
         raise ValueError(
             f"unknown tiny architecture {arch!r}; use one of gpt2, {', '.join(classes)}"
         )
     extra = {"sliding_window": sliding_window} if arch == "mistral" else {}
+    if arch == "phi3":  # packed qkv and gate_up projections (in the model class)
+        extra = {"pad_token_id": 0, "sliding_window": sliding_window}
     if arch == "qwen3":  # its real checkpoints' features: head_dim set apart from hidden /
         # heads (32 here, not 16), tied embeddings, per-head q/k norms (in the model class)
         extra = {"head_dim": 32, "tie_word_embeddings": True}
