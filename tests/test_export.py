@@ -30,8 +30,9 @@ def test_bundle_per_architecture(bundles, arch):
     for role in ("target", "draft"):
         spec = manifest.models[role]
         assert spec.model_type == arch and spec.num_layers == 2
-        assert spec.head_dim == (32 if arch == "qwen3" else 16)  # qwen3: head_dim set apart
-        assert spec.num_kv_heads == (4 if arch == "gpt2" else 2)
+        # qwen3 and gemma: head_dim set apart from hidden / heads; gemma: one kv head
+        assert spec.head_dim == (32 if arch in ("qwen3", "gemma") else 16)
+        assert spec.num_kv_heads == {"gpt2": 4, "gemma": 1}.get(arch, 2)
         assert spec.dtype == "float32" and spec.max_positions == 128
         for rel, digest in spec.files.items():
             assert sha256_file(root / rel) == digest
@@ -41,7 +42,9 @@ def test_bundle_per_architecture(bundles, arch):
         graph = onnx.load(str(root / spec.path))
         assert {node.domain for node in graph.graph.node} <= {"", "ai.onnx"}  # standard ops only
         inputs = [i.name for i in graph.graph.input]
-        assert {"input_ids", "attention_mask", "position_ids"} <= set(inputs)
+        # optimum's gemma graph counts positions along the attention mask
+        wanted = {"input_ids", "attention_mask"} | (set() if arch == "gemma" else {"position_ids"})
+        assert wanted <= set(inputs)
         assert len([n for n in inputs if n.startswith("past_key_values.")]) == 4
         logits = next(o for o in graph.graph.output if o.name == "logits")
         dims = [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim]

@@ -119,10 +119,10 @@ class PortableRowsDecoder(RowsDecoder):
     ) -> None:
         super().__init__(session, spec, vocab_size, role, max_length, max_batch)
         io = spec.io
-        if not (io.attention_mask and io.position_ids):
+        if not io.attention_mask:
             raise BundleError(
-                f"{role}: the portable graph takes no attention_mask / position_ids, so its rows "
-                "cannot be batched; load it with max_batch=1 (or re-export the bundle)"
+                f"{role}: the portable graph takes no attention_mask, so its rows cannot be "
+                "batched; load it with max_batch=1 (or re-export the bundle)"
             )
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
         self._grow(min(self.max_positions, CAPACITY_STEP))
@@ -147,8 +147,9 @@ class PortableRowsDecoder(RowsDecoder):
         feed = {
             io.input_ids: np.ascontiguousarray(tokens, dtype=np.int64),
             io.attention_mask: seen.astype(np.int64),
-            io.position_ids: positions,
         }
+        if io.position_ids:  # else the graph counts positions along the mask
+            feed[io.position_ids] = positions
         past = [self._right_aligned(b[start : start + n], lengths, longest) for b in self._buffers]
         feed.update(zip([name for name, _ in self._names], past))
         logits, *presents = self._timed(self.session.run, self._outputs, feed)

@@ -12,6 +12,7 @@ from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, 
 from specrt.checksums import sha256_file
 from specrt.export.numeric_check import max_logit_difference
 from specrt.export.ort_graph import (
+    ACTIVATIONS,
     ARGMAX,
     ATTENTION_MASK,
     CACHE_INDICES,
@@ -48,6 +49,7 @@ def build_ort_engine(
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
+    gemma = config.model_type == "gemma"
     dtype = "float16" if device == "cuda" else "float32"
     out = bundle_root / role / key / "model.onnx"
     shape = DecoderShape(  # GPT-2's config answers to these names too
@@ -63,9 +65,13 @@ def build_ort_engine(
         # when more than one token is fed) until the batched graph is checked on a GPU.
         attention="group_query" if device == "cuda" else "batched",
         qk_norm=config.model_type == "qwen3",
+        embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
+        activation=ACTIVATIONS.get(getattr(config, "hidden_act", "silu"), "silu"),
     )
     if config.model_type == "phi3":
         weights = unpacked_phi3(weights, shape, int(config.intermediate_size))
+    if gemma:  # its RMSNorm scales by (1 + w)
+        weights = {n: w + 1 if n.endswith("norm.weight") else w for n, w in weights.items()}
     if config.model_type == "gpt2":
         graph = build_gpt2_graph(shape, weights, out)
     else:

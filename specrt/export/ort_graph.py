@@ -35,6 +35,7 @@ from specrt.export.options import SUPPORTED_MODEL_TYPES
 
 OPSET = 21
 WINDOWED_TYPES = ("mistral", "phi3")  # one sliding window for every layer, whenever it is set
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 BATCHED_OPSET = 23  # the Attention op
 IR_VERSIONS = {OPSET: 10, BATCHED_OPSET: 11}
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
@@ -74,6 +75,9 @@ class DecoderShape:
     # Qwen3: each head's q and k RMS-normalised (weights ``self_attn.q_norm`` / ``k_norm``,
     # over head_dim) before the rotation.
     qk_norm: bool = False
+    # Gemma: the embedding is scaled by sqrt(hidden) and the MLP's gate uses the tanh GELU.
+    embedding_scale: float = 1.0
+    activation: str = "silu"  # or "gelu_tanh"
 
 
 def sliding_window(config, max_positions: int) -> int | None:
@@ -94,8 +98,8 @@ def unsupported_reason(config, max_positions: int, device: str = "cpu") -> str |
         return f"model type {config.model_type!r} has no onnxruntime engine builder yet"
     if config.model_type == "gpt2":
         return _gpt2_unsupported_reason(config)
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} (only silu)"
+    if getattr(config, "hidden_act", "silu") not in ACTIVATIONS:
+        return f"activation {config.hidden_act!r} (only {', '.join(ACTIVATIONS)})"
     window = sliding_window(config, max_positions)
     if window is not None and (device == "cuda" or config.model_type not in WINDOWED_TYPES):
         # Qwen2/3 limit the window to some layers (max_window_layers): one mask cannot say it.
@@ -145,7 +149,12 @@ def build_decoder_graph(
     b.initializer("cos_cache", cos)
     b.initializer("sin_cache", sin)
 
-    b.node("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], ["embedded"])
+    scaled = shape.embedding_scale != 1.0
+    embedding = "unscaled" if scaled else "embedded"
+    b.node("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], [embedding])
+    if scaled:
+        b.initializer("embedding_scale", np.array(shape.embedding_scale))
+        b.node("Mul", [embedding, "embedding_scale"], ["embedded"])
     eps = float(shape.norm_eps)
     residual = "embedded"
     b.node(
@@ -175,8 +184,11 @@ def build_decoder_graph(
         mlp = f"{prefix}.mlp"
         gate = b.linear(f"mlp_in.{i}", [f"{mlp}.gate_proj"], f"gate.{i}")
         up = b.linear(f"mlp_in.{i}", [f"{mlp}.up_proj"], f"up.{i}")
-        b.node("Sigmoid", [gate], [f"gate_sigmoid.{i}"])
-        b.node("Mul", [gate, f"gate_sigmoid.{i}"], [f"gate_act.{i}"])
+        if shape.activation == "gelu_tanh":
+            b.node("FastGelu", [gate], [f"gate_act.{i}"], domain=_MS)
+        else:  # SiLU
+            b.node("Sigmoid", [gate], [f"gate_sigmoid.{i}"])
+            b.node("Mul", [gate, f"gate_sigmoid.{i}"], [f"gate_act.{i}"])
         b.node("Mul", [f"gate_act.{i}", up], [f"gated.{i}"])
         down = b.linear(f"gated.{i}", [f"{mlp}.down_proj"], f"mlp_out.{i}")
         last = i == shape.num_layers - 1

@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
+    GemmaConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -76,6 +77,7 @@ def tiny_config(
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
         "phi3": Phi3Config,
+        "gemma": GemmaConfig,
     }
     if arch not in classes:
         raise ValueError(
@@ -84,18 +86,21 @@ def tiny_config(
     extra = {"sliding_window": sliding_window} if arch == "mistral" else {}
     if arch == "phi3":  # packed qkv and gate_up projections (in the model class)
         extra = {"pad_token_id": 0, "sliding_window": sliding_window}
+    if arch == "gemma":  # head_dim set apart, one kv head, tied, tanh GELU (in its config)
+        extra = {"head_dim": 32, "num_key_value_heads": 1, "tie_word_embeddings": True}
     if arch == "qwen3":  # its real checkpoints' features: head_dim set apart from hidden /
         # heads (32 here, not 16), tied embeddings, per-head q/k norms (in the model class)
         extra = {"head_dim": 32, "tie_word_embeddings": True}
-    return classes[arch](
+    shape = dict(
         hidden_size=64,  # head_dim 16: onnxruntime's GroupQueryAttention needs a multiple of 16
         intermediate_size=64,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
-        **{"tie_word_embeddings": False, **common, **extra},
+        tie_word_embeddings=False,
     )
+    return classes[arch](**{**shape, **common, **extra})
 
 
 def make_tiny_pair(
@@ -123,7 +128,13 @@ def make_tiny_pair(
     config = tiny_config(arch, vocab, max_positions, sliding_window=sliding_window)
     target = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        if target.config.tie_word_embeddings:  # the output layer is the input embedding:
+        if target.config.model_type == "gemma":  # tied, and its norm scales by (1 + w)
+            norm = target.model.norm.weight
+            norm.copy_((1 + norm) * peak - 1)
+            # It multiplies the embedding by sqrt(hidden): undone here, or the residual stream
+            # is the input token alone and every model predicts the same.
+            target.model.embed_tokens.weight.div_(target.config.hidden_size**0.5)
+        elif target.config.tie_word_embeddings:  # the output layer is the input embedding:
             target.model.norm.weight.mul_(peak)  # scale what feeds it instead
         else:
             target.get_output_embeddings().weight.mul_(peak)
