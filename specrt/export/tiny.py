@@ -60,17 +60,20 @@ def tiny_config(
     max_positions: int = 128,
     layers: int = 2,
     sliding_window: int | None = None,
+    **dims,
 ):
+    """A tiny config of ``arch``; ``dims`` override its sizes (``hidden_size``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ...)."""
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2)
     if arch == "gpt2":
-        return GPT2Config(
+        shape = dict(
             n_embd=64,  # head_dim 16, as onnxruntime's GroupQueryAttention needs
             n_layer=layers,
             n_head=4,
             n_positions=max_positions,
             tie_word_embeddings=False,
-            **common,
         )
+        return GPT2Config(**{**shape, **common, **dims})
     classes = {
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,
@@ -100,7 +103,7 @@ def tiny_config(
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
     )
-    return classes[arch](**{**shape, **common, **extra})
+    return classes[arch](**{**shape, **common, **extra, **dims})
 
 
 def make_tiny_pair(
@@ -115,11 +118,14 @@ def make_tiny_pair(
     draft_vocab_pad: int = 0,
     draft_max_positions: int | None = None,
     sliding_window: int | None = None,
+    draft_dims: dict | None = None,
 ) -> tuple[Path, Path]:
     """Write ``out_dir/target`` and ``out_dir/draft`` HF checkpoints sharing one tokenizer.
 
     ``*_vocab_pad`` adds embedding rows beyond the tokenizer's vocabulary, as real Qwen pairs have.
     ``sliding_window`` (mistral): attention over the last that many positions only.
+    ``draft_dims``: the draft is a model of its own with these sizes (`tiny_config`'s ``dims``,
+    ``layers``), random, as a real pair's members differ; by default it is the target plus noise.
     """
     out = Path(out_dir)
     tokenizer = make_tokenizer(extra_tokens)
@@ -139,10 +145,15 @@ def make_tiny_pair(
         else:
             target.get_output_embeddings().weight.mul_(peak)
     draft = copy.deepcopy(target)
+    if draft_dims is not None:
+        draft_config = tiny_config(
+            arch, vocab, max_positions, sliding_window=sliding_window, **draft_dims
+        )
+        draft = AutoModelForCausalLM.from_config(draft_config).eval()
     if draft_max_positions is not None:  # rotary models: only the declared limit changes
         draft.config.max_position_embeddings = draft_max_positions
     with torch.no_grad():
-        for param in draft.parameters():
+        for param in draft.parameters() if draft_dims is None else ():
             param.add_(torch.randn_like(param) * param.std() * draft_noise)
     paths = []
     for role, model, pad in (
