@@ -129,6 +129,11 @@ class DecoderBase:
         return result
 
 
+def shared_ortvalue(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over the array's own memory: writes to either are seen by both."""
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
 def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) -> None:
     """Refuse a graph whose inputs/outputs are not the ones the manifest names."""
     io = spec.io

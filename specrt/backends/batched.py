@@ -23,7 +23,14 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from specrt.backends.base import NEED_LOGITS, NUMPY_DTYPES, PREFILL_CHUNK, DecoderBase, Forward
+from specrt.backends.base import (
+    NEED_LOGITS,
+    NUMPY_DTYPES,
+    PREFILL_CHUNK,
+    DecoderBase,
+    Forward,
+    shared_ortvalue,
+)
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
@@ -181,7 +188,7 @@ class BatchedDecoder(RowsDecoder):
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
         self._bound: _CallArrays | None = None
         self._logits_to_keep = np.ones(1, dtype=np.int64)
-        self._binding.bind_ortvalue_input(io.logits_to_keep, _shared(self._logits_to_keep))
+        self._binding.bind_ortvalue_input(io.logits_to_keep, shared_ortvalue(self._logits_to_keep))
         self._grow(min(self.max_positions, CAPACITY_STEP))
 
     def forward(
@@ -256,7 +263,7 @@ class BatchedDecoder(RowsDecoder):
 
     def _bind_rows(self, start: int, n: int) -> None:
         for (past, present), buffer in zip(self._names, self._buffers):
-            value = _shared(buffer[start : start + n])
+            value = shared_ortvalue(buffer[start : start + n])
             self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(present, value)
         self._rows = (start, n)
@@ -316,9 +323,4 @@ class _CallArrays:
             arrays.append(np.empty((n, keep_last, graph_vocab), dtype=np.float32))
             self.result.probabilities = arrays[-1][:, :, :vocab]
             self.row_result.probabilities = arrays[-1][0, :, :vocab]
-        self.values = [_shared(a) for a in arrays]
-
-
-def _shared(array: np.ndarray) -> ort.OrtValue:
-    """An OrtValue over the array's own memory: writes to either are seen by both."""
-    return ort.OrtValue.ortvalue_from_numpy(array)
+        self.values = [shared_ortvalue(a) for a in arrays]

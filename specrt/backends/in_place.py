@@ -20,7 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from specrt.backends.base import NEED_LOGITS, NUMPY_DTYPES, DecoderBase, Forward
+from specrt.backends.base import (
+    NEED_LOGITS,
+    NUMPY_DTYPES,
+    DecoderBase,
+    Forward,
+    shared_ortvalue,
+)
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
@@ -78,7 +84,7 @@ class InPlaceBase(DecoderBase):
             (io.total_length, self._total_length),
             (io.logits_to_keep, self._logits_to_keep),
         ):
-            binding.bind_ortvalue_input(name, _shared(array))
+            binding.bind_ortvalue_input(name, shared_ortvalue(array))
 
     def reset(self) -> None:
         self.length = 0
@@ -169,9 +175,4 @@ class _CallArrays:
         if probabilities:
             arrays.append(np.empty((1, keep_last, graph_vocab), dtype=np.float32))
             self.result.probabilities = arrays[-1][0]
-        self.values = [_shared(a) for a in arrays]
-
-
-def _shared(array: np.ndarray) -> ort.OrtValue:
-    """An OrtValue over the array's own memory: writes to either are seen by both."""
-    return ort.OrtValue.ortvalue_from_numpy(array)
+        self.values = [shared_ortvalue(a) for a in arrays]

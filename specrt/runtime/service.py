@@ -32,7 +32,7 @@ from specrt.errors import InvalidInputError, OverloadedError, SpecrtError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import Prompt, SpeculativeGenerator
-from specrt.runtime.results import GenerationResult
+from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.streaming import TextDeltas
 
 log = logging.getLogger("specrt")
@@ -332,7 +332,5 @@ def _no_text(ids: list[int]) -> str:
 
 
 def _nothing(request: Request, reason: str) -> GenerationResult:
-    from specrt.runtime.results import GenerationStats
-
     stats = GenerationStats(prompt_tokens=len(request.prompt))
     return GenerationResult("", [], reason, stats)
