@@ -16,7 +16,8 @@ from specrt.errors import InvalidInputError, SpecrtError, describe_os_error
 from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, DEVICES, PRECISIONS
 from specrt.prompts import collect_prompts
 from specrt.runtime.batching import DEFAULT_BATCH_SIZE, MAX_BATCH
-from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationConfig
+from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, PROPOSERS, GenerationConfig
+from specrt.runtime.lookup import DEFAULT_SUFFIX_TOKENS
 
 DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}
 EXPORT_EXTRA = "pip install torch==2.13.0 && pip install 'specrt[export]'"
@@ -79,6 +80,35 @@ def _stack(*decorators):
     return apply
 
 
+PROPOSER_OPTION = click.option(
+    "--proposer",
+    type=click.Choice(PROPOSERS),
+    default=DEFAULTS["proposer"],
+    show_default=True,
+    help="Who drafts: the draft model, prompt lookup (matches in the prompt and output), or "
+    "the hybrid (per round, whichever is expected to be faster). All are lossless.",
+)
+
+
+def suffix_cache_options(default: bool, note: str):
+    return _stack(
+        click.option(
+            "--suffix-cache/--no-suffix-cache",
+            default=default,
+            show_default=True,
+            help="Also propose continuations learned from earlier rows' prompts and outputs "
+            f"(lookup and hybrid proposers). {note}",
+        ),
+        click.option(
+            "--suffix-cache-tokens",
+            type=click.IntRange(min=1),
+            default=DEFAULT_SUFFIX_TOKENS,
+            show_default=True,
+            help="Tokens the suffix cache keeps (oldest rows forgotten first).",
+        ),
+    )
+
+
 generation_options = _stack(
     click.option(
         "--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"], show_default=True
@@ -121,6 +151,21 @@ generation_options = _stack(
         default=DEFAULTS["draft_schedule"],
         show_default=True,
         help="How many tokens each round drafts (adaptive = --adaptive-draft).",
+    ),
+    PROPOSER_OPTION,
+    click.option(
+        "--prompt-lookup-min",
+        type=int,
+        default=DEFAULTS["prompt_lookup_min"],
+        show_default=True,
+        help="Shortest n-gram prompt lookup matches.",
+    ),
+    click.option(
+        "--prompt-lookup-max",
+        type=int,
+        default=DEFAULTS["prompt_lookup_max"],
+        show_default=True,
+        help="Longest n-gram prompt lookup matches (the longest match wins).",
     ),
 )
 load_options = _stack(
@@ -309,11 +354,14 @@ def generate(
         sys.stdout.flush()
 
 
-def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1):
+def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suffix_tokens=0):
+    """``suffix_tokens``: keep a suffix cache of that many tokens (0: none)."""
     from specrt.runtime import SpeculativeGenerator
+    from specrt.runtime.lookup import SuffixCache
 
     return SpeculativeGenerator.from_bundle(
         bundle,
+        suffix_cache=SuffixCache(suffix_tokens) if suffix_tokens else None,
         threads=threads,
         engine=engine,
         max_length=max_length,
@@ -350,6 +398,7 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1):
     "the cuda and TensorRT engines run one row).",
 )
 @generation_options
+@suffix_cache_options(False, "Rows' text then informs other rows' proposals.")
 @load_options
 @_friendly_errors
 def batch(
@@ -359,6 +408,8 @@ def batch(
     summary,
     progress,
     batch_size,
+    suffix_cache,
+    suffix_cache_tokens,
     threads,
     engine,
     max_length,
@@ -379,7 +430,10 @@ def batch(
     if source == click.core.ParameterSource.DEFAULT:  # batches: K chosen for the load
         params["draft_schedule"] = "adaptive"
     defaults = GenerationConfig(**params)
-    generator = _load(bundle, threads, engine, max_length, skip_checksums, batch_size)
+    suffix_tokens = suffix_cache_tokens if suffix_cache else 0
+    generator = _load(
+        bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
+    )
     if generator.max_batch < batch_size:
         click.echo(
             f"note: the {engine} graphs run one row per call (the cuda and TensorRT engines, "
@@ -396,11 +450,28 @@ def batch(
         f"done ({result.skipped_errors} of them errors); {result.new_tokens} tokens at "
         f"{result.tokens_per_second:.1f} tokens/s, acceptance {result.acceptance_rate:.2f}; "
         f"{result.batch_size} rows per call, KV cache {result.cache_bytes / 2**20:.1f} MiB "
-        f"({result.cache_bytes_per_row / 2**20:.1f} MiB per row at most)",
+        f"({result.cache_bytes_per_row / 2**20:.1f} MiB per row at most)"
+        + _proposer_line(result.proposers)
+        + (
+            f"; suffix cache {result.suffix_cache_tokens} tokens, "
+            f"{result.suffix_cache_bytes / 2**20:.1f} MiB"
+            if suffix_cache
+            else ""
+        ),
         err=True,
     )
     if not result.all_ok:
         sys.exit(1)
+
+
+def _proposer_line(proposers: dict[str, dict]) -> str:
+    """ "; proposed/accepted by proposer" where more than the model proposed."""
+    if set(proposers) <= {"model"}:
+        return ""
+    parts = [
+        f"{source} {entry['accepted']}/{entry['proposed']}" for source, entry in proposers.items()
+    ]
+    return "; accepted/proposed by " + ", ".join(parts)
 
 
 @main.command()
@@ -436,6 +507,10 @@ def batch(
     show_default=True,
     help="adaptive: K chosen for the load each round.",
 )
+@PROPOSER_OPTION
+@suffix_cache_options(
+    False, "Off by default: a request's text may then appear in another's proposals."
+)
 @load_options
 @_friendly_errors
 def serve(
@@ -447,6 +522,9 @@ def serve(
     max_waiting,
     num_draft_tokens,
     draft_schedule,
+    proposer,
+    suffix_cache,
+    suffix_cache_tokens,
     threads,
     engine,
     max_length,
@@ -460,8 +538,13 @@ def serve(
             f"specrt serve needs the serve extra ({exc.name} is missing): "
             "pip install 'specrt[serve]'"
         ) from exc
-    generator = _load(bundle, threads, engine, max_length, skip_checksums, batch_size)
-    defaults = GenerationConfig(num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule)
+    suffix_tokens = suffix_cache_tokens if suffix_cache else 0
+    generator = _load(
+        bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
+    )
+    defaults = GenerationConfig(
+        num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule, proposer=proposer
+    )
     name = model_name or Path(bundle).resolve().name
     run_server(generator, name, defaults, host=host, port=port, max_waiting=max_waiting)
 
@@ -542,7 +625,7 @@ def _print_human(prompt: str, record: dict) -> None:
     line = (
         f"[{stats['new_tokens']} tokens, finish={record['finish_reason']}, "
         f"{stats['tokens_per_second']:.1f} tokens/s, acceptance {stats['acceptance_rate']:.2f}, "
-        f"{stats['tokens_per_round']:.2f} tokens/round"
+        f"{stats['tokens_per_round']:.2f} tokens/round" + _proposer_line(stats.get("proposers", {}))
     )
     if "comparison" in record:
         comparison = record["comparison"]

@@ -8,9 +8,9 @@ The loop runs one row at a time and batched (8 rows per model call, rows accepti
 numbers of draft tokens), each path tested on its own.
 
 False-alarm rate: each chi-square test rejects a correct sampler with probability ALPHA = 1e-4;
-there are 3 settings x 3 positions x 2 modes x 2 paths = 36 tests, so a correct implementation
-fails this module with probability at most 3.6e-3 (seeds are fixed, so a given outcome is
-reproducible).
+there are 3 settings x 3 positions x 2 modes x 2 paths = 36 tests, and 2 settings x 3 positions x
+4 cases through prompt lookup and the hybrid = 24 more, so a correct implementation fails this
+module with probability at most 6e-3 (seeds are fixed, so a given outcome is reproducible).
 """
 
 from __future__ import annotations
@@ -120,3 +120,41 @@ def test_same_seed_same_output(generator):
     assert first == [r.token_ids for r in generator.generate(prompts, config)]
     other = GenerationConfig(max_new_tokens=16, temperature=1.0, seed=43, ignore_eos=True)
     assert first != [r.token_ids for r in generator.generate(prompts, other)]
+
+
+MATCH_CASES = [
+    pytest.param("one row", "lookup", id="one-row-lookup"),
+    pytest.param("batched", "lookup", id="batched-lookup"),
+    pytest.param("one row", "hybrid", id="one-row-hybrid"),
+    pytest.param("batched", "hybrid", id="batched-hybrid"),
+]
+
+
+@pytest.mark.parametrize(("path", "proposer"), MATCH_CASES)
+@pytest.mark.parametrize("settings", SETTINGS[:2])
+def test_sampled_tokens_follow_the_target_through_matches(
+    generators, reference, settings, path, proposer
+):
+    """Prompt lookup and the hybrid propose point masses (the prompt repeats itself, so matches
+    fire from the first round on): the emitted tokens still follow the target exactly."""
+    generator = generators[path]
+    # "Simple is", the target's greedy continuation, "Simple is" again: the lookup proposes the
+    # continuation, which the target (peaked) often but not always takes again.
+    start = generator.encode_prompts(["Simple is"])[0]
+    greedy = GenerationConfig(max_new_tokens=4, num_draft_tokens=0, ignore_eos=True)
+    prompt = start + generator.generate([start], greedy)[0].token_ids + start
+    expected = exact_marginals(reference, prompt, settings)
+    config = GenerationConfig(
+        max_new_tokens=3, num_draft_tokens=2, seed=7, ignore_eos=True, proposer=proposer, **settings
+    )
+    results = generator.generate([prompt] * SAMPLES, config)
+    proposed = sum(e["proposed"] for r in results for e in r.stats.proposers.values())
+    matched = sum(r.stats.proposers.get("lookup", {}).get("proposed", 0) for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert matched > SAMPLES  # the matches fired
+    assert 0.1 < accepted / proposed < 0.95  # both accept and reject paths are exercised
+    samples = np.array([r.token_ids for r in results])
+    for position in range(3):
+        counts = np.bincount(samples[:, position], minlength=len(expected[position]))
+        pvalue = chi_square_pvalue(counts, expected[position])
+        assert pvalue > ALPHA, (position, pvalue)

@@ -69,6 +69,9 @@ class Summary:
     batch_size: int = 1  # rows per model call, at most
     cache_bytes: int = 0  # KV cache reserved at the end, both models, all rows
     cache_bytes_per_row: int = 0  # what one row's cache can grow to (at max length)
+    proposers: dict[str, dict] = field(default_factory=dict)  # as GenerationStats.proposers
+    suffix_cache_tokens: int = 0  # kept by the suffix cache at the end (when on)
+    suffix_cache_bytes: int = 0
 
     def add(self, record: dict) -> None:
         """Count a row written by this run."""
@@ -80,6 +83,10 @@ class Summary:
         self.new_tokens += stats["new_tokens"]
         self.drafted_tokens += stats["drafted_tokens"]
         self.accepted_tokens += stats["accepted_tokens"]
+        for source, entry in stats.get("proposers", {}).items():
+            total = self.proposers.setdefault(source, {"rounds": 0, "proposed": 0, "accepted": 0})
+            for name in total:
+                total[name] += entry[name]
 
     @property
     def all_ok(self) -> bool:
@@ -242,6 +249,9 @@ def run_batch(
     decoders = (generator.target, getattr(generator.drafter, "decoder", None))
     summary.cache_bytes = sum(getattr(d, "cache_bytes", 0) for d in decoders)
     summary.cache_bytes_per_row = sum(getattr(d, "cache_bytes_per_row", 0) for d in decoders)
+    if generator.suffix_cache is not None:
+        summary.suffix_cache_tokens = generator.suffix_cache.tokens
+        summary.suffix_cache_bytes = generator.suffix_cache.memory_bytes()
     return summary
 
 

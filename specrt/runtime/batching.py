@@ -19,6 +19,8 @@ import numpy as np
 from specrt.backends import RowsDecoder
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
+from specrt.runtime.hybrid import MatchAcceptance
+from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RowRound, batched_round, catch_up
 from specrt.runtime.schedules import LoadSchedule
@@ -49,6 +51,7 @@ class _Row:
     stats: GenerationStats
     started: float
     stopper: StopStrings | None = None
+    index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     round: RowRound = field(init=False)
@@ -67,12 +70,15 @@ class BatchRunner:
         draft: RowsDecoder,
         tokenizer: BundleTokenizer | None,
         eos_token_ids: frozenset[int],
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         self.target, self.draft = target, draft
         self.max_batch = min(target.max_batch, draft.max_batch)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.suffix_cache = suffix_cache
         self.schedules: dict[str, LoadSchedule] = {}  # by name: "fixed", "load"
+        self.matches = MatchAcceptance()  # how the hybrid rows' matches fare
         self.rows: list[_Row] = []  # in slots 0 .. len - 1
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
@@ -156,6 +162,8 @@ class BatchRunner:
                 raise InvalidInputError("stop strings need the bundle's tokenizer")
             stopper = StopStrings(config.stop, self.tokenizer.decode)
         row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
+        if config.proposer != "model":
+            row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
         if len(prompt) >= limit:
             row.finish_reason = "length"
         return row
@@ -163,11 +171,21 @@ class BatchRunner:
     def _round(self, rows: list[_Row]) -> list[int]:
         """One batched round over every row; returns the indices of rows that finished."""
         k = self.draft_length(rows)
-        for row in rows:
+        fits = self._fits(rows)
+        matched: dict[int, Proposal] = {}
+        for slot, row in enumerate(rows):
+            config = row.request.config
             room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
-            row.round.k = min(k, room, row.request.config.num_draft_tokens) if row.drafting else 0
+            cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
+            row.round.k, row.round.match = min(k, cap), None
+            found = self._match(row, cap, k)
+            if found is not None:
+                matched[slot] = found
+                row.round.k, row.round.match = len(found.tokens), found.tokens
+                row.round.source = found.source
         if k:  # a draft behind after rounds without drafting: not a cost of this K
             catch_up(self.draft, [row.round for row in rows])
+        lengths = [len(row.tokens) for row in rows]
         started = time.perf_counter()
         steps = batched_round(self.target, self.draft, [row.round for row in rows], k)
         seconds = time.perf_counter() - started
@@ -178,8 +196,13 @@ class BatchRunner:
             settled = settle(
                 row.tokens, prompt_length, step.tokens, self.eos_token_ids, config, row.stopper
             )
-            self.draft.set_length(slot, len(row.tokens) - 1)
-            row.stats.add_round(step.drafted, min(step.accepted, settled.count))
+            # The draft model saw the row up to the round's start; after it, its own tokens,
+            # which stand only where they were the ones verified.
+            seen = len(row.tokens) - 1 if slot not in matched else lengths[slot]
+            self.draft.set_length(slot, min(len(row.tokens) - 1, seen))
+            if slot in matched:
+                self.matches.record(matched[slot], step.drafted, step.accepted)
+            row.stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
             if settled.stopped:
                 row.finish_reason, row.text = "stop", settled.text
             elif len(row.tokens) >= row.limit:
@@ -187,8 +210,34 @@ class BatchRunner:
             if row.finish_reason:
                 finished.append(slot)
         if k or not self._reproducible(rows):
-            self._schedule(rows).update(len(rows), k, seconds, [r.round for r in rows], steps)
+            model = [
+                (row.round, step)
+                for slot, (row, step) in enumerate(zip(rows, steps))
+                if slot not in matched
+            ]
+            parts, model_steps = [p for p, _ in model], [st for _, st in model]
+            self._schedule(rows).update(len(rows), k, seconds, parts, model_steps)
         return finished
+
+    def _match(self, row: _Row, cap: int, k: int) -> Proposal | None:
+        """The row's match to verify this round instead of the model's draft, if any: always
+        for "lookup" rows; for "hybrid" rows where it is expected to keep more tokens than the
+        model's K (by what matches and model drafts kept so far), or always under a seed (the
+        choice must not depend on other rows)."""
+        config = row.request.config
+        if row.index is None or cap <= 0:
+            return None
+        found = row.index.propose(row.tokens, cap)
+        if self.suffix_cache is not None:
+            shared = self.suffix_cache.propose(row.tokens, cap)
+            if shared.match > found.match:
+                found = shared
+        if not found.tokens:
+            return None
+        if config.proposer == "lookup" or (config.seed is not None and not config.greedy):
+            return found
+        model = self._schedule([row]).expected_tokens(min(k, cap)) if k else 1.0
+        return found if self.matches.expected_tokens(found)[-1] >= model else None
 
     def draft_length(self, rows: list[_Row]) -> int:
         """The round's K for every row. Fixed (each row's own ``num_draft_tokens``) when a row
@@ -196,13 +245,21 @@ class BatchRunner:
         speed. Otherwise the load schedule picks K for this many rows from measured round
         times and acceptance (K = 0 when drafting does not pay at this batch size). K is
         capped so that every row's positions fit in both caches."""
-        k_max = max(row.request.config.num_draft_tokens if row.drafting else 0 for row in rows)
-        longest = max(len(row.tokens) for row in rows)
-        fits = min(self.target.max_positions - longest, self.draft.max_positions - longest - 1)
-        k_max = max(0, min(k_max, fits))
+        k_max = max(
+            row.request.config.num_draft_tokens
+            if row.drafting and row.request.config.proposer != "lookup"
+            else 0
+            for row in rows
+        )
+        k_max = max(0, min(k_max, self._fits(rows)))
         if k_max == 0 or self._reproducible(rows):
             return k_max
         return self._schedule(rows).choose(len(rows), k_max)
+
+    def _fits(self, rows: list[_Row]) -> int:
+        """Draft tokens every row's positions fit in both caches."""
+        longest = max(len(row.tokens) for row in rows)
+        return min(self.target.max_positions - longest, self.draft.max_positions - longest - 1)
 
     def _schedule(self, rows: list[_Row]) -> LoadSchedule:
         """One per draft schedule name: "fixed" always drafts K, the others adapt K to load."""
@@ -233,6 +290,8 @@ class BatchRunner:
         prompt = row.request.prompt
         k_max = row.request.config.num_draft_tokens
         row.stats.draft_stopped = k_max > 0 and len(row.tokens) >= self.draft.max_positions
+        if self.suffix_cache is not None:
+            self.suffix_cache.add(row.tokens)
         new_ids = row.tokens[len(prompt) :]
         row.stats.new_tokens = len(new_ids)
         text = row.text

@@ -8,6 +8,8 @@ from specrt.validation import flag, integer, number, out_of_range
 
 MAX_DRAFT_TOKENS = 64
 DRAFT_SCHEDULES = ("fixed", "adaptive", "heuristic")
+PROPOSERS = ("model", "lookup", "hybrid")
+MAX_NGRAM = 16
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class GenerationConfig:
     adaptive one models its costs instead of timing them). ``stop``: strings (or one string)
     that end a row where its new text first contains one; the text stops before it
     (`specrt.runtime.stopping`).
+    ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
+    continuation of the longest n-gram (``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens)
+    that ends the row and occurred earlier in its prompt or output (and of the generator's
+    suffix cache, when it has one), ``num_draft_tokens`` at most; ``"hybrid"`` one of them per
+    round, whichever is expected to give more tokens per second (`specrt.runtime.hybrid`).
+    All are exactly lossless.
     """
 
     max_new_tokens: int = 64
@@ -60,6 +68,9 @@ class GenerationConfig:
     adaptive_draft: bool = False
     draft_schedule: str = "fixed"
     stop: tuple[str, ...] = ()
+    proposer: str = "model"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -87,6 +98,14 @@ class GenerationConfig:
         if self.adaptive_draft and self.draft_schedule == "fixed":
             set("draft_schedule", "adaptive")
         set("stop", stop_strings(self.stop))
+        if self.proposer not in PROPOSERS:
+            raise out_of_range("proposer", self.proposer, f"use one of {PROPOSERS}")
+        rule = f"use an integer in [1, {MAX_NGRAM}]"
+        low = integer("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_NGRAM, rule)
+        rule = f"use an integer in [prompt_lookup_min, {MAX_NGRAM}] ({low} here)"
+        high = integer("prompt_lookup_max", self.prompt_lookup_max, low, MAX_NGRAM, rule)
+        set("prompt_lookup_min", low)
+        set("prompt_lookup_max", high)
 
     @property
     def greedy(self) -> bool:

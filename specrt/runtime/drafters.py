@@ -4,7 +4,11 @@ interchangeable in the loop (as transformers' candidate generators are).
 ``prefill(tokens)`` shows the drafter a prompt; ``propose(tokens, k, ...)`` returns up to k draft
 tokens continuing ``tokens`` and, when sampling, the distributions they were drawn from (after
 the same warp the target gets); ``rollback(n)`` says that only ``tokens[:n]`` stand: the drafter
-keeps whatever state is still valid.
+keeps whatever state is still valid; ``observe(round)`` tells it how the round went.
+
+`ModelDrafter` runs a small model; `LookupDrafter` matches the row against its own text (and a
+`SuffixCache` of earlier requests); `specrt.runtime.hybrid.HybridDrafter` picks between them
+each round.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 
 from specrt.backends import Decoder
 from specrt.runtime.config import SamplingParams
+from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
     check_probabilities,
@@ -32,10 +37,13 @@ from specrt.runtime.schedules import KeepGoing
 @dataclass
 class Draft:
     """Draft tokens and, when sampling, ``probabilities [len(tokens), V]``: the distribution
-    each was drawn from (None when greedy). Valid until the drafter's next call."""
+    each was drawn from (None when greedy, or for point masses: tokens chosen without a
+    distribution). ``source``: the proposer ("model", "lookup", "suffix"). Valid until the
+    drafter's next call."""
 
     tokens: list[int]
     probabilities: np.ndarray | None
+    source: str = "model"
 
 
 class Drafter(Protocol):
@@ -53,9 +61,14 @@ class Drafter(Protocol):
         sampling: SamplingParams,
         rng: np.random.Generator,
         keep_drafting: KeepGoing | None = None,
+        limit: int | None = None,
     ) -> Draft: ...
 
     def rollback(self, valid_length: int) -> None: ...
+
+    def observe(
+        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+    ) -> None: ...
 
 
 class ModelDrafter:
@@ -79,6 +92,11 @@ class ModelDrafter:
     def rollback(self, valid_length: int) -> None:
         self.decoder.rollback(valid_length)
 
+    def observe(
+        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+    ) -> None:
+        pass  # the draft-length schedule learns from model rounds
+
     def propose(
         self,
         tokens: list[int],
@@ -86,9 +104,11 @@ class ModelDrafter:
         sampling: SamplingParams,
         rng: np.random.Generator,
         keep_drafting: KeepGoing | None = None,
+        limit: int | None = None,
     ) -> Draft:
         """Up to ``k`` tokens; ``keep_drafting`` may stop earlier, judging by the draft's
-        confidence (its top probability) in each token it drafted."""
+        confidence (its top probability) in each token it drafted. (``limit``, the most that
+        fit this round, is for proposers that choose their own length.)"""
         drafted: list[int] = []
         q = None if sampling.greedy else self._q_buffer(k)
         pending = tokens[self.decoder.length :]
@@ -130,3 +150,51 @@ class ModelDrafter:
         if self._q is None or len(self._q) < k:
             self._q = np.empty((k, self.decoder.vocab_size), dtype=LOOP_DTYPE)
         return self._q[:k]
+
+
+class LookupDrafter:
+    """Point-mass proposals found by matching: the row's own prompt and output (prompt lookup)
+    and, when given, a `SuffixCache` of earlier requests. The longer match wins (the row's own
+    text on a tie). No model runs: ``k`` tokens cost only their verification."""
+
+    max_positions = 1 << 62  # no model of its own: any length can be continued
+    run_time_s = 0.0
+
+    def __init__(self, index: NgramIndex | None = None, suffix: SuffixCache | None = None) -> None:
+        self.index = index if index is not None else NgramIndex()
+        self.suffix = suffix
+
+    def reset(self) -> None:
+        self.index.reset()
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        pass  # indexed at the first proposal
+
+    def rollback(self, valid_length: int) -> None:
+        pass  # the index holds accepted tokens only
+
+    def observe(
+        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+    ) -> None:
+        pass
+
+    def find(self, tokens: list[int], k: int) -> Proposal:
+        """The better of the two matches (``NO_PROPOSAL``: none)."""
+        found = self.index.propose(tokens, k)
+        if self.suffix is not None and k > 0:
+            shared = self.suffix.propose(tokens, k)
+            if shared.match > found.match:
+                return shared
+        return found
+
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+        keep_drafting: KeepGoing | None = None,
+        limit: int | None = None,
+    ) -> Draft:
+        found = self.find(tokens, k)
+        return Draft(found.tokens, None, found.source or "lookup")

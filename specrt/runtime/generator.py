@@ -15,8 +15,10 @@ from specrt.backends import Decoder, RowsDecoder
 from specrt.errors import InvalidInputError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.drafters import Drafter, ModelDrafter
+from specrt.runtime.drafters import Drafter, LookupDrafter, ModelDrafter
+from specrt.runtime.hybrid import HybridDrafter
 from specrt.runtime.loading import ModelPair, load_pair
+from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import speculative_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
@@ -40,23 +42,32 @@ class SpeculativeGenerator:
         drafter: Drafter,
         tokenizer: BundleTokenizer | None = None,
         eos_token_ids: Sequence[int] = (),
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Off unless given: it shares one request's text with the proposals of the next.
+        self.suffix_cache = suffix_cache
         self._lock = threading.Lock()
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
+        self._hybrids: dict[tuple[int, int, bool], HybridDrafter] = {}
         self._load_schedules: dict[str, LoadSchedule] = {}  # what batches learn, kept
 
     @classmethod
-    def from_bundle(cls, bundle_dir: str | Path, **options: Any) -> SpeculativeGenerator:
+    def from_bundle(
+        cls, bundle_dir: str | Path, suffix_cache: SuffixCache | None = None, **options: Any
+    ) -> SpeculativeGenerator:
         """Load a bundle (``options``: those of `specrt.runtime.loading.load_pair`)."""
-        return cls.from_pair(load_pair(bundle_dir, **options))
+        return cls.from_pair(load_pair(bundle_dir, **options), suffix_cache)
 
     @classmethod
-    def from_pair(cls, pair: ModelPair) -> SpeculativeGenerator:
-        return cls(pair.target, ModelDrafter(pair.draft), pair.tokenizer, pair.eos_token_ids)
+    def from_pair(
+        cls, pair: ModelPair, suffix_cache: SuffixCache | None = None
+    ) -> SpeculativeGenerator:
+        drafter = ModelDrafter(pair.draft)
+        return cls(pair.target, drafter, pair.tokenizer, pair.eos_token_ids, suffix_cache)
 
     @property
     def max_batch(self) -> int:
@@ -180,7 +191,9 @@ class SpeculativeGenerator:
                     result = self._generate_row(request.prompt, request.config, request.rng)
                 yield request.key, result
             return
-        runner = BatchRunner(self.target, self.drafter.decoder, self.tokenizer, self.eos_token_ids)
+        runner = BatchRunner(
+            self.target, self.drafter.decoder, self.tokenizer, self.eos_token_ids, self.suffix_cache
+        )
         runner.schedules = self._load_schedules
         with self._lock:
             yield from runner.run(requests)
@@ -200,7 +213,8 @@ class SpeculativeGenerator:
         draft's calibration, the machine's costs) holds for the pair, not for one prompt.
         Except under a seed when sampling: the drafts decide which random draws the output
         takes, so the schedule is new for each row and decides from that row alone."""
-        name = config.draft_schedule if config.num_draft_tokens else "fixed"
+        drafts = config.num_draft_tokens and config.proposer != "lookup"  # a match has no cost
+        name = config.draft_schedule if drafts else "fixed"
         if name != "fixed" and config.seed is not None and not config.greedy:
             return make_schedule(name, config.num_draft_tokens, reproducible=True)
         key = (name, config.num_draft_tokens, config.greedy)
@@ -208,11 +222,30 @@ class SpeculativeGenerator:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)
         return self._schedules[key]
 
+    def _drafter(self, config: GenerationConfig) -> Drafter:
+        """The row's proposer (`GenerationConfig.proposer`). A hybrid is kept across rows like
+        a schedule (what it learns holds for the pair), except for seeded sampled rows."""
+        if config.proposer == "model":
+            return self.drafter
+        index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        lookup = LookupDrafter(index, self.suffix_cache)
+        if config.proposer == "lookup":
+            return lookup
+        reproducible = config.seed is not None and not config.greedy
+        if reproducible:
+            return HybridDrafter(self.drafter, lookup, modelled_costs=True)
+        key = (config.prompt_lookup_min, config.prompt_lookup_max, config.greedy)
+        hybrid = self._hybrids.get(key)
+        if hybrid is None:
+            hybrid = self._hybrids[key] = HybridDrafter(self.drafter, lookup)
+        hybrid.lookup = lookup
+        return hybrid
+
     def _generate_row(
         self, prompt: list[int], config: GenerationConfig, rng: np.random.Generator
     ) -> GenerationResult:
         start = time.perf_counter()
-        target, drafter = self.target, self.drafter
+        target, drafter = self.target, self._drafter(config)
         sampling, schedule = config.sampling, self._schedule(config)
         k_max = config.num_draft_tokens
         stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
@@ -234,11 +267,15 @@ class SpeculativeGenerator:
         while len(tokens) < limit:
             # A round emits at most k+1 tokens, and every position fed must fit in each model.
             room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
-            k = schedule.start_round(max(0, room) if drafting else 0)
+            room = max(0, room) if drafting else 0
+            k = schedule.start_round(room)
             step = speculative_round(
-                target, drafter, tokens, k, sampling, rng, schedule.keep_drafting
+                target, drafter, tokens, k, sampling, rng, schedule.keep_drafting, room
             )
-            schedule.update(step.drafted, step.accepted, step.draft_time_s, step.verify_time_s)
+            times = step.draft_time_s, step.verify_time_s
+            if step.source == "model":
+                schedule.update(step.drafted, step.accepted, *times)
+            drafter.observe(step.source, step.drafted, step.accepted, *times)
 
             # Roll back: each cache keeps only what is still history (all but the newest token).
             target.rollback(len(tokens) + step.accepted)
@@ -246,12 +283,14 @@ class SpeculativeGenerator:
             drafter.rollback(len(tokens) - 1)
             # What stands: draft tokens after an EOS or a stop string were accepted but are not
             # output.
-            stats.add_round(step.drafted, min(step.accepted, settled.count))
+            stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
             if settled.stopped:
                 finish_reason, stop_text = "stop", settled.text
                 break
 
         stats.draft_stopped = k_max > 0 and len(tokens) >= drafter.max_positions
+        if self.suffix_cache is not None:
+            self.suffix_cache.add(tokens)
         new_ids = tokens[len(prompt) :]
         stats.new_tokens = len(new_ids)
         text = stop_text

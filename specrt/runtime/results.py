@@ -18,6 +18,8 @@ class GenerationStats:
     wall_time_s / tokens_per_second: generation wall time (prefill included), new tokens / it.
     draft_stopped: the sequence reached the draft model's max positions (or the prompt alone did),
     so the target decoded from there on alone.
+    proposers: per proposer ("model", "lookup", "suffix") of the rounds it drafted: rounds,
+    proposed and accepted tokens, accepted_per_position.
     """
 
     prompt_tokens: int = 0
@@ -33,14 +35,19 @@ class GenerationStats:
     wall_time_s: float = 0.0
     tokens_per_second: float = 0.0
     draft_stopped: bool = False
+    proposers: dict[str, dict] = field(default_factory=dict)
 
-    def add_round(self, drafted: int, accepted: int) -> None:
+    def add_round(self, drafted: int, accepted: int, source: str = "model") -> None:
         self.rounds += 1
         self.draft_rounds += drafted > 0
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         for position in range(accepted):
+            if position == len(self.accepted_per_position):  # a match may outrun K
+                self.accepted_per_position.append(0)
             self.accepted_per_position[position] += 1
+        if drafted:
+            add_proposer_round(self.proposers, source, drafted, accepted)
 
     def finish(self, wall_time_s: float) -> None:
         self.wall_time_s = wall_time_s
@@ -53,6 +60,20 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def add_proposer_round(table: dict[str, dict], source: str, drafted: int, accepted: int) -> None:
+    """Count a drafting round of ``source`` in ``table`` (as `GenerationStats.proposers`)."""
+    entry = table.setdefault(
+        source, {"rounds": 0, "proposed": 0, "accepted": 0, "accepted_per_position": []}
+    )
+    entry["rounds"] += 1
+    entry["proposed"] += drafted
+    entry["accepted"] += accepted
+    by_position = entry["accepted_per_position"]
+    by_position.extend([0] * (accepted - len(by_position)))
+    for position in range(accepted):
+        by_position[position] += 1
 
 
 @dataclass

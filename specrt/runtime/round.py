@@ -33,6 +33,7 @@ class RoundResult:
     tokens: list[int]  # emitted: the accepted draft tokens, then the recovered or bonus token
     draft_time_s: float
     verify_time_s: float
+    source: str = "model"  # the proposer of the draft tokens
 
 
 def speculative_round(
@@ -43,15 +44,17 @@ def speculative_round(
     sampling: SamplingParams,
     rng: np.random.Generator,
     keep_drafting: KeepGoing | None = None,
+    limit: int | None = None,
 ) -> RoundResult:
     """Continue ``tokens`` by one round: at most ``k`` draft tokens (``keep_drafting`` may stop
-    the drafter earlier), all of them checked by one target pass. k = 0 is a plain target step.
+    the drafter earlier; a matching proposer may take up to ``limit``), all of them checked by
+    one target pass. k = 0 (and nothing matched) is a plain target step.
 
     The target's cache holds all of ``tokens`` but the newest (the caller rolls it back so); it
     is fed that token and the draft, K+1 positions, and returns what verification reads of
     them (`sampling.rows_needed`)."""
     started = time.perf_counter()
-    draft = drafter.propose(tokens, k, sampling, rng, keep_drafting)
+    draft = drafter.propose(tokens, k, sampling, rng, keep_drafting, limit)
     drafted_at = time.perf_counter()
 
     fed = tokens[target.length :] + draft.tokens
@@ -63,37 +66,51 @@ def speculative_round(
         tokens=[*draft.tokens[:accepted], next_token],
         draft_time_s=drafted_at - started,
         verify_time_s=time.perf_counter() - drafted_at,
+        source=draft.source,
     )
 
 
 @dataclass
 class RowRound:
     """One row's part in a batched round: its tokens (the target's cache holds all but the
-    newest), how to sample, its own random stream, and how many of the round's K draft tokens
-    it may use (fewer near its length limit)."""
+    newest), how to sample, its own random stream, and how many draft tokens it verifies:
+    the first ``k`` of the model's (fewer near its length limit), or ``match``, tokens proposed
+    by matching (`LookupDrafter`: point masses) in their place."""
 
     tokens: list[int]
     sampling: SamplingParams
     rng: np.random.Generator
     k: int
+    match: list[int] | None = None
+    source: str = "model"
+
+    @property
+    def model_k(self) -> int:
+        """Draft-model tokens this row uses (and draws for)."""
+        return 0 if self.match else self.k
 
 
 def batched_round(
     target: RowsDecoder, draft: RowsDecoder, rows: list[RowRound], k: int
 ) -> list[RoundResult]:
     """One round for rows 0 .. n-1 of both models' caches: K draft steps, each one draft call
-    for every row, then ONE target call verifying ``[n, K+1]``; each row accepts its own
-    prefix. A row uses its first ``row.k`` draft tokens: it draws nothing past them (its
-    random stream advances as if it were alone) and its later draft slots are filler."""
+    for every row (none when every row has a match), then ONE target call verifying
+    ``[n, W+1]`` (W: the most draft tokens a row verifies); each row accepts its own prefix.
+    A row uses its first ``row.k`` draft tokens or its match: it draws nothing past them (its
+    random stream advances as if it were alone) and its later slots are filler."""
     started = time.perf_counter()
-    drafts, q = draft_rows(draft, rows, k) if k else (np.zeros((len(rows), 0), np.int64), [])
+    n = len(rows)
+    k = k if any(row.model_k for row in rows) else 0
+    drafts, q = draft_rows(draft, rows, k) if k else (np.zeros((n, 0), np.int64), [])
+    drafts_per_row = [row.match or own for row, own in zip(rows, drafts.tolist())]
     drafted_at = time.perf_counter()
 
-    fed = np.empty((len(rows), k + 1), dtype=np.int64)
-    fed[:, 0] = [row.tokens[-1] for row in rows]
-    fed[:, 1:] = drafts
+    k = max(row.k for row in rows)  # the verification width
+    fed = np.zeros((n, k + 1), dtype=np.int64)
+    for i, (row, proposed) in enumerate(zip(rows, drafts_per_row)):
+        fed[i, 0] = row.tokens[-1]
+        fed[i, 1 : 1 + row.k] = proposed[: row.k]  # the rest: filler
     out = target.forward_rows(fed, keep_last=k + 1)
-    drafts_per_row = drafts.tolist()
     if all(row.sampling.greedy for row in rows):  # one argmax over the whole batch
         choices = argmax_tokens(out.logits.reshape(-1, out.logits.shape[-1]), "target")
         verdicts = [
@@ -106,7 +123,7 @@ def batched_round(
             kept = slice(0, row.k + 1)
             probabilities = None if out.probabilities is None else out.probabilities[i, kept]
             row_out = Forward(out.logits[i, kept], probabilities)
-            row_q = q[i][: row.k] if q and q[i] is not None else None
+            row_q = q[i][: row.k] if q and q[i] is not None and not row.match else None
             verdicts.append(
                 verify(drafts_per_row[i][: row.k], row_q, row_out, row.sampling, row.rng)
             )
@@ -118,6 +135,7 @@ def batched_round(
             tokens=[*drafts_per_row[i][:accepted], token],
             draft_time_s=drafted_at - started,
             verify_time_s=verify_time,
+            source=row.source if row.match else "model",
         )
         for i, (row, (accepted, token)) in enumerate(zip(rows, verdicts))
     ]
@@ -150,7 +168,7 @@ def draft_rows(
             drafts[:, step] = argmax_tokens(logits, "draft")
             continue
         for i, row in enumerate(rows):
-            if step >= row.k:  # past this row's share: filler, and no draw
+            if step >= row.model_k:  # past this row's share: filler, and no draw
                 drafts[i, step] = drafts[i, step - 1] if step else 0
                 continue
             s = row.sampling

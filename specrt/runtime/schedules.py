@@ -279,6 +279,12 @@ class LineFit:
             return None
         return max(0.0, (n * sxy - sx * sy) / spread)
 
+    def mean(self) -> tuple[float, float] | None:
+        """The (x, y) centre of the observations (None before the first); the line passes
+        through it."""
+        n, sx, _, sy, _ = self._sums
+        return (sx / n, sy / n) if n else None
+
 
 class HeuristicSchedule:
     """The classic schedule, for comparison: K grows by 2 after a fully accepted round and

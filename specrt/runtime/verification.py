@@ -12,6 +12,11 @@ and the target's logits for the K+1 positions from ONE target pass (warped into
 Every emitted token then follows :math:`p` exactly (Leviathan et al. 2023, Chen et al. 2023):
 :math:`P(y) = q(y)\min(1, p(y)/q(y)) + (1 - \sum_x \min(q(x), p(x)))\,r(y) = p(y)`.
 
+A proposer that picks its tokens without a distribution (prompt lookup, the suffix cache) is a
+point mass :math:`q_i = \delta_{x_i}`: the same rule then accepts :math:`x_i` with probability
+:math:`p_i(x_i)` and otherwise emits from :math:`p_i` with :math:`x_i` removed and renormalised.
+Such tokens come with ``None`` for their distribution (and need no ``[V]`` one-hot row).
+
 Greedy decoding is the temperature-0 limit: accept while :math:`x_i = \arg\max p_i`; the
 recovered or bonus token is :math:`\arg\max p_i`.
 
@@ -22,6 +27,8 @@ possible when p == q up to rounding, where rejection has probability 0) falls ba
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from specrt.backends import Forward
@@ -31,7 +38,7 @@ from specrt.runtime.sampling import WarpedRows, greedy_tokens, sample
 
 def verify(
     draft_tokens: list[int],
-    draft_probabilities: np.ndarray | None,
+    draft_probabilities: Sequence[np.ndarray | None] | None,
     target: Forward,
     sampling: SamplingParams,
     rng: np.random.Generator,
@@ -41,7 +48,9 @@ def verify(
     ``target``: the target's pass over the positions of the last accepted token and the K draft
     tokens: its logits ``[K+1, V]``, or its own argmax per row where the backend computed them
     (greedy), and its softmax (used instead of warping where the warp is the identity).
-    ``draft_probabilities``: ``[K, V]`` warped draft distributions (unused when greedy). K may
+    ``draft_probabilities``: per draft token the warped distribution it was drawn from
+    (``[K, V]``), or None for a point mass; None alone: every token is one (unused when
+    greedy). K may
     be 0 (a plain decoding step). Sampling draws one uniform per position tested, then one for
     the emitted token; the target's rows are warped only as far as the test reaches (most
     rounds stop early).
@@ -51,8 +60,12 @@ def verify(
 
     p = WarpedRows(target.logits, sampling, "target", target.probabilities)
     for i, x in enumerate(draft_tokens):
-        p_i, q_i = p[i], draft_probabilities[i]
-        if not rng.random() < acceptance_probability(p_i[x], q_i[x]):
+        p_i = p[i]
+        q_i = None if draft_probabilities is None else draft_probabilities[i]
+        if q_i is None:  # a point mass: q(x) = 1
+            if not rng.random() < p_i[x]:
+                return i, sample(without(p_i, x), rng)
+        elif not rng.random() < acceptance_probability(p_i[x], q_i[x]):
             return i, sample(residual_distribution(p_i, q_i), rng)
     return len(draft_tokens), sample(p[len(draft_tokens)], rng)
 
@@ -71,6 +84,15 @@ def accept_greedy(draft_tokens: list[int], choice: list[int]) -> tuple[int, int]
 def acceptance_probability(p_of_x: float, q_of_x: float) -> float:
     """min(1, p(x)/q(x)); 0 where q(x) == 0."""
     return min(1.0, p_of_x / q_of_x) if q_of_x > 0 else 0.0
+
+
+def without(p: np.ndarray, x: int) -> np.ndarray:
+    """norm(max(0, p - one_hot(x))): ``p`` with ``x`` removed and renormalised; ``p`` itself
+    when nothing else has mass (then x was accepted with probability 1)."""
+    rest = p.copy()
+    rest[x] = 0.0
+    total = rest.sum()
+    return rest / total if total > 0 else p
 
 
 def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -239,7 +239,7 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
     return Starlette(routes=routes)
 
 
-_DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos")  # the server's own
+_DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's
 
 
 def usage(result: GenerationResult) -> dict:
@@ -255,6 +255,7 @@ def spec_stats(result: GenerationResult) -> dict:
         "accepted_tokens": s.accepted_tokens,
         "acceptance_rate": s.acceptance_rate,
         "accepted_per_position": s.accepted_per_position,
+        "proposers": s.proposers,
     }
 
 

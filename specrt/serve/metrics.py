@@ -48,6 +48,31 @@ class Metrics:
             ["position"],
             registry=registry,
         )
+        # Ours (vLLM has one proposer per server): the same counts split by proposer.
+        self.proposer_drafts = Counter(
+            "specrt:proposer_num_drafts",
+            "Verification passes that checked drafts, by proposer",
+            ["proposer"],
+            registry=registry,
+        )
+        self.proposer_draft_tokens = Counter(
+            "specrt:proposer_num_draft_tokens",
+            "Draft tokens proposed, by proposer (model, lookup, suffix)",
+            ["proposer"],
+            registry=registry,
+        )
+        self.proposer_accepted_tokens = Counter(
+            "specrt:proposer_num_accepted_tokens",
+            "Draft tokens accepted, by proposer",
+            ["proposer"],
+            registry=registry,
+        )
+        self.proposer_accepted_per_position = Counter(
+            "specrt:proposer_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by proposer and position in the draft",
+            ["proposer", "position"],
+            registry=registry,
+        )
         self.latency = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Request latency",
@@ -76,6 +101,12 @@ class Metrics:
         self.accepted_tokens.inc(stats.accepted_tokens)
         for position, count in enumerate(stats.accepted_per_position):
             self.accepted_per_position.labels(str(position)).inc(count)
+        for source, entry in stats.proposers.items():
+            self.proposer_drafts.labels(source).inc(entry["rounds"])
+            self.proposer_draft_tokens.labels(source).inc(entry["proposed"])
+            self.proposer_accepted_tokens.labels(source).inc(entry["accepted"])
+            for position, count in enumerate(entry["accepted_per_position"]):
+                self.proposer_accepted_per_position.labels(source, str(position)).inc(count)
         now = time.perf_counter()
         self.latency.observe(now - handle.submitted_at)
         self.first_token.observe((handle.first_text_at or now) - handle.submitted_at)

@@ -1,0 +1,181 @@
+"""Proposers side by side on text the demo pair never saw: the target alone, the draft model
+(fixed K, adaptive), prompt lookup, the suffix cache (as in a batch job) and the hybrid.
+
+    .venv/bin/python bench/proposers.py [--bundle engines/demo] [--prompts 24] [--repeats 3]
+
+Workloads, both built from the source of click (a dependency of specrt, so installed wherever
+specrt is; the pair was trained on the standard library only):
+
+* held-out: a ``def`` line and the 8 lines before it, from every click module in turn;
+* the pair's own held-out prompts (`models/demo/heldout_prompts.jsonl`: standard library files
+  kept out of its training), for comparison;
+* repetitive: the first 30 lines of a click module, a blank line, then its first 3 lines again
+  (the file continued after a copy of its beginning).
+
+Every contender runs every prompt (greedy, 128 new tokens, EOS ignored), interleaved prompt by
+prompt, ``--repeats`` times; a contender's time on a prompt is its median over the repeats and
+its speed-up is the target alone's time over it. Every output is checked against the target
+alone's. The suffix cache starts empty in each repeat and learns from the rows before (a batch
+job's order). Prints a table per workload and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+REPO = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 128
+
+CONTENDERS = {
+    "target alone": dict(num_draft_tokens=0),
+    "model K=2": dict(num_draft_tokens=2),
+    "model K=4": dict(num_draft_tokens=4),
+    "model K=6": dict(num_draft_tokens=6),
+    "model adaptive": dict(num_draft_tokens=8, draft_schedule="adaptive"),
+    "lookup K=4": dict(num_draft_tokens=4, proposer="lookup"),
+    "lookup K=8": dict(num_draft_tokens=8, proposer="lookup"),
+    "suffix+lookup K=4 (batch)": dict(num_draft_tokens=4, proposer="lookup", suffix=True),
+    "hybrid": dict(num_draft_tokens=8, draft_schedule="adaptive", proposer="hybrid"),
+    "hybrid+suffix (batch)": dict(
+        num_draft_tokens=8, draft_schedule="adaptive", proposer="hybrid", suffix=True
+    ),
+}
+
+
+def click_sources() -> list[Path]:
+    return sorted(Path(click.__file__).parent.glob("*.py"))
+
+
+def heldout_prompts(count: int) -> list[str]:
+    """A ``def`` line and the 8 lines before it, evenly spread over click's modules."""
+    found = []
+    for path in click_sources():
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith("def ") and i >= 8:
+                found.append("\n".join(lines[i - 8 : i + 1]) + "\n")
+    step = max(1, len(found) // count)
+    return found[::step][:count]
+
+
+def repetitive_prompts(count: int) -> list[str]:
+    """A module's first 30 lines, then its first 3 lines again."""
+    found = []
+    for path in click_sources():
+        lines = path.read_text().splitlines()
+        if len(lines) >= 60:
+            found.append("\n".join(lines[:30]) + "\n\n" + "\n".join(lines[:3]) + "\n")
+    return found[:count]
+
+
+def run_workload(generator, prompts: list[str], repeats: int, log) -> dict:
+    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+    from specrt.runtime.lookup import SuffixCache
+
+    ids = generator.encode_prompts(prompts)
+    seconds = {name: [[] for _ in ids] for name in CONTENDERS}
+    proposers: dict[str, dict] = {name: {} for name in CONTENDERS}
+    for repeat in range(repeats):
+        # Each suffix contender learns from its own earlier rows only.
+        cached = {
+            name: SpeculativeGenerator(
+                generator.target,
+                generator.drafter,
+                generator.tokenizer,
+                generator.eos_token_ids,
+                suffix_cache=SuffixCache(),
+            )
+            for name, options in CONTENDERS.items()
+            if options.get("suffix")
+        }
+        for row, prompt in enumerate(ids):
+            reference = None
+            for name, options in CONTENDERS.items():
+                options = dict(options)
+                runner = cached[name] if options.pop("suffix", False) else generator
+                config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
+                started = time.perf_counter()
+                [result] = runner.generate([prompt], config)
+                seconds[name][row].append(time.perf_counter() - started)
+                if reference is None:
+                    reference = result.token_ids
+                elif result.token_ids != reference:
+                    raise SystemExit(f"{name} changed the output of prompt {row}")
+                if repeat == 0:
+                    for source, entry in result.stats.proposers.items():
+                        total = proposers[name].setdefault(source, {"proposed": 0, "accepted": 0})
+                        total["proposed"] += entry["proposed"]
+                        total["accepted"] += entry["accepted"]
+        log(f"  repeat {repeat + 1}/{repeats} done")
+    baseline = [statistics.median(times) for times in seconds["target alone"]]
+    table = {}
+    for name in CONTENDERS:
+        own = [statistics.median(times) for times in seconds[name]]
+        speedups = [b / s for b, s in zip(baseline, own)]
+        table[name] = {
+            "median_speedup": statistics.median(speedups),
+            "min_speedup": min(speedups),
+            "max_speedup": max(speedups),
+            "total_speedup": sum(baseline) / sum(own),
+            "tokens_per_s": len(ids) * NEW_TOKENS / sum(own),
+            "proposers": {
+                source: {**entry, "acceptance": entry["accepted"] / max(1, entry["proposed"])}
+                for source, entry in proposers[name].items()
+            },
+        }
+    return table
+
+
+def print_table(title: str, table: dict) -> None:
+    print(f"\n{title}")
+    print(f"{'contender':28} {'median':>7} {'min':>6} {'max':>6} {'total':>6}  acceptance")
+    for name, row in table.items():
+        acceptance = ", ".join(
+            f"{source} {entry['acceptance']:.2f}" for source, entry in row["proposers"].items()
+        )
+        print(
+            f"{name:28} {row['median_speedup']:6.2f}x {row['min_speedup']:5.2f}x "
+            f"{row['max_speedup']:5.2f}x {row['total_speedup']:5.2f}x  {acceptance}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bundle", default=str(REPO / "engines" / "demo"))
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--repetitive-prompts", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "proposers.json"))
+    args = parser.parse_args()
+
+    from specrt.runtime import SpeculativeGenerator
+
+    generator = SpeculativeGenerator.from_bundle(args.bundle)
+    results = {"bundle": args.bundle, "new_tokens": NEW_TOKENS, "repeats": args.repeats}
+    from specrt.prompts import read_prompt_file
+
+    own = read_prompt_file(REPO / "models" / "demo" / "heldout_prompts.jsonl")
+    workloads = {
+        "held-out (click source)": heldout_prompts(args.prompts),
+        "the pair's own held-out files (standard library)": own[: args.prompts],
+        "repetitive (a click module continued after a copy of its beginning)": (
+            repetitive_prompts(args.repetitive_prompts)
+        ),
+    }
+    for title, prompts in workloads.items():
+        print(f"{title}: {len(prompts)} prompts", flush=True)
+        table = run_workload(generator, prompts, args.repeats, lambda m: print(m, flush=True))
+        results[title] = table
+        print_table(title, table)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

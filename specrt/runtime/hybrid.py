@@ -1,0 +1,180 @@
+r"""The hybrid drafter: each round, the continuation found by matching (prompt lookup, the suffix
+cache) or the draft model's, whichever is expected to give more tokens per second.
+
+A match proposes up to L tokens for free; the round then costs one verification pass of L+1
+positions, :math:`T(L)`, a line fitted to the passes measured so far (on a CPU each position
+adds 10-20% to a pass of the demo target; on a GPU next to nothing). Its expected yield is
+:math:`E(L) = 1 + \sum_{j \le L} \prod_{i \le j} a_i`, where :math:`a_i` is the learned rate at
+which the token at position i of such a match is accepted when the ones before it were, kept
+per proposer and match length (decayed counts over a prior). The hybrid takes the L with the
+most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model rounds (tokens per
+second, the draft-length schedule's choices included), which it measures as they run; otherwise
+the model drafts as it would alone. Timings are what the rounds took, or, when a seeded row's
+draws must not depend on the machine, the modelled costs of `schedules`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specrt.runtime.config import SamplingParams
+from specrt.runtime.drafters import Draft, LookupDrafter, ModelDrafter
+from specrt.runtime.lookup import NO_PROPOSAL, Proposal
+from specrt.runtime.schedules import (
+    MODELLED_DRAFT_STEP,
+    MODELLED_VERIFY_SLOPE,
+    KeepGoing,
+    LineFit,
+)
+
+MAX_MATCH_TOKENS = 10  # proposed from a match at most (transformers' prompt_lookup_num_tokens)
+# Bounds of the fitted cost of one more verified position, as a share of a pass: it is
+# assumed at the lower one until two lengths were measured.
+MIN_VERIFY_SLOPE = 0.02
+MAX_VERIFY_SLOPE = 1.0
+FIRST_PRIOR = 0.5  # prior acceptance of a match's first token, and of the ones after it
+LATER_PRIOR = 0.8
+PRIOR_WEIGHT = 2.0
+DECAY = 0.99  # per observed round, of the acceptance counts and the model's rate sums
+MATCH_BINS = 4  # match lengths told apart: 1, 2, 3, 4 and more
+
+
+class HybridDrafter:
+    """Chooses per round between a `ModelDrafter` and a `LookupDrafter` (see the module)."""
+
+    def __init__(
+        self,
+        model: ModelDrafter,
+        lookup: LookupDrafter,
+        max_match_tokens: int = MAX_MATCH_TOKENS,
+        modelled_costs: bool = False,
+    ) -> None:
+        self.model, self.lookup = model, lookup
+        self.max_positions = model.max_positions
+        self.max_match_tokens = max_match_tokens
+        self.modelled_costs = modelled_costs
+        self.acceptance = MatchAcceptance()
+        self.verify_time = LineFit(0.05)  # seconds of a verification pass vs positions fed
+        self._model_tokens = self._model_seconds = 0.0
+        self._last = NO_PROPOSAL  # the last match proposed
+
+    @property
+    def run_time_s(self) -> float:
+        return self.model.run_time_s
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.lookup.reset()
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.model.prefill(tokens)
+
+    def rollback(self, valid_length: int) -> None:
+        self.model.rollback(valid_length)  # the model may lag: it catches up when next asked
+
+    @property
+    def model_rate(self) -> float | None:
+        """Tokens per second of recent model rounds."""
+        return self._model_tokens / self._model_seconds if self._model_seconds else None
+
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+        keep_drafting: KeepGoing | None = None,
+        limit: int | None = None,
+    ) -> Draft:
+        room = k if limit is None else limit
+        found = self.lookup.find(tokens, min(room, self.max_match_tokens))
+        length = self.match_length(found) if found.tokens else 0
+        if length:
+            self._last = found
+            return Draft(found.tokens[:length], None, found.source)
+        return self.model.propose(tokens, k, sampling, rng, keep_drafting)
+
+    def match_length(self, found: Proposal) -> int:
+        """How many of the matched tokens to verify: the most tokens per second, or 0 where
+        the model's rounds do better."""
+        seconds = self.verify_seconds
+        best, best_rate = 0, 0.0
+        for length, expected in enumerate(self.acceptance.expected_tokens(found), start=1):
+            rate = expected / seconds(length + 1)
+            if rate > best_rate:
+                best, best_rate = length, rate
+        model_rate = self.model_rate
+        if model_rate is None:
+            return best  # no model round measured yet: try the match
+        return best if best_rate >= model_rate else 0
+
+    def verify_seconds(self, positions: int) -> float:
+        """Predicted time of a verification pass over ``positions`` positions."""
+        centre = self.verify_time.mean()
+        if centre is None:
+            return 1.0 + MIN_VERIFY_SLOPE * positions  # the scale cancels out: only ratios count
+        x, y = centre
+        slope = self.verify_time.slope
+        if slope is None:
+            slope = MIN_VERIFY_SLOPE * y
+        slope = min(max(slope, MIN_VERIFY_SLOPE * y), MAX_VERIFY_SLOPE * y)
+        return max(y + slope * (positions - x), 1e-9)
+
+    def observe(
+        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+    ) -> None:
+        """Learn from a round: acceptance of a match's tokens, or the model's rate."""
+        if self.modelled_costs:
+            draft_time_s = drafted * MODELLED_DRAFT_STEP if source == "model" else 0.0
+            verify_time_s = 1.0 + MODELLED_VERIFY_SLOPE * (drafted + 1)
+        self.verify_time.add(drafted + 1, verify_time_s)
+        if source == "model":
+            self._model_tokens = DECAY * self._model_tokens + accepted + 1
+            self._model_seconds = DECAY * self._model_seconds + draft_time_s + verify_time_s
+            return
+        self.acceptance.record(self._last, drafted, accepted)
+
+
+class MatchAcceptance:
+    """How often the tokens of matches are accepted: per proposer and match length, the rate
+    at which position i is accepted when the ones before it were (decayed counts over a prior:
+    a match's first token is a coin flip, later ones likely, until seen)."""
+
+    def __init__(self) -> None:
+        # (source, match bin) -> per position [reached, accepted]
+        self.counts: dict[tuple[str, int], list[list[float]]] = {}
+
+    def expected_tokens(self, found: Proposal) -> list[float]:
+        """For L = 1 .. len(found.tokens): the tokens a round verifying the first L emits,
+        on average (the accepted ones and the one after them)."""
+        counts = self.counts.get(_key(found))
+        expected, survival, out = 1.0, 1.0, []
+        for position in range(len(found.tokens)):
+            prior = FIRST_PRIOR if position == 0 else LATER_PRIOR
+            if counts is None or position >= len(counts):
+                rate = prior
+            else:
+                reached, accepted = counts[position]
+                rate = (accepted + PRIOR_WEIGHT * prior) / (reached + PRIOR_WEIGHT)
+            survival *= rate
+            expected += survival
+            out.append(expected)
+        return out
+
+    def record(self, found: Proposal, drafted: int, accepted: int) -> None:
+        """``drafted`` of ``found``'s tokens were verified, the first ``accepted`` kept."""
+        counts = self.counts.setdefault(_key(found), [])
+        while len(counts) < drafted:
+            counts.append([0.0, 0.0])
+        for position, row in enumerate(counts):
+            row[0] *= DECAY
+            row[1] *= DECAY
+            if position <= accepted and position < drafted:
+                row[0] += 1.0
+                row[1] += position < accepted
+
+
+def _key(found: Proposal) -> tuple[str, int]:
+    return found.source, min(found.match, MATCH_BINS)

@@ -1,0 +1,218 @@
+"""Proposers without a draft model (prompt lookup, the suffix cache) and the hybrid: the
+point-mass verification rule by exact enumeration, the matchers against brute force, the suffix
+cache's bound and privacy, and greedy output identical to the target alone's for every proposer
+and architecture, one row and batched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.backends import Forward
+from specrt.export import SUPPORTED_MODEL_TYPES
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.lookup import NgramIndex, SuffixCache
+from specrt.runtime.verification import verify
+from tests.test_verification import PLAIN, Branches, V, _random, branches  # noqa: F401
+
+# --- the point-mass rule, by exact enumeration of `verify` ------------------------------------
+
+
+def point_mass_law(branches, p, x, bonus) -> np.ndarray:  # noqa: F811
+    """P(first emitted token = y) when the proposer deterministically proposes x."""
+    law = np.zeros_like(p)
+
+    def run(rng):
+        accepted, token = verify(
+            [x], None, Forward(np.zeros((2, V)), np.stack([p, bonus])), PLAIN, rng
+        )
+        return ([x][:accepted] + [token])[0]
+
+    for emitted, chance in branches.outcomes(run).items():
+        law[emitted] += chance
+    return law
+
+
+def _point_mass_cases():
+    rng = np.random.default_rng(99)
+    cases = []
+    for i in range(10):
+        p = _random(rng, zeros=i % 3)
+        cases.append((f"inside{i}", p, int(np.flatnonzero(p)[i % np.count_nonzero(p)])))
+        if (p == 0).any():
+            cases.append((f"outside{i}", p, int(np.flatnonzero(p == 0)[0])))
+    cases.append(("p_one_hot_at_x", np.eye(V)[3], 3))
+    cases.append(("p_one_hot_elsewhere", np.eye(V)[3], 1))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "p", "x"), _point_mass_cases(), ids=lambda v: str(v)[:14])
+def test_point_mass_emits_exactly_p(name, p, x, branches):  # noqa: F811
+    bonus = _random(np.random.default_rng(1))
+    assert np.abs(point_mass_law(branches, p, x, bonus) - p).max() < 1e-9, name
+
+
+def test_point_mass_then_model_token_joint_is_exact(branches):  # noqa: F811
+    """A chain: a matched token (point mass) then a model token drawn from q: the joint law of
+    the first two emitted tokens is the target's."""
+    rng = np.random.default_rng(5)
+    for _ in range(5):
+        p1 = _random(rng, zeros=1)
+        p2 = {y: _random(rng, zeros=y % 2) for y in range(V)}
+        q2 = {y: _random(rng, zeros=(y + 1) % 3) for y in range(V)}
+        bonus = _random(rng)
+        x1 = int(rng.integers(V))
+        joint = np.zeros((V, V))
+        for x2 in np.flatnonzero(q2[x1]):
+            rows = np.stack([p1, p2[x1], bonus])
+
+            def run(rng, drafted=(x1, int(x2)), q=q2[x1], rows=rows):
+                accepted, token = verify(drafted, [None, q], Forward(0 * rows, rows), PLAIN, rng)
+                return (*drafted[:accepted], token)
+
+            for emitted, chance in branches.outcomes(run).items():
+                weight = q2[x1][x2] * chance
+                if len(emitted) >= 2:
+                    joint[emitted[0], emitted[1]] += weight
+                else:
+                    joint[emitted[0]] += weight * p2[emitted[0]]
+        expected = p1[:, None] * np.stack([p2[y] for y in range(V)])
+        assert np.abs(joint - expected).max() < 1e-9
+
+
+def test_point_mass_enumeration_can_fail(branches, monkeypatch):  # noqa: F811
+    """Emitting from p itself (x not removed) after a rejection moves the law off p."""
+    from specrt.runtime import verification
+
+    p = _random(np.random.default_rng(3))
+    monkeypatch.setattr(verification, "without", lambda p_i, x: p_i)
+    assert np.abs(point_mass_law(branches, p, 2, p) - p).max() > 1e-3
+
+
+# --- the matchers ---------------------------------------------------------------------------
+
+
+def brute_force_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The continuation of the latest earlier occurrence of the longest suffix n-gram."""
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        suffix = tokens[end - n :]
+        for start in range(end - n - 1, -1, -1):  # occurrences followed by a token
+            if tokens[start : start + n] == suffix:
+                out, position = [], start + n
+                period = end - position
+                while len(out) < k:
+                    out.append(tokens[position] if position < end else out[len(out) - period])
+                    position += 1
+                return out
+    return []
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 3), (2, 4), (1, 1)])
+def test_ngram_index_matches_brute_force(min_n, max_n):
+    rng = np.random.default_rng(min_n * 10 + max_n)
+    for trial in range(30):
+        tokens = rng.integers(0, 4 + trial % 5, size=int(rng.integers(2, 60))).tolist()
+        index = NgramIndex(min_n, max_n)
+        for end in range(1, len(tokens) + 1):  # grown one token at a time, as in the loop
+            got = index.propose(tokens[:end], 5).tokens
+            assert got == brute_force_lookup(tokens[:end], 5, min_n, max_n), (tokens[:end], got)
+    # (a fresh index per sequence: one index follows one growing row)
+    assert NgramIndex(1, 3).propose([7, 8, 9, 1, 7, 8], 3).tokens == [9, 1, 7]  # the longest
+    assert NgramIndex(1, 3).propose([5, 6, 5, 6, 5], 4).tokens == [6, 5, 6, 5]  # loops on
+    assert NgramIndex(1, 3).propose([1, 2, 3], 3).tokens == []  # no token repeats
+
+
+def test_suffix_cache_proposes_the_most_frequent_continuation():
+    cache = SuffixCache(max_tokens=1000, depth=3)
+    for document in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 9], [7, 2, 3, 5]):
+        cache.add(document)
+    found = cache.propose([8, 1, 2, 3], 2)
+    assert (found.tokens, found.match, found.source) == ([4], 3, "suffix")
+    assert cache.propose([0, 0], 3).tokens == []
+
+
+def test_suffix_cache_is_bounded_and_forgets_exactly():
+    rng = np.random.default_rng(0)
+    cache = SuffixCache(max_tokens=2000, depth=4)
+    sizes = []
+    documents = [rng.integers(0, 50, size=int(rng.integers(20, 200))).tolist() for _ in range(300)]
+    for i, document in enumerate(documents):
+        cache.add(document)
+        assert cache.tokens <= 2000
+        if i >= 100:
+            sizes.append(cache.memory_bytes())
+    assert max(sizes) < 1.5 * min(sizes)  # a long run does not grow it
+    # What it holds is exactly what a cache built from the kept documents alone holds.
+    fresh = SuffixCache(max_tokens=2000, depth=4)
+    for document in cache._documents:
+        fresh.add(document)
+    assert fresh._counts == cache._counts
+
+
+# --- generation: greedy output is the target's, for every proposer --------------------------
+
+REPEATS = [
+    "def f(x):\n    return x\ndef f(x):\n    return",
+    "a b c a b c a b c a b",
+    "for i in range(10):\n    for i in range(10):\n        for i in",
+]
+PLAIN_PROMPTS = ["Simple is", "better than", "x"]
+PROPOSERS = [
+    dict(proposer="lookup"),
+    dict(proposer="lookup", prompt_lookup_min=2, prompt_lookup_max=4),
+    dict(proposer="hybrid"),
+    dict(proposer="hybrid", draft_schedule="adaptive", num_draft_tokens=8),
+]
+
+
+def generate(generator, k: int = 4, **options):
+    options.setdefault("num_draft_tokens", k)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True, **options)
+    return generator.generate(REPEATS + PLAIN_PROMPTS, config)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
+def test_every_proposer_greedy_equals_target_only(bundles, arch):
+    one_row = SpeculativeGenerator.from_bundle(bundles[arch], threads=1)
+    batched = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, max_batch=4)
+    expected = [r.token_ids for r in generate(one_row, 0)]
+    for options in PROPOSERS:
+        for generator in (one_row, batched):
+            generator._hybrids.clear()
+            generator._load_schedules.clear()
+            results = generate(generator, **options)
+            assert [r.token_ids for r in results] == expected, (arch, options, generator.max_batch)
+            sources = {s for r in results for s in r.stats.proposers}
+            proposed = sum(e["proposed"] for r in results for e in r.stats.proposers.values())
+            accepted = sum(e["accepted"] for r in results for e in r.stats.proposers.values())
+            assert "lookup" in sources, (arch, options)  # the matches fired
+            assert 0 < accepted < proposed, (arch, options)  # accepted and rejected ones
+            for result in results:
+                stats = result.stats
+                assert stats.accepted_tokens == sum(e["accepted"] for e in stats.proposers.values())
+                assert stats.new_tokens == stats.accepted_tokens + stats.rounds
+
+
+def test_suffix_cache_off_leaks_nothing_across_requests(llama_bundle):
+    """Without a suffix cache, a request's proposals are the same whatever ran before it; with
+    one, an earlier request's text is proposed (so the check can fail)."""
+    earlier = "q w e r t y u i o p q w e r t y u i o p"
+    later = "z q w e r"
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, proposer="lookup")
+
+    def stats_of_later(generator, first: bool):
+        if first:
+            generator.generate([earlier], config)
+        return generator.generate([later], config)[0].stats.proposers
+
+    for max_batch in (1, 4):
+        private = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=max_batch)
+        alone = stats_of_later(private, first=False)
+        assert stats_of_later(private, first=True) == alone
+        assert private.suffix_cache is None
+        shared = SpeculativeGenerator.from_bundle(
+            llama_bundle, threads=1, max_batch=max_batch, suffix_cache=SuffixCache()
+        )
+        assert "suffix" in stats_of_later(shared, first=True)
+        assert shared.suffix_cache.documents_added == 2
