@@ -25,6 +25,7 @@ STATS_KEYS = {
     "wall_time_s",
     "tokens_per_second",
     "draft_stopped",
+    "proposers",
 }
 
 
@@ -139,3 +140,45 @@ def test_build_engines_for_an_existing_bundle(tmp_path):
     result = runner.invoke(main, ["build", "--bundle", str(bundle)])
     assert result.exit_code == 1 and "is gone" in result.output
     assert (bundle / "manifest.json").read_text() == before
+
+
+def test_proposers_from_the_command_line(llama_bundle, tmp_path):
+    """The default (hybrid), prompt lookup and the model give the target's greedy output, with
+    stats per proposer; `specrt batch --suffix-cache` reports the cache; bad n-gram sizes are
+    one clear line."""
+    runner = CliRunner()
+    prompt = "a b c a b c a b c a b"
+    base = ["generate", "--bundle", str(llama_bundle), "--prompt", prompt, "--json"]
+    base += ["--max-new-tokens", "24", "--ignore-eos"]
+
+    def record(*extra):
+        result = runner.invoke(main, [*base, *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    alone = record("--num-draft-tokens", "0")
+    default = record()
+    lookup = record("--proposer", "lookup", "--prompt-lookup-min", "2")
+    model = record("--proposer", "model")
+    assert alone["token_ids"] == default["token_ids"] == lookup["token_ids"] == model["token_ids"]
+    assert set(lookup["stats"]["proposers"]) == {"lookup"}
+    assert set(model["stats"]["proposers"]) == {"model"}
+    assert "lookup" in default["stats"]["proposers"]
+
+    bad = runner.invoke(main, [*base, "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output
+    assert "prompt_lookup_max=2 is out of range" in bad.output
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": prompt}) + "\n" for i in range(6)))
+    for flag, kept in (("--no-suffix-cache", False), ("--suffix-cache", True)):
+        summary = tmp_path / f"summary{kept}.json"
+        out = tmp_path / f"out{kept}.jsonl"
+        args = ["batch", "--bundle", str(llama_bundle), "--input", str(rows), "--output", str(out)]
+        result = runner.invoke(main, [*args, "--summary", str(summary), flag, "--ignore-eos"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(summary.read_text())
+        assert (report["suffix_cache_tokens"] > 0) == kept
+        assert sum(e["proposed"] for e in report["proposers"].values()) == report["drafted_tokens"]
+        texts = {json.loads(line)["text"] for line in out.read_text().splitlines()}
+        assert len(texts) == 1  # the same prompt, the same greedy output, cache or not

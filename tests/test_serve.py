@@ -218,6 +218,14 @@ def test_metrics_count_speculation(server):
         <= values["vllm:spec_decode_num_draft_tokens_total"]
     )
     assert values["vllm:e2e_request_latency_seconds_count"] > 0
+    # The same counts split by proposer (the server's default is the hybrid): they add up.
+    by_proposer: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specrt:proposer_num_draft_tokens_total{"):
+            name, value = line.rsplit(" ", 1)
+            by_proposer[name.split('proposer="')[1].split('"')[0]] = float(value)
+    assert set(by_proposer) <= {"model", "lookup", "suffix"} and "lookup" in by_proposer
+    assert sum(by_proposer.values()) == values["vllm:spec_decode_num_draft_tokens_total"]
 
 
 TEMPLATE = (

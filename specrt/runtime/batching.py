@@ -216,7 +216,9 @@ class BatchRunner:
                 if slot not in matched
             ]
             parts, model_steps = [p for p, _ in model], [st for _, st in model]
-            self._schedule(rows).update(len(rows), k, seconds, parts, model_steps)
+            widened = any(row.round.k > k for row in rows)  # matches made the call wider
+            timed = None if widened else seconds
+            self._schedule(rows).update(len(rows), k, timed, parts, model_steps)
         return finished
 
     def _match(self, row: _Row, cap: int, k: int) -> Proposal | None:

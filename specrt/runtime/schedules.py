@@ -407,10 +407,13 @@ class LoadSchedule:
             self.reached[position] + prior
         )
 
-    def update(self, rows: int, k: int, seconds: float, parts: list, steps: list) -> None:
-        """Record a round of ``rows`` rows drafting ``k``: its wall time, and for each row
-        (``parts[i].k`` drafted, ``steps[i].accepted`` kept) which positions were reached."""
-        if k not in self._warmed:  # the first round of a K: new shapes, cold caches
+    def update(self, rows: int, k: int, seconds: float | None, parts: list, steps: list) -> None:
+        """Record a round of ``rows`` rows drafting ``k``: its wall time (None: not a time of
+        this K, e.g. matches widened the call), and for each row (``parts[i].k`` drafted,
+        ``steps[i].accepted`` kept) which positions were reached."""
+        if seconds is None:
+            pass
+        elif k not in self._warmed:  # the first round of a K: new shapes, cold caches
             self._warmed.add(k)
         else:
             self.times.setdefault(k, deque(maxlen=LOAD_WINDOW)).append((rows, seconds))
