@@ -37,13 +37,16 @@ CONTENDERS = {
     "model K=2": dict(num_draft_tokens=2),
     "model K=4": dict(num_draft_tokens=4),
     "model K=6": dict(num_draft_tokens=6),
-    "model adaptive": dict(num_draft_tokens=8, draft_schedule="adaptive"),
+    "model adaptive K<=4": dict(num_draft_tokens=4, draft_schedule="adaptive"),
     "lookup K=4": dict(num_draft_tokens=4, proposer="lookup"),
     "lookup K=8": dict(num_draft_tokens=8, proposer="lookup"),
     "suffix+lookup K=4 (batch)": dict(num_draft_tokens=4, proposer="lookup", suffix=True),
-    "hybrid": dict(num_draft_tokens=8, draft_schedule="adaptive", proposer="hybrid"),
+    "hybrid adaptive K<=4 (default)": dict(
+        num_draft_tokens=4, draft_schedule="adaptive", proposer="hybrid"
+    ),
+    "hybrid adaptive K<=8": dict(num_draft_tokens=8, draft_schedule="adaptive", proposer="hybrid"),
     "hybrid+suffix (batch)": dict(
-        num_draft_tokens=8, draft_schedule="adaptive", proposer="hybrid", suffix=True
+        num_draft_tokens=4, draft_schedule="adaptive", proposer="hybrid", suffix=True
     ),
 }
 
@@ -134,13 +137,13 @@ def run_workload(generator, prompts: list[str], repeats: int, log) -> dict:
 
 def print_table(title: str, table: dict) -> None:
     print(f"\n{title}")
-    print(f"{'contender':28} {'median':>7} {'min':>6} {'max':>6} {'total':>6}  acceptance")
+    print(f"{'contender':32} {'median':>7} {'min':>6} {'max':>6} {'total':>6}  acceptance")
     for name, row in table.items():
         acceptance = ", ".join(
             f"{source} {entry['acceptance']:.2f}" for source, entry in row["proposers"].items()
         )
         print(
-            f"{name:28} {row['median_speedup']:6.2f}x {row['min_speedup']:5.2f}x "
+            f"{name:32} {row['median_speedup']:6.2f}x {row['min_speedup']:5.2f}x "
             f"{row['max_speedup']:5.2f}x {row['total_speedup']:5.2f}x  {acceptance}"
         )
 

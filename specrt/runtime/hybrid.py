@@ -7,14 +7,17 @@ adds 10-20% to a pass of the demo target; on a GPU next to nothing). Its expecte
 :math:`E(L) = 1 + \sum_{j \le L} \prod_{i \le j} a_i`, where :math:`a_i` is the learned rate at
 which the token at position i of such a match is accepted when the ones before it were, kept
 per proposer and match length (decayed counts over a prior). The hybrid takes the L with the
-most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model rounds (tokens per
-second, the draft-length schedule's choices included), which it measures as they run; otherwise
-the model drafts as it would alone. Timings are what the rounds took, or, when a seeded row's
-draws must not depend on the machine, the modelled costs of `schedules`.
+most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model rounds (the
+draft-length schedule's choices included), which it measures as they run; otherwise the model
+drafts as it would alone. Both rates are counted in tokens per one-position pass, :math:`T(0)`
+at the time, not per second: a pass costs more as the row grows, and a rate learned on short
+rows must still compare right on long ones. Timings are what the rounds took, or, when a seeded
+row's draws must not depend on the machine, the modelled costs of `schedules`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,7 +40,10 @@ MAX_VERIFY_SLOPE = 1.0
 FIRST_PRIOR = 0.5  # prior acceptance of a match's first token, and of the ones after it
 LATER_PRIOR = 0.8
 PRIOR_WEIGHT = 2.0
-DECAY = 0.99  # per observed round, of the acceptance counts and the model's rate sums
+# Per round of the kind, of the counts behind a rate: the text drifts, and what was learned on
+# one kind of text must give way within some tens of rounds on another.
+MATCH_DECAY = 0.98
+MODEL_DECAY = 0.95
 MATCH_BINS = 4  # match lengths told apart: 1, 2, 3, 4 and more
 
 
@@ -57,8 +63,9 @@ class HybridDrafter:
         self.modelled_costs = modelled_costs
         self.acceptance = MatchAcceptance()
         self.verify_time = LineFit(0.05)  # seconds of a verification pass vs positions fed
-        self._model_tokens = self._model_seconds = 0.0
+        self._model_tokens = self._model_passes = 0.0
         self._last = NO_PROPOSAL  # the last match proposed
+        self._catch_up_s = 0.0  # of the current round
 
     @property
     def run_time_s(self) -> float:
@@ -69,15 +76,15 @@ class HybridDrafter:
         self.lookup.reset()
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        self.model.prefill(tokens)
+        pass  # the model reads the row when it is first asked to draft (it may never be)
 
     def rollback(self, valid_length: int) -> None:
         self.model.rollback(valid_length)  # the model may lag: it catches up when next asked
 
     @property
     def model_rate(self) -> float | None:
-        """Tokens per second of recent model rounds."""
-        return self._model_tokens / self._model_seconds if self._model_seconds else None
+        """Tokens per one-position pass of recent model rounds."""
+        return self._model_tokens / self._model_passes if self._model_passes else None
 
     def propose(
         self,
@@ -94,7 +101,19 @@ class HybridDrafter:
         if length:
             self._last = found
             return Draft(found.tokens[:length], None, found.source)
+        if k:
+            self._catch_up(tokens)
         return self.model.propose(tokens, k, sampling, rng, keep_drafting)
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        """Feed the model what it missed (the prompt, rounds of matches) but the newest token,
+        timed apart: a cost of the matches, not of the model's round."""
+        decoder = self.model.decoder
+        missed = tokens[decoder.length : -1]
+        if len(missed) > 1:
+            started = time.perf_counter()
+            decoder.prefill(missed)
+            self._catch_up_s += time.perf_counter() - started
 
     def match_length(self, found: Proposal) -> int:
         """How many of the matched tokens to verify: the most tokens per second, or 0 where
@@ -102,7 +121,7 @@ class HybridDrafter:
         seconds = self.verify_seconds
         best, best_rate = 0, 0.0
         for length, expected in enumerate(self.acceptance.expected_tokens(found), start=1):
-            rate = expected / seconds(length + 1)
+            rate = expected * seconds(1) / seconds(length + 1)
             if rate > best_rate:
                 best, best_rate = length, rate
         model_rate = self.model_rate
@@ -126,13 +145,15 @@ class HybridDrafter:
         self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
     ) -> None:
         """Learn from a round: acceptance of a match's tokens, or the model's rate."""
+        draft_time_s, self._catch_up_s = max(0.0, draft_time_s - self._catch_up_s), 0.0
         if self.modelled_costs:
             draft_time_s = drafted * MODELLED_DRAFT_STEP if source == "model" else 0.0
             verify_time_s = 1.0 + MODELLED_VERIFY_SLOPE * (drafted + 1)
         self.verify_time.add(drafted + 1, verify_time_s)
         if source == "model":
-            self._model_tokens = DECAY * self._model_tokens + accepted + 1
-            self._model_seconds = DECAY * self._model_seconds + draft_time_s + verify_time_s
+            passes = (draft_time_s + verify_time_s) / self.verify_seconds(1)
+            self._model_tokens = MODEL_DECAY * self._model_tokens + accepted + 1
+            self._model_passes = MODEL_DECAY * self._model_passes + passes
             return
         self.acceptance.record(self._last, drafted, accepted)
 
@@ -169,8 +190,8 @@ class MatchAcceptance:
         while len(counts) < drafted:
             counts.append([0.0, 0.0])
         for position, row in enumerate(counts):
-            row[0] *= DECAY
-            row[1] *= DECAY
+            row[0] *= MATCH_DECAY
+            row[1] *= MATCH_DECAY
             if position <= accepted and position < drafted:
                 row[0] += 1.0
                 row[1] += position < accepted

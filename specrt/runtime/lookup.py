@@ -74,6 +74,16 @@ class NgramIndex:
         self._seen = max(self._seen, end)
 
 
+def find_match(
+    index: NgramIndex, suffix: SuffixCache | None, tokens: Sequence[int], k: int
+) -> Proposal:
+    """Up to ``k`` tokens: the row's own match, else the suffix cache's (when there is one)."""
+    found = index.propose(tokens, k)
+    if not found.tokens and suffix is not None and k > 0:
+        return suffix.propose(tokens, k)
+    return found
+
+
 def _continued(tokens: Sequence[int], start: int, k: int) -> list[int]:
     """``k`` tokens from ``start``; past the end, the proposal repeats itself: the row is
     taken to continue the loop it is in (a match near the end has a short period)."""
