@@ -176,9 +176,14 @@ def generate(generator, k: int = 4, **options):
 def test_every_proposer_greedy_equals_target_only(bundles, arch):
     one_row = SpeculativeGenerator.from_bundle(bundles[arch], threads=1)
     batched = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, max_batch=4)
+    # A suffix cache that already holds other rows' text (the plain prompts' outputs).
+    cached = SpeculativeGenerator(
+        batched.target, batched.drafter, batched.tokenizer, batched.eos_token_ids, SuffixCache()
+    )
+    cached.generate(PLAIN_PROMPTS[::-1], GenerationConfig(max_new_tokens=60, ignore_eos=True))
     expected = [r.token_ids for r in generate(one_row, 0)]
     for options in PROPOSERS:
-        for generator in (one_row, batched):
+        for generator in (one_row, batched, cached):
             generator._hybrids.clear()
             generator._load_schedules.clear()
             results = generate(generator, **options)
@@ -187,6 +192,8 @@ def test_every_proposer_greedy_equals_target_only(bundles, arch):
             proposed = sum(e["proposed"] for r in results for e in r.stats.proposers.values())
             accepted = sum(e["accepted"] for r in results for e in r.stats.proposers.values())
             assert "lookup" in sources, (arch, options)  # the matches fired
+            if generator is cached:
+                assert "suffix" in sources, (arch, options)
             assert 0 < accepted < proposed, (arch, options)  # accepted and rejected ones
             for result in results:
                 stats = result.stats

@@ -19,7 +19,7 @@ import numpy as np
 from specrt.backends import RowsDecoder
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.hybrid import MatchAcceptance
+from specrt.runtime.hybrid import MatchAcceptance, outcome
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RowRound, batched_round, catch_up
@@ -52,6 +52,7 @@ class _Row:
     started: float
     stopper: StopStrings | None = None
     index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
+    match_history: int = 0  # how its last match fared (`hybrid.outcome`)
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     round: RowRound = field(init=False)
@@ -201,7 +202,9 @@ class BatchRunner:
             seen = len(row.tokens) - 1 if slot not in matched else lengths[slot]
             self.draft.set_length(slot, min(len(row.tokens) - 1, seen))
             if slot in matched:
-                self.matches.record(matched[slot], step.drafted, step.accepted)
+                history = row.match_history
+                self.matches.record(matched[slot], history, step.drafted, step.accepted)
+                row.match_history = outcome(step.drafted, step.accepted)
             row.stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
             if settled.stopped:
                 row.finish_reason, row.text = "stop", settled.text
@@ -235,7 +238,8 @@ class BatchRunner:
         if config.proposer == "lookup" or (config.seed is not None and not config.greedy):
             return found
         model = self._schedule([row]).expected_tokens(min(k, cap)) if k else 1.0
-        return found if self.matches.expected_tokens(found)[-1] >= model else None
+        expected = self.matches.expected_tokens(found, row.match_history)[-1]
+        return found if expected >= model else None
 
     def draft_length(self, rows: list[_Row]) -> int:
         """The round's K for every row. Fixed (each row's own ``num_draft_tokens``) when a row

@@ -6,7 +6,8 @@ positions, :math:`T(L)`, a line fitted to the passes measured so far (on a CPU e
 adds 10-20% to a pass of the demo target; on a GPU next to nothing). Its expected yield is
 :math:`E(L) = 1 + \sum_{j \le L} \prod_{i \le j} a_i`, where :math:`a_i` is the learned rate at
 which the token at position i of such a match is accepted when the ones before it were, kept
-per proposer and match length (decayed counts over a prior). The hybrid takes the L with the
+per proposer, match length and how the row's previous match fared (none kept, some, all: a row
+that is copying keeps copying; decayed counts over a prior). The hybrid takes the L with the
 most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model rounds (the
 draft-length schedule's choices included), which it measures as they run; otherwise the model
 drafts as it would alone. Both rates are counted in tokens per one-position pass, :math:`T(0)`
@@ -65,6 +66,7 @@ class HybridDrafter:
         self.verify_time = LineFit(0.05)  # seconds of a verification pass vs positions fed
         self._model_tokens = self._model_passes = 0.0
         self._last = NO_PROPOSAL  # the last match proposed
+        self._history = 0  # how the row's last match fared (`MatchAcceptance`)
         self._catch_up_s = 0.0  # of the current round
 
     @property
@@ -72,6 +74,7 @@ class HybridDrafter:
         return self.model.run_time_s
 
     def reset(self) -> None:
+        self._history = 0
         self.model.reset()
         self.lookup.reset()
 
@@ -120,7 +123,8 @@ class HybridDrafter:
         the model's rounds do better."""
         seconds = self.verify_seconds
         best, best_rate = 0, 0.0
-        for length, expected in enumerate(self.acceptance.expected_tokens(found), start=1):
+        expected_tokens = self.acceptance.expected_tokens(found, self._history)
+        for length, expected in enumerate(expected_tokens, start=1):
             rate = expected * seconds(1) / seconds(length + 1)
             if rate > best_rate:
                 best, best_rate = length, rate
@@ -155,7 +159,8 @@ class HybridDrafter:
             self._model_tokens = MODEL_DECAY * self._model_tokens + accepted + 1
             self._model_passes = MODEL_DECAY * self._model_passes + passes
             return
-        self.acceptance.record(self._last, drafted, accepted)
+        self.acceptance.record(self._last, self._history, drafted, accepted)
+        self._history = outcome(drafted, accepted)
 
 
 class MatchAcceptance:
@@ -164,13 +169,14 @@ class MatchAcceptance:
     a match's first token is a coin flip, later ones likely, until seen)."""
 
     def __init__(self) -> None:
-        # (source, match bin) -> per position [reached, accepted]
-        self.counts: dict[tuple[str, int], list[list[float]]] = {}
+        # (source, match bin, history) -> per position [reached, accepted]
+        self.counts: dict[tuple[str, int, int], list[list[float]]] = {}
 
-    def expected_tokens(self, found: Proposal) -> list[float]:
+    def expected_tokens(self, found: Proposal, history: int = 0) -> list[float]:
         """For L = 1 .. len(found.tokens): the tokens a round verifying the first L emits,
-        on average (the accepted ones and the one after them)."""
-        counts = self.counts.get(_key(found))
+        on average (the accepted ones and the one after them). ``history``: `outcome` of the
+        row's previous match (0 where it had none)."""
+        counts = self.counts.get(_key(found, history))
         expected, survival, out = 1.0, 1.0, []
         for position in range(len(found.tokens)):
             prior = FIRST_PRIOR if position == 0 else LATER_PRIOR
@@ -184,9 +190,9 @@ class MatchAcceptance:
             out.append(expected)
         return out
 
-    def record(self, found: Proposal, drafted: int, accepted: int) -> None:
+    def record(self, found: Proposal, history: int, drafted: int, accepted: int) -> None:
         """``drafted`` of ``found``'s tokens were verified, the first ``accepted`` kept."""
-        counts = self.counts.setdefault(_key(found), [])
+        counts = self.counts.setdefault(_key(found, history), [])
         while len(counts) < drafted:
             counts.append([0.0, 0.0])
         for position, row in enumerate(counts):
@@ -197,5 +203,10 @@ class MatchAcceptance:
                 row[1] += position < accepted
 
 
-def _key(found: Proposal) -> tuple[str, int]:
-    return found.source, min(found.match, MATCH_BINS)
+def outcome(drafted: int, accepted: int) -> int:
+    """How a match fared, as `MatchAcceptance` tells rows apart: 0 none kept, 1 some, 2 all."""
+    return 0 if accepted == 0 else 2 if accepted >= drafted else 1
+
+
+def _key(found: Proposal, history: int) -> tuple[str, int, int]:
+    return found.source, min(found.match, MATCH_BINS), history
