@@ -16,7 +16,9 @@ Every contender runs every prompt (greedy, 128 new tokens, EOS ignored), interle
 prompt, ``--repeats`` times; a contender's time on a prompt is its median over the repeats and
 its speed-up is the target alone's time over it. Every output is checked against the target
 alone's. The suffix cache starts empty in each repeat and learns from the rows before (a batch
-job's order). Prints a table per workload and writes JSON (--out).
+job's order). Prints a table per workload and writes JSON (--out). Then the held-out set
+once more, ``--batch-size`` rows per model call (`specrt batch`'s path): each contender's
+tokens/s over two runs against the target alone batched the same way.
 """
 
 from __future__ import annotations
@@ -135,6 +137,45 @@ def run_workload(generator, prompts: list[str], repeats: int, log) -> dict:
     return table
 
 
+BATCH_CONTENDERS = {
+    "target alone": dict(num_draft_tokens=0),
+    "model adaptive K<=4": dict(draft_schedule="adaptive"),
+    "lookup K=4": dict(proposer="lookup"),
+    "hybrid adaptive K<=4 (default)": dict(proposer="hybrid", draft_schedule="adaptive"),
+    "hybrid+suffix": dict(proposer="hybrid", draft_schedule="adaptive", suffix=True),
+}
+
+
+def run_batched(bundle: str, prompts: list[str], batch_size: int, repeats: int) -> dict:
+    """`specrt batch`'s path: every contender runs all prompts ``batch_size`` rows per call,
+    in turn, ``repeats`` times (the order reversed every other time); tokens/s over all runs.
+    The suffix cache starts empty in each run."""
+    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+    from specrt.runtime.lookup import SuffixCache
+
+    generator = SpeculativeGenerator.from_bundle(bundle, max_batch=batch_size)
+    seconds = {name: 0.0 for name in BATCH_CONTENDERS}
+    reference = None
+    for repeat in range(repeats):
+        names = list(BATCH_CONTENDERS)
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            options = dict(BATCH_CONTENDERS[name])
+            generator.suffix_cache = SuffixCache() if options.pop("suffix", False) else None
+            generator._load_schedules.clear()
+            config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
+            started = time.perf_counter()
+            results = generator.generate(prompts, config)
+            seconds[name] += time.perf_counter() - started
+            tokens = [r.token_ids for r in results]
+            if reference is None:
+                reference = tokens
+            elif tokens != reference:
+                raise SystemExit(f"{name} changed the output (batched)")
+    generator.suffix_cache = None
+    base = seconds["target alone"]
+    return {name: {"speedup": base / value} for name, value in seconds.items()}
+
+
 def print_table(title: str, table: dict) -> None:
     print(f"\n{title}")
     print(f"{'contender':32} {'median':>7} {'min':>6} {'max':>6} {'total':>6}  acceptance")
@@ -154,6 +195,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--repetitive-prompts", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8, help="0 skips the batched runs")
+    parser.add_argument("--batched-only", action="store_true", help="Only the batched runs.")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "proposers.json"))
     args = parser.parse_args()
 
@@ -172,10 +215,19 @@ def main() -> None:
         ),
     }
     for title, prompts in workloads.items():
+        if args.batched_only:
+            break
         print(f"{title}: {len(prompts)} prompts", flush=True)
         table = run_workload(generator, prompts, args.repeats, lambda m: print(m, flush=True))
         results[title] = table
         print_table(title, table)
+    if args.batch_size:
+        title = f"held-out (click source), {args.batch_size} rows per model call"
+        table = run_batched(args.bundle, workloads["held-out (click source)"], args.batch_size, 2)
+        results[title] = table
+        print(f"\n{title}")
+        for name, row in table.items():
+            print(f"{name:32} {row['speedup']:6.2f}x")
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
