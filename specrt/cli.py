@@ -384,7 +384,7 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
     required=True,
     type=click.Path(path_type=Path),
     help='JSONL: {"id", "prompt", optional "max_new_tokens", "temperature", "top_k", "top_p", '
-    '"seed", "num_draft_tokens"}, or OpenAI batch-file lines.',
+    '"seed", "num_draft_tokens", "stop", "proposer"}, or OpenAI batch-file lines.',
 )
 @click.option(
     "--output",

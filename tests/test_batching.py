@@ -92,10 +92,14 @@ def test_generate_keeps_the_order_of_the_prompts(llama_bundle):
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
 
 
-def test_a_seeded_row_is_the_same_whatever_shares_its_batch(llama_bundle):
+@pytest.mark.parametrize("proposer", ["model", "lookup", "hybrid"])
+def test_a_seeded_row_is_the_same_whatever_shares_its_batch(llama_bundle, proposer):
     """Each row samples from its own stream: its tokens do not depend on the batch size or on
-    its neighbours (other prompts, other settings, greedy rows, rows finishing early)."""
-    seeded = GenerationConfig(max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=7)
+    its neighbours (other prompts, other settings, greedy rows, rows finishing early), whoever
+    proposes its drafts (batch 1 is the one-row loop)."""
+    seeded = GenerationConfig(
+        max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=7, proposer=proposer
+    )
     neighbours = [
         GenerationConfig(max_new_tokens=3 + i, temperature=0.6 + 0.1 * i, top_k=5 * i, seed=i)
         for i in range(4)
@@ -112,6 +116,8 @@ def test_a_seeded_row_is_the_same_whatever_shares_its_batch(llama_bundle):
         mixed = others[order:] + mine[:1] + others[:order] + mine[1:]
         results = dict(generator.run(mixed))
         outputs.append({key: results[key].token_ids for key in (("mine", 0), ("mine", 5))})
+        sources = {s for key in (("mine", 0), ("mine", 5)) for s in results[key].stats.proposers}
+        assert proposer == "model" or "lookup" in sources  # the matches fired
     assert outputs[0] == outputs[1] == outputs[2]
     assert outputs[0][("mine", 0)] != outputs[0][("mine", 5)]
 

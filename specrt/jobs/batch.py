@@ -37,6 +37,7 @@ ROW_OPTIONS = (
     "seed",
     "num_draft_tokens",
     "stop",
+    "proposer",
 )
 OPENAI_OPTIONS = {
     "max_tokens": "max_new_tokens",

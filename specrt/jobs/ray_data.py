@@ -29,6 +29,7 @@ import numpy as np
 from specrt.jobs.batch import make_request, row_from_item
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator
+from specrt.runtime.lookup import SuffixCache
 
 STATS = ("new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate")
 
@@ -36,8 +37,11 @@ STATS = ("new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptanc
 class SpecrtPredictor:
     """A callable class for ``Dataset.map_batches``: ``bundle`` and load options (``threads``,
     default 1: actors share the machine's cores; ``engine``, ``max_length``) and the generation
-    defaults (`GenerationConfig` fields) as constructor keywords. ``max_batch``: rows of a Ray
-    batch that share each model call (the onnxruntime engine and the portable graph)."""
+    defaults (`GenerationConfig` fields) as constructor keywords; as with `specrt batch`, the
+    hybrid proposer and the adaptive schedule unless given. ``max_batch``: rows of a Ray batch
+    that share each model call (the onnxruntime engine and the portable graph).
+    ``suffix_cache_tokens``: > 0 keeps a suffix cache of that many tokens per actor (rows then
+    propose from earlier rows' text)."""
 
     def __init__(
         self,
@@ -46,13 +50,17 @@ class SpecrtPredictor:
         engine: str = "auto",
         max_length: int | None = None,
         max_batch: int = 8,
+        suffix_cache_tokens: int = 0,
         **generation: Any,
     ) -> None:
         options = {"threads": threads, "engine": engine, "max_batch": max_batch}
         if max_length is not None:
             options["max_length"] = max_length
-        self.generator = SpeculativeGenerator.from_bundle(bundle, **options)
-        self.defaults = GenerationConfig(**generation)
+        cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
+        self.generator = SpeculativeGenerator.from_bundle(bundle, suffix_cache=cache, **options)
+        self.defaults = GenerationConfig(
+            **{"proposer": "hybrid", "draft_schedule": "adaptive", **generation}
+        )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         columns = {name: list(values) for name, values in batch.items()}

@@ -178,7 +178,8 @@ class BatchRunner:
             config = row.request.config
             room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
             cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
-            row.round.k, row.round.match = min(k, cap), None
+            model_k = 0 if config.proposer == "lookup" else min(k, cap)  # lookup: no model
+            row.round.k, row.round.match = model_k, None
             found = self._match(row, cap, k)
             if found is not None:
                 matched[slot] = found

@@ -233,7 +233,7 @@ class SpeculativeGenerator:
             return lookup
         reproducible = config.seed is not None and not config.greedy
         if reproducible:
-            return HybridDrafter(self.drafter, lookup, modelled_costs=True)
+            return HybridDrafter(self.drafter, lookup, reproducible=True)
         key = (config.prompt_lookup_min, config.prompt_lookup_max, config.greedy)
         hybrid = self._hybrids.get(key)
         if hybrid is None:

@@ -12,8 +12,10 @@ most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model roun
 draft-length schedule's choices included), which it measures as they run; otherwise the model
 drafts as it would alone. Both rates are counted in tokens per one-position pass, :math:`T(0)`
 at the time, not per second: a pass costs more as the row grows, and a rate learned on short
-rows must still compare right on long ones. Timings are what the rounds took, or, when a seeded
-row's draws must not depend on the machine, the modelled costs of `schedules`.
+rows must still compare right on long ones. Timings are what the rounds took. Where a seeded
+row's draws must not depend on the machine or on its neighbours (``reproducible``), the rule is
+fixed instead: the match whenever there is one, at most the round's K tokens of it (the rule
+the batched runner applies to such rows, so the row gives the same tokens either way).
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Draft, LookupDrafter, ModelDrafter
 from specrt.runtime.lookup import NO_PROPOSAL, Proposal
 from specrt.runtime.schedules import (
-    MODELLED_DRAFT_STEP,
-    MODELLED_VERIFY_SLOPE,
     KeepGoing,
     LineFit,
 )
@@ -56,12 +56,12 @@ class HybridDrafter:
         model: ModelDrafter,
         lookup: LookupDrafter,
         max_match_tokens: int = MAX_MATCH_TOKENS,
-        modelled_costs: bool = False,
+        reproducible: bool = False,
     ) -> None:
         self.model, self.lookup = model, lookup
         self.max_positions = model.max_positions
         self.max_match_tokens = max_match_tokens
-        self.modelled_costs = modelled_costs
+        self.reproducible = reproducible
         self.acceptance = MatchAcceptance()
         self.verify_time = LineFit(0.05)  # seconds of a verification pass vs positions fed
         self._model_tokens = self._model_passes = 0.0
@@ -100,7 +100,10 @@ class HybridDrafter:
     ) -> Draft:
         room = k if limit is None else limit
         found = self.lookup.find(tokens, min(room, self.max_match_tokens))
-        length = self.match_length(found) if found.tokens else 0
+        if self.reproducible:
+            length = min(len(found.tokens), k)
+        else:
+            length = self.match_length(found) if found.tokens else 0
         if length:
             self._last = found
             return Draft(found.tokens[:length], None, found.source)
@@ -150,9 +153,6 @@ class HybridDrafter:
     ) -> None:
         """Learn from a round: acceptance of a match's tokens, or the model's rate."""
         draft_time_s, self._catch_up_s = max(0.0, draft_time_s - self._catch_up_s), 0.0
-        if self.modelled_costs:
-            draft_time_s = drafted * MODELLED_DRAFT_STEP if source == "model" else 0.0
-            verify_time_s = 1.0 + MODELLED_VERIFY_SLOPE * (drafted + 1)
         self.verify_time.add(drafted + 1, verify_time_s)
         if source == "model":
             passes = (draft_time_s + verify_time_s) / self.verify_seconds(1)
