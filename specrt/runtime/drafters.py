@@ -44,6 +44,7 @@ class Draft:
     tokens: list[int]
     probabilities: np.ndarray | None
     source: str = "model"
+    catch_up_s: float = 0.0  # spent feeding the model what it missed: not this round's cost
 
 
 class Drafter(Protocol):

@@ -45,6 +45,14 @@ PRIOR_WEIGHT = 2.0
 # one kind of text must give way within some tens of rounds on another.
 MATCH_DECAY = 0.98
 MODEL_DECAY = 0.95
+# The model's rate before it is measured, in tokens per one-position pass (1.5 tokens a round
+# at 1.2 passes), weighing as much as this many rounds: one bad first round must not rule the
+# model out. The model drafts the first rounds it is asked to (to be measured at all), and
+# once after this many rounds of matches, to measure again.
+MODEL_PRIOR_RATE = (1.5, 1.2)
+MODEL_PRIOR_ROUNDS = 2.0
+FIRST_MODEL_ROUNDS = 4
+EXPLORE_EVERY = 32
 MATCH_BINS = 4  # match lengths told apart: 1, 2, 3, 4 and more
 
 
@@ -64,10 +72,13 @@ class HybridDrafter:
         self.reproducible = reproducible
         self.acceptance = MatchAcceptance()
         self.verify_time = LineFit(0.05)  # seconds of a verification pass vs positions fed
-        self._model_tokens = self._model_passes = 0.0
+        tokens, passes = MODEL_PRIOR_RATE
+        self._model_tokens = MODEL_PRIOR_ROUNDS * tokens
+        self._model_passes = MODEL_PRIOR_ROUNDS * passes
+        self._since_model = 0  # rounds since the model last drafted
+        self._model_rounds = 0  # that drafted, ever
         self._last = NO_PROPOSAL  # the last match proposed
         self._history = 0  # how the row's last match fared (`MatchAcceptance`)
-        self._catch_up_s = 0.0  # of the current round
 
     @property
     def run_time_s(self) -> float:
@@ -85,9 +96,9 @@ class HybridDrafter:
         self.model.rollback(valid_length)  # the model may lag: it catches up when next asked
 
     @property
-    def model_rate(self) -> float | None:
-        """Tokens per one-position pass of recent model rounds."""
-        return self._model_tokens / self._model_passes if self._model_passes else None
+    def model_rate(self) -> float:
+        """Tokens per one-position pass of recent model rounds (over a prior)."""
+        return self._model_tokens / self._model_passes
 
     def propose(
         self,
@@ -102,24 +113,28 @@ class HybridDrafter:
         found = self.lookup.find(tokens, min(room, self.max_match_tokens))
         if self.reproducible:
             length = min(len(found.tokens), k)
+        elif k and (self._model_rounds < FIRST_MODEL_ROUNDS or self._since_model >= EXPLORE_EVERY):
+            length = 0  # the model's turn, to measure it again
         else:
             length = self.match_length(found) if found.tokens else 0
         if length:
             self._last = found
             return Draft(found.tokens[:length], None, found.source)
+        started = time.perf_counter()
         if k:
             self._catch_up(tokens)
-        return self.model.propose(tokens, k, sampling, rng, keep_drafting)
+        caught_up = time.perf_counter() - started
+        draft = self.model.propose(tokens, k, sampling, rng, keep_drafting)
+        draft.catch_up_s = caught_up
+        return draft
 
     def _catch_up(self, tokens: list[int]) -> None:
-        """Feed the model what it missed (the prompt, rounds of matches) but the newest token,
-        timed apart: a cost of the matches, not of the model's round."""
+        """Feed the model what it missed (the prompt, rounds of matches) but the newest token:
+        a cost of the matches, not of the model's round (`Draft.catch_up_s`)."""
         decoder = self.model.decoder
         missed = tokens[decoder.length : -1]
         if len(missed) > 1:
-            started = time.perf_counter()
             decoder.prefill(missed)
-            self._catch_up_s += time.perf_counter() - started
 
     def match_length(self, found: Proposal) -> int:
         """How many of the matched tokens to verify: the most tokens per second, or 0 where
@@ -131,10 +146,7 @@ class HybridDrafter:
             rate = expected * seconds(1) / seconds(length + 1)
             if rate > best_rate:
                 best, best_rate = length, rate
-        model_rate = self.model_rate
-        if model_rate is None:
-            return best  # no model round measured yet: try the match
-        return best if best_rate >= model_rate else 0
+        return best if best_rate >= self.model_rate else 0
 
     def verify_seconds(self, positions: int) -> float:
         """Predicted time of a verification pass over ``positions`` positions."""
@@ -152,8 +164,10 @@ class HybridDrafter:
         self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
     ) -> None:
         """Learn from a round: acceptance of a match's tokens, or the model's rate."""
-        draft_time_s, self._catch_up_s = max(0.0, draft_time_s - self._catch_up_s), 0.0
         self.verify_time.add(drafted + 1, verify_time_s)
+        drafting = source == "model" and drafted > 0
+        self._since_model = 0 if drafting else self._since_model + 1
+        self._model_rounds += drafting
         if source == "model":
             passes = (draft_time_s + verify_time_s) / self.verify_seconds(1)
             self._model_tokens = MODEL_DECAY * self._model_tokens + accepted + 1

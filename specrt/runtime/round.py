@@ -64,7 +64,7 @@ def speculative_round(
         drafted=len(draft.tokens),
         accepted=accepted,
         tokens=[*draft.tokens[:accepted], next_token],
-        draft_time_s=drafted_at - started,
+        draft_time_s=drafted_at - started - draft.catch_up_s,
         verify_time_s=time.perf_counter() - drafted_at,
         source=draft.source,
     )
