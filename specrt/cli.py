@@ -440,8 +440,9 @@ def batch(
     if generator.max_batch < batch_size:
         click.echo(
             f"note: the {engine} graphs run one row per call (the cuda and TensorRT engines, "
-            "and onnxruntime engines built by earlier versions of specrt: rebuild those with "
-            f"`specrt build --bundle DIR`); --batch-size {batch_size} has no effect",
+            "Gemma 2's portable graph, and onnxruntime engines built by earlier versions of "
+            f"specrt: rebuild those with `specrt build --bundle DIR`); --batch-size "
+            f"{batch_size} has no effect",
             err=True,
         )
     result = run_batch(generator, input_path, output_path, defaults, progress_bar(progress))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.export import SUPPORTED_MODEL_TYPES
+from specrt.export import ENGINE_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import Request
 from tests.test_greedy import PROMPTS
@@ -44,7 +44,7 @@ def alone(bundles):
     random tiny models seldom emit their EOS, so a token about half the rows emit stands in for
     it: rows then stop at EOS at different rounds, others run to their length."""
     out = {}
-    for arch in SUPPORTED_MODEL_TYPES:
+    for arch in ENGINE_MODEL_TYPES:
         generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1)
         out[arch, True] = run_all(generator, varied(0, ignore_eos=True))
         rows = [set(r.token_ids) for r in out[arch, True].values()]
@@ -58,7 +58,7 @@ def alone(bundles):
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "portable"])
-@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)  # gemma2's portable graph: one row
 def test_batched_greedy_equals_target_alone(bundles, alone, arch, engine):
     for batch in (2, 4, 8):  # 20 prompts: rows are refilled as others finish
         generator = SpeculativeGenerator.from_bundle(

@@ -14,13 +14,13 @@ from transformers import AutoModelForCausalLM, BertConfig
 from specrt.bundle import read_manifest
 from specrt.checksums import sha256_file
 from specrt.errors import ExportError, PairMismatchError
-from specrt.export import SUPPORTED_MODEL_TYPES, export_bundle
+from specrt.export import ENGINE_MODEL_TYPES, export_bundle
 from specrt.export.tiny import make_tiny_pair, make_tokenizer
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)  # gemma2: tests/test_gemma2.py
 def test_bundle_per_architecture(bundles, arch):
     root = bundles[arch]
     manifest = read_manifest(root)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specrt.bundle import read_manifest
-from specrt.export import SUPPORTED_MODEL_TYPES
+from specrt.export import ENGINE_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
 from tests.test_greedy import PROMPTS
@@ -22,7 +22,7 @@ SMALL_BY_ARCH = {
 }
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)
 def test_a_smaller_draft_of_another_shape(tmp_path, arch):
     dims = SMALL_BY_ARCH.get(arch, SMALL)
     bundle = build_bundle(tmp_path, "pair", arch=arch, seed=4, draft_dims=dims)

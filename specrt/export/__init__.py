@@ -4,9 +4,9 @@ Needs the `export` extra (torch, transformers, optimum-onnx), except `options`, 
 reads for its choices; nothing at run time imports this package.
 """
 
-from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
+from specrt.export.options import ENGINE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ExportOptions
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ExportOptions", "export_bundle"]
+__all__ = ["ENGINE_MODEL_TYPES", "SUPPORTED_MODEL_TYPES", "ExportOptions", "export_bundle"]
 
 
 def __getattr__(name: str):

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.export.options import SUPPORTED_MODEL_TYPES
+from specrt.export.options import ENGINE_MODEL_TYPES
 
 OPSET = 21
 WINDOWED_TYPES = ("mistral", "phi3")  # one sliding window for every layer, whenever it is set
@@ -94,7 +94,7 @@ def unsupported_reason(config, max_positions: int, device: str = "cpu") -> str |
     """Why this checkpoint cannot get the onnxruntime engine for ``device`` (None when it
     can). The CPU engine's host writes a sliding window into its mask; the cuda engine's
     GroupQueryAttention is not set up for one yet."""
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if config.model_type not in ENGINE_MODEL_TYPES:
         return f"model type {config.model_type!r} has no onnxruntime engine builder yet"
     if config.model_type == "gpt2":
         return _gpt2_unsupported_reason(config)

@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     GemmaConfig,
     GPT2Config,
     LlamaConfig,
@@ -81,6 +82,7 @@ def tiny_config(
         "mistral": MistralConfig,
         "phi3": Phi3Config,
         "gemma": GemmaConfig,
+        "gemma2": Gemma2Config,
     }
     if arch not in classes:
         raise ValueError(
@@ -91,6 +93,15 @@ def tiny_config(
         extra = {"pad_token_id": 0, "sliding_window": sliding_window}
     if arch == "gemma":  # head_dim set apart, one kv head, tied, tanh GELU (in its config)
         extra = {"head_dim": 32, "num_key_value_heads": 1, "tie_word_embeddings": True}
+    if arch == "gemma2":  # as gemma, plus local layers, soft-capped attention and logits
+        extra = {
+            "head_dim": 32,
+            "tie_word_embeddings": True,
+            "sliding_window": sliding_window or max_positions,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,  # low enough to bend these small random scores
+            "final_logit_softcapping": 100.0,  # bends the peaked logits, short of ties
+        }
     if arch == "qwen3":  # its real checkpoints' features: head_dim set apart from hidden /
         # heads (32 here, not 16), tied embeddings, per-head q/k norms (in the model class)
         extra = {"head_dim": 32, "tie_word_embeddings": True}
@@ -134,7 +145,7 @@ def make_tiny_pair(
     config = tiny_config(arch, vocab, max_positions, sliding_window=sliding_window)
     target = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        if target.config.model_type == "gemma":  # tied, and its norm scales by (1 + w)
+        if target.config.model_type in ("gemma", "gemma2"):  # tied, norms scale by (1 + w)
             norm = target.model.norm.weight
             norm.copy_((1 + norm) * peak - 1)
             # It multiplies the embedding by sqrt(hidden): undone here, or the residual stream

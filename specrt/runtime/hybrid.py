@@ -77,6 +77,7 @@ class HybridDrafter:
         self._model_passes = MODEL_PRIOR_ROUNDS * passes
         self._since_model = 0  # rounds since the model last drafted
         self._model_rounds = 0  # that drafted, ever
+        self._warm = False
         self._last = NO_PROPOSAL  # the last match proposed
         self._history = 0  # how the row's last match fared (`MatchAcceptance`)
 
@@ -164,7 +165,9 @@ class HybridDrafter:
         self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
     ) -> None:
         """Learn from a round: acceptance of a match's tokens, or the model's rate."""
-        self.verify_time.add(drafted + 1, verify_time_s)
+        if self._warm:  # the first pass runs on cold caches: not what passes cost
+            self.verify_time.add(drafted + 1, verify_time_s)
+        self._warm = True
         drafting = source == "model" and drafted > 0
         self._since_model = 0 if drafting else self._since_model + 1
         self._model_rounds += drafting
