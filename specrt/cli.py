@@ -440,7 +440,7 @@ def batch(
     if generator.max_batch < batch_size:
         click.echo(
             f"note: the {engine} graphs run one row per call (the cuda and TensorRT engines, "
-            "Gemma 2's portable graph, and onnxruntime engines built by earlier versions of "
+            "Gemma 2 and 3's portable graphs, and onnxruntime engines built by earlier versions of "
             f"specrt: rebuild those with `specrt build --bundle DIR`); --batch-size "
             f"{batch_size} has no effect",
             err=True,

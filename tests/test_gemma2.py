@@ -1,7 +1,8 @@
-"""Gemma 2 through its portable graph: local (sliding-window) and global layers in turn,
-soft-capped attention scores and logits, (1 + w) norms before and after each block. No
-onnxruntime engine is built for it yet, and its rows run one per call (its graph does not mask
-a padded past exactly), so a batch loads as one row at a time."""
+"""Gemma 2 and Gemma 3 (text) through their portable graphs: local (sliding-window) and global
+layers in turn, (1 + w) norms before and after each block; Gemma 2 soft-caps attention scores
+and logits, Gemma 3 normalises q and k and gives local layers their own rope base. No
+onnxruntime engine is built for them yet, and their rows run one per call (Gemma 2's graph
+does not mask a padded past exactly), so a batch loads as one row at a time."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ PROMPTS = ["Simple is better", "def f(x):\n    return x", "a b c a b"]
 NEW = 100  # well past the window
 
 
-@pytest.fixture(scope="module")
-def windowed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma2")
-    return build_bundle(root, "pair", arch="gemma2", seed=3, sliding_window=WINDOW)
+@pytest.fixture(scope="module", params=["gemma2", "gemma3_text"])
+def windowed(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    return build_bundle(root, "pair", arch=request.param, seed=3, sliding_window=WINDOW)
 
 
 def greedy_by_pytorch(checkpoint, prompt: list[int], new: list[int]) -> list[int]:
@@ -37,7 +38,7 @@ def greedy_by_pytorch(checkpoint, prompt: list[int], new: list[int]) -> list[int
 def test_export_checks_the_portable_graph_and_builds_no_engine(windowed):
     for role in ("target", "draft"):
         spec = read_manifest(windowed).models[role]
-        assert spec.model_type == "gemma2" and spec.head_dim == 32
+        assert spec.model_type.startswith("gemma") and spec.head_dim == 32
         assert 0 <= spec.export_check["max_abs_logit_diff"] < 1e-4
         assert spec.export_check["step_tokens"] == 4
         assert not spec.engines
@@ -55,7 +56,8 @@ def test_greedy_past_the_window_is_the_models_own(windowed):
 
 def test_the_window_matters(windowed, tmp_path):
     """The same weights without the window decode otherwise: the test above can fail."""
-    wide = build_bundle(tmp_path, "wide", arch="gemma2", seed=3)
+    arch = read_manifest(windowed).models["target"].model_type
+    wide = build_bundle(tmp_path, "wide", arch=arch, seed=3)
     config = GenerationConfig(max_new_tokens=NEW, num_draft_tokens=0, ignore_eos=True)
     outputs = [
         [

@@ -66,9 +66,10 @@ def open_decoder(
     return make_decoder(session, graph, vocab_size, role, max_length, max_batch)
 
 
-# Portable graphs that do not mask a padded past exactly (optimum's Gemma 2 graph: a past
-# padded with zeros moves its logits by ~1e-2), so their rows cannot share a call: one row each.
-ONE_ROW_PORTABLE = ("gemma2",)
+# Portable graphs that do not mask a padded past exactly (optimum's Gemma 2 and Gemma 3 graphs:
+# a past padded with zeros moved their logits by 0.02 and 0.86), so their rows cannot share a
+# call: one row each.
+ONE_ROW_PORTABLE = ("gemma2", "gemma3_text")
 
 
 def make_decoder(

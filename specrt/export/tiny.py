@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     GPT2Config,
     LlamaConfig,
@@ -83,6 +84,7 @@ def tiny_config(
         "phi3": Phi3Config,
         "gemma": GemmaConfig,
         "gemma2": Gemma2Config,
+        "gemma3_text": Gemma3TextConfig,
     }
     if arch not in classes:
         raise ValueError(
@@ -101,6 +103,16 @@ def tiny_config(
             "query_pre_attn_scalar": 24,
             "attn_logit_softcapping": 2.0,  # low enough to bend these small random scores
             "final_logit_softcapping": 100.0,  # bends the peaked logits, short of ties
+        }
+    if arch == "gemma3_text":  # local and global layers (own rope bases), q/k norms
+        extra = {
+            "head_dim": 32,
+            "tie_word_embeddings": True,
+            "sliding_window": sliding_window or max_positions,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_local_base_freq": 100.0,  # far from the global 10000: a mix-up shows
+            "rope_theta": 10000.0,
         }
     if arch == "qwen3":  # its real checkpoints' features: head_dim set apart from hidden /
         # heads (32 here, not 16), tied embeddings, per-head q/k norms (in the model class)
@@ -145,7 +157,7 @@ def make_tiny_pair(
     config = tiny_config(arch, vocab, max_positions, sliding_window=sliding_window)
     target = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        if target.config.model_type in ("gemma", "gemma2"):  # tied, norms scale by (1 + w)
+        if target.config.model_type.startswith("gemma"):  # tied, norms scale by (1 + w)
             norm = target.model.norm.weight
             norm.copy_((1 + norm) * peak - 1)
             # It multiplies the embedding by sqrt(hidden): undone here, or the residual stream
