@@ -30,6 +30,10 @@ def test_bench_reports_every_contender(llama_bundle, tmp_path):
     assert {"specrt target only", "specrt K=1", "specrt K=2", "specrt adaptive K<=2"} <= names
     assert "specrt heuristic K<=2" in names
     assert {"transformers target only", "transformers assisted"} <= names
+    # Drafters without a model, and transformers' own prompt lookup beside them (K capped at
+    # the bench's largest K, 2 here).
+    assert {"specrt lookup K=2", "specrt hybrid adaptive K<=2"} <= names
+    assert "transformers prompt lookup K=2" in names
     k2 = report["results"]["greedy"]["specrt K=2"]
     keys = ["tokens_per_second", "speedup", "alpha", "predicted_speedup", "overhead_fraction"]
     for key in [*keys, "predicted_speedup_measured_verify"]:

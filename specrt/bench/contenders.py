@@ -22,18 +22,25 @@ class Run:
 
 
 class SpecrtContender:
-    def __init__(self, generator: SpeculativeGenerator, k: int, schedule: str = "fixed") -> None:
-        self.generator, self.k, self.schedule = generator, k, schedule
+    def __init__(
+        self,
+        generator: SpeculativeGenerator,
+        k: int,
+        schedule: str = "fixed",
+        proposer: str = "model",
+    ) -> None:
+        self.generator, self.k, self.schedule, self.proposer = generator, k, schedule, proposer
         kind = (
             "target only" if k == 0 else (f"K={k}" if schedule == "fixed" else f"{schedule} K<={k}")
         )
-        self.name = f"specrt {kind}"
+        self.name = f"specrt {kind}" if proposer == "model" else f"specrt {proposer} {kind}"
 
     def run(self, prompt: list[int], temperature: float, max_new_tokens: int, seed: int) -> Run:
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=self.k,
             draft_schedule=self.schedule,
+            proposer=self.proposer,
             temperature=temperature,
             seed=seed,
             ignore_eos=True,
@@ -47,9 +54,12 @@ class SpecrtContender:
 
 
 class HFContender:
-    """transformers `generate` on the PyTorch checkpoints, alone or with `assistant_model=`."""
+    """transformers `generate` on the PyTorch checkpoints, alone, with `assistant_model=`, or
+    with prompt lookup (``prompt_lookup`` tokens: its ``prompt_lookup_num_tokens``)."""
 
-    def __init__(self, target_dir: Path, draft_dir: Path | None, threads: int) -> None:
+    def __init__(
+        self, target_dir: Path, draft_dir: Path | None, threads: int, prompt_lookup: int = 0
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -61,6 +71,12 @@ class HFContender:
             AutoModelForCausalLM.from_pretrained(draft_dir, **load).eval() if draft_dir else None
         )
         self.name = "transformers assisted" if draft_dir else "transformers target only"
+        self.lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        # "Never stop at EOS": None, except where prompt lookup needs a token id (one past the
+        # vocabulary, which is never generated).
+        self.eos = self.model.config.vocab_size if prompt_lookup else None
+        if prompt_lookup:
+            self.name = f"transformers prompt lookup K={prompt_lookup}"
 
     def run(self, prompt: list[int], temperature: float, max_new_tokens: int, seed: int) -> Run:
         torch = self.torch
@@ -75,8 +91,9 @@ class HFContender:
                 attention_mask=torch.ones_like(ids),
                 assistant_model=self.assistant,
                 max_new_tokens=max_new_tokens,
-                eos_token_id=None,  # like ignore_eos: always max_new_tokens
+                eos_token_id=self.eos,  # like ignore_eos: always max_new_tokens
                 pad_token_id=0,
+                **self.lookup,
                 **options,
             )
         seconds = time.perf_counter() - started

@@ -17,6 +17,7 @@ from specrt.runtime.loading import load_pair
 
 BASELINE = "specrt target only"
 SCHEDULES = ("adaptive", "heuristic")
+PROPOSER_K = 4  # of the prompt-lookup and hybrid contenders (the CLI's default K)
 
 
 def predicted_speedup(
@@ -54,6 +55,9 @@ def run_benchmark(
     contenders: list = [SpecrtContender(generator, 0)]
     contenders += [SpecrtContender(generator, k) for k in ks]
     contenders += [SpecrtContender(generator, max(ks), schedule) for schedule in SCHEDULES]
+    lookup_k = min(PROPOSER_K, max(ks))  # drafters without a model (issue 15's defaults)
+    contenders.append(SpecrtContender(generator, lookup_k, "fixed", "lookup"))
+    contenders.append(SpecrtContender(generator, lookup_k, "adaptive", "hybrid"))
     skipped = {}
     if with_transformers:
         manifest = read_manifest(bundle)
@@ -61,6 +65,7 @@ def run_benchmark(
         try:
             contenders.append(HFContender(sources["target"], None, threads))
             contenders.append(HFContender(sources["target"], sources["draft"], threads))
+            contenders.append(HFContender(sources["target"], None, threads, lookup_k))
         except (ImportError, OSError) as exc:
             skipped["transformers"] = f"{type(exc).__name__}: {exc}"
             log(f"skipping transformers contenders: {skipped['transformers']}")
@@ -135,7 +140,7 @@ def _summarise(runs: dict[str, list[Run]], costs: dict, contenders) -> dict:
             entry["overhead_fraction"] = (total - sum(r.model_seconds for r in rows)) / total
         if isinstance(contender, SpecrtContender) and contender.k:
             entry.update(_acceptance(rows, contender.k))
-            if contender.schedule == "fixed":
+            if contender.schedule == "fixed" and contender.proposer == "model":
                 alpha, k, c = entry["alpha"], contender.k, costs["cost_ratio"]
                 entry["predicted_speedup"] = predicted_speedup(alpha, k, c)
                 verify = costs["verify_cost_ratio"][str(k)]
