@@ -12,10 +12,11 @@ specrt is; the pair was trained on the standard library only):
 * repetitive: the first 30 lines of a click module, a blank line, then its first 3 lines again
   (the file continued after a copy of its beginning).
 
-Every contender runs every prompt (greedy, 128 new tokens, EOS ignored), interleaved prompt by
-prompt, ``--repeats`` times; a contender's time on a prompt is its median over the repeats and
-its speed-up is the target alone's time over it. Every output is checked against the target
-alone's. The suffix cache starts empty in each repeat and learns from the rows before (a batch
+Every contender runs every prompt (greedy unless --temperature, 128 new tokens, EOS ignored),
+interleaved prompt by prompt, ``--repeats`` times; a contender's time on a prompt is its median
+over the repeats and its speed-up is the target alone's time over it. Every greedy output is
+checked against the target alone's. The suffix cache starts empty in each repeat and learns
+from the rows before (a batch
 job's order). Prints a table per workload and writes JSON (--out). Then the held-out set
 once more, ``--batch-size`` rows per model call (`specrt batch`'s path): each contender's
 tokens/s over two runs against the target alone batched the same way.
@@ -79,7 +80,9 @@ def repetitive_prompts(count: int) -> list[str]:
     return found[:count]
 
 
-def run_workload(generator, prompts: list[str], repeats: int, log) -> dict:
+def run_workload(
+    generator, prompts: list[str], repeats: int, log, temperature: float = 0.0
+) -> dict:
     from specrt.runtime import GenerationConfig, SpeculativeGenerator
     from specrt.runtime.lookup import SuffixCache
 
@@ -104,11 +107,13 @@ def run_workload(generator, prompts: list[str], repeats: int, log) -> dict:
             for name, options in CONTENDERS.items():
                 options = dict(options)
                 runner = cached[name] if options.pop("suffix", False) else generator
-                config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
+                config = GenerationConfig(
+                    max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=temperature, **options
+                )
                 started = time.perf_counter()
                 [result] = runner.generate([prompt], config)
                 seconds[name][row].append(time.perf_counter() - started)
-                if reference is None:
+                if reference is None or temperature > 0:  # sampled outputs differ
                     reference = result.token_ids
                 elif result.token_ids != reference:
                     raise SystemExit(f"{name} changed the output of prompt {row}")
@@ -197,6 +202,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8, help="0 skips the batched runs")
     parser.add_argument("--batched-only", action="store_true", help="Only the batched runs.")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="Sample (unseeded) instead of greedy."
+    )
+    parser.add_argument(
+        "--held-out-only", action="store_true", help="Only the click held-out workload."
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "proposers.json"))
     args = parser.parse_args()
 
@@ -215,10 +226,11 @@ def main() -> None:
         ),
     }
     for title, prompts in workloads.items():
-        if args.batched_only:
-            break
+        if args.batched_only or (args.held_out_only and not title.startswith("held-out")):
+            continue
         print(f"{title}: {len(prompts)} prompts", flush=True)
-        table = run_workload(generator, prompts, args.repeats, lambda m: print(m, flush=True))
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        table = run_workload(generator, prompts, args.repeats, log, args.temperature)
         results[title] = table
         print_table(title, table)
     if args.batch_size:
