@@ -214,12 +214,8 @@ class BatchRunner:
             if row.finish_reason:
                 finished.append(slot)
         if k or not self._reproducible(rows):
-            model = [
-                (row.round, step)
-                for slot, (row, step) in enumerate(zip(rows, steps))
-                if slot not in matched
-            ]
-            parts, model_steps = [p for p, _ in model], [st for _, st in model]
+            model = [slot for slot in range(len(rows)) if slot not in matched]
+            parts, model_steps = [rows[s].round for s in model], [steps[s] for s in model]
             widened = any(row.round.k > k for row in rows)  # matches made the call wider
             timed = None if widened else seconds
             self._schedule(rows).update(len(rows), k, timed, parts, model_steps)
@@ -236,7 +232,7 @@ class BatchRunner:
         found = find_match(row.index, self.suffix_cache, row.tokens, cap)
         if not found.tokens:
             return None
-        if config.proposer == "lookup" or (config.seed is not None and not config.greedy):
+        if config.proposer == "lookup" or config.reproducible:
             return found
         model = self._schedule([row]).expected_tokens(min(k, cap)) if k else 1.0
         expected = self.matches.expected_tokens(found, row.match_history)[-1]
@@ -274,9 +270,7 @@ class BatchRunner:
 
     @staticmethod
     def _reproducible(rows: list[_Row]) -> bool:
-        return any(
-            row.request.config.seed is not None and not row.request.config.greedy for row in rows
-        )
+        return any(row.request.config.reproducible for row in rows)
 
     def _free(self, rows: list[_Row], slot: int) -> None:
         """Drop the row in ``slot``; the last row moves into it (slots stay packed)."""

@@ -112,6 +112,12 @@ class GenerationConfig:
         return self.temperature == 0
 
     @property
+    def reproducible(self) -> bool:
+        """Sampling under a seed: the row's draws must not depend on timing or on other rows,
+        so every choice that shapes them (draft length, proposer) follows a fixed rule."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 

@@ -215,7 +215,7 @@ class SpeculativeGenerator:
         takes, so the schedule is new for each row and decides from that row alone."""
         drafts = config.num_draft_tokens and config.proposer != "lookup"  # a match has no cost
         name = config.draft_schedule if drafts else "fixed"
-        if name != "fixed" and config.seed is not None and not config.greedy:
+        if name != "fixed" and config.reproducible:
             return make_schedule(name, config.num_draft_tokens, reproducible=True)
         key = (name, config.num_draft_tokens, config.greedy)
         if key not in self._schedules:
@@ -231,8 +231,7 @@ class SpeculativeGenerator:
         lookup = LookupDrafter(index, self.suffix_cache)
         if config.proposer == "lookup":
             return lookup
-        reproducible = config.seed is not None and not config.greedy
-        if reproducible:
+        if config.reproducible:
             return HybridDrafter(self.drafter, lookup, reproducible=True)
         key = (config.prompt_lookup_min, config.prompt_lookup_max, config.greedy)
         hybrid = self._hybrids.get(key)

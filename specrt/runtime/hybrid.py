@@ -28,10 +28,7 @@ import numpy as np
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Draft, LookupDrafter, ModelDrafter
 from specrt.runtime.lookup import NO_PROPOSAL, Proposal
-from specrt.runtime.schedules import (
-    KeepGoing,
-    LineFit,
-)
+from specrt.runtime.schedules import KeepGoing, LineFit
 
 MAX_MATCH_TOKENS = 10  # proposed from a match at most (transformers' prompt_lookup_num_tokens)
 # Bounds of the fitted cost of one more verified position, as a share of a pass: it is
