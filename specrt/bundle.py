@@ -54,6 +54,8 @@ class ModelIO:
     max_probability: str | None = None  # and its probability (the draft's confidence)
     # Batched cache graphs: where each new token's k and v go, (row, position) pairs.
     cache_indices: str | None = None
+    # Batched graphs with local and global layers: the local (sliding-window) layers' mask.
+    local_attention_mask: str | None = None
 
 
 @dataclass
@@ -75,8 +77,9 @@ class EngineSpec:
     provider: str = "CPUExecutionProvider"  # the onnxruntime provider it is built for
     dtype: str = "float32"  # of its activations and KV cache
     built_for: dict[str, str] = field(default_factory=dict)  # a TensorRT plan's GPU and version
-    # Attention sees only the last ``sliding_window`` positions (Mistral): a batched engine's
-    # host writes it into the mask. None: every position.
+    # Attention sees only the last ``sliding_window`` positions (Mistral; in models with local
+    # and global layers, the local ones): a batched engine's host writes it into the mask
+    # (``io.local_attention_mask`` where the graph has one). None: every position.
     sliding_window: int | None = None
 
 

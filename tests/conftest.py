@@ -10,9 +10,9 @@ from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import SpeculativeGenerator
 
 
-def build_bundle(root, name: str, **pair_options):
+def build_bundle(root, name: str, export_options: dict | None = None, **pair_options):
     target, draft = make_tiny_pair(out_dir=root / f"{name}-src", **pair_options)
-    export_bundle(target, draft, root / name)
+    export_bundle(target, draft, root / name, **(export_options or {}))
     return root / name
 
 

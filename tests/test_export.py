@@ -20,7 +20,7 @@ from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
 
 
-@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)  # gemma2: tests/test_gemma2.py
+@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)
 def test_bundle_per_architecture(bundles, arch):
     root = bundles[arch]
     manifest = read_manifest(root)
@@ -31,7 +31,7 @@ def test_bundle_per_architecture(bundles, arch):
         spec = manifest.models[role]
         assert spec.model_type == arch and spec.num_layers == 2
         # qwen3 and gemma: head_dim set apart from hidden / heads; gemma: one kv head
-        assert spec.head_dim == (32 if arch in ("qwen3", "gemma") else 16)
+        assert spec.head_dim == (32 if arch in ("qwen3", "gemma", "gemma2", "gemma3_text") else 16)
         assert spec.num_kv_heads == {"gpt2": 4, "gemma": 1}.get(arch, 2)
         assert spec.dtype == "float32" and spec.max_positions == 128
         for rel, digest in spec.files.items():
@@ -42,8 +42,9 @@ def test_bundle_per_architecture(bundles, arch):
         graph = onnx.load(str(root / spec.path))
         assert {node.domain for node in graph.graph.node} <= {"", "ai.onnx"}  # standard ops only
         inputs = [i.name for i in graph.graph.input]
-        # optimum's gemma graph counts positions along the attention mask
-        wanted = {"input_ids", "attention_mask"} | (set() if arch == "gemma" else {"position_ids"})
+        # optimum's gemma graphs count positions along the attention mask
+        positions = set() if arch.startswith("gemma") else {"position_ids"}
+        wanted = {"input_ids", "attention_mask"} | positions
         assert wanted <= set(inputs)
         assert len([n for n in inputs if n.startswith("past_key_values.")]) == 4
         logits = next(o for o in graph.graph.output if o.name == "logits")

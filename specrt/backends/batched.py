@@ -183,6 +183,8 @@ class BatchedDecoder(RowsDecoder):
         self._with_probabilities = bool(io.probabilities) and spec.vocab_size == vocab_size
         self._width = spec.num_kv_heads * spec.head_dim
         self.window = spec.sliding_window  # positions a token attends to, at most
+        # Local and global layers: the window goes into the local layers' mask only.
+        self._local = bool(io.local_attention_mask)
         self._binding = session.io_binding()
         self._rows: tuple[int, int] | None = None  # the rows the cache binding covers
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
@@ -235,9 +237,13 @@ class BatchedDecoder(RowsDecoder):
             np.add(self.lengths[start : start + n, None], arrays.steps, out=arrays.positions)
             arrays.indices[..., 1] = arrays.positions
             np.less_equal(arrays.slots, arrays.positions[:, None, :, None], out=arrays.mask)
+            windowed = arrays.mask
+            if self._local:
+                windowed = arrays.local_mask
+                np.copyto(windowed, arrays.mask)
             if self.window:  # and only the last `window` positions
                 oldest = arrays.positions[:, None, :, None] - self.window
-                arrays.mask &= arrays.slots > oldest
+                windowed &= arrays.slots > oldest
             return arrays
         # A few positions (a draft step, one row's verification): plain Python stores beat
         # numpy's per-call cost, which runs cold right after a model call.
@@ -250,6 +256,9 @@ class BatchedDecoder(RowsDecoder):
                 visible = mask[row, 0, step]
                 visible[: position + 1] = True
                 visible[position + 1 :] = False
+                if self._local:
+                    arrays.local_mask[row, 0, step] = visible
+                    visible = arrays.local_mask[row, 0, step]
                 if self.window:
                     visible[: max(0, position + 1 - self.window)] = False
         return arrays
@@ -278,6 +287,7 @@ class BatchedDecoder(RowsDecoder):
                 self.spec.vocab_size,
                 self.vocab_size,
                 self._with_probabilities,
+                self._local,
             )
             if count <= MAX_KEPT_CALL_TOKENS:
                 self._shapes[shape] = arrays
@@ -290,6 +300,8 @@ class BatchedDecoder(RowsDecoder):
         binding.bind_ortvalue_output(io.logits, arrays.values[4])
         if self._with_probabilities:
             binding.bind_ortvalue_output(io.probabilities, arrays.values[5])
+        if self._local:
+            binding.bind_ortvalue_input(io.local_attention_mask, arrays.local_value)
         self._bound = arrays
         return arrays
 
@@ -306,6 +318,7 @@ class _CallArrays:
         graph_vocab: int,
         vocab: int,
         probabilities: bool,
+        local_mask: bool = False,
     ) -> None:
         n, count, keep_last = self.shape = shape
         self.ids = np.zeros((n, count), dtype=np.int64)
@@ -324,3 +337,6 @@ class _CallArrays:
             self.result.probabilities = arrays[-1][:, :, :vocab]
             self.row_result.probabilities = arrays[-1][0, :, :vocab]
         self.values = [shared_ortvalue(a) for a in arrays]
+        if local_mask:  # the local layers' mask
+            self.local_mask = np.zeros_like(self.mask)
+            self.local_value = shared_ortvalue(self.local_mask)

@@ -13,12 +13,17 @@ from specrt.backends.select import make_decoder
 from specrt.backends.session import create_session
 from specrt.bundle import ModelSpec
 
+CHECK_TOKENS = 12
+LONGEST_CHECK = 520  # a sliding window up to 512 positions is checked past its edge
+
 
 def max_logit_difference(
     model: torch.nn.Module, graph: Path, spec: ModelSpec, token_range: int, seed: int = 0
 ) -> dict[str, float]:
     """Return max |logit diff| for the prefill and for the multi-token step."""
-    total = min(12, spec.max_positions)
+    window = getattr(model.config, "sliding_window", None) or 0
+    total = window + 8 if CHECK_TOKENS < window + 8 <= LONGEST_CHECK else CHECK_TOKENS
+    total = min(total, spec.max_positions)
     prefill = max(1, total - 4)
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, token_range, size=total).tolist()

@@ -15,8 +15,18 @@ from specrt.errors import ExportError
 # Tested end to end (tests/test_export.py builds a tiny model of each); each also gets an
 # onnxruntime engine where its shape allows (`ort_graph.unsupported_reason`).
 # Families the onnxruntime engine is built for; the others run their portable graph.
-ENGINE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gpt2")
-SUPPORTED_MODEL_TYPES = (*ENGINE_MODEL_TYPES, "gemma2", "gemma3_text")
+ENGINE_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "gpt2",
+)
+SUPPORTED_MODEL_TYPES = ENGINE_MODEL_TYPES
 PRECISIONS = ("float32", "int8", "int4")  # of a draft engine's weights
 DEFAULT_ATOL = 1e-3
 DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larger models

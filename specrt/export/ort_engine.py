@@ -16,6 +16,7 @@ from specrt.export.ort_graph import (
     ARGMAX,
     ATTENTION_MASK,
     CACHE_INDICES,
+    LOCAL_ATTENTION_MASK,
     LOGITS_TO_KEEP,
     MAX_LOGIT,
     MAX_PROBABILITY,
@@ -24,6 +25,7 @@ from specrt.export.ort_graph import (
     SEQLENS_K,
     TOTAL_LENGTH,
     DecoderShape,
+    activation,
     build_decoder_graph,
     build_gpt2_graph,
     sliding_window,
@@ -49,9 +51,11 @@ def build_ort_engine(
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
-    gemma = config.model_type == "gemma"
+    gemma = config.model_type in GEMMA_TYPES
     dtype = "float16" if device == "cuda" else "float32"
     out = bundle_root / role / key / "model.onnx"
+    window, local_layers = sliding_window(config, spec.max_positions)
+    scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -64,9 +68,16 @@ def build_ort_engine(
         # CPU: any rows and tokens per call; CUDA keeps GroupQueryAttention (one row per call
         # when more than one token is fed) until the batched graph is checked on a GPU.
         attention="group_query" if device == "cuda" else "batched",
-        qk_norm=config.model_type == "qwen3",
+        qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
-        activation=ACTIVATIONS.get(getattr(config, "hidden_act", "silu"), "silu"),
+        activation=ACTIVATIONS.get(activation(config), "silu"),
+        attention_scale=float(scalar) ** -0.5 if scalar else None,
+        attention_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+        logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
+        sandwich_norms=config.model_type in ("gemma2", "gemma3_text"),
+        local_layers=local_layers,
+        window=window,
+        local_rope_layers=_local_rope_layers(model),
     )
     if config.model_type == "phi3":
         weights = unpacked_phi3(weights, shape, int(config.intermediate_size))
@@ -75,17 +86,11 @@ def build_ort_engine(
     if config.model_type == "gpt2":
         graph = build_gpt2_graph(shape, weights, out)
     else:
-        with torch.no_grad():  # the model's own rotary tables: any rope scaling is applied
-            positions = torch.arange(spec.max_positions)[None]
-            cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
-        half = spec.head_dim // 2
-        graph = build_decoder_graph(
-            shape,
-            weights,
-            cos[0, :, :half].numpy().astype(np.float32),
-            sin[0, :, :half].numpy().astype(np.float32),
-            out,
-        )
+        local = None
+        if shape.local_rope_layers:
+            local = _rope_tables(model.model.rotary_emb_local, spec)
+        cos, sin = _rope_tables(model.model.rotary_emb, spec)
+        graph = build_decoder_graph(shape, weights, cos, sin, out, local_rope=local)
     if device == "cpu":
         quantize_weights(graph, precision)
     layers = range(spec.num_layers)
@@ -98,6 +103,7 @@ def build_ort_engine(
         io=ModelIO(
             input_ids="input_ids",
             attention_mask=ATTENTION_MASK if batched else None,
+            local_attention_mask=LOCAL_ATTENTION_MASK if batched and shape.two_masks else None,
             position_ids=POSITION_IDS if batched else None,
             past_keys=[f"past_key_values.{i}.key" for i in layers],
             past_values=[f"past_key_values.{i}.value" for i in layers],
@@ -115,7 +121,8 @@ def build_ort_engine(
         ),
         vocab_size=vocab,
         cache="batched" if batched else "in_place",
-        sliding_window=sliding_window(config, spec.max_positions) if batched else None,
+        # The cuda graph carries its windows itself (GroupQueryAttention's attribute).
+        sliding_window=window if batched else None,
         precision=dtype if device == "cuda" else precision,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,
@@ -124,6 +131,30 @@ def build_ort_engine(
     check = max_logit_difference(model, graph, spec.engine_view(key), vocab)
     engine.export_check = check
     return engine
+
+
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+
+
+def _local_rope_layers(model: torch.nn.Module) -> tuple[int, ...]:
+    """The layers that rotate with the model's second table (Gemma 3's sliding layers)."""
+    if not hasattr(getattr(model, "model", None), "rotary_emb_local"):
+        return ()
+    types = model.config.layer_types
+    return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+
+
+def _rope_tables(rotary: torch.nn.Module, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """``rotary``'s cos and sin at every position, ``[max_positions, head_dim / 2]``: the
+    model's own tables, so any rope scaling is applied."""
+    with torch.no_grad():
+        positions = torch.arange(spec.max_positions)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    half = spec.head_dim // 2
+    return (
+        cos[0, :, :half].numpy().astype(np.float32),
+        sin[0, :, :half].numpy().astype(np.float32),
+    )
 
 
 def unpacked_phi3(weights: dict, shape: DecoderShape, intermediate: int) -> dict:

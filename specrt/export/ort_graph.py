@@ -7,7 +7,7 @@ buffer per layer that the graph reads as ``past`` and writes as ``present`` in p
 binds both to the same memory); the valid length is an input, so rolling back rejected tokens is a
 length change with nothing copied.
 
-Llama-family decoders (llama, qwen2, mistral): pre-norm RMSNorm, rotary positions, grouped-query
+Llama-family decoders (llama, qwen2/3, mistral, phi3, gemma 1/2/3): pre-norm RMSNorm, rotary positions, grouped-query
 attention, SwiGLU MLP; GPT-2: LayerNorm, learned positions (computed in the graph from the
 lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``seqlens_k [1]``
 (int32: past + S - 1), ``total_sequence_length []`` (int32: past + S), ``logits_to_keep [1]``
@@ -49,6 +49,8 @@ LOGITS_TO_KEEP = "logits_to_keep"  # int64 [1]: logits for the last n positions 
 POSITION_IDS = "position_ids"  # int64 [B, S]: each new token's position
 CACHE_INDICES = "cache_indices"  # int64 [B, S, 2]: (row, position) its k and v are written at
 ATTENTION_MASK = "attention_mask"  # bool [B, 1, S, L]: which cache slots each new token sees
+# Models whose local (sliding-window) and global layers alternate: the local layers' mask.
+LOCAL_ATTENTION_MASK = "attention_mask_local"
 _MS = "com.microsoft"
 
 
@@ -78,32 +80,65 @@ class DecoderShape:
     # Gemma: the embedding is scaled by sqrt(hidden) and the MLP's gate uses the tanh GELU.
     embedding_scale: float = 1.0
     activation: str = "silu"  # or "gelu_tanh"
+    # Gemma 2/3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5),
+    # cap * tanh(x / cap) on attention scores and on the logits (0: none), and norms after the
+    # attention and the MLP as well as before them.
+    attention_scale: float | None = None
+    attention_softcap: float = 0.0
+    logit_softcap: float = 0.0
+    sandwich_norms: bool = False
+    # Layers attending to the last ``window`` positions only (the others see all of them), and
+    # layers rotating with tables of their own (Gemma 3's local layers: their own rope base,
+    # whatever the window).
+    local_layers: tuple[int, ...] = ()
+    window: int | None = None
+    local_rope_layers: tuple[int, ...] = ()
+
+    @property
+    def scale(self) -> float:
+        return float(self.attention_scale or self.head_dim**-0.5)
+
+    @property
+    def two_masks(self) -> bool:
+        """Local and global layers both: the batched graph takes a mask for each kind."""
+        return 0 < len(self.local_layers) < self.num_layers
 
 
-def sliding_window(config, max_positions: int) -> int | None:
-    """The window every layer's attention is limited to, where it is narrower than the model's
-    positions (Mistral-style: one window for all layers); else None."""
+def sliding_window(config, max_positions: int) -> tuple[int | None, tuple[int, ...]]:
+    """The window of the model's local layers, where it is narrower than the model's positions,
+    and which layers those are: the config's ``layer_types`` where it has them (Gemma 2/3, Qwen
+    with ``max_window_layers``), else every layer (Mistral, Phi-3). ``(None, ())``: none."""
     window = getattr(config, "sliding_window", None)
-    default = config.model_type in WINDOWED_TYPES  # these apply it whenever it is set
-    if getattr(config, "use_sliding_window", default) and window and window < max_positions:
-        return int(window)
-    return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:  # the config names each layer's kind
+        local = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    elif config.model_type in WINDOWED_TYPES or getattr(config, "use_sliding_window", False):
+        local = tuple(range(config.num_hidden_layers))
+    else:
+        local = ()
+    if window and window < max_positions and local:
+        return int(window), local
+    return None, ()
+
+
+def activation(config) -> str:
+    """The MLP's activation (Gemma 2/3 name it ``hidden_activation``)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
 def unsupported_reason(config, max_positions: int, device: str = "cpu") -> str | None:
     """Why this checkpoint cannot get the onnxruntime engine for ``device`` (None when it
-    can). The CPU engine's host writes a sliding window into its mask; the cuda engine's
-    GroupQueryAttention is not set up for one yet."""
+    can). Sliding windows: the CPU engine's host writes them into a mask per kind of layer;
+    the cuda engine's GroupQueryAttention takes each layer's window as an attribute."""
     if config.model_type not in ENGINE_MODEL_TYPES:
         return f"model type {config.model_type!r} has no onnxruntime engine builder yet"
     if config.model_type == "gpt2":
         return _gpt2_unsupported_reason(config)
-    if getattr(config, "hidden_act", "silu") not in ACTIVATIONS:
-        return f"activation {config.hidden_act!r} (only {', '.join(ACTIVATIONS)})"
-    window = sliding_window(config, max_positions)
-    if window is not None and (device == "cuda" or config.model_type not in WINDOWED_TYPES):
-        # Qwen2/3 limit the window to some layers (max_window_layers): one mask cannot say it.
-        return f"sliding window {window} < max positions {max_positions}"
+    if activation(config) not in ACTIVATIONS:
+        return f"activation {activation(config)!r} (only {', '.join(ACTIVATIONS)})"
+    types = set(getattr(config, "layer_types", None) or ())
+    if types - {"sliding_attention", "full_attention"}:
+        return f"layer types {sorted(types)} (only sliding_attention and full_attention)"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if _head_dim_reason(head_dim):
         return _head_dim_reason(head_dim)
@@ -139,15 +174,20 @@ def build_decoder_graph(
     cos: np.ndarray,
     sin: np.ndarray,
     out_path: Path,
+    local_rope: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Path:
     """Llama-family graph: write it (and its weights as external data) to ``out_path``.
 
     ``weights`` uses the HF state-dict names (``model.layers.0.self_attn.q_proj.weight`` …, each
-    ``[out, in]``); ``cos``/``sin`` are ``[max_positions, head_dim / 2]`` (rotary, scaled).
+    ``[out, in]``); ``cos``/``sin`` are ``[max_positions, head_dim / 2]`` (rotary, scaled);
+    ``local_rope``: the (cos, sin) of ``shape.local_rope_layers``.
     """
     b = _GraphBuilder(weights, shape.dtype)
     b.initializer("cos_cache", cos)
     b.initializer("sin_cache", sin)
+    if shape.local_rope_layers:
+        b.initializer("cos_cache_local", local_rope[0])
+        b.initializer("sin_cache_local", local_rope[1])
 
     scaled = shape.embedding_scale != 1.0
     embedding = "unscaled" if scaled else "embedded"
@@ -174,9 +214,13 @@ def build_decoder_graph(
             qkv = _normed_qkv(b, shape, i, qkv, attn)
         _attention(b, shape, i, qkv, rotary=True)
         attn_out = b.linear(f"attn.{i}", [f"{attn}.o_proj"], f"attn_out.{i}")
+        mid_norm = "post_attention_layernorm"
+        if shape.sandwich_norms:  # Gemma 2/3: the block's output is normed before the sum
+            attn_out = _rms_norm(b, attn_out, f"{prefix}.post_attention_layernorm", eps)
+            mid_norm = "pre_feedforward_layernorm"
         b.node(
             "SkipSimplifiedLayerNormalization",
-            [residual, attn_out, b.weight(f"{prefix}.post_attention_layernorm.weight")],
+            [residual, attn_out, b.weight(f"{prefix}.{mid_norm}.weight")],
             [f"mlp_in.{i}", "", "", f"residual_mid.{i}"],
             domain=_MS,
             epsilon=eps,
@@ -191,6 +235,8 @@ def build_decoder_graph(
             b.node("Mul", [gate, f"gate_sigmoid.{i}"], [f"gate_act.{i}"])
         b.node("Mul", [f"gate_act.{i}", up], [f"gated.{i}"])
         down = b.linear(f"gated.{i}", [f"{mlp}.down_proj"], f"mlp_out.{i}")
+        if shape.sandwich_norms:
+            down = _rms_norm(b, down, f"{prefix}.post_feedforward_layernorm", eps)
         last = i == shape.num_layers - 1
         next_norm = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
         b.node(
@@ -294,17 +340,35 @@ def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderSh
     b.constant("positions_axis", np.array([1], dtype=np.int64))
     b.node("Slice", [normed, "keep_from", "positions_end", "positions_axis"], ["head_in"])
     b.initializer("lm_head.MatMul", matrix)
+    logits = "logits_uncapped" if shape.logit_softcap else "logits"
     if shape.dtype == "float32":
-        b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits"])
+        b.node("MatMul", ["head_in", "lm_head.MatMul"], [logits])
     else:
         b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits_half"])
-        b.node("Cast", ["logits_half"], ["logits"], to=TensorProto.FLOAT)
+        b.node("Cast", ["logits_half"], [logits], to=TensorProto.FLOAT)
+    if shape.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
+        b.constant("logit_softcap", np.array(shape.logit_softcap, dtype=np.float32))
+        b.node("Div", [logits, "logit_softcap"], ["logits_scaled"])
+        b.node("Tanh", ["logits_scaled"], ["logits_tanh"])
+        b.node("Mul", ["logits_tanh", "logit_softcap"], ["logits"])
     b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
     if shape.greedy_outputs:
         b.node("ArgMax", ["logits"], [ARGMAX], axis=-1, keepdims=0)
         b.constant("vocab_axis", np.array([-1], dtype=np.int64))
         b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
         b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
+
+
+def _rms_norm(b: _GraphBuilder, x: str, module: str, eps: float) -> str:
+    b.node(
+        "SimplifiedLayerNormalization",
+        [x, b.weight(f"{module}.weight")],
+        [f"{x}.normed"],
+        epsilon=eps,
+        axis=-1,
+        stash_type=1,
+    )
+    return f"{x}.normed"
 
 
 def _normed_qkv(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, attn: str) -> str:
@@ -343,10 +407,11 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
     b.node("Split", [qkv, "qkv_split"], [f"q.{i}", f"k.{i}", f"v.{i}"], axis=-1)
     q, k = f"q.{i}", f"k.{i}"
     if rotary:
+        cos, sin = _rope_tables(shape, i)
         for name, heads in ((q, h), (k, kvh)):
             b.node(
                 "RotaryEmbedding",
-                [name, POSITION_IDS, "cos_cache", "sin_cache"],
+                [name, POSITION_IDS, cos, sin],
                 [f"{name}.rot"],
                 domain=_MS,
                 interleaved=0,
@@ -359,14 +424,28 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
             [f"past_key_values.{i}.{kind}", CACHE_INDICES, new],
             [f"present.{i}.{kind}"],
         )
+    local = shape.two_masks and i in shape.local_layers
+    softcap = {"softcap": shape.attention_softcap} if shape.attention_softcap else {}
     b.node(
         "Attention",
-        [q, f"present.{i}.key", f"present.{i}.value", ATTENTION_MASK],
+        [
+            q,
+            f"present.{i}.key",
+            f"present.{i}.value",
+            LOCAL_ATTENTION_MASK if local else ATTENTION_MASK,
+        ],
         [f"attn.{i}"],
         q_num_heads=h,
         kv_num_heads=kvh,
-        scale=float(hd**-0.5),
+        scale=shape.scale,
+        **softcap,
     )
+
+
+def _rope_tables(shape: DecoderShape, i: int) -> tuple[str, str]:
+    if i in shape.local_rope_layers:
+        return "cos_cache_local", "sin_cache_local"
+    return "cos_cache", "sin_cache"
 
 
 def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
@@ -382,17 +461,21 @@ def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: 
         SEQLENS_K,
         TOTAL_LENGTH,
     ]
+    # Same count as HF's sliding_window (the token's own position included): checked
+    # against PyTorch past the window at export.
+    window = shape.window if shape.window and i in shape.local_layers else -1
     b.node(
         "GroupQueryAttention",
-        inputs + (["cos_cache", "sin_cache"] if rotary else []),
+        inputs + (list(_rope_tables(shape, i)) if rotary else []),
         [f"attn.{i}", f"present.{i}.key", f"present.{i}.value"],
         domain=_MS,
         num_heads=shape.num_heads,
         kv_num_heads=shape.num_kv_heads,
-        scale=float(shape.head_dim**-0.5),
+        scale=shape.scale,
+        softcap=float(shape.attention_softcap),
         do_rotary=int(rotary),
         rotary_interleaved=0,
-        local_window_size=-1,
+        local_window_size=window,
     )
 
 
@@ -418,6 +501,12 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
                 ATTENTION_MASK, TensorProto.BOOL, ["batch", 1, "sequence", "max_length"]
             ),
         ]
+        if shape.two_masks:
+            inputs.append(
+                helper.make_tensor_value_info(
+                    LOCAL_ATTENTION_MASK, TensorProto.BOOL, ["batch", 1, "sequence", "max_length"]
+                )
+            )
     outputs = [
         helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "kept", shape.vocab_size])
         for name in ("logits", PROBABILITIES)

@@ -37,6 +37,7 @@ CORPUS = [
     "Now is better than never. Although never is often better than right now.",
 ]
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+TIED_SHRINK = 8.0  # tied models' embeddings are scaled down by this (see make_tiny_pair)
 
 
 def make_tokenizer(extra_tokens: int = 0) -> PreTrainedTokenizerFast:
@@ -109,7 +110,7 @@ def tiny_config(
             "head_dim": 32,
             "tie_word_embeddings": True,
             "sliding_window": sliding_window or max_positions,
-            "layer_types": ["sliding_attention", "full_attention"],
+            "layer_types": [("sliding", "full")[i % 2] + "_attention" for i in range(layers)],
             "query_pre_attn_scalar": 24,
             "rope_local_base_freq": 100.0,  # far from the global 10000: a mix-up shows
             "rope_theta": 10000.0,
@@ -117,6 +118,8 @@ def tiny_config(
     if arch == "qwen3":  # its real checkpoints' features: head_dim set apart from hidden /
         # heads (32 here, not 16), tied embeddings, per-head q/k norms (in the model class)
         extra = {"head_dim": 32, "tie_word_embeddings": True}
+    if arch in ("qwen2", "qwen3") and sliding_window:  # the window on layers from 1 up
+        extra.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1)
     shape = dict(
         hidden_size=64,  # head_dim 16: onnxruntime's GroupQueryAttention needs a multiple of 16
         intermediate_size=64,
@@ -142,11 +145,14 @@ def make_tiny_pair(
     draft_max_positions: int | None = None,
     sliding_window: int | None = None,
     draft_dims: dict | None = None,
+    config: dict | None = None,
 ) -> tuple[Path, Path]:
     """Write ``out_dir/target`` and ``out_dir/draft`` HF checkpoints sharing one tokenizer.
 
     ``*_vocab_pad`` adds embedding rows beyond the tokenizer's vocabulary, as real Qwen pairs have.
-    ``sliding_window`` (mistral): attention over the last that many positions only.
+    ``sliding_window``: attention over the last that many positions only (all layers for
+    mistral and phi3; the local layers of gemma2/gemma3_text; layers from 1 up for qwen2/qwen3).
+    ``config``: other config values of both models (``rope_scaling``, ``attention_bias`` ...).
     ``draft_dims``: the draft is a model of its own with these sizes (`tiny_config`'s ``dims``,
     ``layers``), random, as a real pair's members differ; by default it is the target plus noise.
     """
@@ -154,23 +160,34 @@ def make_tiny_pair(
     tokenizer = make_tokenizer(extra_tokens)
     vocab = len(tokenizer)
     torch.manual_seed(seed)
-    config = tiny_config(arch, vocab, max_positions, sliding_window=sliding_window)
-    target = AutoModelForCausalLM.from_config(config).eval()
+    overrides = config or {}
+    target_config = tiny_config(
+        arch, vocab, max_positions, sliding_window=sliding_window, **overrides
+    )
+    target = AutoModelForCausalLM.from_config(target_config).eval()
     with torch.no_grad():
-        if target.config.model_type.startswith("gemma"):  # tied, norms scale by (1 + w)
+        # Tied: the residual stream starts as the input token's own embedding row, which also
+        # scores the outputs, so the model repeats its input unless the layers' share of the
+        # stream outweighs it (the Gemma families' scaled embedding and norms are set up below).
+        tied = target.config.tie_word_embeddings
+        gemma = target.config.model_type.startswith("gemma")
+        shrink = TIED_SHRINK if tied and not gemma else 1.0
+        embedding = target.model.embed_tokens.weight if tied else None
+        if gemma:  # tied, norms scale by (1 + w)
             norm = target.model.norm.weight
-            norm.copy_((1 + norm) * peak - 1)
+            norm.copy_((1 + norm) * peak * shrink - 1)
             # It multiplies the embedding by sqrt(hidden): undone here, or the residual stream
             # is the input token alone and every model predicts the same.
-            target.model.embed_tokens.weight.div_(target.config.hidden_size**0.5)
-        elif target.config.tie_word_embeddings:  # the output layer is the input embedding:
-            target.model.norm.weight.mul_(peak)  # scale what feeds it instead
+            embedding.div_(target.config.hidden_size**0.5 * shrink)
+        elif tied:  # the output layer is the input embedding: scale what feeds it instead
+            target.model.norm.weight.mul_(peak * shrink)
+            embedding.div_(shrink)
         else:
             target.get_output_embeddings().weight.mul_(peak)
     draft = copy.deepcopy(target)
     if draft_dims is not None:
         draft_config = tiny_config(
-            arch, vocab, max_positions, sliding_window=sliding_window, **draft_dims
+            arch, vocab, max_positions, sliding_window=sliding_window, **{**overrides, **draft_dims}
         )
         draft = AutoModelForCausalLM.from_config(draft_config).eval()
     if draft_max_positions is not None:  # rotary models: only the declared limit changes
