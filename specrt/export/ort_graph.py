@@ -7,9 +7,11 @@ buffer per layer that the graph reads as ``past`` and writes as ``present`` in p
 binds both to the same memory); the valid length is an input, so rolling back rejected tokens is a
 length change with nothing copied.
 
-Llama-family decoders (llama, qwen2/3, mistral, phi3, gemma 1/2/3): pre-norm RMSNorm, rotary positions, grouped-query
-attention, SwiGLU MLP; GPT-2: LayerNorm, learned positions (computed in the graph from the
-lengths), multi-head attention, tanh GELU. Inputs ``input_ids [1, S]``, ``seqlens_k [1]``
+Llama-family decoders (llama, qwen2/3, mistral, phi3, gemma 1/2/3): pre-norm RMSNorm, rotary
+positions, grouped-query attention, gated MLP (Gemma 2/3 add norms after each block,
+soft-capping and local layers with a window); GPT-2: LayerNorm, learned positions (computed
+in the graph from the lengths), multi-head attention, tanh GELU. Inputs
+``input_ids [1, S]``, ``seqlens_k [1]``
 (int32: past + S - 1), ``total_sequence_length []`` (int32: past + S), ``logits_to_keep [1]``
 (int64 n: logits for the last n positions only),
 ``past_key_values.{i}.key/value``; outputs ``logits [1, n, vocab]``, ``probabilities`` (their
