@@ -2,6 +2,7 @@
 today's one-row-at-a-time speculative loop.
 
     .venv/bin/python bench/batch_throughput.py [--bundle engines/demo] [--batch-sizes 1 2 4 8 16]
+        [--proposer hybrid|model|lookup]
 
 Each contender is a fresh process (its peak RSS is its own) running the held-out prompts
 (64 x 128 new tokens, EOS ignored so every row is the same length) through `run_batch`, the
@@ -40,6 +41,7 @@ def contender(args: argparse.Namespace) -> dict:
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.k,
         draft_schedule=args.schedule,
+        proposer=args.proposer if args.k else "model",
         ignore_eos=True,
     )
     with tempfile.TemporaryDirectory() as scratch:
@@ -57,6 +59,7 @@ def contender(args: argparse.Namespace) -> dict:
         "batch_size": generator.max_batch,
         "k": args.k,
         "schedule": args.schedule,
+        "proposer": config.proposer,
         "tokens": summary.new_tokens,
         "seconds": seconds,
         "tokens_per_s": summary.new_tokens / seconds,
@@ -79,7 +82,9 @@ def mean_run(runs: list[dict]) -> dict:
     return merged
 
 
-def spawn(args: argparse.Namespace, batch_size: int, k: int, schedule: str) -> dict:
+def spawn(
+    args: argparse.Namespace, batch_size: int, k: int, schedule: str, proposer: str | None = None
+) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -98,6 +103,8 @@ def spawn(args: argparse.Namespace, batch_size: int, k: int, schedule: str) -> d
         str(k),
         "--schedule",
         schedule,
+        "--proposer",
+        proposer or args.proposer,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -114,6 +121,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--schedule", default="adaptive")
+    # What `specrt batch` drafts with by default: matches from the row's own text, else the model
+    parser.add_argument("--proposer", default="hybrid", choices=["model", "lookup", "hybrid"])
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "batch_throughput.json"))
     parser.add_argument("--plot", default=None, help="Write the plot here (PNG).")
     parser.add_argument("--contender", action="store_true", help=argparse.SUPPRESS)
@@ -123,8 +132,12 @@ def main() -> None:
         print(json.dumps(contender(args)))
         return
 
-    one_row = spawn(args, 1, args.k, "fixed")  # today's loop: one row at a time, K fixed
-    print(f"one-row speculative loop (K={args.k}): {one_row['tokens_per_s']:.0f} tokens/s")
+    # The loop the batch issue started from: one row at a time, the draft model, K fixed.
+    one_row = spawn(args, 1, args.k, "fixed", "model")
+    print(
+        f"one-row speculative loop (draft model, K={args.k}): "
+        f"{one_row['tokens_per_s']:.0f} tokens/s"
+    )
     rows = []
     for batch in args.batch_sizes:
         # A B B A: the VM's speed drifts; each mode's two runs straddle the other's.

@@ -2,10 +2,11 @@
 
     .venv/bin/python bench/serve_load.py [--bundle engines/demo] [--concurrency 1 4 16]
 
-Starts two servers on 127.0.0.1 (the default load-aware draft length, and
-`--num-draft-tokens 0`), then at each concurrency sends the same fixed set of streaming
-completion requests (held-out prompts, greedy, --max-tokens each) to one and then the other,
-from that many client threads; a run stops by itself after its requests. Prints requests/s,
+Starts two servers on 127.0.0.1 (`specrt serve`'s defaults, and `--num-draft-tokens 0`), then
+at each concurrency sends the same fixed set of streaming completion requests (held-out
+prompts, greedy, --max-tokens each) to one and then the other and back (--repeats runs each),
+from that many client threads, each holding one keep-alive connection; a run stops by itself
+after its requests. Prints requests/s,
 tokens/s, p50/p99 latency and time to first token for both and their ratio, and writes the
 table as JSON.
 """
@@ -48,11 +49,11 @@ def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess
     raise SystemExit("the server did not come up")
 
 
-def one_request(url: str, prompt: str, max_tokens: int) -> dict:
+def one_request(http: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
     started = time.perf_counter()
     first, tokens = None, 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+    with http.stream("POST", f"{url}/v1/completions", json=body) as response:
         for line in response.iter_lines():
             # Parsed only where needed: on 2 cores the clients' own Python competes with the
             # server, and would show up in the latencies measured.
@@ -65,18 +66,22 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """Every prompt once, from ``concurrency`` client threads; the requests' measurements."""
     work: queue.Queue[str] = queue.Queue()
     for prompt in prompts:
         work.put(prompt)
     results: list[dict] = []
 
     def client() -> None:
-        while True:
-            try:
-                prompt = work.get_nowait()
-            except queue.Empty:
-                return
-            results.append(one_request(url, prompt, max_tokens))
+        # One keep-alive connection per client, as load generators and SDK clients hold them
+        # (a new httpx client per request spent ~40 ms building its SSL context).
+        with httpx.Client(timeout=300) as http:
+            while True:
+                try:
+                    prompt = work.get_nowait()
+                except queue.Empty:
+                    return
+                results.append(one_request(http, url, prompt, max_tokens))
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -84,12 +89,21 @@ def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int) ->
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - started
+    return {"results": results, "wall": time.perf_counter() - started}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Runs of one server as one: total tokens over total time, percentiles over all requests."""
+    results = [r for run in runs for r in run["results"]]
+    wall = sum(run["wall"] for run in runs)
     latencies = sorted(r["latency"] for r in results)
     ttfts = sorted(r["ttft"] for r in results)
     return {
         "requests_per_s": len(results) / wall,
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "runs_tokens_per_s": [
+            sum(r["tokens"] for r in run["results"]) / run["wall"] for run in runs
+        ],
         "p50_latency_s": statistics.median(latencies),
         "p99_latency_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "p50_ttft_s": statistics.median(ttfts),
@@ -107,6 +121,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--batch-size", type=int, default=16)
+    # Each server runs this many times per concurrency, in turns A B B A ...: this VM's speed
+    # drifts between runs as much as the differences measured.
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_load.json"))
     args = parser.parse_args()
 
@@ -124,8 +141,13 @@ def main() -> None:
             run_load(url, prompts[:4], 4, 32)
         for concurrency in args.concurrency:
             row = {"concurrency": concurrency}
-            for name, (_, url) in servers.items():
-                row[name] = run_load(url, prompts, concurrency, args.max_tokens)
+            runs: dict[str, list[dict]] = {name: [] for name in servers}
+            for repeat in range(args.repeats):
+                names = list(servers) if repeat % 2 == 0 else list(servers)[::-1]
+                for name in names:
+                    url = servers[name][1]
+                    runs[name].append(run_load(url, prompts, concurrency, args.max_tokens))
+            row.update({name: summarize(measured) for name, measured in runs.items()})
             spec, alone = row["speculative"], row["target_only"]
             row["tokens_per_s_ratio"] = spec["tokens_per_s"] / alone["tokens_per_s"]
             rows.append(row)
