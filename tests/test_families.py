@@ -65,6 +65,8 @@ FAMILIES = {
         {"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
         WINDOW,
     ),
+    # Gemma 3 from 4B up: a vision tower beside the text decoder; the draft is text only
+    "gemma3-multimodal-target": ("gemma3", {}, WINDOW),
     "gpt2": ("gpt2", {}),
 }
 
@@ -146,6 +148,28 @@ def test_greedy_equals_pytorch_on_every_graph(family):
                 assert outputs == expected, (name, engine, batch, k)
                 if k:  # (rejections on every family: tests/test_greedy.py)
                     assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def test_a_multimodal_target_is_exported_as_its_text_decoder(family):
+    """The bundle holds the text decoder (the vision tower is left out), records the original
+    checkpoint, and `specrt build` rebuilds its engines from that checkpoint."""
+    name, bundle, window, refused, logs = family
+    if FAMILIES[name][0] != "gemma3":
+        pytest.skip(f"{name} is not multimodal")
+    from specrt.export.build import build_engines
+
+    spec = read_manifest(bundle).models["target"]
+    assert spec.model_type == "gemma3_text" and spec.architecture == "Gemma3ForCausalLM"
+    assert spec.source.endswith("target")  # the multimodal checkpoint itself
+    assert any("text decoder of the multimodal gemma3" in line for line in logs)
+    assert sorted(p.name for p in bundle.iterdir()) == [
+        "draft",
+        "manifest.json",
+        "target",
+        "tokenizer",
+    ]
+    rebuilt = build_engines(bundle).models["target"].engines["onnxruntime"]
+    assert 0 <= rebuilt.export_check["max_abs_logit_diff"] < 1e-4
 
 
 def test_the_window_matters(family):

@@ -21,6 +21,7 @@ from specrt.bundle import (
     write_manifest,
 )
 from specrt.errors import ExportError
+from specrt.export.checkpoints import load_causal_lm, text_config
 from specrt.export.options import ExportOptions
 from specrt.export.pipeline import Log, add_ort_engine, checkpoint_sha256
 from specrt.staging import publish, staging
@@ -30,8 +31,7 @@ def build_engines(
     bundle_dir: str | Path, options: ExportOptions | None = None, log: Log = lambda message: None
 ) -> Manifest:
     """``options``: the engines' (``draft_precision``) and the check's (``atol``)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from specrt.export.numeric_check import max_logit_difference
 
@@ -60,13 +60,12 @@ def build_engines(
                 old = spec.engines.pop(key, None)
                 if old is not None:
                     shutil.rmtree((scratch / old.path).parent, ignore_errors=True)
-            model = AutoModelForCausalLM.from_pretrained(
-                sources[role], dtype=torch.float32, local_files_only=True
-            ).eval()
+            config = AutoConfig.from_pretrained(sources[role], local_files_only=True)
+            model = load_causal_lm(sources[role], config)
+            config = text_config(config)
             same = max_logit_difference(model, scratch / spec.path, spec, manifest.vocab_size)
             if not same["max_abs_logit_diff"] <= (spec.export_check.get("atol") or options.atol):
                 raise ExportError(changed_message(role, sources[role]))
-            config = AutoConfig.from_pretrained(sources[role], local_files_only=True)
             log(f"building the {role} onnxruntime engine from {sources[role]}")
             add_ort_engine(model, spec, config, scratch, role, manifest.vocab_size, options, log)
             for name, engine in spec.engines.items():

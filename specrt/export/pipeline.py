@@ -29,6 +29,7 @@ from specrt.bundle import (
 )
 from specrt.checksums import sha256_file
 from specrt.errors import ExportError, PairMismatchError
+from specrt.export.checkpoints import is_multimodal, save_text_decoder, text_config
 from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 from specrt.staging import publish, recover, staging
@@ -75,7 +76,7 @@ def export_bundle(
     # (real Qwen pairs differ there), and padding ids can be neither decoded nor shared.
     vocab = _tokenizer_vocab_size(sources["target"])
     for role, config in configs.items():
-        if config.vocab_size < vocab:
+        if text_config(config).vocab_size < vocab:
             raise PairMismatchError(
                 f"the {role} model has {config.vocab_size} embeddings but the tokenizer has "
                 f"{vocab} tokens; this checkpoint does not belong with this tokenizer"
@@ -85,7 +86,7 @@ def export_bundle(
         specs: dict[str, ModelSpec] = {}
         for role, source in sources.items():
             log(f"exporting {role} ({configs[role].model_type}) from {source}")
-            specs[role] = _export_checked(
+            specs[role] = _export_role(
                 source, configs[role], scratch, role, tokenizer_hash, vocab, options, log
             )
             checks = [("portable", specs[role].export_check)] if options.portable else []
@@ -98,7 +99,9 @@ def export_bundle(
                 log(f"  {role} {name}: max |logit diff| vs PyTorch {diff:.2e}")
         manifest = Manifest(
             models=specs,
-            tokenizer=_copy_tokenizer(sources["target"], scratch / "tokenizer", configs["target"]),
+            tokenizer=_copy_tokenizer(
+                sources["target"], scratch / "tokenizer", text_config(configs["target"])
+            ),
             vocab_size=vocab,
             specrt_version=__version__,
         )
@@ -106,6 +109,41 @@ def export_bundle(
         publish(scratch, out)
     log(f"bundle written to {out}")
     return manifest
+
+
+def _export_role(
+    source: Path,
+    config,
+    bundle_root: Path,
+    role: str,
+    tokenizer_hash: str,
+    token_range: int,
+    options: ExportOptions,
+    log: Log,
+) -> ModelSpec:
+    """`_export_checked` on the checkpoint, or on a multimodal checkpoint's text decoder saved
+    on its own in the staging directory (removed after; the spec names the original)."""
+    if not is_multimodal(config):
+        return _export_checked(
+            source, config, bundle_root, role, tokenizer_hash, token_range, options, log
+        )
+    log(f"  {role}: exporting the text decoder of the multimodal {config.model_type} checkpoint")
+    text_dir = save_text_decoder(source, config, bundle_root / f".{role}-text-decoder")
+    try:
+        spec = _export_checked(
+            text_dir,
+            text_config(config),
+            bundle_root,
+            role,
+            tokenizer_hash,
+            token_range,
+            options,
+            log,
+        )
+    finally:
+        shutil.rmtree(text_dir, ignore_errors=True)
+    spec.source, spec.source_sha256 = str(source.resolve()), checkpoint_sha256(source)
+    return spec
 
 
 def check_destination(out: Path, sources: list[Path], force: bool) -> None:
@@ -155,10 +193,11 @@ def _load_config(path: Path, role: str):
             f"({type(exc).__name__}: {str(exc)[:200]}); repair it or save the model again with "
             "`save_pretrained`"
         ) from exc
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if text_config(config).model_type not in SUPPORTED_MODEL_TYPES:
         raise ExportError(
             f"{role} model type {config.model_type!r} is not supported yet; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (and gemma3 multimodal checkpoints' text "
+            "decoders)"
         )
     return config
 

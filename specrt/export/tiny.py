@@ -132,6 +132,30 @@ def tiny_config(
     return classes[arch](**{**shape, **common, **extra, **dims})
 
 
+def with_vision_tower(text_model):
+    """A multimodal Gemma 3 model whose text decoder is ``text_model``'s (a tiny random vision
+    tower beside it): what a Gemma 3 4B+ checkpoint holds."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text_model.config.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    return model
+
+
 def make_tiny_pair(
     arch: str,
     out_dir: str | Path,
@@ -153,10 +177,15 @@ def make_tiny_pair(
     ``sliding_window``: attention over the last that many positions only (all layers for
     mistral and phi3; the local layers of gemma2/gemma3_text; layers from 1 up for qwen2/qwen3).
     ``config``: other config values of both models (``rope_scaling``, ``attention_bias`` ...).
+    ``arch`` "gemma3": the target is a multimodal Gemma 3 checkpoint (a tiny vision tower
+    beside a gemma3_text decoder, as Gemma 3 4B and up), the draft a gemma3_text model (as
+    Gemma 3 1B).
     ``draft_dims``: the draft is a model of its own with these sizes (`tiny_config`'s ``dims``,
     ``layers``), random, as a real pair's members differ; by default it is the target plus noise.
     """
     out = Path(out_dir)
+    multimodal = arch == "gemma3"
+    arch = "gemma3_text" if multimodal else arch
     tokenizer = make_tokenizer(extra_tokens)
     vocab = len(tokenizer)
     torch.manual_seed(seed)
@@ -195,6 +224,8 @@ def make_tiny_pair(
     with torch.no_grad():
         for param in draft.parameters() if draft_dims is None else ():
             param.add_(torch.randn_like(param) * param.std() * draft_noise)
+    if multimodal:
+        target = with_vision_tower(target)
     paths = []
     for role, model, pad in (
         ("target", target, target_vocab_pad),
