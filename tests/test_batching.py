@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specrt.backends.select import ONE_ROW_PORTABLE
+from specrt.errors import NumericalError
 from specrt.export import ENGINE_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import Request
@@ -185,3 +186,63 @@ def test_batch_size_is_checked(llama_bundle):
     for bad in (0, -1, 2.5, "4", True):
         with pytest.raises(InvalidInputError, match="max_batch"):
             SpeculativeGenerator.from_bundle(llama_bundle, max_batch=bad)
+
+
+def poisoned_copy(bundle, tmp_path, position: int):
+    """A copy of ``bundle`` whose target engine rotates positions from ``position`` on by
+    NaN: a row that reaches them gets NaN logits (rows attend only to themselves), as an fp16
+    overflow would."""
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    copy = tmp_path / "poisoned"
+    shutil.copytree(bundle, copy)
+    graph = copy / "target" / "onnxruntime" / "model.onnx"
+    model = onnx.load(str(graph))
+    for index, tensor in enumerate(model.graph.initializer):
+        if tensor.name == "cos_cache":
+            table = numpy_helper.to_array(tensor).copy()
+            table[position:] = np.nan
+            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(table, tensor.name))
+    (copy / "target" / "onnxruntime" / "model.onnx.data").unlink()
+    onnx.save_model(model, str(graph), save_as_external_data=True, location="model.onnx.data")
+    return copy
+
+
+@pytest.mark.parametrize(("max_batch", "temperature"), [(4, 0.0), (4, 1.0), (1, 0.0)])
+def test_a_row_with_nan_logits_fails_alone(llama_bundle, tmp_path, max_batch, temperature):
+    """One row's NaN logits end that row with an error result; the rows sharing its calls,
+    and those given its slot after it, give the tokens they give without it (greedy: the
+    target alone's; seeded: the same draws). Only row 0 runs long enough to reach the
+    poisoned positions."""
+    poisoned_from = 56
+    options = dict(num_draft_tokens=3, ignore_eos=True, temperature=temperature, seed=5)
+
+    def run(bundle) -> dict:
+        generator = SpeculativeGenerator.from_bundle(
+            bundle, threads=1, max_batch=max_batch, check_files=False
+        )
+        prompts = generator.encode_prompts(PROMPTS[:6])
+        requests = []
+        for i, ids in enumerate(prompts):
+            new = 64 if i == 0 else 16
+            assert (len(ids) + new > poisoned_from) == (i == 0)
+            assert len(ids) + new + 3 < poisoned_from or i == 0  # nor its drafts
+            config = GenerationConfig(max_new_tokens=new, **options)
+            requests.append(Request(i, ids, config, np.random.default_rng([5, i])))
+        return dict(generator.run(requests))
+
+    expected = run(llama_bundle)
+    results = run(poisoned_copy(llama_bundle, tmp_path, poisoned_from))
+    assert results[0].finish_reason == "error" and "NaN/inf" in results[0].error
+    assert results[0].to_dict() == {"error": {"message": results[0].error}}
+    for i in range(1, 6):
+        assert results[i].error is None
+        assert results[i].token_ids == expected[i].token_ids, i
+    generator = SpeculativeGenerator.from_bundle(
+        tmp_path / "poisoned", threads=1, max_batch=max_batch, check_files=False
+    )
+    with pytest.raises(NumericalError):  # generate() raises, as the one-row loop always did
+        generator.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=64, **options))

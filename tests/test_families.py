@@ -161,7 +161,7 @@ def test_a_multimodal_target_is_exported_as_its_text_decoder(family):
     spec = read_manifest(bundle).models["target"]
     assert spec.model_type == "gemma3_text" and spec.architecture == "Gemma3ForCausalLM"
     assert spec.source.endswith("target")  # the multimodal checkpoint itself
-    assert any("text decoder of the multimodal gemma3" in line for line in logs)
+    assert any("text decoder of the multimodal checkpoint" in line for line in logs)
     assert sorted(p.name for p in bundle.iterdir()) == [
         "draft",
         "manifest.json",

@@ -131,6 +131,16 @@ class RowsDecoder(DecoderBase):
         """Keep only the first ``length`` positions of ``row`` (0: the row is free)."""
         self.lengths[row] = min(self.lengths[row], length)
 
+    def clear_stale(self) -> None:
+        """Zero every row's cache past its length (after a row's logits came out NaN): a
+        masked slot still enters attention's product with weight 0, and 0 x NaN is NaN, so NaN
+        left by a failed row, or by another row's padding in a call it shared, would reach the
+        next row given that slot."""
+        before = (slice(None),) * (self.POSITION_AXIS - 1)
+        for buffer in self._buffers:
+            for row, length in enumerate(self.lengths.tolist()):
+                buffer[(row, *before, slice(length, None))] = 0
+
     def move_row(self, source: int, dest: int) -> None:
         """Copy ``source``'s cache and length into ``dest`` (packing live rows at the front)."""
         length = int(self.lengths[source])

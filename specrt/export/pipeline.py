@@ -86,6 +86,8 @@ def export_bundle(
         specs: dict[str, ModelSpec] = {}
         for role, source in sources.items():
             log(f"exporting {role} ({configs[role].model_type}) from {source}")
+            if is_multimodal(configs[role]):
+                log(f"  {role}: exporting the text decoder of the multimodal checkpoint")
             specs[role] = _export_role(
                 source, configs[role], scratch, role, tokenizer_hash, vocab, options, log
             )
@@ -111,35 +113,15 @@ def export_bundle(
     return manifest
 
 
-def _export_role(
-    source: Path,
-    config,
-    bundle_root: Path,
-    role: str,
-    tokenizer_hash: str,
-    token_range: int,
-    options: ExportOptions,
-    log: Log,
-) -> ModelSpec:
-    """`_export_checked` on the checkpoint, or on a multimodal checkpoint's text decoder saved
-    on its own in the staging directory (removed after; the spec names the original)."""
+def _export_role(source: Path, config, bundle_root: Path, role: str, *rest) -> ModelSpec:
+    """`_export_checked` (``rest``: its other arguments) on the checkpoint, or on a multimodal
+    checkpoint's text decoder saved on its own in the staging directory (removed after; the
+    spec names the original checkpoint)."""
     if not is_multimodal(config):
-        return _export_checked(
-            source, config, bundle_root, role, tokenizer_hash, token_range, options, log
-        )
-    log(f"  {role}: exporting the text decoder of the multimodal {config.model_type} checkpoint")
+        return _export_checked(source, config, bundle_root, role, *rest)
     text_dir = save_text_decoder(source, config, bundle_root / f".{role}-text-decoder")
     try:
-        spec = _export_checked(
-            text_dir,
-            text_config(config),
-            bundle_root,
-            role,
-            tokenizer_hash,
-            token_range,
-            options,
-            log,
-        )
+        spec = _export_checked(text_dir, text_config(config), bundle_root, role, *rest)
     finally:
         shutil.rmtree(text_dir, ignore_errors=True)
     spec.source, spec.source_sha256 = str(source.resolve()), checkpoint_sha256(source)

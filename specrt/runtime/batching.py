@@ -55,6 +55,7 @@ class _Row:
     match_history: int = 0  # how its last match fared (`hybrid.outcome`)
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
+    error: str | None = None  # why it failed (finish reason "error")
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:
@@ -192,7 +193,14 @@ class BatchRunner:
         steps = batched_round(self.target, self.draft, [row.round for row in rows], k)
         seconds = time.perf_counter() - started
         finished = []
+        failed = any(step.error is not None for step in steps)
         for slot, (row, step) in enumerate(zip(rows, steps)):
+            if step.error is not None:  # NaN/inf logits in this row: it fails alone
+                row.finish_reason, row.error = "error", step.error
+                self.target.set_length(slot, 0)
+                self.draft.set_length(slot, 0)
+                finished.append(slot)
+                continue
             self.target.set_length(slot, len(row.tokens) + step.accepted)
             config, prompt_length = row.request.config, len(row.request.prompt)
             settled = settle(
@@ -213,6 +221,9 @@ class BatchRunner:
                 row.finish_reason = "length"
             if row.finish_reason:
                 finished.append(slot)
+        if failed:  # no NaN it left may stay where a later row could read it
+            self.target.clear_stale()
+            self.draft.clear_stale()
         if k or not self._reproducible(rows):
             model = [slot for slot in range(len(rows)) if slot not in matched]
             parts, model_steps = [rows[s].round for s in model], [steps[s] for s in model]
@@ -295,4 +306,4 @@ class BatchRunner:
         if text is None:
             text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         row.stats.finish(time.perf_counter() - row.started)
-        return GenerationResult(text, new_ids, row.finish_reason, row.stats)
+        return GenerationResult(text, new_ids, row.finish_reason, row.stats, row.error)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from specrt.backends import Decoder, RowsDecoder
-from specrt.errors import InvalidInputError, PromptTooLongError
+from specrt.errors import InvalidInputError, NumericalError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter, LookupDrafter, ModelDrafter
@@ -173,6 +173,8 @@ class SpeculativeGenerator:
             for row in range(len(encoded)):
                 while row not in done:
                     key, result = next(results)
+                    if result.error is not None:  # as the one-row loop does
+                        raise NumericalError(result.error)
                     done[key] = result
                 yield done.pop(row)
             return
@@ -184,11 +186,18 @@ class SpeculativeGenerator:
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         """Generate each `Request` (its prompt checked by `encode_prompts`, its own config and
         random stream), yielding ``(request.key, result)`` as rows finish: with ``max_batch``
-        > 1 up to that many at a time, finishing out of order; else one after another."""
+        > 1 up to that many at a time, finishing out of order; else one after another. A row
+        whose logits come out NaN/inf ends alone, as a result with ``error`` set (finish
+        reason "error"): the other rows go on."""
         if self.max_batch == 1:
             for request in requests:
                 with self._lock:
-                    result = self._generate_row(request.prompt, request.config, request.rng)
+                    try:
+                        result = self._generate_row(request.prompt, request.config, request.rng)
+                    except NumericalError as exc:
+                        self._clear_stale()
+                        stats = GenerationStats(prompt_tokens=len(request.prompt))
+                        result = GenerationResult("", [], "error", stats, str(exc))
                 yield request.key, result
             return
         runner = BatchRunner(
@@ -197,6 +206,14 @@ class SpeculativeGenerator:
         runner.schedules = self._load_schedules
         with self._lock:
             yield from runner.run(requests)
+
+    def _clear_stale(self) -> None:
+        """After NaN logits: no NaN left in a cache where the next row could read it."""
+        self.target.reset()
+        self.drafter.reset()
+        for decoder in (self.target, getattr(self.drafter, "decoder", None)):
+            if isinstance(decoder, RowsDecoder):
+                decoder.clear_stale()
 
     def _stop_strings(self, config: GenerationConfig) -> StopStrings | None:
         """The row's stop-string search, if its config has stop strings."""

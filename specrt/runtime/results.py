@@ -82,8 +82,13 @@ class GenerationResult:
     token_ids: list[int]  # the new tokens only
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens or the model's max positions)
     stats: GenerationStats
+    # `SpeculativeGenerator.run` only: why this row failed alone (finish reason "error": its
+    # logits came out NaN/inf) while the rows beside it went on.
+    error: str | None = None
 
     def to_dict(self) -> dict:
+        if self.error is not None:
+            return {"error": {"message": self.error}}
         return {
             "text": self.text,
             "token_ids": self.token_ids,

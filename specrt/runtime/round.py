@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.backends import Decoder, Forward, RowsDecoder
+from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.sampling import (
@@ -34,6 +35,7 @@ class RoundResult:
     draft_time_s: float
     verify_time_s: float
     source: str = "model"  # the proposer of the draft tokens
+    error: str | None = None  # batched rounds: why this row failed (NaN/inf logits)
 
 
 def speculative_round(
@@ -97,11 +99,14 @@ def batched_round(
     for every row (none when every row has a match), then ONE target call verifying
     ``[n, W+1]`` (W: the most draft tokens a row verifies); each row accepts its own prefix.
     A row uses its first ``row.k`` draft tokens or its match: it draws nothing past them (its
-    random stream advances as if it were alone) and its later slots are filler."""
+    random stream advances as if it were alone) and its later slots are filler. A row whose
+    logits come out NaN/inf fails alone (its result's ``error``); the others go on as they
+    would have."""
     started = time.perf_counter()
     n = len(rows)
     k = k if any(row.model_k for row in rows) else 0
-    drafts, q = draft_rows(draft, rows, k) if k else (np.zeros((n, 0), np.int64), [])
+    failed: dict[int, str] = {}
+    drafts, q = draft_rows(draft, rows, k, failed) if k else (np.zeros((n, 0), np.int64), [])
     drafts_per_row = [row.match or own for row, own in zip(rows, drafts.tolist())]
     drafted_at = time.perf_counter()
 
@@ -111,43 +116,62 @@ def batched_round(
         fed[i, 0] = row.tokens[-1]
         fed[i, 1 : 1 + row.k] = proposed[: row.k]  # the rest: filler
     out = target.forward_rows(fed, keep_last=k + 1)
-    if all(row.sampling.greedy for row in rows):  # one argmax over the whole batch
-        choices = argmax_tokens(out.logits.reshape(-1, out.logits.shape[-1]), "target")
-        verdicts = [
-            accept_greedy(drafts_per_row[i][: row.k], choices[i * (k + 1) : (i + 1) * (k + 1)])
-            for i, row in enumerate(rows)
-        ]
-    else:
-        verdicts = []
+    verdicts: list[tuple[int, int]] = []
+    if all(row.sampling.greedy for row in rows) and not failed:  # one argmax for the batch
+        try:
+            choices = argmax_tokens(out.logits.reshape(-1, out.logits.shape[-1]), "target")
+            verdicts = [
+                accept_greedy(drafts_per_row[i][: row.k], choices[i * (k + 1) : (i + 1) * (k + 1)])
+                for i, row in enumerate(rows)
+            ]
+        except NumericalError:
+            verdicts = []  # find the row(s) below
+    if not verdicts:
         for i, row in enumerate(rows):
             kept = slice(0, row.k + 1)
             probabilities = None if out.probabilities is None else out.probabilities[i, kept]
             row_out = Forward(out.logits[i, kept], probabilities)
             row_q = q[i][: row.k] if q and q[i] is not None and not row.match else None
             verdicts.append(
-                verify(drafts_per_row[i][: row.k], row_q, row_out, row.sampling, row.rng)
+                (0, 0)
+                if i in failed
+                else _row_verdict(
+                    failed, i, drafts_per_row[i][: row.k], row_q, row_out, row.sampling, row.rng
+                )
             )
     verify_time = time.perf_counter() - drafted_at
     return [
         RoundResult(
             drafted=row.k,
             accepted=accepted,
-            tokens=[*drafts_per_row[i][:accepted], token],
+            tokens=[] if i in failed else [*drafts_per_row[i][:accepted], token],
             draft_time_s=drafted_at - started,
             verify_time_s=verify_time,
             source=row.source if row.match else "model",
+            error=failed.get(i),
         )
         for i, (row, (accepted, token)) in enumerate(zip(rows, verdicts))
     ]
 
 
+def _row_verdict(failed: dict[int, str], i: int, *verify_args) -> tuple[int, int]:
+    """`verify` for row ``i``; NaN/inf logits fail that row alone (recorded in ``failed``)."""
+    try:
+        return verify(*verify_args)
+    except NumericalError as exc:
+        failed[i] = str(exc)
+        return 0, 0
+
+
 def draft_rows(
-    draft: RowsDecoder, rows: list[RowRound], k: int
+    draft: RowsDecoder, rows: list[RowRound], k: int, failed: dict[int, str] | None = None
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
     """K draft tokens for every row ``[n, K]`` and, per sampled row, the distributions they
     were drawn from ``[K, V]``. The first call feeds each row what it has not yet seen (1
     token, or 2 after a fully accepted round), right-padded to the longest (`catch_up` first
-    when the draft is further behind)."""
+    when the draft is further behind). A row whose draft logits are NaN/inf is recorded in
+    ``failed`` (its drafts are filler) instead of failing the others."""
+    failed = {} if failed is None else failed
     n = len(rows)
     unseen = [row.tokens[length:] for row, length in zip(rows, draft.lengths[:n].tolist())]
     ids, fed = _right_padded(unseen)
@@ -164,24 +188,35 @@ def draft_rows(
         else:
             out = draft.forward_rows(ids if step == 0 else drafts[:, step - 1 : step], keep_last=1)
             logits, probabilities = _rows_at(out, (slice(None), 0))
-        if greedy:
-            drafts[:, step] = argmax_tokens(logits, "draft")
-            continue
+        if greedy and not failed:
+            try:
+                drafts[:, step] = argmax_tokens(logits, "draft")
+                continue
+            except NumericalError:
+                pass  # find the row(s) below
         for i, row in enumerate(rows):
-            if step >= row.model_k:  # past this row's share: filler, and no draw
+            if step >= row.model_k or i in failed:  # past this row's share: filler, no draw
                 drafts[i, step] = drafts[i, step - 1] if step else 0
                 continue
-            s = row.sampling
-            if s.greedy:
-                [drafts[i, step]] = argmax_tokens(logits[i : i + 1], "draft")
-                continue
-            if probabilities is not None and s.identity_warp:
-                q[i][step] = probabilities[i]
-                check_probabilities(q[i][step], logits[i], "draft")
-            else:
-                q[i][step] = warp(logits[i], s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
-            drafts[i, step] = sample(q[i][step], row.rng)
+            try:
+                drafts[i, step] = _draft_token(row, i, step, logits, probabilities, q)
+            except NumericalError as exc:
+                failed[i] = str(exc)
     return drafts, q
+
+
+def _draft_token(row: RowRound, i: int, step: int, logits, probabilities, q) -> int:
+    """Row ``i``'s draft token at ``step`` (sampled rows: its distribution into ``q[i]``)."""
+    s = row.sampling
+    if s.greedy:
+        [token] = argmax_tokens(logits[i : i + 1], "draft")
+        return token
+    if probabilities is not None and s.identity_warp:
+        q[i][step] = probabilities[i]
+        check_probabilities(q[i][step], logits[i], "draft")
+    else:
+        q[i][step] = warp(logits[i], s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
+    return sample(q[i][step], row.rng)
 
 
 def _rows_at(out: Forward, index: tuple) -> tuple[np.ndarray, np.ndarray | None]:

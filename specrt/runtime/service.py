@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import numpy as np
 
 from specrt.backends import RowsDecoder
-from specrt.errors import InvalidInputError, OverloadedError, SpecrtError
+from specrt.errors import InvalidInputError, NumericalError, OverloadedError, SpecrtError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import Prompt, SpeculativeGenerator
@@ -322,7 +322,11 @@ class Service:
 
     def _round(self) -> None:
         for request, result in self._runner.step():
-            self._running.pop(request.key)._finish(result)
+            handle = self._running.pop(request.key)
+            if result.error is not None:  # NaN/inf logits in this request's row alone
+                handle._finish(None, NumericalError(result.error))
+            else:
+                handle._finish(result)
         for request, new_ids in self._runner.active():
             self._running[request.key]._progress(new_ids)
 
