@@ -81,6 +81,9 @@ class EngineSpec:
     # and global layers, the local ones): a batched engine's host writes it into the mask
     # (``io.local_attention_mask`` where the graph has one). None: every position.
     sliding_window: int | None = None
+    # Positions it is exact for, where fewer than the model's (longrope: its rotary table
+    # changes past original_max_position_embeddings). None: the model's max_positions.
+    max_positions: int | None = None
 
 
 @dataclass
@@ -118,6 +121,7 @@ class ModelSpec:
             cache=engine.cache,
             dtype=engine.dtype,
             sliding_window=engine.sliding_window,
+            max_positions=engine.max_positions or self.max_positions,
             export_check=engine.export_check,
             engines={},
         )

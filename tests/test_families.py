@@ -39,25 +39,23 @@ FAMILIES = {
     "qwen3": ("qwen3", {}),
     "mistral-window": ("mistral", {}, WINDOW),
     "phi3-window": ("phi3", {}, WINDOW),
-    "phi4-mini-partial-rotary": (
-        "phi3",
-        {"partial_rotary_factor": 0.75, "tie_word_embeddings": True},
-        None,
-        "partial rotary factor 0.75",
-    ),
-    "phi3-longrope": (
+    # Phi-4-mini: 3/4 of each head rotates (48 of 64), longrope (short factors up to 192
+    # positions, its original length here: the engine stops there), tied embeddings
+    "phi4-mini-partial-rotary-longrope": (
         "phi3",
         {
+            "hidden_size": 256,
+            "partial_rotary_factor": 0.75,
+            "tie_word_embeddings": True,
             "rope_scaling": {
                 "type": "longrope",
-                "short_factor": [1.0 + i / 8 for i in range(8)],
-                "long_factor": [2.0 + i / 4 for i in range(8)],
+                "short_factor": [1.0 + i / 24 for i in range(24)],
+                "long_factor": [2.0 + i / 12 for i in range(24)],
             },
-            "original_max_position_embeddings": 256,
+            "original_max_position_embeddings": 192,
         },
-        None,
-        "rope scaling 'longrope'",
     ),
+    "llama-relu": ("llama", {"hidden_act": "relu"}, None, "activation 'relu'"),
     "gemma": ("gemma", {}),
     "gemma2-window-softcap": ("gemma2", {}, WINDOW),
     "gemma3-window-local-rope": (
@@ -117,6 +115,17 @@ def test_engines_are_built_or_the_feature_named(family):
             continue
         assert set(spec.engines) == {"onnxruntime", "cuda"}
         assert spec.engines["onnxruntime"].sliding_window == window
+        # longrope: exact up to its original length, where its table changes
+        limit = 192 if "longrope" in name else None
+        assert (
+            spec.engines["onnxruntime"].max_positions == spec.engines["cuda"].max_positions == limit
+        )
+        if limit:  # the engine stops where its table would change (the portable graph not)
+            generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+            config = GenerationConfig(max_new_tokens=400, ignore_eos=True)
+            [result] = generator.generate(["Simple is"], config)
+            assert result.finish_reason == "length"
+            assert result.stats.prompt_tokens + result.stats.new_tokens == limit
         if role == "target":
             assert 0 <= spec.engines["onnxruntime"].export_check["max_abs_logit_diff"] < 1e-4
             assert 0 < spec.engines["cuda"].export_check["max_abs_logit_diff"] < 0.05

@@ -28,6 +28,7 @@ from specrt.export.ort_graph import (
     activation,
     build_decoder_graph,
     build_gpt2_graph,
+    rope_positions,
     sliding_window,
 )
 from specrt.export.quantize import quantize_weights
@@ -55,6 +56,7 @@ def build_ort_engine(
     dtype = "float16" if device == "cuda" else "float32"
     out = bundle_root / role / key / "model.onnx"
     window, local_layers = sliding_window(config, spec.max_positions)
+    positions = rope_positions(config, spec.max_positions)  # where its rotary table is exact
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
@@ -78,6 +80,7 @@ def build_ort_engine(
         local_layers=local_layers,
         window=window,
         local_rope_layers=_local_rope_layers(model),
+        rotary_dim=_partial_rotary_dim(config, spec.head_dim),
     )
     if config.model_type == "phi3":
         weights = unpacked_phi3(weights, shape, int(config.intermediate_size))
@@ -88,8 +91,8 @@ def build_ort_engine(
     else:
         local = None
         if shape.local_rope_layers:
-            local = _rope_tables(model.model.rotary_emb_local, spec)
-        cos, sin = _rope_tables(model.model.rotary_emb, spec)
+            local = _rope_tables(model.model.rotary_emb_local, positions)
+        cos, sin = _rope_tables(model.model.rotary_emb, positions)
         graph = build_decoder_graph(shape, weights, cos, sin, out, local_rope=local)
     if device == "cpu":
         quantize_weights(graph, precision)
@@ -123,6 +126,7 @@ def build_ort_engine(
         cache="batched" if batched else "in_place",
         # The cuda graph carries its windows itself (GroupQueryAttention's attribute).
         sliding_window=window if batched else None,
+        max_positions=positions if positions < spec.max_positions else None,
         precision=dtype if device == "cuda" else precision,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,
@@ -144,13 +148,19 @@ def _local_rope_layers(model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
 
 
-def _rope_tables(rotary: torch.nn.Module, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
-    """``rotary``'s cos and sin at every position, ``[max_positions, head_dim / 2]``: the
-    model's own tables, so any rope scaling is applied."""
+def _partial_rotary_dim(config, head_dim: int) -> int:
+    """The rotated dimensions of each head where they are fewer than head_dim, else 0."""
+    rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    return rotary_dim if rotary_dim < head_dim else 0
+
+
+def _rope_tables(rotary: torch.nn.Module, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rotary``'s cos and sin at positions 0 .. ``positions`` - 1, ``[positions, rotary_dim
+    / 2]``: the model's own tables, so any rope scaling is applied (its table for a sequence
+    of that length)."""
     with torch.no_grad():
-        positions = torch.arange(spec.max_positions)[None]
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    half = spec.head_dim // 2
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(positions)[None])
+    half = cos.shape[-1] // 2
     return (
         cos[0, :, :half].numpy().astype(np.float32),
         sin[0, :, :half].numpy().astype(np.float32),

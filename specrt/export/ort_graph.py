@@ -95,6 +95,9 @@ class DecoderShape:
     local_layers: tuple[int, ...] = ()
     window: int | None = None
     local_rope_layers: tuple[int, ...] = ()
+    # Partial rotary (Phi-4-mini): only the first ``rotary_dim`` of each head's dimensions
+    # rotate (0: all of them).
+    rotary_dim: int = 0
 
     @property
     def scale(self) -> float:
@@ -144,14 +147,24 @@ def unsupported_reason(config, max_positions: int, device: str = "cpu") -> str |
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if _head_dim_reason(head_dim):
         return _head_dim_reason(head_dim)
-    rotary_fraction = getattr(config, "partial_rotary_factor", 1.0)
-    if rotary_fraction != 1.0:
-        return f"partial rotary factor {rotary_fraction}"
-    rope = getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type"))
-    if rope_type in ("longrope", "su", "dynamic"):  # the table depends on the sequence length
-        return f"rope scaling {rope_type!r} (its rotation changes with the sequence length)"
+    rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    if rotary_dim % (16 if device == "cuda" else 2):
+        return f"rotary dimension {rotary_dim} (GroupQueryAttention needs a multiple of 16)"
     return None
+
+
+def rope_positions(config, max_positions: int) -> int:
+    """Positions below which the model's rotary table does not change with the sequence
+    length, so that a table built once is exact: longrope switches to its long factors past
+    ``original_max_position_embeddings`` (the engine stops there); dynamic NTK rescales only
+    past ``max_position_embeddings``, which no sequence reaches."""
+    rope = getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        return max_positions
+    original = getattr(config, "original_max_position_embeddings", None) or rope.get(
+        "original_max_position_embeddings"
+    )
+    return min(max_positions, int(original or max_positions))
 
 
 def _gpt2_unsupported_reason(config) -> str | None:
@@ -181,7 +194,7 @@ def build_decoder_graph(
     """Llama-family graph: write it (and its weights as external data) to ``out_path``.
 
     ``weights`` uses the HF state-dict names (``model.layers.0.self_attn.q_proj.weight`` …, each
-    ``[out, in]``); ``cos``/``sin`` are ``[max_positions, head_dim / 2]`` (rotary, scaled);
+    ``[out, in]``); ``cos``/``sin`` are ``[positions, rotary_dim / 2]`` (rotary, scaled);
     ``local_rope``: the (cos, sin) of ``shape.local_rope_layers``.
     """
     b = _GraphBuilder(weights, shape.dtype)
@@ -410,6 +423,7 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
     q, k = f"q.{i}", f"k.{i}"
     if rotary:
         cos, sin = _rope_tables(shape, i)
+        partial = {"rotary_embedding_dim": shape.rotary_dim} if shape.rotary_dim else {}
         for name, heads in ((q, h), (k, kvh)):
             b.node(
                 "RotaryEmbedding",
@@ -418,6 +432,7 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
                 domain=_MS,
                 interleaved=0,
                 num_heads=heads,
+                **partial,
             )
         q, k = f"{q}.rot", f"{k}.rot"
     for kind, new in (("key", k), ("value", f"v.{i}")):
