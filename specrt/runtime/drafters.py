@@ -108,7 +108,8 @@ class ModelDrafter:
         limit: int | None = None,
     ) -> Draft:
         """Up to ``k`` tokens; ``keep_drafting`` may stop earlier, judging by the draft's
-        confidence (its top probability) in each token it drafted. (``limit``, the most that
+        confidence in each token it drafted (its probability of that token: the top one when
+        greedy). (``limit``, the most that
         fit this round, is for proposers that choose their own length.)"""
         drafted: list[int] = []
         q = None if sampling.greedy else self._q_buffer(k)
@@ -137,7 +138,8 @@ class ModelDrafter:
                     s = sampling
                     row[:] = warp(logits, s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
                 token = sample(row, rng)
-                confidence = float(row.max()) if keep_drafting else 0.0
+                # the probability of the token drawn, as greedy's is its argmax's
+                confidence = float(row[token]) if keep_drafting else 0.0
             drafted.append(token)
             pending = [token]
             if keep_drafting is not None and not keep_drafting(len(drafted), confidence):

@@ -9,7 +9,7 @@ per second) rounds achieve:
 
 .. math:: S_j \, a(c_j) \ge R\,(t_d + \Delta v), \qquad S_j = \prod_{i \le j} a(c_i)
 
-where :math:`c_i` is the draft's confidence (top probability) in its token :math:`i` and
+where :math:`c_i` is the draft's probability of its token :math:`i` (its top one when greedy) and
 :math:`a(c)` the probability that a token drafted with confidence :math:`c` is accepted when the
 tokens before it were: :math:`S_j` is the chance that all :math:`j` drafted tokens survive, and
 the next token's acceptance is estimated by the last one's. :math:`a` is learned online per
