@@ -246,3 +246,20 @@ def test_a_row_with_nan_logits_fails_alone(llama_bundle, tmp_path, max_batch, te
     )
     with pytest.raises(NumericalError):  # generate() raises, as the one-row loop always did
         generator.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=64, **options))
+
+
+def test_a_row_alone_in_the_batch_drafts_as_the_one_row_loop(llama_bundle):
+    """The only row of a batch (a service with one client, a job's last row) runs the one-row
+    loop's rounds: the adaptive schedule stops drafting token by token, where the load
+    schedule decides per round; its tokens are the target alone's."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    alone = GenerationConfig(max_new_tokens=40, num_draft_tokens=0, ignore_eos=True)
+    [expected] = generator.generate(PROMPTS[:1], alone)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive")
+    [(_, result)] = generator.run(
+        [Request(0, generator.encode_prompts(PROMPTS[:1])[0], config, np.random.default_rng(0))]
+    )
+    assert result.token_ids == expected.token_ids
+    schedule = generator._schedules[("adaptive", config.num_draft_tokens, True)]
+    assert len(schedule.verify_time) == result.stats.rounds  # every round was the one-row one
+    assert "load" not in generator._load_schedules  # and the load schedule never ran

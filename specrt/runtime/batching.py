@@ -11,19 +11,20 @@ which rows share its batch, nor on how many (when its draft length is fixed: see
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from specrt.backends import RowsDecoder
-from specrt.errors import InvalidInputError
+from specrt.errors import InvalidInputError, NumericalError
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.hybrid import MatchAcceptance, outcome
+from specrt.runtime.drafters import Drafter
+from specrt.runtime.hybrid import HybridDrafter, MatchAcceptance, outcome
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import RowRound, batched_round, catch_up
-from specrt.runtime.schedules import LoadSchedule
+from specrt.runtime.round import RowRound, batched_round, catch_up, speculative_round
+from specrt.runtime.schedules import DraftSchedule, LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
@@ -56,6 +57,8 @@ class _Row:
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")
+    # Its one-row drafter and schedule, and its own lookup (a hybrid is shared by rows)
+    alone: tuple[Drafter, DraftSchedule, object] | None = None
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,8 +76,12 @@ class BatchRunner:
         tokenizer: BundleTokenizer | None,
         eos_token_ids: frozenset[int],
         suffix_cache: SuffixCache | None = None,
+        one_row: Callable[[GenerationConfig], tuple[Drafter, DraftSchedule]] | None = None,
     ) -> None:
+        """``one_row``: a row's drafter and adaptive schedule for the rounds it runs alone
+        (`SpeculativeGenerator.one_row`); without it every round is a batched one."""
         self.target, self.draft = target, draft
+        self.one_row = one_row
         self.max_batch = min(target.max_batch, draft.max_batch)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -172,6 +179,8 @@ class BatchRunner:
 
     def _round(self, rows: list[_Row]) -> list[int]:
         """One batched round over every row; returns the indices of rows that finished."""
+        if len(rows) == 1 and self._runs_alone(rows[0]):
+            return self._round_alone(rows[0])
         k = self.draft_length(rows)
         fits = self._fits(rows)
         matched: dict[int, Proposal] = {}
@@ -231,6 +240,67 @@ class BatchRunner:
             timed = None if widened else seconds
             self._schedule(rows).update(len(rows), k, timed, parts, model_steps)
         return finished
+
+    def _runs_alone(self, row: _Row) -> bool:
+        """A row alone in the batch drafts as the one-row loop does (the adaptive schedule
+        stops drafting token by token, where the load schedule decides per round), when it
+        asked for that schedule and its draws need not follow the batched rule (no seed)."""
+        config = row.request.config
+        return (
+            self.one_row is not None
+            and row.drafting
+            and config.draft_schedule == "adaptive"
+            and config.proposer in ("model", "hybrid")
+            and not config.reproducible
+        )
+
+    def _round_alone(self, row: _Row) -> list[int]:
+        """One round of the one-row loop for the only row (slot 0); [0] if it finished."""
+        config, tokens = row.request.config, row.tokens
+        if row.alone is None:
+            drafter, schedule = self.one_row(config)
+            row.alone = drafter, schedule, getattr(drafter, "lookup", None)
+        drafter, schedule, lookup = row.alone
+        if isinstance(drafter, HybridDrafter):  # shared by rows: this row's index and history
+            drafter.lookup, drafter.history = lookup, row.match_history
+        room = min(row.limit - len(tokens) - 1, self.draft.max_positions - len(tokens))
+        k = schedule.start_round(max(0, room))
+        try:
+            step = speculative_round(
+                self.target,
+                drafter,
+                tokens,
+                k,
+                config.sampling,
+                row.request.rng,
+                schedule.keep_drafting,
+                max(0, room),
+            )
+        except NumericalError as exc:  # as in a batched round: the row fails alone
+            row.finish_reason, row.error = "error", str(exc)
+            self.target.set_length(0, 0)
+            self.draft.set_length(0, 0)
+            self.target.clear_stale()
+            self.draft.clear_stale()
+            return [0]
+        if step.source == "model":
+            schedule.update(step.drafted, step.accepted, step.draft_time_s, step.verify_time_s)
+        drafter.observe(
+            step.source, step.drafted, step.accepted, step.draft_time_s, step.verify_time_s
+        )
+        if isinstance(drafter, HybridDrafter):
+            row.match_history = drafter.history
+        self.target.set_length(0, len(tokens) + step.accepted)
+        settled = settle(
+            tokens, len(row.request.prompt), step.tokens, self.eos_token_ids, config, row.stopper
+        )
+        drafter.rollback(len(tokens) - 1)
+        row.stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
+        if settled.stopped:
+            row.finish_reason, row.text = "stop", settled.text
+        elif len(tokens) >= row.limit:
+            row.finish_reason = "length"
+        return [0] if row.finish_reason else []
 
     def _match(self, row: _Row, cap: int, k: int) -> Proposal | None:
         """The row's match to verify this round instead of the model's draft, if any: always

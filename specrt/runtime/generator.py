@@ -201,7 +201,12 @@ class SpeculativeGenerator:
                 yield request.key, result
             return
         runner = BatchRunner(
-            self.target, self.drafter.decoder, self.tokenizer, self.eos_token_ids, self.suffix_cache
+            self.target,
+            self.drafter.decoder,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.suffix_cache,
+            self.one_row,
         )
         runner.schedules = self._load_schedules
         with self._lock:
@@ -238,6 +243,11 @@ class SpeculativeGenerator:
         if key not in self._schedules:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)
         return self._schedules[key]
+
+    def one_row(self, config: GenerationConfig) -> tuple[Drafter, DraftSchedule]:
+        """A row's drafter and schedule for the rounds it runs alone in a batch (`BatchRunner`):
+        the one-row loop's."""
+        return self._drafter(config), self._schedule(config)
 
     def _drafter(self, config: GenerationConfig) -> Drafter:
         """The row's proposer (`GenerationConfig.proposer`). A hybrid is kept across rows like

@@ -76,14 +76,14 @@ class HybridDrafter:
         self._model_rounds = 0  # that drafted, ever
         self._warm = False
         self._last = NO_PROPOSAL  # the last match proposed
-        self._history = 0  # how the row's last match fared (`MatchAcceptance`)
+        self.history = 0  # how the row's last match fared (`MatchAcceptance`)
 
     @property
     def run_time_s(self) -> float:
         return self.model.run_time_s
 
     def reset(self) -> None:
-        self._history = 0
+        self.history = 0
         self.model.reset()
         self.lookup.reset()
 
@@ -139,7 +139,7 @@ class HybridDrafter:
         the model's rounds do better."""
         seconds = self.verify_seconds
         best, best_rate = 0, 0.0
-        expected_tokens = self.acceptance.expected_tokens(found, self._history)
+        expected_tokens = self.acceptance.expected_tokens(found, self.history)
         for length, expected in enumerate(expected_tokens, start=1):
             rate = expected * seconds(1) / seconds(length + 1)
             if rate > best_rate:
@@ -173,8 +173,8 @@ class HybridDrafter:
             self._model_tokens = MODEL_DECAY * self._model_tokens + accepted + 1
             self._model_passes = MODEL_DECAY * self._model_passes + passes
             return
-        self.acceptance.record(self._last, self._history, drafted, accepted)
-        self._history = outcome(drafted, accepted)
+        self.acceptance.record(self._last, self.history, drafted, accepted)
+        self.history = outcome(drafted, accepted)
 
 
 class MatchAcceptance:

@@ -200,7 +200,11 @@ class Service:
         self.generator = generator
         self.max_waiting = max_waiting
         self._runner = BatchRunner(
-            generator.target, draft, generator.tokenizer, generator.eos_token_ids
+            generator.target,
+            draft,
+            generator.tokenizer,
+            generator.eos_token_ids,
+            one_row=generator.one_row,
         )
         self._runner.schedules = generator._load_schedules
         self._waiting: deque[RequestHandle] = deque()
