@@ -16,12 +16,11 @@ if TYPE_CHECKING:
 
 # A multimodal checkpoint's model type -> its text decoder's (what the bundle records).
 MULTIMODAL_TEXT_TYPES = {"gemma3": "gemma3_text"}
-TOKENIZER_FILES = (
+TOKENIZER_FILES = (  # what a bundle takes of a checkpoint's tokenizer
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "tokenizer.model",
-    "generation_config.json",
+    "chat_template.jinja",  # where newer checkpoints keep their chat template
 )
 
 

@@ -29,17 +29,16 @@ from specrt.bundle import (
 )
 from specrt.checksums import sha256_file
 from specrt.errors import ExportError, PairMismatchError
-from specrt.export.checkpoints import is_multimodal, save_text_decoder, text_config
+from specrt.export.checkpoints import (
+    TOKENIZER_FILES,
+    is_multimodal,
+    save_text_decoder,
+    text_config,
+)
 from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 from specrt.staging import publish, recover, staging
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",  # where newer checkpoints keep their chat template
-)
 Log = Callable[[str], None]
 
 

@@ -23,7 +23,7 @@ from specrt.runtime.drafters import Drafter
 from specrt.runtime.hybrid import HybridDrafter, MatchAcceptance, outcome
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import RowRound, batched_round, catch_up, speculative_round
+from specrt.runtime.round import RoundResult, RowRound, batched_round, catch_up, scheduled_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -205,16 +205,11 @@ class BatchRunner:
         failed = any(step.error is not None for step in steps)
         for slot, (row, step) in enumerate(zip(rows, steps)):
             if step.error is not None:  # NaN/inf logits in this row: it fails alone
-                row.finish_reason, row.error = "error", step.error
-                self.target.set_length(slot, 0)
-                self.draft.set_length(slot, 0)
+                self._fail(row, slot, step.error)
                 finished.append(slot)
                 continue
             self.target.set_length(slot, len(row.tokens) + step.accepted)
-            config, prompt_length = row.request.config, len(row.request.prompt)
-            settled = settle(
-                row.tokens, prompt_length, step.tokens, self.eos_token_ids, config, row.stopper
-            )
+            self._settle(row, step)
             # The draft model saw the row up to the round's start; after it, its own tokens,
             # which stand only where they were the ones verified.
             seen = len(row.tokens) - 1 if slot not in matched else lengths[slot]
@@ -223,16 +218,10 @@ class BatchRunner:
                 history = row.match_history
                 self.matches.record(matched[slot], history, step.drafted, step.accepted)
                 row.match_history = outcome(step.drafted, step.accepted)
-            row.stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
-            if settled.stopped:
-                row.finish_reason, row.text = "stop", settled.text
-            elif len(row.tokens) >= row.limit:
-                row.finish_reason = "length"
             if row.finish_reason:
                 finished.append(slot)
-        if failed:  # no NaN it left may stay where a later row could read it
-            self.target.clear_stale()
-            self.draft.clear_stale()
+        if failed:
+            self._clear_stale()
         if k or not self._reproducible(rows):
             model = [slot for slot in range(len(rows)) if slot not in matched]
             parts, model_steps = [rows[s].round for s in model], [steps[s] for s in model]
@@ -264,43 +253,50 @@ class BatchRunner:
         if isinstance(drafter, HybridDrafter):  # shared by rows: this row's index and history
             drafter.lookup, drafter.history = lookup, row.match_history
         room = min(row.limit - len(tokens) - 1, self.draft.max_positions - len(tokens))
-        k = schedule.start_round(max(0, room))
+        sampling, rng = config.sampling, row.request.rng
         try:
-            step = speculative_round(
-                self.target,
-                drafter,
-                tokens,
-                k,
-                config.sampling,
-                row.request.rng,
-                schedule.keep_drafting,
-                max(0, room),
+            step = scheduled_round(
+                self.target, drafter, schedule, tokens, max(0, room), sampling, rng
             )
         except NumericalError as exc:  # as in a batched round: the row fails alone
-            row.finish_reason, row.error = "error", str(exc)
-            self.target.set_length(0, 0)
-            self.draft.set_length(0, 0)
-            self.target.clear_stale()
-            self.draft.clear_stale()
+            self._fail(row, 0, str(exc))
+            self._clear_stale()
             return [0]
-        if step.source == "model":
-            schedule.update(step.drafted, step.accepted, step.draft_time_s, step.verify_time_s)
-        drafter.observe(
-            step.source, step.drafted, step.accepted, step.draft_time_s, step.verify_time_s
-        )
         if isinstance(drafter, HybridDrafter):
             row.match_history = drafter.history
         self.target.set_length(0, len(tokens) + step.accepted)
-        settled = settle(
-            tokens, len(row.request.prompt), step.tokens, self.eos_token_ids, config, row.stopper
-        )
+        self._settle(row, step)
         drafter.rollback(len(tokens) - 1)
+        return [0] if row.finish_reason else []
+
+    def _settle(self, row: _Row, step: RoundResult) -> None:
+        """Append the round's tokens that stand (up to EOS, a stop string or the length) and
+        count them; set the finish reason if the row is done."""
+        config = row.request.config
+        settled = settle(
+            row.tokens,
+            len(row.request.prompt),
+            step.tokens,
+            self.eos_token_ids,
+            config,
+            row.stopper,
+        )
         row.stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
         if settled.stopped:
             row.finish_reason, row.text = "stop", settled.text
-        elif len(tokens) >= row.limit:
+        elif len(row.tokens) >= row.limit:
             row.finish_reason = "length"
-        return [0] if row.finish_reason else []
+
+    def _fail(self, row: _Row, slot: int, message: str) -> None:
+        """End ``row`` (in ``slot``) with an error: its logits came out NaN/inf."""
+        row.finish_reason, row.error = "error", message
+        self.target.set_length(slot, 0)
+        self.draft.set_length(slot, 0)
+
+    def _clear_stale(self) -> None:
+        """After a failed row: no NaN it left may stay where a later row could read it."""
+        self.target.clear_stale()
+        self.draft.clear_stale()
 
     def _match(self, row: _Row, cap: int, k: int) -> Proposal | None:
         """The row's match to verify this round instead of the model's draft, if any: always

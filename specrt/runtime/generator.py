@@ -20,7 +20,7 @@ from specrt.runtime.hybrid import HybridDrafter
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import speculative_round
+from specrt.runtime.round import scheduled_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -294,14 +294,7 @@ class SpeculativeGenerator:
             # A round emits at most k+1 tokens, and every position fed must fit in each model.
             room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
             room = max(0, room) if drafting else 0
-            k = schedule.start_round(room)
-            step = speculative_round(
-                target, drafter, tokens, k, sampling, rng, schedule.keep_drafting, room
-            )
-            times = step.draft_time_s, step.verify_time_s
-            if step.source == "model":
-                schedule.update(step.drafted, step.accepted, *times)
-            drafter.observe(step.source, step.drafted, step.accepted, *times)
+            step = scheduled_round(target, drafter, schedule, tokens, room, sampling, rng)
 
             # Roll back: each cache keeps only what is still history (all but the newest token).
             target.rollback(len(tokens) + step.accepted)

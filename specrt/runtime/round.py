@@ -23,7 +23,7 @@ from specrt.runtime.sampling import (
     sample,
     warp,
 )
-from specrt.runtime.schedules import KeepGoing
+from specrt.runtime.schedules import DraftSchedule, KeepGoing
 from specrt.runtime.verification import accept_greedy, verify
 
 
@@ -70,6 +70,28 @@ def speculative_round(
         verify_time_s=time.perf_counter() - drafted_at,
         source=draft.source,
     )
+
+
+def scheduled_round(
+    target: Decoder,
+    drafter: Drafter,
+    schedule: DraftSchedule,
+    tokens: list[int],
+    room: int,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+) -> RoundResult:
+    """The one-row loop's round: ``schedule`` picks K (at most ``room``) and may stop the
+    drafter early; it and the drafter then learn from how the round went."""
+    k = schedule.start_round(room)
+    step = speculative_round(
+        target, drafter, tokens, k, sampling, rng, schedule.keep_drafting, room
+    )
+    times = step.draft_time_s, step.verify_time_s
+    if step.source == "model":
+        schedule.update(step.drafted, step.accepted, *times)
+    drafter.observe(step.source, step.drafted, step.accepted, *times)
+    return step
 
 
 @dataclass
