@@ -4,19 +4,22 @@
 
 Starts two servers on 127.0.0.1 (`specrt serve`'s defaults, and `--num-draft-tokens 0`), then
 at each concurrency sends the same fixed set of streaming completion requests (held-out
-prompts, greedy, --max-tokens each) to one and then the other and back (--repeats runs each),
-from that many client threads, each holding one keep-alive connection; a run stops by itself
-after its requests. Prints requests/s,
-tokens/s, p50/p99 latency and time to first token for both and their ratio, and writes the
-table as JSON.
+prompts, greedy, max_tokens spread around --max-tokens) to one and then the other and back
+(--repeats runs each), from that many client threads, each holding one keep-alive connection;
+a run stops by itself after its requests. Prints requests/s, tokens/s, p50/p99 latency and
+time to first token for both and their ratio, and writes the table as JSON. Time to first
+token is also given apart for the first wave (each client's first request: all of them arrive
+at once) and the steady state after it (a request arrives as another finishes).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import statistics
@@ -65,23 +68,24 @@ def one_request(http: httpx.Client, url: str, prompt: str, max_tokens: int) -> d
     return {"latency": done - started, "ttft": (first or done) - started, "tokens": tokens}
 
 
-def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    """Every prompt once, from ``concurrency`` client threads; the requests' measurements."""
-    work: queue.Queue[str] = queue.Queue()
-    for prompt in prompts:
-        work.put(prompt)
+def run_load(url: str, work_items: list[tuple[str, int]], concurrency: int) -> dict:
+    """Every ``(prompt, max_tokens)`` once, from ``concurrency`` client threads; the requests'
+    measurements."""
+    work: queue.Queue[tuple[str, int]] = queue.Queue()
+    for item in work_items:
+        work.put(item)
     results: list[dict] = []
 
     def client() -> None:
         # One keep-alive connection per client, as load generators and SDK clients hold them
         # (a new httpx client per request spent ~40 ms building its SSL context).
         with httpx.Client(timeout=300) as http:
-            while True:
+            for turn in itertools.count():
                 try:
-                    prompt = work.get_nowait()
+                    prompt, max_tokens = work.get_nowait()
                 except queue.Empty:
                     return
-                results.append(one_request(http, url, prompt, max_tokens))
+                results.append({**one_request(http, url, prompt, max_tokens), "turn": turn})
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -98,6 +102,9 @@ def summarize(runs: list[dict]) -> dict:
     wall = sum(run["wall"] for run in runs)
     latencies = sorted(r["latency"] for r in results)
     ttfts = sorted(r["ttft"] for r in results)
+    # Each client's first request arrives with all the others' at once; the rest arrive as
+    # earlier ones finish (steady state).
+    steady = sorted(r["ttft"] for r in results if r["turn"] > 0) or [0.0]
     return {
         "requests_per_s": len(results) / wall,
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
@@ -105,10 +112,28 @@ def summarize(runs: list[dict]) -> dict:
             sum(r["tokens"] for r in run["results"]) / run["wall"] for run in runs
         ],
         "p50_latency_s": statistics.median(latencies),
-        "p99_latency_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "p99_latency_s": percentile(latencies, 0.99),
         "p50_ttft_s": statistics.median(ttfts),
-        "p99_ttft_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "p99_ttft_s": percentile(ttfts, 0.99),
+        "p50_ttft_steady_s": statistics.median(steady),
+        "p99_ttft_steady_s": percentile(steady, 0.99),
+        "p99_ttft_first_wave_s": percentile(
+            sorted(r["ttft"] for r in results if r["turn"] == 0), 0.99
+        ),
     }
+
+
+def percentile(ordered: list[float], fraction: float) -> float:
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def ttft(measured: dict) -> str:
+    ms = {key: value * 1e3 for key, value in measured.items() if "ttft" in key}
+    return (
+        f"p50/p99 {ms['p50_ttft_s']:.0f}/{ms['p99_ttft_s']:.0f} ms, steady "
+        f"{ms['p50_ttft_steady_s']:.0f}/{ms['p99_ttft_steady_s']:.0f} ms, first wave p99 "
+        f"{ms['p99_ttft_first_wave_s']:.0f} ms"
+    )
 
 
 def main() -> None:
@@ -117,8 +142,14 @@ def main() -> None:
     parser.add_argument(
         "--prompt-file", default=str(REPO / "models" / "demo" / "heldout_prompts.jsonl")
     )
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128, help="Mean max_tokens.")
+    parser.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.5,
+        help="max_tokens drawn uniformly from mean x (1 -/+ this), seeded (0: all the mean).",
+    )
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--batch-size", type=int, default=16)
     # Each server runs this many times per concurrency, in turns A B B A ...: this VM's speed
@@ -131,6 +162,13 @@ def main() -> None:
 
     prompts = read_prompt_file(args.prompt_file)
     prompts = (prompts * (1 + args.requests // len(prompts)))[: args.requests]
+    # Lengths spread around --max-tokens (the same for both servers): requests all of one
+    # length keep the clients in lockstep, finishing and arriving again in clusters.
+    spread = int(args.max_tokens * args.length_spread)
+    lengths = random.Random(0).choices(
+        range(args.max_tokens - spread, args.max_tokens + spread + 1), k=len(prompts)
+    )
+    work_items = list(zip(prompts, lengths))
     servers = {
         "speculative": start_server(args, []),
         "target_only": start_server(args, ["--num-draft-tokens", "0"]),
@@ -138,7 +176,7 @@ def main() -> None:
     rows = []
     try:
         for _, url in servers.values():  # warm up: shapes, caches, the schedule
-            run_load(url, prompts[:4], 4, 32)
+            run_load(url, [(prompt, 32) for prompt in prompts[:4]], 4)
         for concurrency in args.concurrency:
             row = {"concurrency": concurrency}
             runs: dict[str, list[dict]] = {name: [] for name in servers}
@@ -146,7 +184,7 @@ def main() -> None:
                 names = list(servers) if repeat % 2 == 0 else list(servers)[::-1]
                 for name in names:
                     url = servers[name][1]
-                    runs[name].append(run_load(url, prompts, concurrency, args.max_tokens))
+                    runs[name].append(run_load(url, work_items, concurrency))
             row.update({name: summarize(measured) for name, measured in runs.items()})
             spec, alone = row["speculative"], row["target_only"]
             row["tokens_per_s_ratio"] = spec["tokens_per_s"] / alone["tokens_per_s"]
@@ -154,10 +192,9 @@ def main() -> None:
             print(
                 f"concurrency {concurrency:2d}: speculative {spec['tokens_per_s']:7.0f} tok/s "
                 f"({spec['requests_per_s']:.2f} req/s, p50/p99 latency {spec['p50_latency_s']:.2f}/"
-                f"{spec['p99_latency_s']:.2f} s, TTFT {spec['p50_ttft_s'] * 1e3:.0f}/"
-                f"{spec['p99_ttft_s'] * 1e3:.0f} ms)  target alone {alone['tokens_per_s']:7.0f} "
-                f"tok/s (p50/p99 latency {alone['p50_latency_s']:.2f}/{alone['p99_latency_s']:.2f}"
-                f" s, TTFT {alone['p50_ttft_s'] * 1e3:.0f}/{alone['p99_ttft_s'] * 1e3:.0f} ms)  "
+                f"{spec['p99_latency_s']:.2f} s, TTFT {ttft(spec)})  target alone "
+                f"{alone['tokens_per_s']:7.0f} tok/s (p50/p99 latency {alone['p50_latency_s']:.2f}"
+                f"/{alone['p99_latency_s']:.2f} s, TTFT {ttft(alone)})  "
                 f"ratio {row['tokens_per_s_ratio']:.2f}x",
                 flush=True,
             )

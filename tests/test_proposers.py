@@ -166,10 +166,18 @@ PROPOSERS = [
 ]
 
 
-def generate(generator, k: int = 4, **options):
+def generate(generator, k: int = 4, extra: list[list[int]] = (), **options):
     options.setdefault("num_draft_tokens", k)
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True, **options)
-    return generator.generate(REPEATS + PLAIN_PROMPTS, config)
+    return generator.generate(REPEATS + PLAIN_PROMPTS + list(extra), config)
+
+
+def trap_prompt(generator) -> list[int]:
+    """Token ids whose lookup match a target that repeats the prompt's last token rejects (a
+    tiny random model may): ``t t u v t``, then ``t``: "t t" was followed by u."""
+    vocab = generator.target.vocab_size
+    t = generator.encode_prompts(["x"])[0][-1]
+    return [t, t, (t + 1) % vocab, (t + 2) % vocab, t]
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
@@ -181,20 +189,28 @@ def test_every_proposer_greedy_equals_target_only(bundles, arch):
         batched.target, batched.drafter, batched.tokenizer, batched.eos_token_ids, SuffixCache()
     )
     cached.generate(PLAIN_PROMPTS[::-1], GenerationConfig(max_new_tokens=60, ignore_eos=True))
-    expected = [r.token_ids for r in generate(one_row, 0)]
+    trap = [trap_prompt(one_row)]
+    expected = [r.token_ids for r in generate(one_row, 0, trap)]
+    # A target that repeats one token (tiny Gemma) gives every row its own match from its
+    # first new token on, so the suffix cache is never asked, and only the trap's match fails
+    repeats = all(len(set(ids)) == 1 for ids in expected)
     for options in PROPOSERS:
         for generator in (one_row, batched, cached):
             generator._hybrids.clear()
             generator._load_schedules.clear()
-            results = generate(generator, **options)
+            results = generate(generator, extra=trap, **options)
             assert [r.token_ids for r in results] == expected, (arch, options, generator.max_batch)
             sources = {s for r in results for s in r.stats.proposers}
             proposed = sum(e["proposed"] for r in results for e in r.stats.proposers.values())
             accepted = sum(e["accepted"] for r in results for e in r.stats.proposers.values())
             assert "lookup" in sources, (arch, options)  # the matches fired
-            if generator is cached:
+            if generator is cached and not repeats:
                 assert "suffix" in sources, (arch, options)
-            assert 0 < accepted < proposed, (arch, options)  # accepted and rejected ones
+            assert 0 < accepted, (arch, options)
+            # And rejected ones; not always with a hybrid on a repeating target: it may leave
+            # the trap's match to the model's drafts (by measured speed), which are all kept
+            if not (repeats and options["proposer"] == "hybrid"):
+                assert accepted < proposed, (arch, options)
             for result in results:
                 stats = result.stats
                 assert stats.accepted_tokens == sum(e["accepted"] for e in stats.proposers.values())

@@ -151,7 +151,7 @@ def test_sampled_tokens_follow_the_target_through_matches(
     proposed = sum(e["proposed"] for r in results for e in r.stats.proposers.values())
     matched = sum(r.stats.proposers.get("lookup", {}).get("proposed", 0) for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
-    assert matched > SAMPLES  # the matches fired
+    assert matched > SAMPLES // 2  # the matches fired (the first token is the target's alone)
     assert 0.1 < accepted / proposed < 0.95  # both accept and reject paths are exercised
     samples = np.array([r.token_ids for r in results])
     for position in range(3):

@@ -117,15 +117,19 @@ class RowsDecoder(DecoderBase):
             self._call(start, n, tokens, 1, fed)
 
     def forward_rows(
-        self, tokens: np.ndarray, keep_last: int = 0, fed: np.ndarray | None = None
+        self,
+        tokens: np.ndarray,
+        keep_last: int = 0,
+        fed: np.ndarray | None = None,
+        start: int = 0,
     ) -> Forward:
-        """Feed ``tokens [n, S]`` to rows 0 .. n-1, each after its own prefix; logits
-        ``[n, keep_last, vocab]`` (and probabilities, where the graph has them) of the last
-        ``keep_last`` positions. ``fed [n]``: how many of its S tokens each row really has
-        (default S): the rest are padding at its end, computed and then dropped (the row's
-        length grows by ``fed``)."""
+        """Feed ``tokens [n, S]`` to rows ``start .. start + n - 1``, each after its own
+        prefix; logits ``[n, keep_last, vocab]`` (and probabilities, where the graph has them)
+        of the last ``keep_last`` positions. ``fed [n]``: how many of its S tokens each row
+        really has (default S): the rest are padding at its end, computed and then dropped (the
+        row's length grows by ``fed``)."""
         n, count = tokens.shape
-        return self._call(0, n, tokens, keep_last or count, count if fed is None else fed)
+        return self._call(start, n, tokens, keep_last or count, count if fed is None else fed)
 
     def set_length(self, row: int, length: int) -> None:
         """Keep only the first ``length`` positions of ``row`` (0: the row is free)."""

@@ -119,20 +119,40 @@ class BatchRunner:
 
     def add(self, requests: list[Request]) -> list[tuple[Request, GenerationResult]]:
         """Prefill ``requests`` into the next free slots, all prompts in one call per model
-        (and prompt chunk); returns those finished at once (a prompt that fills its length)."""
+        (and prompt chunk), and give each its first token (`active` has it); returns those
+        finished at once (a prompt that fills its length, a first token that ends it)."""
         rows = [self._new_row(request) for request in requests]
         finished = [(row.request, self._result(row)) for row in rows if row.finish_reason]
         rows = [row for row in rows if not row.finish_reason]
+        if not rows:
+            return finished
         start = len(self.rows)
         for slot in range(start, start + len(rows)):
             self.target.set_length(slot, 0)
             self.draft.set_length(slot, 0)
-        # Both models see all but the last prompt token, which the first round feeds.
+        # Both models see all but the last prompt token, which the target alone is fed next:
+        # a request's first token comes right after its prefill, not after a round of the batch.
         self.target.prefill_rows(start, [row.request.prompt[:-1] for row in rows])
         if any(row.drafting for row in rows):
             prompts = [row.request.prompt[:-1] if row.drafting else [] for row in rows]
             self.draft.prefill_rows(start, prompts)
         self.rows.extend(rows)
+        steps = batched_round(self.target, self.draft, [row.round for row in rows], 0, start)
+        done = []
+        for slot, (row, step) in enumerate(zip(rows, steps), start):
+            if step.error is not None:
+                self._fail(row, slot, step.error)
+            else:
+                self.target.set_length(slot, len(row.tokens))
+                self._settle(row, step)
+            if row.finish_reason:
+                done.append(slot)
+        if any(step.error is not None for step in steps):
+            self._clear_stale()
+        for slot in reversed(done):
+            row = self.rows[slot]
+            self._free(self.rows, slot)
+            finished.append((row.request, self._result(row)))
         return finished
 
     def step(self) -> list[tuple[Request, GenerationResult]]:

@@ -20,7 +20,7 @@ from specrt.runtime.hybrid import HybridDrafter
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import scheduled_round
+from specrt.runtime.round import first_token, scheduled_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -280,8 +280,9 @@ class SpeculativeGenerator:
         finish_reason = "length"
         stopper, stop_text = self._stop_strings(config), None
 
-        # Both models see all but the last prompt token, which the first round feeds. A draft
-        # with fewer positions than the prompt cannot follow: the target decodes alone.
+        # Both models see all but the last prompt token, which the target alone is fed next
+        # for the first new token. A draft with fewer positions than the prompt cannot follow:
+        # the target decodes alone.
         target.reset()
         drafter.reset()
         drafting = k_max > 0 and len(prompt) < drafter.max_positions
@@ -291,10 +292,13 @@ class SpeculativeGenerator:
                 drafter.prefill(prompt[:-1])
 
         while len(tokens) < limit:
-            # A round emits at most k+1 tokens, and every position fed must fit in each model.
-            room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
-            room = max(0, room) if drafting else 0
-            step = scheduled_round(target, drafter, schedule, tokens, room, sampling, rng)
+            if len(tokens) == len(prompt):  # the first token: the target alone, at once
+                step = first_token(target, tokens, sampling, rng)
+            else:
+                # A round emits at most k+1 tokens; every position fed must fit in each model.
+                room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
+                room = max(0, room) if drafting else 0
+                step = scheduled_round(target, drafter, schedule, tokens, room, sampling, rng)
 
             # Roll back: each cache keeps only what is still history (all but the newest token).
             target.rollback(len(tokens) + step.accepted)

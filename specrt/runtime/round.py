@@ -72,6 +72,18 @@ def speculative_round(
     )
 
 
+def first_token(
+    target: Decoder, tokens: list[int], sampling: SamplingParams, rng: np.random.Generator
+) -> RoundResult:
+    """The token after a prompt (the target's cache holding all of it but the last token),
+    from the target alone: a plain step right after the prefill, so a request's first token
+    never waits for drafting."""
+    started = time.perf_counter()
+    out = target.forward(tokens[target.length :], keep_last=1, need=rows_needed(sampling))
+    _, token = verify([], None, out, sampling, rng)
+    return RoundResult(0, 0, [token], 0.0, time.perf_counter() - started)
+
+
 def scheduled_round(
     target: Decoder,
     drafter: Drafter,
@@ -115,11 +127,12 @@ class RowRound:
 
 
 def batched_round(
-    target: RowsDecoder, draft: RowsDecoder, rows: list[RowRound], k: int
+    target: RowsDecoder, draft: RowsDecoder, rows: list[RowRound], k: int, start: int = 0
 ) -> list[RoundResult]:
     """One round for rows 0 .. n-1 of both models' caches: K draft steps, each one draft call
     for every row (none when every row has a match), then ONE target call verifying
     ``[n, W+1]`` (W: the most draft tokens a row verifies); each row accepts its own prefix.
+    (Rows from ``start`` on instead: only where no row drafts, as in a first token's step.)
     A row uses its first ``row.k`` draft tokens or its match: it draws nothing past them (its
     random stream advances as if it were alone) and its later slots are filler. A row whose
     logits come out NaN/inf fails alone (its result's ``error``); the others go on as they
@@ -137,7 +150,7 @@ def batched_round(
     for i, (row, proposed) in enumerate(zip(rows, drafts_per_row)):
         fed[i, 0] = row.tokens[-1]
         fed[i, 1 : 1 + row.k] = proposed[: row.k]  # the rest: filler
-    out = target.forward_rows(fed, keep_last=k + 1)
+    out = target.forward_rows(fed, keep_last=k + 1, start=start)
     verdicts: list[tuple[int, int]] = []
     if all(row.sampling.greedy for row in rows) and not failed:  # one argmax for the batch
         try:

@@ -306,7 +306,8 @@ class Service:
                     self._running.pop(key)._finish(None, exc)
 
     def _admit(self, handles: list[RequestHandle]) -> None:
-        """Prefill the admitted requests together (one call per model)."""
+        """Prefill the admitted requests together (one call per model) and hand out their
+        first tokens."""
         live = []
         for handle in handles:
             if handle._cancelled:
@@ -316,6 +317,10 @@ class Service:
                 self._running[handle.key] = handle
         for request, result in self._runner.add([handle.request for handle in live]):
             self._running.pop(request.key)._finish(result)
+        admitted = {handle.key for handle in live}
+        for request, new_ids in self._runner.active():  # their first tokens, out at once
+            if request.key in admitted:
+                self._running[request.key]._progress(new_ids)
 
     def _drop_cancelled(self) -> None:
         for key, handle in list(self._running.items()):
