@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 class GenerationStats:
     """Counters of one request. Meanings follow vLLM's spec-decode metrics.
 
-    rounds: target verification passes (prefill not counted); draft_rounds: those with drafts.
+    rounds: target passes after the prefill (the first new token's plain step included);
+    draft_rounds: those that verified drafts.
     drafted_tokens / accepted_tokens: draft tokens proposed / kept by the target.
     acceptance_rate: accepted_tokens / drafted_tokens.
     mean_accepted_tokens: draft tokens accepted per round (0..K).
