@@ -11,7 +11,7 @@ from specrt.backends.select import ONE_ROW_PORTABLE
 from specrt.errors import NumericalError
 from specrt.export import ENGINE_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
-from specrt.runtime.batching import Request
+from specrt.runtime.batching import BatchRunner, Request
 from tests.test_greedy import PROMPTS
 
 
@@ -264,3 +264,22 @@ def test_a_row_alone_in_the_batch_drafts_as_the_one_row_loop(llama_bundle):
     # Every round after the first token's step (the target alone) was the one-row one
     assert len(schedule.verify_time) == result.stats.rounds - 1
     assert "load" not in generator._load_schedules  # and the load schedule never ran
+
+
+def test_admitted_rows_have_their_first_token_before_any_round(llama_bundle):
+    """Admission prefills the prompts and gives each row its first token, the target alone's,
+    at once (a service hands it out then), before any round of the batch."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    alone = GenerationConfig(max_new_tokens=1, num_draft_tokens=0, ignore_eos=True)
+    expected = [r.token_ids for r in generator.generate(PROMPTS[:3], alone)]
+    runner = BatchRunner(
+        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+    )
+    config = GenerationConfig(max_new_tokens=20)
+    ids = generator.encode_prompts(PROMPTS[:3])
+    requests = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
+    assert runner.add(requests) == []
+    assert [new for _, new in runner.active()] == expected
+    assert [len(row.tokens) for row in runner.rows] == [len(p) + 1 for p in ids]
+    for (key, result), _ in zip(runner.run([]), range(3)):  # the rest: the target's own
+        assert result.token_ids[:1] == expected[key]

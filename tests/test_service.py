@@ -150,3 +150,28 @@ def test_deltas_hold_back_half_characters_and_stop_prefixes():
     assert pieces == ["", "é", " a", "b", "", "\nx"]
     assert deltas.finish(decode(list(range(6)))) == ""
     assert "".join(pieces) == decode(list(range(6)))
+
+
+def test_the_first_token_comes_at_admission(service, serial, llama_bundle):
+    """A request's first token is the target's own, handed out right after its prefill: with
+    max_new_tokens=1 (or a stop string in that token) the request ends at admission, with the
+    target alone's token, on the service, the batched runner and the one-row loop alike."""
+    tokenizer = service.generator.tokenizer
+    prompts = PROMPTS[:6]
+    first = {p: serial[p].token_ids[0] for p in prompts}
+    config = GenerationConfig(max_new_tokens=1, num_draft_tokens=3)
+    handles = {p: service.submit(p, config) for p in prompts}
+    for prompt, handle in handles.items():
+        streamed = "".join(handle)
+        result = handle.result()
+        assert result.token_ids == [first[prompt]] and result.finish_reason == "length"
+        assert streamed == result.text == tokenizer.decode([first[prompt]])
+        assert result.stats.rounds == 1 and result.stats.drafted_tokens == 0
+    one_row = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    for generator in (service.generator, one_row):  # batched (waits for the service), one row
+        results = generator.generate(prompts, config)
+        assert [r.token_ids for r in results] == [[first[p]] for p in prompts]
+    prompt = next(p for p in prompts if tokenizer.decode([first[p]]).strip())
+    stop = tokenizer.decode([first[prompt]]).strip()
+    handle = service.submit(prompt, GenerationConfig(max_new_tokens=20, stop=[stop]))
+    assert "".join(handle) == "" and handle.result().finish_reason == "stop"
