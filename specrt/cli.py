@@ -15,7 +15,7 @@ from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENA
 from specrt.errors import InvalidInputError, SpecrtError, describe_os_error
 from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, DEVICES, PRECISIONS
 from specrt.prompts import collect_prompts
-from specrt.runtime.batching import DEFAULT_BATCH_SIZE, MAX_BATCH
+from specrt.runtime.batching import DEFAULT_BATCH_SIZE, DEFAULT_SERVE_BATCH_SIZE, MAX_BATCH
 from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, PROPOSERS, GenerationConfig
 from specrt.runtime.lookup import DEFAULT_SUFFIX_TOKENS
 
@@ -486,9 +486,9 @@ def _proposer_line(proposers: dict[str, dict]) -> str:
 @click.option(
     "--batch-size",
     type=click.IntRange(1, MAX_BATCH),
-    default=DEFAULT_BATCH_SIZE,
+    default=DEFAULT_SERVE_BATCH_SIZE,
     show_default=True,
-    help="Requests that share each model call.",
+    help="Requests that share each model call (more wait for a slot).",
 )
 @click.option(
     "--max-waiting",
@@ -550,6 +550,13 @@ def serve(
         num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule, proposer=proposer
     )
     name = model_name or Path(bundle).resolve().name
+    decoders = (generator.target, getattr(generator.drafter, "decoder", None))
+    per_slot = sum(getattr(decoder, "cache_bytes_per_row", 0) for decoder in decoders)
+    click.echo(
+        f"specrt serve: {generator.max_batch} requests per model call, KV cache up to "
+        f"{per_slot / 2**20:.1f} MiB each (--batch-size sets how many)",
+        err=True,
+    )
     run_server(generator, name, defaults, host=host, port=port, max_waiting=max_waiting)
 
 

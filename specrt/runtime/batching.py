@@ -29,6 +29,9 @@ from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
 DEFAULT_BATCH_SIZE = 8  # rows per call of `specrt batch` (best measured on the demo pair)
+# Requests per call of `specrt serve`: more clients than slots queue for whole requests (16
+# clients on 8 slots: time to first token 600 ms at the median, 45 ms on 16; docs/performance.md)
+DEFAULT_SERVE_BATCH_SIZE = 16
 MAX_BATCH = 256
 
 
