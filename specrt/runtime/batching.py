@@ -152,18 +152,19 @@ class BatchRunner:
                 done.append(slot)
         if any(step.error is not None for step in steps):
             self._clear_stale()
-        for slot in reversed(done):
-            row = self.rows[slot]
-            self._free(self.rows, slot)
-            finished.append((row.request, self._result(row)))
-        return finished
+        return finished + self._leave(done)
 
     def step(self) -> list[tuple[Request, GenerationResult]]:
         """One round over every row; the rows that finished leave, freeing their slots."""
+        return self._leave(self._round(self.rows))
+
+    def _leave(self, slots: list[int]) -> list[tuple[Request, GenerationResult]]:
+        """The finished rows in ``slots`` leave (last slot first: `_free` moves the last row
+        into the freed slot); their results."""
         finished = []
-        for index in reversed(self._round(self.rows)):
-            row = self.rows[index]
-            self._free(self.rows, index)
+        for slot in sorted(slots, reverse=True):
+            row = self.rows[slot]
+            self._free(self.rows, slot)
             finished.append((row.request, self._result(row)))
         return finished
 
