@@ -5,12 +5,14 @@
 
 For the shipped demo pair and a random-weight pair at real shapes (a Llama-3.2-1B-shaped target,
 a ~0.1B draft, vocabulary 128256), through the project's own export path (float16 cuda engines,
-no portable graph: the GPU machine has no optimum): speculative greedy output must equal
-target-only output; then target-only tokens/s, K = 1..8 and adaptive, the draft/target step cost
-c, the verify cost v_K, the time outside onnxruntime, the bytes each round brings back to the
-host, and transformers assisted generation on the same GPU. Writes one JSON report, prints a
-table. ``--dry-run`` shrinks the random pair and runs the cuda engines on CPU OrtValues (the
-same code); its numbers mean nothing, only that every step runs.
+no portable graph: the GPU machine has no optimum): first batches (``--batch-sizes``: B rows per
+engine call through `run`, as `specrt batch` runs them, the target alone and speculative: total
+tokens/s, and how many rows equal the one-row target-only output); then one row: speculative
+greedy output must equal target-only output; target-only tokens/s, K = 1..8 and adaptive, the
+draft/target step cost c, the verify cost v_K, the time outside onnxruntime, the bytes each
+round brings back to the host, and transformers assisted generation on the same GPU. Writes one
+JSON report, prints a table. ``--dry-run`` shrinks the random pair and runs the cuda engines on
+CPU OrtValues (the same code); its numbers mean nothing, only that every step runs.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 16, 64])
+    parser.add_argument("--batch-prompts", type=int, default=64)
     args = parser.parse_args()
     started = time.monotonic()
     report: dict = {"dry_run": args.dry_run, "machine": machine(), "pairs": {}}
@@ -89,6 +93,8 @@ def main() -> None:
         log(f"{name}: building cuda engines")
         bundle = build(target, draft, args.work / f"{name}-bundle")
         entry = report["pairs"][name] = {"build_s": round(time.monotonic() - started, 1)}
+        entry["batches"] = batches(bundle, name, args, started)
+        write(report, args.out)
         measure(bundle, name, entry, args, started)
         if not args.dry_run:
             entry["cuda_graph_draft_step"] = cuda_graph_probe(bundle)
@@ -149,23 +155,77 @@ def build(target: Path, draft: Path, out: Path) -> Path:
     return out
 
 
-def generator_for(bundle: Path, dry_run: bool):
-    if dry_run:  # the cuda engines through the device backend, on CPU OrtValues
-        return load_pair(bundle, engine="cuda", providers=["CPUExecutionProvider"])
-    return load_pair(bundle, engine="cuda", providers=CUDA)
+def generator_for(bundle: Path, dry_run: bool, max_batch: int = 1):
+    providers = ["CPUExecutionProvider"] if dry_run else CUDA  # dry run: CPU OrtValues
+    return load_pair(bundle, engine="cuda", providers=providers, max_batch=max_batch)
+
+
+def prompts_for(name: str, generator, count: int) -> list[list[int]]:
+    if name == "demo":
+        texts = read_prompt_file(REPO / "models" / "demo" / "heldout_prompts.jsonl")
+        return generator.encode_prompts([texts[i % len(texts)] for i in range(count)])
+    rng = np.random.default_rng(0)
+    return [rng.integers(100, generator.target.vocab_size, 64).tolist() for _ in range(count)]
+
+
+def batches(bundle: Path, name: str, args, started: float) -> dict:
+    """Rows through `run` (what `specrt batch` runs) at each batch size, the target alone
+    (K = 0) and speculative (the load schedule, K <= 4, model draft): total new tokens over
+    wall time, and how many rows equal the one-row target-only output (float16 kernels may
+    round a near tie differently at other batch shapes: a count, not a verdict)."""
+    from specrt.runtime.batching import Request
+
+    out: dict = {}
+    reference = None
+    for batch in args.batch_sizes:
+        if time.monotonic() - started > args.budget_s / 2:
+            out[str(batch)] = {"skipped": "out of time"}
+            continue
+        generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run, batch))
+        prompts = prompts_for(name, generator, args.batch_prompts)
+        entry = out[str(batch)] = {
+            "max_batch": generator.max_batch,
+            "device": generator.target.device,
+        }
+        for label, k in (("target only", 0), ("speculative", 4)):
+            config = GenerationConfig(
+                max_new_tokens=args.new_tokens,
+                num_draft_tokens=k,
+                draft_schedule="adaptive",
+                ignore_eos=True,
+            )
+            warm = [Request(0, prompts[0], config, np.random.default_rng(0))]
+            list(generator.run(warm))
+            requests = [
+                Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(prompts)
+            ]
+            t0 = time.perf_counter()
+            results = dict(generator.run(requests))
+            seconds = time.perf_counter() - t0
+            tokens = [results[i].token_ids for i in range(len(prompts))]
+            if reference is None:  # batch size 1, target alone: the one-row reference
+                reference = tokens
+            drafted = sum(r.stats.drafted_tokens for r in results.values())
+            entry[label] = {
+                "tokens_per_s": sum(map(len, tokens)) / seconds,
+                "rows_equal_one_row_target_only": sum(a == b for a, b in zip(tokens, reference)),
+                "rows": len(tokens),
+                "acceptance": sum(r.stats.accepted_tokens for r in results.values()) / drafted
+                if drafted
+                else None,
+            }
+        entry["speedup"] = (
+            entry["speculative"]["tokens_per_s"] / entry["target only"]["tokens_per_s"]
+        )
+        log(f"{name}: batch {batch}: {entry}")
+    return out
 
 
 def measure(bundle: Path, name: str, entry: dict, args, started: float) -> None:
     pair = generator_for(bundle, args.dry_run)
     generator = SpeculativeGenerator.from_pair(pair)
     entry["device"] = pair.target.device
-    if name == "demo":
-        texts = read_prompt_file(REPO / "models" / "demo" / "heldout_prompts.jsonl")
-        prompts = generator.encode_prompts(texts[: args.prompts])
-    else:
-        rng = np.random.default_rng(0)
-        vocab = pair.target.vocab_size
-        prompts = [rng.integers(100, vocab, 64).tolist() for _ in range(args.prompts)]
+    prompts = prompts_for(name, generator, args.prompts)
     entry["prompt_ids"] = prompts
 
     def config(k: int, schedule: str = "fixed", new: int = args.new_tokens) -> GenerationConfig:
@@ -243,6 +303,7 @@ def cuda_graph_probe(bundle: Path, steps: int = 64) -> dict:
 
 
 def _draft_steps(bundle: Path, cuda_graph: bool, steps: int) -> dict:
+    """The batched cuda engine's draft, one row, one token a step, everything on the device."""
     import onnxruntime as ort
 
     from specrt.bundle import read_manifest
@@ -252,24 +313,27 @@ def _draft_steps(bundle: Path, cuda_graph: bool, steps: int) -> dict:
     provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})
     session = ort.InferenceSession(str(bundle / spec.path), providers=[provider])
     binding = session.io_binding()
-    positions = min(spec.max_positions, 1024)
-    shape = (1, spec.num_kv_heads, positions, spec.head_dim)
+    capacity = min(spec.max_positions, 1024)
+    shape = (1, capacity, spec.num_kv_heads * spec.head_dim)
     for past, present in zip(
         [*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values]
     ):
         value = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float16), "cuda", 0)
         binding.bind_ortvalue_input(past, value)
         binding.bind_ortvalue_output(present, value)
-    ids = ort.OrtValue.ortvalue_from_numpy(np.array([[5]], np.int64), "cuda", 0)
-    seqlens = ort.OrtValue.ortvalue_from_numpy(np.array([0], np.int32), "cuda", 0)
-    total = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int32))
-    keep = ort.OrtValue.ortvalue_from_numpy(np.array([1], np.int64), "cuda", 0)
-    for name, value in (
-        (io.input_ids, ids),
-        (io.seqlens_k, seqlens),
-        (io.total_length, total),
-        (io.logits_to_keep, keep),
-    ):
+
+    def on_device(array: np.ndarray) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0)
+
+    mask = np.zeros((1, 1, 1, capacity), dtype=bool)
+    inputs = {
+        io.input_ids: on_device(np.array([[5]], np.int64)),
+        io.position_ids: on_device(np.array([[0]], np.int64)),
+        io.cache_indices: on_device(np.zeros((1, 1, 2), np.int64)),
+        io.attention_mask: on_device(mask),
+        io.logits_to_keep: on_device(np.array([1], np.int64)),
+    }
+    for name, value in inputs.items():
         binding.bind_ortvalue_input(name, value)
     best = ort.OrtValue.ortvalue_from_shape_and_type((1, 1), np.int64, "cuda", 0)
     binding.bind_ortvalue_output(io.argmax, best)
@@ -280,9 +344,11 @@ def _draft_steps(bundle: Path, cuda_graph: bool, steps: int) -> dict:
         binding.bind_ortvalue_output(name, value)
     tokens, times, token = [], [], 5
     for step in range(steps):
-        ids.update_inplace(np.array([[token]], np.int64))
-        seqlens.update_inplace(np.array([step], np.int32))
-        total.update_inplace(np.array(step + 1, np.int32))
+        mask[..., step] = True
+        inputs[io.input_ids].update_inplace(np.array([[token]], np.int64))
+        inputs[io.position_ids].update_inplace(np.array([[step]], np.int64))
+        inputs[io.cache_indices].update_inplace(np.array([[[0, step]]], np.int64))
+        inputs[io.attention_mask].update_inplace(mask)
         started = time.perf_counter()
         session.run_with_iobinding(binding)
         binding.synchronize_outputs()
@@ -351,6 +417,18 @@ def table(report: dict) -> str:
             lines.append(f"{label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
         verify = ", ".join(f"K={k} {v:.2f}" for k, v in entry["verify_cost_ratio"].items())
         lines.append(f"v_K: {verify}")
+        lines.append(
+            f"{'batch size':<12}{'target only':>13}{'speculative':>13}{'ratio':>8}{'rows =':>9}"
+        )
+        for batch, result in entry.get("batches", {}).items():
+            if "speedup" not in result:
+                lines.append(f"{batch:<12}{'skipped':>13}")
+                continue
+            alone, spec = result["target only"], result["speculative"]
+            lines.append(
+                f"{batch:<12}{alone['tokens_per_s']:>13.1f}{spec['tokens_per_s']:>13.1f}"
+                f"{result['speedup']:>7.2f}x{spec['rows_equal_one_row_target_only']:>5}/{spec['rows']}"
+            )
     return "\n".join(lines)
 
 

@@ -400,8 +400,8 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
     type=click.IntRange(1, MAX_BATCH),
     default=DEFAULT_BATCH_SIZE,
     show_default=True,
-    help="Rows that share each model call (the onnxruntime engine and the portable graph; "
-    "the cuda and TensorRT engines run one row).",
+    help="Rows that share each model call (the onnxruntime and cuda engines and the portable "
+    "graph; the TensorRT engines and Gemma 2's cuda engine run one row).",
 )
 @generation_options
 @suffix_cache_options(False, "Rows' text then informs other rows' proposals.")
@@ -439,9 +439,10 @@ def batch(
     )
     if generator.max_batch < batch_size:
         click.echo(
-            f"note: the {engine} graphs run one row per call (the cuda and TensorRT engines, "
-            "Gemma 2 and 3's portable graphs, and onnxruntime engines built by earlier versions of "
-            f"specrt: rebuild those with `specrt build --bundle DIR`); --batch-size "
+            f"note: the {engine} graphs run one row per call (the TensorRT engines, Gemma 2's "
+            "cuda engine, Gemma 2 and 3's portable graphs, and onnxruntime or cuda engines built "
+            "by earlier versions of specrt: rebuild those with `specrt build --bundle DIR "
+            f"[--device cuda]`); --batch-size "
             f"{batch_size} has no effect",
             err=True,
         )

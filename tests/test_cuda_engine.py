@@ -1,6 +1,6 @@
-"""The CUDA engines (float16, greedy outputs) and the device backend, tested on the CPU: the same
-binding code with CPU OrtValues, and the float16 graph on onnxruntime's CPU kernels. Where a GPU
-and onnxruntime-gpu are present the last test runs it on CUDA."""
+"""The CUDA engines (float16, greedy outputs, many rows per call) and the device backend, tested
+on the CPU: the same binding code with CPU OrtValues, and the float16 graph on onnxruntime's CPU
+kernels. Where a GPU and onnxruntime-gpu are present `test_on_cuda` runs it on CUDA."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES
-from specrt.backends.device import DeviceDecoder
+from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES, batched
+from specrt.backends.device_rows import DeviceRowsDecoder, _identity_graph
 from specrt.backends.select import select_graph
 from specrt.bundle import read_manifest
 from specrt.export.options import DEFAULT_FP16_ATOL
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.test_batching import run_all, varied
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -50,11 +51,20 @@ def test_export_records_the_cuda_engines(cuda_bundle):
         assert "onnxruntime" in spec.engines  # the CPU engines are built as well
 
 
-def cpu_twin(bundle) -> SpeculativeGenerator:
+def cpu_twin(bundle, max_batch: int = 1) -> SpeculativeGenerator:
     """The cuda engines through the device backend, with the cache in CPU OrtValues."""
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=1, engine="cuda")
-    assert isinstance(generator.target, DeviceDecoder) and generator.target.device == "cpu"
+    generator = SpeculativeGenerator.from_bundle(
+        bundle, threads=1, engine="cuda", max_batch=max_batch
+    )
+    assert isinstance(generator.target, DeviceRowsDecoder) and generator.target.device == "cpu"
+    assert generator.max_batch == max_batch
     return generator
+
+
+@pytest.fixture
+def small_steps(monkeypatch):
+    """The cache grows 16 positions at a time (not 256): the tiny models' rows grow it often."""
+    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
 
 
 def test_speculative_greedy_equals_target_only_on_the_cuda_engine(cuda_bundle):
@@ -95,9 +105,9 @@ def test_only_what_is_needed_comes_back(cuda_bundle):
 
 
 def test_rollback_on_the_device_cache(cuda_bundle):
-    """The cache is bound once and never replaced; rolled-back positions are overwritten."""
+    """The cache is not replaced while it has room; rolled-back positions are overwritten."""
     decoder = cpu_twin(cuda_bundle).target
-    pointers = [value.data_ptr() for value in decoder._cache]
+    pointers = [value.data_ptr() for value in decoder._buffers]
     assert len(set(pointers)) == len(pointers)  # one buffer per layer and kind
     rng = np.random.default_rng(0)
     prompt, rejected, kept = [rng.integers(3, 40, n).tolist() for n in (9, 5, 3)]
@@ -105,10 +115,79 @@ def test_rollback_on_the_device_cache(cuda_bundle):
     decoder.forward(rejected)
     decoder.rollback(len(prompt) + 2)
     after = decoder.forward(kept).logits.copy()
-    assert [value.data_ptr() for value in decoder._cache] == pointers
+    assert [value.data_ptr() for value in decoder._buffers] == pointers
     decoder.rollback(0)
     clean = decoder.forward(prompt + rejected[:2] + kept).logits[-3:]
     np.testing.assert_allclose(after, clean, atol=2e-2, rtol=0)  # float16 engine, other shapes
+
+
+def test_rows_of_the_device_cache_move_and_grow_with_their_content(cuda_bundle, small_steps):
+    """Rows prefilled together, one freed and another moved into its slot (as the scheduler
+    packs live rows), then fed together past the capacity (the buffers reallocated on the
+    device, the rows copied over): each row's logits are those of its tokens fed alone."""
+    decoder = cpu_twin(cuda_bundle, max_batch=3).target
+    alone = cpu_twin(cuda_bundle).target
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 40, n).tolist() for n in (5, 12, 9)]
+    decoder.prefill_rows(0, prompts)
+    decoder.set_length(0, 0)
+    decoder.move_row(2, 0)
+    assert decoder.lengths.tolist() == [9, 12, 0] and decoder.capacity == 16
+    more = rng.integers(3, 40, (2, 20))
+    out = decoder.forward_rows(more, keep_last=20).logits
+    assert decoder.capacity == 32
+    for row, prompt in enumerate((prompts[2], prompts[1])):
+        alone.reset()
+        expected = alone.forward(prompt + more[row].tolist(), keep_last=20).logits
+        np.testing.assert_allclose(out[row], expected, atol=1e-3, rtol=0)
+    picks = decoder.forward_rows(more[:, :1], keep_last=1, need=NEED_ARGMAX)
+    assert picks.logits is None and picks.argmax.shape == (2, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_the_copy_graph_is_the_model_onnx_would_write(dtype):
+    """The device copy's one-node model is written without the onnx package (the runtime does
+    not depend on it): it is the model onnx.helper builds, and passes onnx's checker."""
+    from onnx import TensorProto, checker, helper, load_from_string
+
+    element = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}[dtype]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "copy",
+        [helper.make_tensor_value_info("x", element, ["n"])],
+        [helper.make_tensor_value_info("y", element, ["n"])],
+    )
+    expected = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    expected.ir_version = 10
+    written = load_from_string(_identity_graph(dtype))
+    checker.check_model(written, full_check=True)
+    assert written == expected
+
+
+def test_batched_greedy_on_the_cuda_engine_equals_target_alone(cuda_bundle, small_steps):
+    """B rows per call on the device backend (rows of different lengths finishing at
+    different rounds, refilled, moved, the cache growing): every row is the target alone's."""
+    expected = run_all(cpu_twin(cuda_bundle), varied(0, ignore_eos=True))
+    for batch in (2, 4, 8):
+        generator = cpu_twin(cuda_bundle, max_batch=batch)
+        for k, schedule in ((0, "fixed"), (3, "fixed"), (4, "adaptive")):
+            results = run_all(generator, varied(k, schedule, ignore_eos=True))
+            for key, result in results.items():
+                assert result.token_ids == expected[key].token_ids, (batch, k, key)
+            if k:
+                accepted = sum(r.stats.accepted_tokens for r in results.values())
+                assert 0 < accepted < sum(r.stats.drafted_tokens for r in results.values())
+        assert generator.target.capacity > 16  # it grew
+
+
+def test_a_seeded_row_is_the_same_whatever_the_batch_on_the_cuda_engine(cuda_bundle):
+    config = GenerationConfig(max_new_tokens=20, temperature=1.0, num_draft_tokens=3, seed=11)
+    outputs = [
+        [r.token_ids for r in cpu_twin(cuda_bundle, batch).generate(PROMPTS, config)]
+        for batch in (1, 3)
+    ]
+    assert outputs[0] == outputs[1]
+    assert len({tuple(tokens) for tokens in outputs[0]}) > 1
 
 
 def test_the_cuda_engine_is_close_to_the_float32_graph(cuda_bundle):
@@ -171,7 +250,7 @@ def test_engines_only_bundle_needs_no_optimum(tmp_path, monkeypatch):
         assert spec.path == spec.engines["cuda"].path and spec.dtype == "float16"
         assert list(spec.engines) == ["cuda"]
     generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
-    assert isinstance(generator.target, DeviceDecoder)
+    assert isinstance(generator.target, DeviceRowsDecoder)
     options = dict(max_new_tokens=16, ignore_eos=True)
     base = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=0, **options))
     spec = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=3, **options))

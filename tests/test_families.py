@@ -115,6 +115,9 @@ def test_engines_are_built_or_the_feature_named(family):
             continue
         assert set(spec.engines) == {"onnxruntime", "cuda"}
         assert spec.engines["onnxruntime"].sliding_window == window
+        # CUDA's Attention kernels refuse soft-capped scores: Gemma 2 keeps GroupQueryAttention
+        softcap = FAMILIES[name][0] == "gemma2"
+        assert spec.engines["cuda"].cache == ("in_place" if softcap else "batched")
         # longrope: exact up to its original length, where its table changes
         limit = 192 if "longrope" in name else None
         assert (
@@ -154,9 +157,29 @@ def test_greedy_equals_pytorch_on_every_graph(family):
                     reference = pytorch_greedy(source, prompts, outputs)
                 if expected is None:
                     expected = reference if engine != "cuda" else outputs
-                assert outputs == expected, (name, engine, batch, k)
+                if engine == "cuda":
+                    equal_up_to_near_ties(bundle, prompts, outputs, expected)
+                else:
+                    assert outputs == expected, (name, engine, batch, k)
                 if k:  # (rejections on every family: tests/test_greedy.py)
                     assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+def equal_up_to_near_ties(bundle, prompts, outputs, expected, margin: float = 0.01) -> None:
+    """Each row equals its expected tokens, or up to a position where the two tokens' logits
+    (one call over the expected prefix) are within ``margin``: a float16 engine's kernels may
+    round such a near tie the other way at another call shape (rows, tokens per call)."""
+    decoder = SpeculativeGenerator.from_bundle(bundle, threads=1, engine="cuda").target
+    for prompt, got, want in zip(prompts, outputs, expected):
+        differ = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        if not differ:
+            assert len(got) == len(want)
+            continue
+        at = differ[0]
+        decoder.reset()
+        logits = decoder.forward(prompt + want[:at], keep_last=1).logits[-1]
+        gap = abs(float(logits[want[at]]) - float(logits[got[at]]))
+        assert gap < margin, f"position {at}: {got[at]} instead of {want[at]}, logits {gap} apart"
 
 
 def test_a_multimodal_target_is_exported_as_its_text_decoder(family):

@@ -15,6 +15,7 @@ def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "report.json"
     command = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run"]
     command += ["--prompts", "2", "--new-tokens", "8", "--max-k", "2"]
+    command += ["--batch-sizes", "1", "3", "--batch-prompts", "5"]
     command += ["--work", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -27,4 +28,9 @@ def test_gpu_check_dry_run(tmp_path):
         assert {"target only", "K=1", "K=2", "adaptive K<=2"} <= set(entry["results"])
         assert entry["results"]["K=2"]["bytes_to_host_per_round"] < 1000  # argmax, not logits
         assert 0 < entry["cost_ratio"]
+        for batch in ("1", "3"):  # rows per call on the device backend; the one-row reference
+            result = entry["batches"][batch]
+            assert result["max_batch"] == int(batch) and result["device"] == "cpu"
+            for mode in ("target only", "speculative"):
+                assert result[mode]["rows_equal_one_row_target_only"] == result[mode]["rows"] == 5
     assert "greedy == target-only True" in done.stdout

@@ -3,8 +3,10 @@
 `batched.BatchedDecoder` runs the onnxruntime engine (fused graph, KV cache updated in place,
 many rows per call), `in_place.InPlaceDecoder` its one-row form from earlier versions,
 `portable.PortableDecoder` the portable standard-op graph (`PortableRowsDecoder`: many rows),
-`device.DeviceDecoder` the cuda engine with its cache in GPU memory; `select.open_decoder`
-picks one for the requested providers.
+`device_rows.DeviceRowsDecoder` the cuda engine (many rows per call) with its cache in GPU
+memory, `device.DeviceDecoder` the one-row cuda engine (GroupQueryAttention: Gemma 2's
+soft-capping, and bundles of earlier versions); `select.open_decoder` picks one for the
+requested providers.
 """
 
 from specrt.backends.base import (

@@ -94,7 +94,8 @@ class RowsDecoder(DecoderBase):
     def forward(
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
     ) -> Forward:
-        out = self._call(0, 1, np.asarray([tokens], dtype=np.int64), keep_last, len(tokens))
+        tokens = np.asarray([tokens], dtype=np.int64)
+        out = self._call(0, 1, tokens, keep_last or tokens.shape[1], len(tokens[0]), need)
         probabilities = None if out.probabilities is None else out.probabilities[0]
         return Forward(out.logits[0], probabilities)
 
@@ -122,14 +123,17 @@ class RowsDecoder(DecoderBase):
         keep_last: int = 0,
         fed: np.ndarray | None = None,
         start: int = 0,
+        need: str = NEED_LOGITS,
     ) -> Forward:
         """Feed ``tokens [n, S]`` to rows ``start .. start + n - 1``, each after its own
         prefix; logits ``[n, keep_last, vocab]`` (and probabilities, where the graph has them)
-        of the last ``keep_last`` positions. ``fed [n]``: how many of its S tokens each row
-        really has (default S): the rest are padding at its end, computed and then dropped (the
-        row's length grows by ``fed``)."""
+        of the last ``keep_last`` positions (a device backend: only what ``need`` names, the
+        argmax ``[n, keep_last]``). ``fed [n]``: how many of its S tokens each row really has
+        (default S): the rest are padding at its end, computed and then dropped (the row's
+        length grows by ``fed``)."""
         n, count = tokens.shape
-        return self._call(start, n, tokens, keep_last or count, count if fed is None else fed)
+        fed = count if fed is None else fed
+        return self._call(start, n, tokens, keep_last or count, fed, need)
 
     def set_length(self, row: int, length: int) -> None:
         """Keep only the first ``length`` positions of ``row`` (0: the row is free)."""
@@ -159,18 +163,28 @@ class RowsDecoder(DecoderBase):
         content."""
         steps = -(-needed // CAPACITY_STEP)
         capacity = min(self.max_positions, steps * CAPACITY_STEP)
-        old = self._buffers
-        self._buffers = [np.zeros(self._buffer_shape(capacity), self._dtype) for _ in self._names]
-        window = (slice(None),) * self.POSITION_AXIS + (slice(0, self.capacity),)
-        for new, previous in zip(self._buffers, old):
-            new[window] = previous
+        self._buffers = self._resized(capacity)
         self.capacity = capacity
+
+    def _resized(self, capacity: int) -> list:
+        """New zeroed buffers of ``capacity`` positions holding the current ones' content."""
+        buffers = [np.zeros(self._buffer_shape(capacity), self._dtype) for _ in self._names]
+        window = (slice(None),) * self.POSITION_AXIS + (slice(0, self.capacity),)
+        for new, previous in zip(buffers, self._buffers):
+            new[window] = previous
+        return buffers
 
     def _buffer_shape(self, capacity: int) -> tuple[int, ...]:
         raise NotImplementedError
 
     def _call(
-        self, start: int, n: int, tokens: np.ndarray, keep_last: int, fed: int | np.ndarray
+        self,
+        start: int,
+        n: int,
+        tokens: np.ndarray,
+        keep_last: int,
+        fed: int | np.ndarray,
+        need: str = NEED_LOGITS,
     ) -> Forward:
         raise NotImplementedError
 
@@ -211,15 +225,21 @@ class BatchedDecoder(RowsDecoder):
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
     ) -> Forward:
         count = len(tokens)
-        arrays = self._prepare(0, 1, count, keep_last or count)
+        arrays = self._prepare(0, 1, count, keep_last or count, need)
         arrays.ids[0] = tokens
         self._run(0, 1, count)
         return arrays.row_result
 
     def _call(
-        self, start: int, n: int, tokens: np.ndarray, keep_last: int, fed: int | np.ndarray
+        self,
+        start: int,
+        n: int,
+        tokens: np.ndarray,
+        keep_last: int,
+        fed: int | np.ndarray,
+        need: str = NEED_LOGITS,
     ) -> Forward:
-        arrays = self._prepare(start, n, tokens.shape[1], keep_last)
+        arrays = self._prepare(start, n, tokens.shape[1], keep_last, need)
         arrays.ids[...] = tokens
         self._run(start, n, fed)
         return arrays.result
@@ -234,7 +254,9 @@ class BatchedDecoder(RowsDecoder):
         self._rows = None
 
     # ---------------------------------------------------------------------------------------
-    def _prepare(self, start: int, n: int, count: int, keep_last: int) -> _CallArrays:
+    def _prepare(
+        self, start: int, n: int, count: int, keep_last: int, need: str = NEED_LOGITS
+    ) -> _CallArrays:
         """Check room, grow the cache if a row would pass its capacity, write the rows'
         positions, cache indices and mask, and bind the arrays of this call's shape."""
         lengths = self.lengths[start : start + n].tolist()
@@ -245,8 +267,9 @@ class BatchedDecoder(RowsDecoder):
         if self._rows != (start, n):
             self._bind_rows(start, n)
         arrays = self._bound
-        if arrays is None or arrays.shape != (n, count, keep_last):
-            arrays = self._bind(n, count, keep_last)
+        key = self._call_key(n, count, keep_last, need)
+        if arrays is None or arrays.key != key:
+            arrays = self._bind(key)
         if n * count > SMALL_CALL:
             np.add(self.lengths[start : start + n, None], arrays.steps, out=arrays.positions)
             arrays.indices[..., 1] = arrays.positions
@@ -291,29 +314,31 @@ class BatchedDecoder(RowsDecoder):
             self._binding.bind_ortvalue_output(present, value)
         self._rows = (start, n)
 
-    def _bind(self, n: int, count: int, keep_last: int) -> _CallArrays:
-        shape = (n, count, keep_last)
-        arrays = self._shapes.get(shape)
+    def _call_key(self, n: int, count: int, keep_last: int, need: str) -> tuple:
+        """What a call's arrays depend on: on the host every output comes back, whatever is
+        needed."""
+        return n, count, keep_last
+
+    def _new_arrays(self, key: tuple) -> _CallArrays:
+        arrays = _CallArrays(key[:3], self.capacity, self._local)
+        arrays.host_outputs(self.spec.vocab_size, self.vocab_size, self._with_probabilities)
+        return arrays
+
+    def _bind(self, key: tuple) -> _CallArrays:
+        arrays = self._shapes.get(key)
         if arrays is None:
-            arrays = _CallArrays(
-                shape,
-                self.capacity,
-                self.spec.vocab_size,
-                self.vocab_size,
-                self._with_probabilities,
-                self._local,
-            )
-            if count <= MAX_KEPT_CALL_TOKENS:
-                self._shapes[shape] = arrays
+            arrays = self._new_arrays(key)
+            arrays.key = key
+            if key[1] <= MAX_KEPT_CALL_TOKENS:
+                self._shapes[key] = arrays
         io, binding = self.spec.io, self._binding
-        self._logits_to_keep[0] = keep_last
+        self._logits_to_keep[0] = key[2]
         binding.bind_ortvalue_input(io.input_ids, arrays.values[0])
         binding.bind_ortvalue_input(io.position_ids, arrays.values[1])
         binding.bind_ortvalue_input(io.cache_indices, arrays.values[2])
         binding.bind_ortvalue_input(io.attention_mask, arrays.values[3])
-        binding.bind_ortvalue_output(io.logits, arrays.values[4])
-        if self._with_probabilities:
-            binding.bind_ortvalue_output(io.probabilities, arrays.values[5])
+        for name, value in arrays.outputs.items():
+            binding.bind_ortvalue_output(getattr(io, name), value)
         if self._local:
             binding.bind_ortvalue_input(io.local_attention_mask, arrays.local_value)
         self._bound = arrays
@@ -321,20 +346,13 @@ class BatchedDecoder(RowsDecoder):
 
 
 class _CallArrays:
-    """The arrays one call shape ``(rows, tokens, kept)`` binds, and the `Forward`s handed out:
-    ``result`` with ``[rows, kept, vocab]`` arrays, ``row_result`` with row 0's ``[kept,
-    vocab]``."""
+    """The arrays one call shape ``(rows, tokens, kept)`` binds: its inputs, and its outputs
+    (``outputs``: name in `ModelIO` -> value) with the `Forward`s handed out: ``result`` with
+    ``[rows, kept, vocab]`` arrays, ``row_result`` with row 0's ``[kept, vocab]``."""
 
-    def __init__(
-        self,
-        shape: tuple[int, int, int],
-        capacity: int,
-        graph_vocab: int,
-        vocab: int,
-        probabilities: bool,
-        local_mask: bool = False,
-    ) -> None:
+    def __init__(self, shape: tuple[int, int, int], capacity: int, local_mask: bool) -> None:
         n, count, keep_last = self.shape = shape
+        self.key: tuple = shape
         self.ids = np.zeros((n, count), dtype=np.int64)
         self.steps = np.arange(count, dtype=np.int64)
         self.positions = np.zeros((n, count), dtype=np.int64)
@@ -342,15 +360,24 @@ class _CallArrays:
         self.indices[..., 0] = np.arange(n)[:, None]
         self.slots = np.arange(capacity, dtype=np.int64)
         self.mask = np.zeros((n, 1, count, capacity), dtype=bool)
-        logits = np.empty((n, keep_last, graph_vocab), dtype=np.float32)
-        arrays = [self.ids, self.positions, self.indices, self.mask, logits]
-        self.result = Forward(logits[:, :, :vocab])
-        self.row_result = Forward(logits[0, :, :vocab])
-        if probabilities:
-            arrays.append(np.empty((n, keep_last, graph_vocab), dtype=np.float32))
-            self.result.probabilities = arrays[-1][:, :, :vocab]
-            self.row_result.probabilities = arrays[-1][0, :, :vocab]
-        self.values = [shared_ortvalue(a) for a in arrays]
+        self.values = [
+            shared_ortvalue(a) for a in (self.ids, self.positions, self.indices, self.mask)
+        ]
         if local_mask:  # the local layers' mask
             self.local_mask = np.zeros_like(self.mask)
             self.local_value = shared_ortvalue(self.local_mask)
+        self.outputs: dict[str, ort.OrtValue] = {}
+        self.result = self.row_result = Forward(None)
+
+    def host_outputs(self, graph_vocab: int, vocab: int, probabilities: bool) -> None:
+        """The logits (and the graph's softmax) into host arrays, cut to ``vocab``."""
+        n, _, keep_last = self.shape
+        logits = np.empty((n, keep_last, graph_vocab), dtype=np.float32)
+        self.outputs["logits"] = shared_ortvalue(logits)
+        self.result = Forward(logits[:, :, :vocab])
+        self.row_result = Forward(logits[0, :, :vocab])
+        if probabilities:
+            kept = np.empty((n, keep_last, graph_vocab), dtype=np.float32)
+            self.outputs["probabilities"] = shared_ortvalue(kept)
+            self.result.probabilities = kept[:, :, :vocab]
+            self.row_result.probabilities = kept[0, :, :vocab]

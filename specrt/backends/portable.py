@@ -131,7 +131,13 @@ class PortableRowsDecoder(RowsDecoder):
         return (self.max_batch, self.spec.num_kv_heads, capacity, self.spec.head_dim)
 
     def _call(
-        self, start: int, n: int, tokens: np.ndarray, keep_last: int, fed: int | np.ndarray
+        self,
+        start: int,
+        n: int,
+        tokens: np.ndarray,
+        keep_last: int,
+        fed: int | np.ndarray,
+        need: str = NEED_LOGITS,
     ) -> Forward:
         io = self.spec.io
         lengths = self.lengths[start : start + n]

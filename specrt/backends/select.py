@@ -11,6 +11,7 @@ import onnxruntime as ort
 from specrt.backends.base import Decoder
 from specrt.backends.batched import BatchedDecoder
 from specrt.backends.device import DeviceDecoder
+from specrt.backends.device_rows import DeviceRowsDecoder
 from specrt.backends.in_place import InPlaceDecoder
 from specrt.backends.portable import PortableDecoder, PortableRowsDecoder
 from specrt.backends.session import create_session, default_providers
@@ -62,6 +63,10 @@ def open_decoder(
     session = create_session(bundle_root / graph.path, threads=threads, providers=providers)
     if graph.io.argmax:  # a device engine: its cache lives where the provider computes
         device = "cuda" if providers[0] == CUDA else "cpu"
+        if graph.cache == "batched":
+            return DeviceRowsDecoder(
+                session, graph, vocab_size, role, max_length, max_batch, device
+            )
         return DeviceDecoder(session, graph, vocab_size, role, max_length, device)
     return make_decoder(session, graph, vocab_size, role, max_length, max_batch)
 

@@ -58,6 +58,7 @@ def build_ort_engine(
     window, local_layers = sliding_window(config, spec.max_positions)
     positions = rope_positions(config, spec.max_positions)  # where its rotary table is exact
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
+    softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -67,14 +68,14 @@ def build_ort_engine(
         vocab_size=vocab,
         dtype=dtype,
         greedy_outputs=device == "cuda",
-        # CPU: any rows and tokens per call; CUDA keeps GroupQueryAttention (one row per call
-        # when more than one token is fed) until the batched graph is checked on a GPU.
-        attention="group_query" if device == "cuda" else "batched",
+        # Any rows and tokens per call (the Attention op); attention soft-capping (Gemma 2)
+        # keeps GroupQueryAttention on CUDA, whose Attention kernels refuse it: one row per call.
+        attention="group_query" if device == "cuda" and softcap else "batched",
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         activation=ACTIVATIONS.get(activation(config), "silu"),
         attention_scale=float(scalar) ** -0.5 if scalar else None,
-        attention_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+        attention_softcap=softcap,
         logit_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
         sandwich_norms=config.model_type in ("gemma2", "gemma3_text"),
         local_layers=local_layers,

@@ -49,8 +49,8 @@ def load_pair(
     or ``"tensorrt"`` insist on one (see `specrt.backends.select`). ``max_length``: the longest
     sequence (prompt + new tokens) the engines' preallocated KV caches hold, at most the
     model's max positions (None: the model's). ``max_batch``: rows the engines run per call
-    (their caches hold that many sequences: the onnxruntime engine and the portable graph; the
-    cuda and TensorRT engines run one row)."""
+    (their caches hold that many sequences: the onnxruntime and cuda engines and the portable
+    graph; the TensorRT engines and Gemma 2's cuda engine run one row)."""
     if max_length is not None:
         max_length = integer("max_length", max_length, 2, rule="use an integer >= 2, or None")
     if threads is not None:

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.backends import Decoder, Forward, RowsDecoder
+from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Decoder, Forward, RowsDecoder
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
-    argmax_tokens,
     check_probabilities,
+    greedy_tokens,
     rows_needed,
     sample,
     warp,
@@ -150,11 +150,13 @@ def batched_round(
     for i, (row, proposed) in enumerate(zip(rows, drafts_per_row)):
         fed[i, 0] = row.tokens[-1]
         fed[i, 1 : 1 + row.k] = proposed[: row.k]  # the rest: filler
-    out = target.forward_rows(fed, keep_last=k + 1, start=start)
+    greedy = all(row.sampling.greedy for row in rows)
+    need = NEED_ARGMAX if greedy else NEED_LOGITS  # what a device backend brings back
+    out = target.forward_rows(fed, keep_last=k + 1, start=start, need=need)
     verdicts: list[tuple[int, int]] = []
-    if all(row.sampling.greedy for row in rows) and not failed:  # one argmax for the batch
+    if greedy and not failed:  # one argmax for the batch
         try:
-            choices = argmax_tokens(out.logits.reshape(-1, out.logits.shape[-1]), "target")
+            choices = greedy_tokens(_flat(out), "target")
             verdicts = [
                 accept_greedy(drafts_per_row[i][: row.k], choices[i * (k + 1) : (i + 1) * (k + 1)])
                 for i, row in enumerate(rows)
@@ -163,9 +165,7 @@ def batched_round(
             verdicts = []  # find the row(s) below
     if not verdicts:
         for i, row in enumerate(rows):
-            kept = slice(0, row.k + 1)
-            probabilities = None if out.probabilities is None else out.probabilities[i, kept]
-            row_out = Forward(out.logits[i, kept], probabilities)
+            row_out = _pick(out, (i, slice(0, row.k + 1)))
             row_q = q[i][: row.k] if q and q[i] is not None and not row.match else None
             verdicts.append(
                 (0, 0)
@@ -216,16 +216,17 @@ def draft_rows(
     vocab = draft.vocab_size
     q = [None if row.sampling.greedy else np.empty((k, vocab), LOOP_DTYPE) for row in rows]
     greedy = all(row.sampling.greedy for row in rows)
+    need = NEED_ARGMAX if greedy else NEED_LOGITS
     for step in range(k):
         if step == 0 and width > 1:
-            out = draft.forward_rows(ids, keep_last=width, fed=fed)
-            logits, probabilities = _rows_at(out, newest)
+            picked = _pick(draft.forward_rows(ids, keep_last=width, fed=fed, need=need), newest)
         else:
-            out = draft.forward_rows(ids if step == 0 else drafts[:, step - 1 : step], keep_last=1)
-            logits, probabilities = _rows_at(out, (slice(None), 0))
+            fed_now = ids if step == 0 else drafts[:, step - 1 : step]
+            out = draft.forward_rows(fed_now, keep_last=1, need=need)
+            picked = _pick(out, (slice(None), 0))
         if greedy and not failed:
             try:
-                drafts[:, step] = argmax_tokens(logits, "draft")
+                drafts[:, step] = greedy_tokens(picked, "draft")
                 continue
             except NumericalError:
                 pass  # find the row(s) below
@@ -234,18 +235,19 @@ def draft_rows(
                 drafts[i, step] = drafts[i, step - 1] if step else 0
                 continue
             try:
-                drafts[i, step] = _draft_token(row, i, step, logits, probabilities, q)
+                drafts[i, step] = _draft_token(row, i, step, picked, q)
             except NumericalError as exc:
                 failed[i] = str(exc)
     return drafts, q
 
 
-def _draft_token(row: RowRound, i: int, step: int, logits, probabilities, q) -> int:
+def _draft_token(row: RowRound, i: int, step: int, picked: Forward, q) -> int:
     """Row ``i``'s draft token at ``step`` (sampled rows: its distribution into ``q[i]``)."""
     s = row.sampling
     if s.greedy:
-        [token] = argmax_tokens(logits[i : i + 1], "draft")
+        [token] = greedy_tokens(_pick(picked, slice(i, i + 1)), "draft")
         return token
+    logits, probabilities = picked.logits, picked.probabilities
     if probabilities is not None and s.identity_warp:
         q[i][step] = probabilities[i]
         check_probabilities(q[i][step], logits[i], "draft")
@@ -254,10 +256,24 @@ def _draft_token(row: RowRound, i: int, step: int, logits, probabilities, q) -> 
     return sample(q[i][step], row.rng)
 
 
-def _rows_at(out: Forward, index: tuple) -> tuple[np.ndarray, np.ndarray | None]:
-    """The ``[n, V]`` logits and probabilities at ``index`` of a ``[n, kept, V]`` output."""
-    probabilities = None if out.probabilities is None else out.probabilities[index]
-    return out.logits[index], probabilities
+def _pick(out: Forward, index) -> Forward:
+    """What a rows call brought back (``[n, kept, V]`` arrays, or a device backend's argmax
+    ``[n, kept]``), at ``index`` of its rows and positions."""
+    fields = [out.logits, out.probabilities, out.argmax, out.max_logit, out.max_probability]
+    logits, probabilities, argmax, top, top_p = (None if a is None else a[index] for a in fields)
+    argmax = None if argmax is None else np.asarray(argmax).tolist()
+    return Forward(logits, probabilities, argmax, top, top_p)
+
+
+def _flat(out: Forward) -> Forward:
+    """A rows call's output with its rows and positions as one list of rows."""
+    if out.argmax is None:
+        return Forward(out.logits.reshape(-1, out.logits.shape[-1]))
+    return Forward(
+        None,
+        argmax=np.asarray(out.argmax).reshape(-1).tolist(),
+        max_logit=out.max_logit.reshape(-1),
+    )
 
 
 def catch_up(draft: RowsDecoder, rows: list[RowRound]) -> None:

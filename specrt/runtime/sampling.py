@@ -172,7 +172,7 @@ class WarpedRows:
 
     def __init__(
         self,
-        logits: np.ndarray,
+        logits: np.ndarray | None,
         sampling: SamplingParams,
         model: str,
         probabilities: np.ndarray | None = None,
@@ -188,7 +188,8 @@ class WarpedRows:
         if row is None:
             if self._probabilities is not None:
                 row = self._probabilities[index]
-                check_probabilities(row, self._logits[index], self._model)
+                logits = None if self._logits is None else self._logits[index]  # a device's
+                check_probabilities(row, logits, self._model)
             else:
                 s = self._sampling
                 row = warp(

@@ -194,8 +194,10 @@ class Service:
         draft = getattr(generator.drafter, "decoder", None)
         if not (isinstance(generator.target, RowsDecoder) and isinstance(draft, RowsDecoder)):
             raise InvalidInputError(
-                "the service runs the onnxruntime engine or the portable graph (batched "
-                "decoders); the cuda and TensorRT engines run one row per call"
+                "the service runs the onnxruntime or cuda engine or the portable graph (batched "
+                "decoders); the TensorRT engines, Gemma 2's cuda engine and cuda engines built by "
+                "earlier versions of specrt run one row per call (rebuild those: specrt build "
+                "--bundle DIR --device cuda)"
             )
         self.generator = generator
         self.max_waiting = max_waiting
