@@ -10,8 +10,10 @@ engine call through `run`, as `specrt batch` runs them, the target alone and spe
 tokens/s, and how many rows equal the one-row target-only output); then one row: speculative
 greedy output must equal target-only output; target-only tokens/s, K = 1..8 and adaptive, the
 draft/target step cost c, the verify cost v_K, the time outside onnxruntime, the bytes each
-round brings back to the host, and transformers assisted generation on the same GPU. Writes one
-JSON report, prints a table. ``--dry-run`` shrinks the random pair and runs the cuda engines on
+round brings back to the host, the demo pair's one-row GroupQueryAttention graph beside it
+(`cuda_attention`), whether the CUDA provider takes every node of each engine, the draft step
+with CUDA graphs, and transformers assisted generation on the same GPU. Writes one JSON report,
+prints a table. ``--dry-run`` shrinks the random pair and runs the cuda engines on
 CPU OrtValues (the same code); its numbers mean nothing, only that every step runs.
 """
 
@@ -93,9 +95,14 @@ def main() -> None:
         log(f"{name}: building cuda engines")
         bundle = build(target, draft, args.work / f"{name}-bundle")
         entry = report["pairs"][name] = {"build_s": round(time.monotonic() - started, 1)}
+        if not args.dry_run:
+            entry["every_node_on_cuda"] = placement(bundle)
+            log(f"{name}: every node on CUDA: {entry['every_node_on_cuda']}")
         entry["batches"] = batches(bundle, name, args, started)
         write(report, args.out)
         measure(bundle, name, entry, args, started)
+        if name == "demo":
+            entry["group_query_one_row"] = group_query_one_row(target, draft, entry, args)
         if not args.dry_run:
             entry["cuda_graph_draft_step"] = cuda_graph_probe(bundle)
             entry["transformers"] = transformers_assisted(target, draft, entry["prompt_ids"], args)
@@ -148,10 +155,60 @@ def random_pair(root: Path, dry_run: bool) -> tuple[Path, Path]:
     return root / "target", root / "draft"
 
 
-def build(target: Path, draft: Path, out: Path) -> Path:
+def build(target: Path, draft: Path, out: Path, cuda_attention: str = "batched") -> Path:
     from specrt.export import export_bundle
 
-    export_bundle(target, draft, out, force=True, portable=False, devices=("cuda",), log=log)
+    export_bundle(
+        target,
+        draft,
+        out,
+        force=True,
+        portable=False,
+        devices=("cuda",),
+        cuda_attention=cuda_attention,
+        log=log,
+    )
+    return out
+
+
+def placement(bundle: Path) -> dict:
+    """Whether the CUDA provider takes every node of each cuda engine: a session not allowed
+    to fall back to the CPU either opens, or says what it could not place."""
+    import onnxruntime as ort
+
+    from specrt.bundle import read_manifest
+
+    out = {}
+    for role, spec in read_manifest(bundle).models.items():
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        path = str(bundle / spec.engines["cuda"].path)
+        try:
+            ort.InferenceSession(path, options, providers=["CUDAExecutionProvider"])
+            out[role] = True
+        except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
+            out[role] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    return out
+
+
+def group_query_one_row(target: Path, draft: Path, entry: dict, args) -> dict:
+    """One row on the cuda engine built as GroupQueryAttention (`cuda_attention`; what Gemma 2
+    gets), the same prompts: target alone and K = 4, median tokens/s, to set beside the
+    batched graph's `results`."""
+    bundle = build(target, draft, args.work / "demo-group-query-bundle", "group_query")
+    generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run))
+    out = {}
+    for label, k in (("target only", 0), ("K=4", 4)):
+        config = GenerationConfig(
+            max_new_tokens=args.new_tokens, num_draft_tokens=k, ignore_eos=True
+        )
+        generator.generate(entry["prompt_ids"][:1], config)  # warm-up
+        rates = []
+        for prompt in entry["prompt_ids"]:
+            t0 = time.perf_counter()
+            [result] = generator.generate([prompt], config)
+            rates.append(len(result.token_ids) / (time.perf_counter() - t0))
+        out[label] = statistics.median(rates)
     return out
 
 
@@ -412,6 +469,9 @@ def table(report: dict) -> str:
                 f"{label:<22}{result['tokens_per_second']:>10.1f}{result['speedup']:>9.2f}x"
                 f"{result['outside_onnxruntime']:>12.1%}{result['bytes_to_host_per_round']:>17.0f}"
             )
+        for label, rate in entry.get("group_query_one_row", {}).items():
+            base = entry["results"]["target only"]["tokens_per_second"]
+            lines.append(f"{'GQA graph ' + label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
         for label, rate in entry.get("transformers", {}).items():
             base = entry["results"]["target only"]["tokens_per_second"]
             lines.append(f"{label:<22}{rate:>10.1f}{rate / base:>9.2f}x")

@@ -11,7 +11,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES, batched
+from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES
+from specrt.backends.device import DeviceDecoder
 from specrt.backends.device_rows import DeviceRowsDecoder, _identity_graph
 from specrt.backends.select import select_graph
 from specrt.bundle import read_manifest
@@ -25,14 +26,30 @@ CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 PROMPTS = ["Simple is", "def f", "for i in range(", "Flat is better than", "x = "]
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+@pytest.fixture(
+    scope="module", params=[("llama", "batched"), ("gpt2", "batched"), ("llama", "group_query")]
+)
 def cuda_bundle(request, tmp_path_factory):
+    """The cuda engines of a tiny pair: the batched graph (the default), or the one-row
+    GroupQueryAttention graph (what Gemma 2 gets; `cuda_attention` to compare them on a GPU)."""
     from specrt.export import export_bundle
 
-    root = tmp_path_factory.mktemp(f"cuda-{request.param}")
-    target, draft = make_tiny_pair(request.param, root / "src", seed=3, draft_noise=0.3)
-    export_bundle(target, draft, root / "bundle", devices=("cpu", "cuda"))
+    arch, attention = request.param
+    root = tmp_path_factory.mktemp(f"cuda-{arch}-{attention}")
+    target, draft = make_tiny_pair(arch, root / "src", seed=3, draft_noise=0.3)
+    export_bundle(target, draft, root / "bundle", devices=("cpu", "cuda"), cuda_attention=attention)
     return root / "bundle"
+
+
+def batched(bundle) -> bool:
+    return read_manifest(bundle).models["target"].engines["cuda"].cache == "batched"
+
+
+@pytest.fixture
+def batched_bundle(cuda_bundle):
+    if not batched(cuda_bundle):
+        pytest.skip("a one-row cuda engine (GroupQueryAttention)")
+    return cuda_bundle
 
 
 def test_export_records_the_cuda_engines(cuda_bundle):
@@ -56,7 +73,8 @@ def cpu_twin(bundle, max_batch: int = 1) -> SpeculativeGenerator:
     generator = SpeculativeGenerator.from_bundle(
         bundle, threads=1, engine="cuda", max_batch=max_batch
     )
-    assert isinstance(generator.target, DeviceRowsDecoder) and generator.target.device == "cpu"
+    kind = DeviceRowsDecoder if batched(bundle) else DeviceDecoder
+    assert isinstance(generator.target, kind) and generator.target.device == "cpu"
     assert generator.max_batch == max_batch
     return generator
 
@@ -64,6 +82,8 @@ def cpu_twin(bundle, max_batch: int = 1) -> SpeculativeGenerator:
 @pytest.fixture
 def small_steps(monkeypatch):
     """The cache grows 16 positions at a time (not 256): the tiny models' rows grow it often."""
+    from specrt.backends import batched
+
     monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
 
 
@@ -107,7 +127,8 @@ def test_only_what_is_needed_comes_back(cuda_bundle):
 def test_rollback_on_the_device_cache(cuda_bundle):
     """The cache is not replaced while it has room; rolled-back positions are overwritten."""
     decoder = cpu_twin(cuda_bundle).target
-    pointers = [value.data_ptr() for value in decoder._buffers]
+    cache = decoder._buffers if batched(cuda_bundle) else decoder._cache  # OrtValues
+    pointers = [value.data_ptr() for value in cache]
     assert len(set(pointers)) == len(pointers)  # one buffer per layer and kind
     rng = np.random.default_rng(0)
     prompt, rejected, kept = [rng.integers(3, 40, n).tolist() for n in (9, 5, 3)]
@@ -115,18 +136,18 @@ def test_rollback_on_the_device_cache(cuda_bundle):
     decoder.forward(rejected)
     decoder.rollback(len(prompt) + 2)
     after = decoder.forward(kept).logits.copy()
-    assert [value.data_ptr() for value in decoder._buffers] == pointers
+    assert [value.data_ptr() for value in cache] == pointers
     decoder.rollback(0)
     clean = decoder.forward(prompt + rejected[:2] + kept).logits[-3:]
     np.testing.assert_allclose(after, clean, atol=2e-2, rtol=0)  # float16 engine, other shapes
 
 
-def test_rows_of_the_device_cache_move_and_grow_with_their_content(cuda_bundle, small_steps):
+def test_rows_of_the_device_cache_move_and_grow_with_their_content(batched_bundle, small_steps):
     """Rows prefilled together, one freed and another moved into its slot (as the scheduler
     packs live rows), then fed together past the capacity (the buffers reallocated on the
     device, the rows copied over): each row's logits are those of its tokens fed alone."""
-    decoder = cpu_twin(cuda_bundle, max_batch=3).target
-    alone = cpu_twin(cuda_bundle).target
+    decoder = cpu_twin(batched_bundle, max_batch=3).target
+    alone = cpu_twin(batched_bundle).target
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 40, n).tolist() for n in (5, 12, 9)]
     decoder.prefill_rows(0, prompts)
@@ -164,12 +185,12 @@ def test_the_copy_graph_is_the_model_onnx_would_write(dtype):
     assert written == expected
 
 
-def test_batched_greedy_on_the_cuda_engine_equals_target_alone(cuda_bundle, small_steps):
+def test_batched_greedy_on_the_cuda_engine_equals_target_alone(batched_bundle, small_steps):
     """B rows per call on the device backend (rows of different lengths finishing at
     different rounds, refilled, moved, the cache growing): every row is the target alone's."""
-    expected = run_all(cpu_twin(cuda_bundle), varied(0, ignore_eos=True))
+    expected = run_all(cpu_twin(batched_bundle), varied(0, ignore_eos=True))
     for batch in (2, 4, 8):
-        generator = cpu_twin(cuda_bundle, max_batch=batch)
+        generator = cpu_twin(batched_bundle, max_batch=batch)
         for k, schedule in ((0, "fixed"), (3, "fixed"), (4, "adaptive")):
             results = run_all(generator, varied(k, schedule, ignore_eos=True))
             for key, result in results.items():
@@ -180,10 +201,10 @@ def test_batched_greedy_on_the_cuda_engine_equals_target_alone(cuda_bundle, smal
         assert generator.target.capacity > 16  # it grew
 
 
-def test_a_seeded_row_is_the_same_whatever_the_batch_on_the_cuda_engine(cuda_bundle):
+def test_a_seeded_row_is_the_same_whatever_the_batch_on_the_cuda_engine(batched_bundle):
     config = GenerationConfig(max_new_tokens=20, temperature=1.0, num_draft_tokens=3, seed=11)
     outputs = [
-        [r.token_ids for r in cpu_twin(cuda_bundle, batch).generate(PROMPTS, config)]
+        [r.token_ids for r in cpu_twin(batched_bundle, batch).generate(PROMPTS, config)]
         for batch in (1, 3)
     ]
     assert outputs[0] == outputs[1]

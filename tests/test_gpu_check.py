@@ -28,9 +28,12 @@ def test_gpu_check_dry_run(tmp_path):
         assert {"target only", "K=1", "K=2", "adaptive K<=2"} <= set(entry["results"])
         assert entry["results"]["K=2"]["bytes_to_host_per_round"] < 1000  # argmax, not logits
         assert 0 < entry["cost_ratio"]
+        if "group_query_one_row" in entry:  # the demo pair: the one-row graph beside it
+            assert set(entry["group_query_one_row"]) == {"target only", "K=4"}
         for batch in ("1", "3"):  # rows per call on the device backend; the one-row reference
             result = entry["batches"][batch]
             assert result["max_batch"] == int(batch) and result["device"] == "cpu"
             for mode in ("target only", "speculative"):
                 assert result[mode]["rows_equal_one_row_target_only"] == result[mode]["rows"] == 5
     assert "greedy == target-only True" in done.stdout
+    assert "group_query_one_row" in report["pairs"]["demo"]

@@ -32,6 +32,7 @@ DEFAULT_ATOL = 1e-3
 DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larger models
 DEFAULT_DRAFT_PRECISION = "int8"
 DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines
+CUDA_ATTENTIONS = ("batched", "group_query")  # the cuda engine's graph (see ExportOptions)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,10 @@ class ExportOptions:
     the same output: every token is still decided by the float32 target). ``devices``: "cpu"
     builds the CPU engines, "cuda" the float16 engines for the CUDA provider (checked against
     PyTorch within ``fp16_atol``). ``portable``: also write the portable standard-op graph (what
-    TensorRT takes; needs optimum-onnx); without it a model's own graph is its first engine."""
+    TensorRT takes; needs optimum-onnx); without it a model's own graph is its first engine.
+    ``cuda_attention``: the cuda engine's graph, "batched" (many rows per call, the Attention op
+    under a mask) or "group_query" (one row per call, GroupQueryAttention's kernels, what
+    models with attention soft-capping always get), to compare the two on a GPU."""
 
     atol: float = DEFAULT_ATOL
     opset: int | None = None
@@ -53,6 +57,7 @@ class ExportOptions:
     devices: tuple[str, ...] = ("cpu",)
     fp16_atol: float = DEFAULT_FP16_ATOL
     portable: bool = True
+    cuda_attention: str = "batched"
 
     @property
     def cpu_engine(self) -> bool:
@@ -74,6 +79,10 @@ class ExportOptions:
             raise ExportError(f"devices={self.devices!r}: use one or more of {DEVICES}")
         if not (self.portable or self.ort_engine):
             raise ExportError("a bundle needs a graph: keep the portable graph or the engines")
+        if self.cuda_attention not in CUDA_ATTENTIONS:
+            raise ExportError(
+                f"cuda_attention={self.cuda_attention!r}: use one of {', '.join(CUDA_ATTENTIONS)}"
+            )
         if self.draft_precision not in PRECISIONS:
             raise ExportError(
                 f"draft precision {self.draft_precision!r} is unknown; use one of "

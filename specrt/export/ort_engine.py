@@ -42,13 +42,15 @@ def build_ort_engine(
     vocab: int,
     precision: str = "float32",
     device: str = "cpu",
+    cuda_attention: str = "batched",
 ) -> EngineSpec:
     """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
     (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
     bundle and return its entry with the check against PyTorch, run on this machine's CPU.
 
     ``precision`` int8/int4 quantises a CPU engine's weights (drafts only: see
-    `specrt.export.quantize`); the check then reports the difference without a bound."""
+    `specrt.export.quantize`); the check then reports the difference without a bound.
+    ``cuda_attention``: see `ExportOptions`."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
@@ -59,6 +61,7 @@ def build_ort_engine(
     positions = rope_positions(config, spec.max_positions)  # where its rotary table is exact
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+    one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -70,7 +73,7 @@ def build_ort_engine(
         greedy_outputs=device == "cuda",
         # Any rows and tokens per call (the Attention op); attention soft-capping (Gemma 2)
         # keeps GroupQueryAttention on CUDA, whose Attention kernels refuse it: one row per call.
-        attention="group_query" if device == "cuda" and softcap else "batched",
+        attention="group_query" if one_row else "batched",
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         activation=ACTIVATIONS.get(activation(config), "silu"),

@@ -293,7 +293,15 @@ def add_ort_engine(
         else:  # a quantised draft is not meant to match; it only has to be a number
             require_close(engine.export_check, math.inf, what, source)
     if options.cuda_engine and not unsupported_reason(config, spec.max_positions, "cuda"):
-        engine = build_ort_engine(model, spec, bundle_root, role, token_range, device="cuda")
+        engine = build_ort_engine(
+            model,
+            spec,
+            bundle_root,
+            role,
+            token_range,
+            device="cuda",
+            cuda_attention=options.cuda_attention,
+        )
         require_close(engine.export_check, options.fp16_atol, f"{role} cuda engine", source)
 
 
