@@ -165,6 +165,23 @@ def test_rows_of_the_device_cache_move_and_grow_with_their_content(batched_bundl
     assert picks.logits is None and picks.argmax.shape == (2, 1)
 
 
+def test_clear_stale_zeroes_the_device_cache_past_each_row(batched_bundle):
+    """After NaN logits the slots past every row's length are zeroed (masked slots still enter
+    attention with weight 0, and 0 x NaN is NaN); the rows' own positions are kept."""
+    decoder = cpu_twin(batched_bundle, max_batch=3).target
+    rng = np.random.default_rng(4)
+    decoder.prefill_rows(0, [rng.integers(3, 40, n).tolist() for n in (7, 11, 4)])
+    before = [buffer.numpy().copy() for buffer in decoder._buffers]
+    decoder.set_length(1, 5)
+    decoder.clear_stale()
+    for old, buffer in zip(before, decoder._buffers):
+        new = buffer.numpy()
+        for row, length in enumerate((7, 5, 4)):
+            np.testing.assert_array_equal(new[row, :length], old[row, :length])
+            assert not new[row, length:].any()
+        assert old[1, 5:11].any()  # there was something to clear
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_the_copy_graph_is_the_model_onnx_would_write(dtype):
     """The device copy's one-node model is written without the onnx package (the runtime does
