@@ -13,7 +13,13 @@ import click
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
 from specrt.errors import InvalidInputError, SpecrtError, describe_os_error
-from specrt.export.options import DEFAULT_ATOL, DEFAULT_DRAFT_PRECISION, DEVICES, PRECISIONS
+from specrt.export.options import (
+    CUDA_ATTENTIONS,
+    DEFAULT_ATOL,
+    DEFAULT_DRAFT_PRECISION,
+    DEVICES,
+    PRECISIONS,
+)
 from specrt.prompts import collect_prompts
 from specrt.runtime.batching import DEFAULT_BATCH_SIZE, DEFAULT_SERVE_BATCH_SIZE, MAX_BATCH
 from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, PROPOSERS, GenerationConfig
@@ -62,6 +68,13 @@ DEVICE_OPTION = click.option(
     multiple=True,
     help="What to build engines for (repeatable) [cpu]: cuda builds the float16 engines the CUDA "
     "provider runs (they are checked here, on the CPU).",
+)
+CUDA_ATTENTION_OPTION = click.option(
+    "--cuda-attention",
+    type=click.Choice(CUDA_ATTENTIONS),
+    default=None,
+    help="The cuda engine's graph [batched]: batched runs many rows per call; group_query, one "
+    "row per call on GroupQueryAttention's kernels (what soft-capped models always get).",
 )
 
 
@@ -231,6 +244,7 @@ def main() -> None:
 )
 @draft_precision_option(None)
 @DEVICE_OPTION
+@CUDA_ATTENTION_OPTION
 @click.option(
     "--portable/--no-portable",
     default=None,
@@ -278,6 +292,7 @@ def export(target, draft, out, recipe, force, **given) -> None:
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @draft_precision_option(DEFAULT_DRAFT_PRECISION)
 @DEVICE_OPTION
+@CUDA_ATTENTION_OPTION
 @click.option(
     "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Max |logit diff|."
 )
@@ -288,7 +303,7 @@ def export(target, draft, out, recipe, force, **given) -> None:
     "NVIDIA GPU; a plan runs only on the GPU model and TensorRT version it was built with).",
 )
 @_friendly_errors
-def build(bundle, draft_precision, devices, atol, tensorrt) -> None:
+def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> None:
     """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
     if tensorrt:
         from specrt.export.tensorrt_plans import build_plans
@@ -306,7 +321,12 @@ def build(bundle, draft_precision, devices, atol, tensorrt) -> None:
         raise click.ClickException(
             f"specrt build needs the export extra ({exc.name} is missing): {EXPORT_EXTRA}"
         ) from exc
-    options = ExportOptions(atol=atol, draft_precision=draft_precision, devices=devices or ("cpu",))
+    options = ExportOptions(
+        atol=atol,
+        draft_precision=draft_precision,
+        devices=devices or ("cpu",),
+        cuda_attention=cuda_attention or "batched",
+    )
     manifest = build_engines(bundle, options, log=lambda message: click.echo(message, err=True))
     for role, spec in manifest.models.items():
         names = ", ".join(f"{n} ({e.precision})" for n, e in spec.engines.items()) or "none"

@@ -123,6 +123,10 @@ def test_build_engines_for_an_existing_bundle(tmp_path):
         assert result.exit_code == 0, result.output
         outputs[engine] = json.loads(result.output)["token_ids"]
     assert outputs["portable"] == outputs["onnxruntime"]
+    for flags, cache in ((["--cuda-attention", "group_query"], "in_place"), ([], "batched")):
+        result = runner.invoke(main, ["build", "--bundle", str(bundle), "--device", "cuda", *flags])
+        assert result.exit_code == 0, result.output
+        assert read_manifest(bundle).models["target"].engines["cuda"].cache == cache
 
     before = (bundle / "manifest.json").read_text()
     make_tiny_pair("llama", tmp_path / ".pair.sources", seed=7)  # other weights, same place
