@@ -188,8 +188,8 @@ def test_batch_size_is_checked(llama_bundle):
             SpeculativeGenerator.from_bundle(llama_bundle, max_batch=bad)
 
 
-def poisoned_copy(bundle, tmp_path, position: int):
-    """A copy of ``bundle`` whose target engine rotates positions from ``position`` on by
+def poisoned_copy(bundle, tmp_path, position: int, engine: str = "onnxruntime"):
+    """A copy of ``bundle`` whose target ``engine`` rotates positions from ``position`` on by
     NaN: a row that reaches them gets NaN logits (rows attend only to themselves), as an fp16
     overflow would."""
     import shutil
@@ -199,16 +199,45 @@ def poisoned_copy(bundle, tmp_path, position: int):
 
     copy = tmp_path / "poisoned"
     shutil.copytree(bundle, copy)
-    graph = copy / "target" / "onnxruntime" / "model.onnx"
+    graph = copy / "target" / engine / "model.onnx"
     model = onnx.load(str(graph))
     for index, tensor in enumerate(model.graph.initializer):
         if tensor.name == "cos_cache":
             table = numpy_helper.to_array(tensor).copy()
             table[position:] = np.nan
             model.graph.initializer[index].CopyFrom(numpy_helper.from_array(table, tensor.name))
-    (copy / "target" / "onnxruntime" / "model.onnx.data").unlink()
+    (copy / "target" / engine / "model.onnx.data").unlink()
     onnx.save_model(model, str(graph), save_as_external_data=True, location="model.onnx.data")
     return copy
+
+
+POISONED_FROM = 56
+
+
+def run_with_a_long_row(bundle, max_batch: int, temperature: float, **load) -> dict:
+    """Six rows, row 0 alone running past `POISONED_FROM` positions (nor its drafts reach it
+    for the others), 3 draft tokens, seeded."""
+    options = dict(num_draft_tokens=3, ignore_eos=True, temperature=temperature, seed=5)
+    generator = SpeculativeGenerator.from_bundle(
+        bundle, threads=1, max_batch=max_batch, check_files=False, **load
+    )
+    prompts = generator.encode_prompts(PROMPTS[:6])
+    requests = []
+    for i, ids in enumerate(prompts):
+        new = 64 if i == 0 else 16
+        assert (len(ids) + new > POISONED_FROM) == (i == 0)
+        assert len(ids) + new + 3 < POISONED_FROM or i == 0  # nor its drafts
+        config = GenerationConfig(max_new_tokens=new, **options)
+        requests.append(Request(i, ids, config, np.random.default_rng([5, i])))
+    return dict(generator.run(requests))
+
+
+def assert_row_0_failed_alone(results: dict, expected: dict) -> None:
+    assert results[0].finish_reason == "error" and "NaN/inf" in results[0].error
+    assert results[0].to_dict() == {"error": {"message": results[0].error}}
+    for i in range(1, 6):
+        assert results[i].error is None
+        assert results[i].token_ids == expected[i].token_ids, i
 
 
 @pytest.mark.parametrize(("max_batch", "temperature"), [(4, 0.0), (4, 1.0), (1, 0.0)])
@@ -217,30 +246,10 @@ def test_a_row_with_nan_logits_fails_alone(llama_bundle, tmp_path, max_batch, te
     and those given its slot after it, give the tokens they give without it (greedy: the
     target alone's; seeded: the same draws). Only row 0 runs long enough to reach the
     poisoned positions."""
-    poisoned_from = 56
     options = dict(num_draft_tokens=3, ignore_eos=True, temperature=temperature, seed=5)
-
-    def run(bundle) -> dict:
-        generator = SpeculativeGenerator.from_bundle(
-            bundle, threads=1, max_batch=max_batch, check_files=False
-        )
-        prompts = generator.encode_prompts(PROMPTS[:6])
-        requests = []
-        for i, ids in enumerate(prompts):
-            new = 64 if i == 0 else 16
-            assert (len(ids) + new > poisoned_from) == (i == 0)
-            assert len(ids) + new + 3 < poisoned_from or i == 0  # nor its drafts
-            config = GenerationConfig(max_new_tokens=new, **options)
-            requests.append(Request(i, ids, config, np.random.default_rng([5, i])))
-        return dict(generator.run(requests))
-
-    expected = run(llama_bundle)
-    results = run(poisoned_copy(llama_bundle, tmp_path, poisoned_from))
-    assert results[0].finish_reason == "error" and "NaN/inf" in results[0].error
-    assert results[0].to_dict() == {"error": {"message": results[0].error}}
-    for i in range(1, 6):
-        assert results[i].error is None
-        assert results[i].token_ids == expected[i].token_ids, i
+    expected = run_with_a_long_row(llama_bundle, max_batch, temperature)
+    poisoned = poisoned_copy(llama_bundle, tmp_path, POISONED_FROM)
+    assert_row_0_failed_alone(run_with_a_long_row(poisoned, max_batch, temperature), expected)
     generator = SpeculativeGenerator.from_bundle(
         tmp_path / "poisoned", threads=1, max_batch=max_batch, check_files=False
     )

@@ -19,7 +19,14 @@ from specrt.bundle import read_manifest
 from specrt.export.options import DEFAULT_FP16_ATOL
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
-from tests.test_batching import run_all, varied
+from tests.test_batching import (
+    POISONED_FROM,
+    assert_row_0_failed_alone,
+    poisoned_copy,
+    run_all,
+    run_with_a_long_row,
+    varied,
+)
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -163,6 +170,20 @@ def test_rows_of_the_device_cache_move_and_grow_with_their_content(batched_bundl
         np.testing.assert_allclose(out[row], expected, atol=1e-3, rtol=0)
     picks = decoder.forward_rows(more[:, :1], keep_last=1, need=NEED_ARGMAX)
     assert picks.logits is None and picks.argmax.shape == (2, 1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_nan_logits_fails_alone_on_the_cuda_engine(
+    batched_bundle, tmp_path, temperature
+):
+    """As on the CPU engine: one row's NaN logits (seen through the device's max logit when
+    only argmaxes come back) end that row alone; the others give their tokens."""
+    if read_manifest(batched_bundle).models["target"].model_type != "llama":
+        pytest.skip("the poison goes into the rotary table")
+    expected = run_with_a_long_row(batched_bundle, 4, temperature, engine="cuda")
+    poisoned = poisoned_copy(batched_bundle, tmp_path, POISONED_FROM, engine="cuda")
+    results = run_with_a_long_row(poisoned, 4, temperature, engine="cuda")
+    assert_row_0_failed_alone(results, expected)
 
 
 def test_clear_stale_zeroes_the_device_cache_past_each_row(batched_bundle):
