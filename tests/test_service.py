@@ -7,15 +7,22 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from specrt.errors import OverloadedError
+from specrt.export.tiny import make_tokenizer
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.service import Service
 from specrt.runtime.streaming import TextDeltas
+from specrt.runtime.tokenizer import IncrementalDecode
 from tests.conftest import in_threads
 from tests.test_greedy import PROMPTS
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +157,42 @@ def test_deltas_hold_back_half_characters_and_stop_prefixes():
     assert pieces == ["", "é", " a", "b", "", "\nx"]
     assert deltas.finish(decode(list(range(6)))) == ""
     assert "".join(pieces) == decode(list(range(6)))
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE (demo)", "metaspace (tiny models)"])
+def test_incremental_decode_is_the_full_decode(kind):
+    """Rounds of 1-6 tokens (text with multi-byte characters, bytes that split them, special
+    tokens, ids past the vocabulary): after each round the incremental text is the full decode
+    of every id so far, less an incomplete character at the end (U+FFFD in the full decode);
+    a prefix is answered from it and a list that does not continue the last one starts over."""
+    if kind.startswith("byte"):
+        tokenizer = Tokenizer.from_file(str(REPO / "models/demo/tokenizer/tokenizer.json"))
+    else:
+        tokenizer = make_tokenizer()._tokenizer
+
+    def full(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def same(text, ids):
+        rest = full(ids)
+        return rest.startswith(text) and set(rest[len(text) :]) <= {"\ufffd"}
+
+    text = "naïve café — 日本語 😀 ✓\ndef f(x):\n    return x  # ok"
+    vocab = tokenizer.get_vocab_size()
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        ids = tokenizer.encode(text).ids
+        noise = rng.integers(0, [vocab, 300, vocab + 8][trial % 3], size=rng.integers(0, 30))
+        ids = [*ids[: rng.integers(len(ids) + 1)], *noise.tolist(), *ids]
+        decode, count = IncrementalDecode(tokenizer), 0
+        while count < len(ids):
+            count = min(len(ids), count + int(rng.integers(1, 7)))
+            assert same(decode(ids[:count]), ids[:count]), (trial, count)
+            cut = int(rng.integers(count + 1))
+            assert same(decode(ids[:cut]), ids[:cut])  # a prefix: from the text so far
+        assert same(decode(ids[1:]), ids[1:])  # not a continuation: starts over
+        assert same(decode(ids), ids)
+    assert decode([]) == ""
 
 
 def test_the_first_token_comes_at_admission(service, serial, llama_bundle):

@@ -193,7 +193,7 @@ class BatchRunner:
         if config.stop:
             if self.tokenizer is None:
                 raise InvalidInputError("stop strings need the bundle's tokenizer")
-            stopper = StopStrings(config.stop, self.tokenizer.decode)
+            stopper = StopStrings(config.stop, self.tokenizer.incremental())
         row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -228,7 +228,7 @@ class SpeculativeGenerator:
             raise InvalidInputError(
                 "stop strings need the bundle's tokenizer; this generator has none"
             )
-        return StopStrings(config.stop, self.tokenizer.decode)
+        return StopStrings(config.stop, self.tokenizer.incremental())
 
     def _schedule(self, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the

@@ -248,7 +248,8 @@ class Service:
         rng = np.random.default_rng(None if config.seed is None else [config.seed, 0])
         key = next(self._keys)
         request = Request(key, ids, config, rng)
-        decode = self.generator.tokenizer.decode if self.generator.tokenizer else _no_text
+        tokenizer = self.generator.tokenizer
+        decode = tokenizer.incremental() if tokenizer is not None else _no_text
         handle = RequestHandle(key, request, TextDeltas(decode, config.stop), per_token)
         with self._wake:
             if self._closing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from specrt.bundle import TokenizerSpec
 from specrt.errors import BundleError, InvalidInputError
@@ -41,3 +42,49 @@ class BundleTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def incremental(self) -> IncrementalDecode:
+        """A ``decode`` for one growing row: each token decoded once, not the whole row again
+        every round (see `IncrementalDecode`)."""
+        return IncrementalDecode(self._tokenizer)
+
+
+class IncrementalDecode:
+    """``decode(ids)`` for a row whose ids grow between calls: the text of the ids not seen yet
+    is added to what was decoded before (tokenizers' `DecodeStream`, which decodes a few tokens
+    of context with them as the full decode would), so a round costs its own tokens, not the
+    row's length. A call with a prefix of the ids seen is answered from the text so far; any
+    other list starts over. One difference from a full decode: an incomplete UTF-8 character at
+    the end is left out until the tokens that complete it arrive (a full decode shows U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._start()
+
+    def _start(self) -> None:
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._pieces: list[str] = []
+        self._ends: list[int] = []  # the text's length once each token is in
+        self._length = 0
+
+    def __call__(self, ids: list[int]) -> str:
+        seen = len(self._ids)
+        if len(ids) <= seen and ids == self._ids[: len(ids)]:
+            return self._text()[: self._ends[len(ids) - 1]] if ids else ""
+        if ids[:seen] != self._ids:
+            self._start()
+            seen = 0
+        for token in ids[seen:]:
+            piece = self._stream.step(self._tokenizer, token)
+            if piece:
+                self._pieces.append(piece)
+                self._length += len(piece)
+            self._ends.append(self._length)
+        self._ids.extend(ids[seen:])
+        return self._text()
+
+    def _text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
