@@ -3,6 +3,7 @@ raw HTTP; it ends with SIGTERM and must exit 0."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -226,6 +227,44 @@ def test_metrics_count_speculation(server):
             by_proposer[name.split('proposer="')[1].split('"')[0]] = float(value)
     assert set(by_proposer) <= {"model", "lookup", "suffix"} and "lookup" in by_proposer
     assert sum(by_proposer.values()) == values["vllm:spec_decode_num_draft_tokens_total"]
+    # Per-request histograms: their sums are the counters' totals.
+    assert values["vllm:request_generation_tokens_sum"] == values["vllm:generation_tokens_total"]
+    assert values["vllm:request_prompt_tokens_sum"] == values["vllm:prompt_tokens_total"]
+    assert 0 < values["vllm:request_queue_time_seconds_count"]
+    assert (
+        values["vllm:request_queue_time_seconds_count"]
+        <= values["vllm:e2e_request_latency_seconds_count"]
+    )
+    assert 0 < values["vllm:request_time_per_output_token_seconds_count"]
+
+
+def test_metrics_gauge_requests_running_and_waiting(server):
+    """The scheduler's state, read at each scrape: sixteen streams at once on a server with
+    four slots fill the batch and queue the rest; afterwards both are 0 again."""
+    url, _ = server
+
+    def gauges() -> tuple[float, float]:
+        lines = httpx.get(f"{url}/metrics").text.splitlines()
+        value = {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line[:1] != "#"}
+        return value["vllm:num_requests_running"], value["vllm:num_requests_waiting"]
+
+    def stream(prompt: str) -> None:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for _ in response.iter_lines():
+                pass
+
+    seen = set()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(stream, prompt) for prompt in PROMPTS[:16]]
+        while not all(future.done() for future in streams):
+            seen.add(gauges())
+    assert max(running for running, _ in seen) == 4, seen
+    assert max(waiting for _, waiting in seen) > 0, seen
+    deadline = time.monotonic() + 20
+    while gauges() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gauges() == (0, 0)
 
 
 TEMPLATE = (

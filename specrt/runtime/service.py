@@ -60,6 +60,7 @@ class RequestHandle:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._callbacks: list[Callable[[RequestHandle], None]] = []
         self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None  # when it left the queue for the batch
         self.first_text_at: float | None = None  # when its first text was handed out
 
     # For the consumer --------------------------------------------------------------------
@@ -316,6 +317,7 @@ class Service:
             if handle._cancelled:
                 handle._finish(_nothing(handle.request, "cancelled"))
             else:
+                handle.admitted_at = time.perf_counter()
                 live.append(handle)
                 self._running[handle.key] = handle
         for request, result in self._runner.add([handle.request for handle in live]):

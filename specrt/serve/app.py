@@ -52,7 +52,7 @@ IGNORED = {
 def create_app(service: Service, model_name: str, defaults: GenerationConfig) -> Starlette:
     """The app serving ``service`` as model ``model_name``; ``defaults``: the config a request
     starts from (its num_draft_tokens and draft schedule, above all)."""
-    metrics = Metrics()
+    metrics = Metrics(service)
     created = int(time.time())
     tokenizer = service.generator.tokenizer
     template = ChatTemplate.from_directory(tokenizer.directory) if tokenizer else None

@@ -9,21 +9,32 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
 
-from specrt.runtime.service import RequestHandle
+from specrt.runtime.service import RequestHandle, Service
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 class Metrics:
-    """One registry per server: counters of requests, tokens and speculation, and histograms
-    of request latency and time to first token."""
+    """One registry per server: the scheduler's state (requests running and waiting, read at
+    each scrape), counters of requests, tokens and speculation, and histograms of each
+    request's latency, time to first token, time in the queue, time per output token and
+    token counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, service: Service) -> None:
         self.registry = registry = CollectorRegistry()
+        running = Gauge("vllm:num_requests_running", "Requests in the batch", registry=registry)
+        running.set_function(lambda: service.running)
+        waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for a slot", registry=registry
+        )
+        waiting.set_function(lambda: service.waiting)
         self.requests = Counter(
             "vllm:request_success", "Finished requests", ["finished_reason"], registry=registry
         )
@@ -85,6 +96,30 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited for a slot",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.time_per_token = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "A request's mean time per output token after the first",
+            buckets=TOKEN_TIME_BUCKETS,
+            registry=registry,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens of a request",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=registry,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Tokens a request generated",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=registry,
+        )
 
     def record(self, handle: RequestHandle) -> None:
         """Count a request that ended (a done callback of its handle)."""
@@ -107,9 +142,16 @@ class Metrics:
             self.proposer_accepted_tokens.labels(source).inc(entry["accepted"])
             for position, count in enumerate(entry["accepted_per_position"]):
                 self.proposer_accepted_per_position.labels(source, str(position)).inc(count)
-        now = time.perf_counter()
+        now, tokens = time.perf_counter(), len(result.token_ids)
+        first = handle.first_text_at or now
         self.latency.observe(now - handle.submitted_at)
-        self.first_token.observe((handle.first_text_at or now) - handle.submitted_at)
+        self.first_token.observe(first - handle.submitted_at)
+        if handle.admitted_at is not None:
+            self.queue_time.observe(handle.admitted_at - handle.submitted_at)
+        if tokens > 1:
+            self.time_per_token.observe((now - first) / (tokens - 1))
+        self.request_prompt_tokens.observe(stats.prompt_tokens)
+        self.request_generation_tokens.observe(tokens)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
