@@ -557,12 +557,14 @@ def serve(
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs the serve extra)."""
     try:
+        from specrt.serve.server import listen
         from specrt.serve.server import serve as run_server
     except ImportError as exc:
         raise click.ClickException(
             f"specrt serve needs the serve extra ({exc.name} is missing): "
             "pip install 'specrt[serve]'"
         ) from exc
+    sock = listen(host, port)  # a taken port fails now, not after the load
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     generator = _load(
         bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
@@ -578,7 +580,7 @@ def serve(
         f"{per_slot / 2**20:.1f} MiB each (--batch-size sets how many)",
         err=True,
     )
-    run_server(generator, name, defaults, host=host, port=port, max_waiting=max_waiting)
+    run_server(generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock)
 
 
 @main.command()

@@ -302,6 +302,24 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         assert bad.status_code == 400 and "messages must be" in bad.json()["error"]["message"]
 
 
+def test_a_taken_port_or_a_bad_host_fails_before_the_bundle_loads(llama_bundle):
+    """One line naming the address and what to do, a non-zero exit, no traceback, and before
+    the bundle loads (minutes for large engines): the load's own line never shows."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, expected in (("127.0.0.1", "Address already in use"), ("no-such-host.invalid", "")):
+            cmd = [sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(llama_bundle)]
+            cmd += ["--host", host, "--port", str(port)]
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode != 0
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"Error: cannot listen on {host}:")
+            assert expected in lines[0] and "Traceback" not in done.stderr
+
+
 def test_sigterm_lets_running_requests_finish_and_exits_0(llama_bundle):
     """A request streaming when SIGTERM arrives gets its whole answer; new connections are
     refused; the process exits 0."""

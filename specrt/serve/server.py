@@ -4,16 +4,51 @@ lets in-flight requests finish within the deadline, cancels the rest, exits 0.""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import socket
 
 import uvicorn
 
+from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator
 from specrt.runtime.service import Service
 from specrt.serve.app import create_app
 
 log = logging.getLogger("specrt")
+
+
+_BIND_ADVICE = {
+    errno.EADDRINUSE: "another process listens there: stop it, or choose another --port",
+    errno.EACCES: "ports below 1024 need root: choose another --port",
+    errno.EADDRNOTAVAIL: "not an address of this machine: use 127.0.0.1 or 0.0.0.0",
+}
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not listening yet: connections are refused until the
+    server starts). Bound before the bundle loads, which takes minutes for large engines, so
+    a taken port or a bad host fails at once, in one line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidInputError(
+            f"cannot listen on {host}:{port}: {exc.strerror}; give --host an address of this "
+            "machine (127.0.0.1, 0.0.0.0)"
+        ) from exc
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        advice = _BIND_ADVICE.get(exc.errno, "choose another --host or --port")
+        raise InvalidInputError(
+            f"cannot listen on {host}:{port}: {exc.strerror} ({advice})"
+        ) from exc
+    return sock
 
 
 def serve(
@@ -24,8 +59,11 @@ def serve(
     port: int = 8000,
     max_waiting: int = 64,
     shutdown_s: float = 30.0,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve ``generator`` until SIGTERM / SIGINT."""
+    """Serve ``generator`` until SIGTERM / SIGINT, on ``sock`` (from `listen`) or on a socket
+    bound to ``host:port`` now."""
+    sock = sock or listen(host, port)
     service = Service(generator, max_waiting=max_waiting)
     app = create_app(service, model_name, defaults)
 
@@ -43,8 +81,9 @@ def serve(
         timeout_graceful_shutdown=int(shutdown_s),
     )
     server = _Server(config)
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
     log.warning("specrt serve: %s on http://%s:%d/v1", model_name, host, port)
-    server.run()
+    server.run(sockets=[sock])
 
 
 class _Server(uvicorn.Server):
