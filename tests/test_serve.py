@@ -143,6 +143,9 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         (dict(temperature=-1), openai.BadRequestError, "temperature"),
         (dict(model="gpt-4"), openai.NotFoundError, "not served here"),
         (dict(prompt="Simple is better than complex. " * 30), None, "positions fit"),
+        (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
+        (dict(logprobs=2), openai.BadRequestError, "logprobs is not supported"),
+        (dict(echo=True), openai.BadRequestError, "echo is not supported"),
     ]
     for overrides, kind, words in cases:
         request = {**dict(model="tiny", prompt="Simple is", max_tokens=4), **overrides}
@@ -159,6 +162,10 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
     )
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt="Simple is", max_tokens=4).choices
+    off = client.completions.create(
+        model="tiny", prompt="Simple is", max_tokens=4, logprobs=None, echo=False
+    )
+    assert off.choices[0].logprobs is None
     assert client.models.list().data[0].id == "tiny"
 
 
@@ -309,7 +316,10 @@ def test_a_taken_port_or_a_bad_host_fails_before_the_bundle_loads(llama_bundle):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for host, expected in (("127.0.0.1", "Address already in use"), ("no-such-host.invalid", "")):
+        for host, expected in (
+            ("127.0.0.1", "Address already in use"),
+            ("no-such-host.invalid", ""),
+        ):
             cmd = [sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(llama_bundle)]
             cmd += ["--host", host, "--port", str(port)]
             env = {**os.environ, "PYTHONPATH": str(REPO)}

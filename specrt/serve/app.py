@@ -36,6 +36,9 @@ FIELDS = {
 }
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 COMPLETION, CHAT = "completion", "chat"
+# Fields accepted only when off (null, false, 0): specrt computes no log-probabilities and does
+# not echo the prompt.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo")
 IGNORED = {
     "model",
     "prompt",
@@ -44,8 +47,7 @@ IGNORED = {
     "n",
     "user",
     "stream_options",
-    "logprobs",
-    "echo",
+    *UNSUPPORTED,
 }
 
 
@@ -132,12 +134,27 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
             raise _HttpError(
                 400, f"unknown field(s) {unknown}", "invalid_request_error", unknown[0]
             )
+        for field in UNSUPPORTED:  # accepted when off; on, an answer without them is wrong
+            if body.get(field):
+                raise _HttpError(
+                    400,
+                    f"{field} is not supported by specrt serve: leave it out (or null)",
+                    "invalid_request_error",
+                    field,
+                )
         if kind == CHAT:
             prompt = chat_prompt(body.get("messages"))
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                raise _HttpError(
+                    400,
+                    f"prompt is a list of {len(prompt)} prompts: send one prompt per request",
+                    "invalid_request_error",
+                    "prompt",
+                )
             if not isinstance(prompt, (str, list)):
                 raise _HttpError(
                     400,
