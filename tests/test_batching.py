@@ -180,6 +180,79 @@ def test_the_load_schedule_picks_the_k_with_most_tokens_per_second(
     assert sum(k in good for k in choices) >= 60, (choices, rates)
 
 
+@pytest.mark.parametrize(
+    ("cost_per_token", "curve", "expected"),
+    [
+        (0.4, [1.07, 1.075, 1.075, 1.075], 0),  # sampling: matches rarely kept, rows would pay
+        (0.3, [1.9, 2.8, 2.9, 3.0], 2),  # the first two tokens are kept, the rest seldom
+        (0.02, [1.9, 2.71, 3.44, 4.1], 4),  # a copying target, nearly free positions (a GPU)
+    ],
+)
+def test_matches_widen_a_round_only_where_it_pays(cost_per_token, curve, expected):
+    """In a round without a model draft, the load schedule chooses how many tokens of the
+    rows' matches to verify, by the measured time of rounds of each width against the tokens
+    the matches are expected to add. Modelled rounds of 8 rows, 6 of them with a 4-token match
+    (``curve``: the tokens such a row emits when 1..4 of it are verified); a round of width w
+    costs 1 + c w target steps."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    schedule = LoadSchedule()
+    curves = [curve] * 6
+    assert schedule.match_width(8, curves) == 0  # rounds without matches are measured first
+    for _ in range(300):
+        width = schedule.match_width(8, curves)
+        seconds = 1.0 + cost_per_token * width
+        schedule.update(8, 0, None if width else seconds, [], [])
+        if width:
+            schedule.update_match_width(8, width, seconds)
+    rates = [(2 + 6 * (curve[w - 1] if w else 1)) / (1 + cost_per_token * w) for w in range(5)]
+    assert max(range(5), key=rates.__getitem__) == expected  # the scenario is what it says
+    assert schedule.match_width(8, curves) == expected
+    assert LoadSchedule(adapt=False).match_width(8, curves) == 4  # "fixed": every token
+
+
+def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
+    llama_bundle, monkeypatch
+):
+    """While the load schedule has the model draft nothing, admitted prompts are not fed to
+    the draft; when drafting resumes, the draft reads them (a chunk at a time) and every row
+    still equals the target alone's output."""
+    import specrt.runtime.round as round_module
+    from specrt.runtime.schedules import LoadSchedule
+
+    monkeypatch.setattr(round_module, "PREFILL_CHUNK", 4)  # whole prompts in several chunks
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    alone = GenerationConfig(max_new_tokens=24, num_draft_tokens=0, ignore_eos=True)
+    expected = [r.token_ids for r in generator.generate(PROMPTS[:4], alone)]
+    runner = BatchRunner(
+        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+    )
+
+    class Resumes(LoadSchedule):  # nothing at first, then drafting
+        def _choose(self, rows: int, k_max: int) -> int:
+            return 0 if self.rounds < 3 else 3
+
+    schedule = runner.schedules["load"] = Resumes()
+    schedule.rounds, schedule.last_k = 0, 0
+    choose = schedule.choose
+
+    def counted(rows: int, k_max: int) -> int:
+        schedule.rounds += 1
+        return choose(rows, k_max)
+
+    schedule.choose = counted
+    config = GenerationConfig(
+        max_new_tokens=24, num_draft_tokens=3, draft_schedule="adaptive", ignore_eos=True
+    )
+    ids = generator.encode_prompts(PROMPTS[:4])
+    requests = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
+    runner.add(requests)
+    assert generator.drafter.decoder.lengths[:4].tolist() == [0, 0, 0, 0]  # not read yet
+    results = dict(runner.run([]))
+    assert [results[i].token_ids for i in range(4)] == expected
+    assert sum(results[i].stats.drafted_tokens for i in range(4)) > 0  # the model drafted
+
+
 def test_batch_size_is_checked(llama_bundle):
     from specrt.errors import InvalidInputError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -136,7 +136,7 @@ class BatchRunner:
         # Both models see all but the last prompt token, which the target alone is fed next:
         # a request's first token comes right after its prefill, not after a round of the batch.
         self.target.prefill_rows(start, [row.request.prompt[:-1] for row in rows])
-        if any(row.drafting for row in rows):
+        if any(row.drafting for row in rows) and self._model_drafts(rows):
             prompts = [row.request.prompt[:-1] if row.drafting else [] for row in rows]
             self.draft.prefill_rows(start, prompts)
         self.rows.extend(rows)
@@ -207,18 +207,22 @@ class BatchRunner:
             return self._round_alone(rows[0])
         k = self.draft_length(rows)
         fits = self._fits(rows)
-        matched: dict[int, Proposal] = {}
+        schedule = self._schedule(rows)
+        found: dict[int, Proposal] = {}
         for slot, row in enumerate(rows):
             config = row.request.config
             room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
             cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
             model_k = 0 if config.proposer == "lookup" else min(k, cap)  # lookup: no model
             row.round.k, row.round.match = model_k, None
-            found = self._match(row, cap, k)
-            if found is not None:
-                matched[slot] = found
-                row.round.k, row.round.match = len(found.tokens), found.tokens
-                row.round.source = found.source
+            proposal = self._match(row, cap, k, schedule)
+            if proposal is not None:
+                found[slot] = proposal
+        matched = self._verified_matches(rows, found, k, schedule)
+        for slot, proposal in matched.items():
+            row = rows[slot]
+            row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
+            row.round.source = proposal.source
         if k:  # a draft behind after rounds without drafting: not a cost of this K
             catch_up(self.draft, [row.round for row in rows])
         lengths = [len(row.tokens) for row in rows]
@@ -249,9 +253,10 @@ class BatchRunner:
         if k or not self._reproducible(rows):
             model = [slot for slot in range(len(rows)) if slot not in matched]
             parts, model_steps = [rows[s].round for s in model], [steps[s] for s in model]
-            widened = any(row.round.k > k for row in rows)  # matches made the call wider
-            timed = None if widened else seconds
-            self._schedule(rows).update(len(rows), k, timed, parts, model_steps)
+            width = max(row.round.k for row in rows)  # matches may make the call wider
+            schedule.update(len(rows), k, None if width > k else seconds, parts, model_steps)
+            if width > k == 0:
+                schedule.update_match_width(len(rows), width, seconds)
         return finished
 
     def _runs_alone(self, row: _Row) -> bool:
@@ -322,22 +327,43 @@ class BatchRunner:
         self.target.clear_stale()
         self.draft.clear_stale()
 
-    def _match(self, row: _Row, cap: int, k: int) -> Proposal | None:
+    def _match(self, row: _Row, cap: int, k: int, schedule: LoadSchedule) -> Proposal | None:
         """The row's match to verify this round instead of the model's draft, if any: always
         for "lookup" rows; for "hybrid" rows where it is expected to keep more tokens than the
         model's K (by what matches and model drafts kept so far), or always under a seed (the
-        choice must not depend on other rows)."""
+        choice must not depend on other rows). Where the load schedule adapts and the model
+        drafts, a match fills the round's width and never widens it (every row pays for the
+        widest); with no model draft the matches' width is chosen for the whole round
+        (`_verified_matches`)."""
         config = row.request.config
         if row.index is None or cap <= 0:
             return None
-        found = find_match(row.index, self.suffix_cache, row.tokens, cap)
+        adapts = schedule.adapt and not config.reproducible
+        found = find_match(
+            row.index, self.suffix_cache, row.tokens, min(cap, k or cap) if adapts else cap
+        )
         if not found.tokens:
             return None
-        if config.proposer == "lookup" or config.reproducible:
+        if config.proposer == "lookup" or config.reproducible or not k:
             return found
-        model = self._schedule([row]).expected_tokens(min(k, cap)) if k else 1.0
+        model = schedule.expected_tokens(min(k, cap))
         expected = self.matches.expected_tokens(found, row.match_history)[-1]
         return found if expected >= model else None
+
+    def _verified_matches(
+        self, rows: list[_Row], found: dict[int, Proposal], k: int, schedule: LoadSchedule
+    ) -> dict[int, Proposal]:
+        """The matches the round verifies. In a round without a model draft the load schedule
+        chooses how many tokens of them to verify (0: none), from what such rounds cost and how
+        often matches are kept: a match that is rarely kept (sampling, text that does not repeat)
+        would make every row pay for a wider call."""
+        if k or not found or not schedule.adapt or self._reproducible(rows):
+            return found
+        curves = [self.matches.expected_tokens(p, rows[s].match_history) for s, p in found.items()]
+        width = schedule.match_width(len(rows), curves)
+        if not width:
+            return {}
+        return {slot: replace(p, tokens=p.tokens[:width]) for slot, p in found.items()}
 
     def draft_length(self, rows: list[_Row]) -> int:
         """The round's K for every row. Fixed (each row's own ``num_draft_tokens``) when a row
@@ -368,6 +394,13 @@ class BatchRunner:
         if name not in self.schedules:
             self.schedules[name] = LoadSchedule(adapt=name == "load")
         return self.schedules[name]
+
+    def _model_drafts(self, rows: list[_Row]) -> bool:
+        """Whether the draft model should read these admitted rows' prompts now: not while the
+        load schedule has the model draft nothing (its rounds catch the draft up when it
+        drafts again, `catch_up`), unless a row's draws must not depend on that (a seed)."""
+        schedule = self.schedules.get("load")
+        return schedule is None or schedule.last_k != 0 or self._reproducible(rows)
 
     @staticmethod
     def _reproducible(rows: list[_Row]) -> bool:

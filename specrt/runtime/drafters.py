@@ -114,6 +114,9 @@ class ModelDrafter:
         drafted: list[int] = []
         q = None if sampling.greedy else self._q_buffer(k)
         pending = tokens[self.decoder.length :]
+        if k and len(pending) > 2:  # behind (a row admitted while the model did not draft)
+            self.decoder.prefill(pending[:-1])
+            pending = pending[-1:]
         need = rows_needed(sampling)
         while len(drafted) < k:
             out = self.decoder.forward(pending, keep_last=1, need=need)

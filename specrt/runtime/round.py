@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Decoder, Forward, RowsDecoder
+from specrt.backends.base import PREFILL_CHUNK
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
@@ -281,10 +282,12 @@ def catch_up(draft: RowsDecoder, rows: list[RowRound]) -> None:
     two behind (after rounds without drafting), so that a round's first draft call feeds each
     row one or two tokens."""
     n = len(rows)
-    unseen = [row.tokens[length:] for row, length in zip(rows, draft.lengths[:n].tolist())]
-    if max(map(len, unseen)) > 2:
-        ids, fed = _right_padded([tokens[:-1] for tokens in unseen])
-        draft.forward_rows(ids, keep_last=1, fed=fed)
+    unseen = [row.tokens[length:-1] for row, length in zip(rows, draft.lengths[:n].tolist())]
+    longest = max(map(len, unseen))
+    if longest > 1:  # whole prompts, where the draft skipped them: a chunk at a time
+        for offset in range(0, longest, PREFILL_CHUNK):
+            ids, fed = _right_padded([tokens[offset : offset + PREFILL_CHUNK] for tokens in unseen])
+            draft.forward_rows(ids, keep_last=1, fed=fed)
 
 
 def _right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 BINS = 10
@@ -313,6 +313,9 @@ LOAD_EXPLORE_EVERY = 32  # rounds between re-measuring a neighbour of the best K
 LOAD_DECAY = 0.98  # per drafting round, of the acceptance counts
 LOAD_WINDOW = 24  # round times kept per K
 LOAD_MARGIN = 0.03  # by which more drafting must beat less to be chosen
+# The cost of verifying one more token of matches in every row, as a share of a round without
+# them, assumed until rounds of that width are measured (low, so that they are tried).
+MATCH_PRIOR_COST = 0.25
 
 
 class LoadSchedule:
@@ -340,13 +343,21 @@ class LoadSchedule:
     def __init__(self, adapt: bool = True) -> None:
         self.adapt = adapt
         self.times: dict[int, deque[tuple[int, float]]] = {}  # K -> (rows, seconds)
-        self._warmed: set[int] = set()
+        # width -> (rows, seconds) of rounds without a model draft verifying that many tokens
+        # of matches
+        self.match_times: dict[int, deque[tuple[int, float]]] = {}
+        self._warmed: set[int | tuple[str, int]] = set()
         self.reached: list[float] = []  # per draft position: decayed counts
         self.accepted: list[float] = []
         self._since_check, self._check_every = 0, LOAD_EXPLORE_EVERY
+        self.last_k: int | None = None  # the K chosen last
         self._checked_best, self._side = -1, 1
 
     def choose(self, rows: int, k_max: int) -> int:
+        self.last_k = self._choose(rows, k_max)
+        return self.last_k
+
+    def _choose(self, rows: int, k_max: int) -> int:
         if not self.adapt:
             return k_max
         known = [k for k in range(k_max + 1) if len(self.times.get(k, ())) >= 2]
@@ -377,9 +388,50 @@ class LoadSchedule:
         """Expected tokens per second of a round of ``rows`` rows drafting ``k``."""
         return rows * self.expected_tokens(k) / self.predicted_seconds(rows, k)
 
+    def match_width(self, rows: int, curves: list[list[float]]) -> int:
+        """How many tokens of matches a round of ``rows`` rows without a model draft verifies
+        (0: none). ``curves``: for each row with a match, the tokens it is expected to emit
+        when 1, 2, ... of them are verified (`MatchAcceptance.expected_tokens`); the other rows
+        emit one. The width with the most expected tokens per second, by the measured times of
+        rounds of each width; a width not measured yet is priced at the cost per token of the
+        widest narrower one measured (before any: `MATCH_PRIOR_COST` of a round without
+        matches), so widths are tried one after another while they pay."""
+        widest = max(map(len, curves), default=0)
+        if not self.adapt:
+            return widest
+        if len(self.times.get(0, ())) < 2:
+            return 0  # rounds without matches first: what the widths are compared with
+        plain = self.predicted_seconds(rows, 0)
+        best, best_rate = 0, rows / plain
+        per_token = MATCH_PRIOR_COST * plain
+        for width in range(1, widest + 1):
+            tokens = rows - len(curves) + sum(c[min(width, len(c)) - 1] for c in curves)
+            measured = self.match_times.get(width, ())
+            if len(measured) >= 2:
+                seconds = self._predict(measured, rows)
+                per_token = max(seconds - plain, 0.0) / width  # for the wider ones, unmeasured
+            else:
+                seconds = plain + per_token * width
+            if tokens / seconds > best_rate * (1 + LOAD_MARGIN):
+                best, best_rate = width, tokens / seconds
+        return best
+
+    def update_match_width(self, rows: int, width: int, seconds: float) -> None:
+        """Record a round without a model draft that verified ``width`` tokens of matches."""
+        if ("match", width) not in self._warmed:  # new shapes, cold caches
+            self._warmed.add(("match", width))
+        else:
+            self.match_times.setdefault(width, deque(maxlen=LOAD_WINDOW)).append((rows, seconds))
+
     def predicted_seconds(self, rows: int, k: int) -> float:
+        return self._predict(self.times[k], rows)
+
+    @staticmethod
+    def _predict(samples: Iterable[tuple[int, float]], rows: int) -> float:
+        """Seconds of a round of ``rows`` rows: a line through the median time at each batch
+        size in ``samples`` (a constant until two sizes are seen)."""
         by_size: dict[int, list[float]] = {}
-        for size, seconds in self.times[k]:
+        for size, seconds in samples:
             by_size.setdefault(size, []).append(seconds)
         points = [(size, statistics.median(values)) for size, values in by_size.items()]
         if len(points) == 1:
