@@ -2,10 +2,11 @@
 today's one-row-at-a-time speculative loop.
 
     .venv/bin/python bench/batch_throughput.py [--bundle engines/demo] [--batch-sizes 1 2 4 8 16]
-        [--proposer hybrid|model|lookup]
+        [--proposer hybrid|model|lookup] [--temperature 1]
 
 Each contender is a fresh process (its peak RSS is its own) running the held-out prompts
-(64 x 128 new tokens, EOS ignored so every row is the same length) through `run_batch`, the
+(64 x 128 new tokens, EOS ignored so every row is the same length; greedy unless --temperature)
+through `run_batch`, the
 code `specrt batch` runs, JSONL in and out. Contenders run one at a time; at each batch size
 the two modes run twice each, A B B A, and each mode's tokens/s is its total tokens over its
 total time. Prints a table (tokens/s, ratios, peak
@@ -43,6 +44,7 @@ def contender(args: argparse.Namespace) -> dict:
         draft_schedule=args.schedule,
         proposer=args.proposer if args.k else "model",
         ignore_eos=True,
+        temperature=args.temperature,
     )
     with tempfile.TemporaryDirectory() as scratch:
         rows = Path(scratch) / "in.jsonl"
@@ -105,6 +107,8 @@ def spawn(
         schedule,
         "--proposer",
         proposer or args.proposer,
+        "--temperature",
+        str(args.temperature),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -122,6 +126,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--schedule", default="adaptive")
     # What `specrt batch` drafts with by default: matches from the row's own text, else the model
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
     parser.add_argument("--proposer", default="hybrid", choices=["model", "lookup", "hybrid"])
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "batch_throughput.json"))
     parser.add_argument("--plot", default=None, help="Write the plot here (PNG).")
