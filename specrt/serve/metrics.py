@@ -84,41 +84,29 @@ class Metrics:
             ["proposer", "position"],
             registry=registry,
         )
-        self.latency = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Request latency",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+
+        def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
+            return Histogram(name, documentation, buckets=buckets, registry=registry)
+
+        self.latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS
         )
-        self.first_token = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS
         )
-        self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Time a request waited for a slot",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time a request waited for a slot", LATENCY_BUCKETS
         )
-        self.time_per_token = Histogram(
+        self.time_per_token = histogram(
             "vllm:request_time_per_output_token_seconds",
             "A request's mean time per output token after the first",
-            buckets=TOKEN_TIME_BUCKETS,
-            registry=registry,
+            TOKEN_TIME_BUCKETS,
         )
-        self.request_prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens",
-            "Prompt tokens of a request",
-            buckets=TOKEN_COUNT_BUCKETS,
-            registry=registry,
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of a request", TOKEN_COUNT_BUCKETS
         )
-        self.request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens",
-            "Tokens a request generated",
-            buckets=TOKEN_COUNT_BUCKETS,
-            registry=registry,
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Tokens a request generated", TOKEN_COUNT_BUCKETS
         )
 
     def record(self, handle: RequestHandle) -> None:
