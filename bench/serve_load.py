@@ -4,8 +4,9 @@
 
 Starts two servers on 127.0.0.1 (`specrt serve`'s defaults, and `--num-draft-tokens 0`), then
 at each concurrency sends the same fixed set of streaming completion requests (held-out
-prompts, greedy, max_tokens spread around --max-tokens) to one and then the other and back
-(--repeats runs each), from that many client threads, each holding one keep-alive connection;
+prompts, greedy unless --temperature, max_tokens spread around --max-tokens) to one and then
+the other and back (--repeats runs each), from that many client threads, each holding one
+keep-alive connection;
 a run stops by itself after its requests. Prints requests/s, tokens/s, p50/p99 latency and
 time to first token for both and their ratio, and writes the table as JSON. Time to first
 token is also given apart for the first wave (each client's first request: all of them arrive
@@ -52,8 +53,10 @@ def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess
     raise SystemExit("the server did not come up")
 
 
-def one_request(http: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+def one_request(
+    http: httpx.Client, url: str, prompt: str, max_tokens: int, temperature: float = 0.0
+) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": temperature}
     started = time.perf_counter()
     first, tokens = None, 0
     with http.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -68,7 +71,9 @@ def one_request(http: httpx.Client, url: str, prompt: str, max_tokens: int) -> d
     return {"latency": done - started, "ttft": (first or done) - started, "tokens": tokens}
 
 
-def run_load(url: str, work_items: list[tuple[str, int]], concurrency: int) -> dict:
+def run_load(
+    url: str, work_items: list[tuple[str, int]], concurrency: int, temperature: float = 0.0
+) -> dict:
     """Every ``(prompt, max_tokens)`` once, from ``concurrency`` client threads; the requests'
     measurements."""
     work: queue.Queue[tuple[str, int]] = queue.Queue()
@@ -85,7 +90,8 @@ def run_load(url: str, work_items: list[tuple[str, int]], concurrency: int) -> d
                     prompt, max_tokens = work.get_nowait()
                 except queue.Empty:
                     return
-                results.append({**one_request(http, url, prompt, max_tokens), "turn": turn})
+                measured = one_request(http, url, prompt, max_tokens, temperature)
+                results.append({**measured, "turn": turn})
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -144,6 +150,7 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=128, help="Mean max_tokens.")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
     parser.add_argument(
         "--length-spread",
         type=float,
@@ -184,7 +191,7 @@ def main() -> None:
                 names = list(servers) if repeat % 2 == 0 else list(servers)[::-1]
                 for name in names:
                     url = servers[name][1]
-                    runs[name].append(run_load(url, work_items, concurrency))
+                    runs[name].append(run_load(url, work_items, concurrency, args.temperature))
             row.update({name: summarize(measured) for name, measured in runs.items()})
             spec, alone = row["speculative"], row["target_only"]
             row["tokens_per_s_ratio"] = spec["tokens_per_s"] / alone["tokens_per_s"]

@@ -211,6 +211,26 @@ def test_matches_widen_a_round_only_where_it_pays(cost_per_token, curve, expecte
     assert LoadSchedule(adapt=False).match_width(8, curves) == 4  # "fixed": every token
 
 
+def test_greedy_and_sampled_rows_learn_how_matches_fare_apart(llama_bundle):
+    """A sampled row keeps a matched token only with probability p(x), a greedy one whenever it
+    is the argmax: mixed in one estimate, each kind would be judged by the other's."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    runner = BatchRunner(
+        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+    )
+    ids = generator.encode_prompts(PROMPTS[:4])
+    for greedy in (True, False):
+        config = GenerationConfig(
+            max_new_tokens=24, proposer="lookup", temperature=0 if greedy else 1, ignore_eos=True
+        )
+        list(
+            runner.run([Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)])
+        )
+        assert runner.matches[greedy].counts  # matches were verified and counted here
+        if greedy:
+            assert not runner.matches[False].counts
+
+
 def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
     llama_bundle, monkeypatch
 ):

@@ -90,7 +90,9 @@ class BatchRunner:
         self.eos_token_ids = eos_token_ids
         self.suffix_cache = suffix_cache
         self.schedules: dict[str, LoadSchedule] = {}  # by name: "fixed", "load"
-        self.matches = MatchAcceptance()  # how the hybrid rows' matches fare
+        # How the hybrid rows' matches fare, greedy rows apart from sampled ones: a sampled row
+        # keeps a matched token only with probability p(x).
+        self.matches = {True: MatchAcceptance(), False: MatchAcceptance()}
         self.rows: list[_Row] = []  # in slots 0 .. len - 1
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
@@ -244,7 +246,8 @@ class BatchRunner:
             self.draft.set_length(slot, min(len(row.tokens) - 1, seen))
             if slot in matched:
                 history = row.match_history
-                self.matches.record(matched[slot], history, step.drafted, step.accepted)
+                acceptance = self.matches[row.request.config.greedy]
+                acceptance.record(matched[slot], history, step.drafted, step.accepted)
                 row.match_history = outcome(step.drafted, step.accepted)
             if row.finish_reason:
                 finished.append(slot)
@@ -347,7 +350,7 @@ class BatchRunner:
         if config.proposer == "lookup" or config.reproducible or not k:
             return found
         model = schedule.expected_tokens(min(k, cap))
-        expected = self.matches.expected_tokens(found, row.match_history)[-1]
+        expected = self.matches[config.greedy].expected_tokens(found, row.match_history)[-1]
         return found if expected >= model else None
 
     def _verified_matches(
@@ -359,7 +362,10 @@ class BatchRunner:
         would make every row pay for a wider call."""
         if k or not found or not schedule.adapt or self._reproducible(rows):
             return found
-        curves = [self.matches.expected_tokens(p, rows[s].match_history) for s, p in found.items()]
+        curves = [
+            self.matches[rows[s].request.config.greedy].expected_tokens(p, rows[s].match_history)
+            for s, p in found.items()
+        ]
         width = schedule.match_width(len(rows), curves)
         if not width:
             return {}
