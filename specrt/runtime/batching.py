@@ -258,7 +258,7 @@ class BatchRunner:
             parts, model_steps = [rows[s].round for s in model], [steps[s] for s in model]
             width = max(row.round.k for row in rows)  # matches may make the call wider
             schedule.update(len(rows), k, None if width > k else seconds, parts, model_steps)
-            if width > k == 0:
+            if k == 0 and width > 0:  # a round of matches alone: its width is what it cost
                 schedule.update_match_width(len(rows), width, seconds)
         return finished
 
