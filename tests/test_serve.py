@@ -247,12 +247,16 @@ def test_metrics_count_speculation(server):
 
 def test_metrics_gauge_requests_running_and_waiting(server):
     """The scheduler's state, read at each scrape: sixteen streams at once on a server with
-    four slots fill the batch and queue the rest; afterwards both are 0 again."""
+    four slots fill the batch and queue the rest, and hold part of the KV cache; afterwards
+    all three are 0 again."""
     url, _ = server
+
+    usage = []
 
     def gauges() -> tuple[float, float]:
         lines = httpx.get(f"{url}/metrics").text.splitlines()
         value = {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line[:1] != "#"}
+        usage.append(value["vllm:kv_cache_usage_perc"])
         return value["vllm:num_requests_running"], value["vllm:num_requests_waiting"]
 
     def stream(prompt: str) -> None:
@@ -271,7 +275,8 @@ def test_metrics_gauge_requests_running_and_waiting(server):
     deadline = time.monotonic() + 20
     while gauges() != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gauges() == (0, 0)
+    assert gauges() == (0, 0) and usage[-1] == 0
+    assert 0 < max(usage) <= 1  # the running rows' positions, while they ran
 
 
 TEMPLATE = (

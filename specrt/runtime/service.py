@@ -232,6 +232,13 @@ class Service:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def cache_usage(self) -> float:
+        """The share of the target's KV cache positions (every slot at its most) that the
+        running rows hold, 0 to 1."""
+        target, slots = self.generator.target, self._runner.max_batch
+        return float(target.lengths[:slots].sum()) / (slots * target.max_positions)
+
     def submit(
         self, prompt: Prompt, config: GenerationConfig | None = None, per_token: bool = False
     ) -> RequestHandle:

@@ -22,10 +22,10 @@ TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 
 
 class Metrics:
-    """One registry per server: the scheduler's state (requests running and waiting, read at
-    each scrape), counters of requests, tokens and speculation, and histograms of each
-    request's latency, time to first token, time in the queue, time per output token and
-    token counts."""
+    """One registry per server: the scheduler's state (requests running and waiting, the KV
+    cache held; read at each scrape), counters of requests, tokens and speculation, and
+    histograms of each request's latency, time to first token, time in the queue, time per
+    output token and token counts."""
 
     def __init__(self, service: Service) -> None:
         self.registry = registry = CollectorRegistry()
@@ -35,6 +35,12 @@ class Metrics:
             "vllm:num_requests_waiting", "Requests waiting for a slot", registry=registry
         )
         waiting.set_function(lambda: service.waiting)
+        usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Share of the KV cache positions the running requests hold (1: all)",
+            registry=registry,
+        )
+        usage.set_function(lambda: service.cache_usage)
         self.requests = Counter(
             "vllm:request_success", "Finished requests", ["finished_reason"], registry=registry
         )
