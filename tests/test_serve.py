@@ -250,26 +250,32 @@ def test_metrics_gauge_requests_running_and_waiting(server):
     four slots fill the batch and queue the rest, and hold part of the KV cache; afterwards
     all three are 0 again."""
     url, _ = server
-
     usage = []
+    # One pooled client, connections opened up front: a new client per stream costs enough
+    # (TLS context, thread start) on a slow machine that requests trickle in one at a time.
+    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+    client = httpx.Client(base_url=url, limits=limits, timeout=60)
 
     def gauges() -> tuple[float, float]:
-        lines = httpx.get(f"{url}/metrics").text.splitlines()
+        lines = client.get("/metrics").text.splitlines()
         value = {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line[:1] != "#"}
         usage.append(value["vllm:kv_cache_usage_perc"])
         return value["vllm:num_requests_running"], value["vllm:num_requests_waiting"]
 
     def stream(prompt: str) -> None:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        with client.stream("POST", "/v1/completions", json=body) as response:
             for _ in response.iter_lines():
                 pass
 
-    seen = set()
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda _: client.get("/health"), range(16)))  # warm the pool
+        seen = set()
         streams = [pool.submit(stream, prompt) for prompt in PROMPTS[:16]]
         while not all(future.done() for future in streams):
             seen.add(gauges())
+        for future in streams:
+            future.result()
     assert max(running for running, _ in seen) == 4, seen
     assert max(waiting for _, waiting in seen) > 0, seen
     deadline = time.monotonic() + 20
@@ -277,6 +283,7 @@ def test_metrics_gauge_requests_running_and_waiting(server):
         time.sleep(0.05)
     assert gauges() == (0, 0) and usage[-1] == 0
     assert 0 < max(usage) <= 1  # the running rows' positions, while they ran
+    client.close()
 
 
 TEMPLATE = (
