@@ -211,6 +211,82 @@ def test_matches_widen_a_round_only_where_it_pays(cost_per_token, curve, expecte
     assert LoadSchedule(adapt=False).match_width(8, curves) == 4  # "fixed": every token
 
 
+def _modelled_rounds(schedule, rows: int, count: int, seconds, acceptance: float, rng) -> None:
+    """``count`` rounds of ``rows`` rows as ``schedule`` chooses them, each taking
+    ``seconds(rows, k)``, each draft position accepted with probability ``acceptance``."""
+    for _ in range(count):
+        k = schedule.choose(rows, 4)
+        accepted = [
+            int(np.argmin(np.append(rng.random(k) < acceptance, False))) for _ in range(rows)
+        ]
+        schedule.update(rows, k, seconds(rows, k), [_Part(k)] * rows, [_Step(a) for a in accepted])
+
+
+def test_a_batch_size_is_priced_by_its_own_rounds():
+    """A job's tail (8 rows left of 16) is priced from its own rounds, which the full batch's
+    many rounds must not evict: priced from those, the target alone's round at 8 rows would
+    look as dear as at 16, and drafting one token would look worth it there."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    def seconds(rows: int, k: int) -> float:  # 0.3 of fixed cost, a verified position 0.1 / row
+        return 0.3 + 0.05 * k + 0.1 * rows * (k + 1)
+
+    schedule, rng = LoadSchedule(), np.random.default_rng(0)
+    _modelled_rounds(schedule, 8, 100, seconds, 0.6, rng)
+    _modelled_rounds(schedule, 16, 400, seconds, 0.6, rng)
+    assert 8 * 1.6 / seconds(8, 1) < 8 / seconds(8, 0)  # the scenario: drafting does not pay
+    assert 8 * 1.6 / seconds(8, 1) > 8 / seconds(16, 0)  # unless priced at 16 rows' cost
+    assert sum(schedule.choose(8, 4) == 0 for _ in range(10)) >= 9  # (a check may come)
+
+
+def test_a_k_measured_at_small_batches_is_not_trusted_at_a_full_one():
+    """K = 1 measured at 2 rows only: at 16 rows it is priced as growing by its two positions
+    per row times the target alone's growth, not in proportion (which would take it for cheap
+    here), and so is not chosen until measured at 16 rows."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    def seconds(rows: int, k: int) -> float:  # 0.3 of fixed cost, a verified position 0.1 / row
+        return 0.3 + 0.05 * k + 0.1 * rows * (k + 1)
+
+    schedule, rng = LoadSchedule(), np.random.default_rng(1)
+    _modelled_rounds(schedule, 2, 100, seconds, 0.6, rng)
+    assert schedule.rate(2, 1) > schedule.rate(2, 0)  # at 2 rows drafting pays
+    for _ in range(3):  # the target alone at 16 rows
+        schedule.update(16, 0, seconds(16, 0), [], [])
+    assert 1 not in {16} & set(schedule.times[1].by_size)
+    assert schedule.choose(16, 4) == 0
+    assert schedule.predicted_seconds(16, 1) >= 0.9 * seconds(16, 1)
+
+
+def test_checks_of_the_k_not_taken_cost_a_bounded_share_of_the_time():
+    """Re-measuring a K other than the best costs its round and, after rounds without
+    drafting, the draft's catch-up (`charge`): checks are spaced so that they take at most
+    `LOAD_EXPLORE_SHARE` of the time, however dear a catch-up is."""
+    from specrt.runtime.schedules import LOAD_EXPLORE_SHARE, LoadSchedule
+
+    def seconds(rows: int, k: int) -> float:  # drafting never pays
+        return 1.0 + 1.0 * k
+
+    checks = {}
+    for catch_up in (0.0, 40.0):
+        schedule, rng = LoadSchedule(), np.random.default_rng(2)
+        spent = 0.0
+        checks[catch_up] = 0
+        for _ in range(3000):
+            k = schedule.choose(8, 4)
+            if k:
+                checks[catch_up] += 1
+                schedule.charge(catch_up)
+                spent += catch_up
+            spent += seconds(8, k)
+            accepted = [int(np.argmin(np.append(rng.random(k) < 0.3, False))) for _ in range(8)]
+            schedule.update(8, k, seconds(8, k), [_Part(k)] * 8, [_Step(a) for a in accepted])
+        # beyond the first three rounds of K = 1 (which measure it), and the last check
+        extra = (checks[catch_up] - 4) * (1.0 + catch_up)
+        assert extra <= LOAD_EXPLORE_SHARE * spent, (catch_up, checks)
+    assert checks[40.0] < checks[0.0]
+
+
 def test_greedy_and_sampled_rows_learn_how_matches_fare_apart(llama_bundle):
     """A sampled row keeps a matched token only with probability p(x), a greedy one whenever it
     is the argmax: mixed in one estimate, each kind would be judged by the other's."""

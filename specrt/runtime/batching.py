@@ -33,6 +33,9 @@ DEFAULT_BATCH_SIZE = 8  # rows per call of `specrt batch` (best measured on the 
 # clients on 8 slots: time to first token 600 ms at the median, 45 ms on 16; docs/performance.md)
 DEFAULT_SERVE_BATCH_SIZE = 16
 MAX_BATCH = 256
+# Rounds without a model draft that skip looking for matches after the load schedule found
+# them not worth verifying (their acceptance is learnt only from verified ones, so it stands)
+MATCH_RECHECK_EVERY = 8
 
 
 @dataclass
@@ -94,6 +97,7 @@ class BatchRunner:
         # keeps a matched token only with probability p(x).
         self.matches = {True: MatchAcceptance(), False: MatchAcceptance()}
         self.rows: list[_Row] = []  # in slots 0 .. len - 1
+        self._matchless = 0  # rounds left that skip matching (`MATCH_RECHECK_EVERY`)
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         """Yield ``(key, result)`` for each request as it finishes (not in request order).
@@ -211,13 +215,15 @@ class BatchRunner:
         fits = self._fits(rows)
         schedule = self._schedule(rows)
         found: dict[int, Proposal] = {}
+        skip = not k and self._matchless > 0 and not self._reproducible(rows)
+        self._matchless -= skip
         for slot, row in enumerate(rows):
             config = row.request.config
             room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
             cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
             model_k = 0 if config.proposer == "lookup" else min(k, cap)  # lookup: no model
             row.round.k, row.round.match = model_k, None
-            proposal = self._match(row, cap, k, schedule)
+            proposal = None if skip else self._match(row, cap, k, schedule)
             if proposal is not None:
                 found[slot] = proposal
         matched = self._verified_matches(rows, found, k, schedule)
@@ -226,7 +232,9 @@ class BatchRunner:
             row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
             row.round.source = proposal.source
         if k:  # a draft behind after rounds without drafting: not a cost of this K
+            started = time.perf_counter()
             catch_up(self.draft, [row.round for row in rows])
+            schedule.charge(time.perf_counter() - started)
         lengths = [len(row.tokens) for row in rows]
         started = time.perf_counter()
         steps = batched_round(self.target, self.draft, [row.round for row in rows], k)
@@ -368,6 +376,7 @@ class BatchRunner:
         ]
         width = schedule.match_width(len(rows), curves)
         if not width:
+            self._matchless = MATCH_RECHECK_EVERY
             return {}
         return {slot: replace(p, tokens=p.tokens[:width]) for slot, p in found.items()}
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Protocol
 
 BINS = 10
@@ -311,11 +311,52 @@ class HeuristicSchedule:
 
 LOAD_EXPLORE_EVERY = 32  # rounds between re-measuring a neighbour of the best K, at first
 LOAD_DECAY = 0.98  # per drafting round, of the acceptance counts
-LOAD_WINDOW = 24  # round times kept per K
+LOAD_WINDOW = 24  # round times kept per K and batch size
 LOAD_MARGIN = 0.03  # by which more drafting must beat less to be chosen
+LOAD_EXPLORE_SHARE = 0.02  # of the rounds' time, at most, spent re-measuring K
 # The cost of verifying one more token of matches in every row, as a share of a round without
 # them, assumed until rounds of that width are measured (low, so that they are tried).
 MATCH_PRIOR_COST = 0.25
+
+
+class RoundTimes:
+    """Recent wall times of one kind of round, kept apart for each batch size: a job's tail
+    (fewer rows) must not be priced from, nor evict, the full batch's many rounds."""
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}  # asked for every round, changed by one size
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.by_size.setdefault(rows, deque(maxlen=LOAD_WINDOW)).append(seconds)
+        self._medians.pop(rows, None)
+
+    def __len__(self) -> int:
+        return sum(map(len, self.by_size.values()))
+
+    def median(self, rows: int) -> float:
+        if rows not in self._medians:
+            self._medians[rows] = statistics.median(self.by_size[rows])
+        return self._medians[rows]
+
+    def predict(self, rows: int) -> float:
+        """Seconds of a round of ``rows`` rows: the median of that size's rounds where measured,
+        else a line through the medians of the nearest measured sizes on either side (the two
+        nearest beyond the range; a constant while only one size is measured)."""
+        if rows in self.by_size:
+            return self.median(rows)
+        sizes = sorted(self.by_size)
+        if len(sizes) == 1:
+            return self.median(sizes[0])
+        below = [n for n in sizes if n < rows][-2:]
+        above = [n for n in sizes if n > rows][:2]
+        if below and above:
+            low, high = below[-1], above[0]
+        else:
+            low, high = below or above
+        t_low, t_high = self.median(low), self.median(high)
+        slope = max((t_high - t_low) / (high - low), 0.0)
+        return max(t_low + slope * (rows - low), 1e-6)
 
 
 class LoadSchedule:
@@ -336,22 +377,25 @@ class LoadSchedule:
     runs as fast as one without it. K = 0 and 1 are measured first, then K + 1 while the best
     K so far is the largest measured (rates are unimodal in K: each extra token gains less and
     costs as much). Costs and acceptance drift, so a neighbour of the best is measured again
-    after `LOAD_EXPLORE_EVERY` rounds, then half as often each time the best held (every
-    check costs a round off the best, and after rounds without drafting a catch-up call).
+    after `LOAD_EXPLORE_EVERY` rounds, then half as often each time the best held, and only
+    once the rounds since the last check took 1 / `LOAD_EXPLORE_SHARE` times what it cost (its
+    round beyond one of the best, and the draft's catch-up after rounds without drafting,
+    `charge`): at most that share of the time goes to checks.
     ``adapt=False``: always the largest K allowed (the "fixed" schedule)."""
 
     def __init__(self, adapt: bool = True) -> None:
         self.adapt = adapt
-        self.times: dict[int, deque[tuple[int, float]]] = {}  # K -> (rows, seconds)
-        # width -> (rows, seconds) of rounds without a model draft verifying that many tokens
-        # of matches
-        self.match_times: dict[int, deque[tuple[int, float]]] = {}
+        self.times: dict[int, RoundTimes] = {}  # by K
+        # by width: rounds without a model draft verifying that many tokens of matches
+        self.match_times: dict[int, RoundTimes] = {}
         self._warmed: set[int | tuple[str, int]] = set()
         self.reached: list[float] = []  # per draft position: decayed counts
         self.accepted: list[float] = []
         self._since_check, self._check_every = 0, LOAD_EXPLORE_EVERY
         self.last_k: int | None = None  # the K chosen last
         self._checked_best, self._side = -1, 1
+        self._since_seconds, self._check_cost = 0.0, 0.0  # round time since, cost of, a check
+        self._checking: int | None = None  # the best K, while a check's round runs
 
     def choose(self, rows: int, k_max: int) -> int:
         self.last_k = self._choose(rows, k_max)
@@ -372,13 +416,15 @@ class LoadSchedule:
         if best < k_max and best + 1 not in known:  # climb while one more token pays
             return best + 1
         self._since_check += 1
-        if self._since_check >= self._check_every:  # re-measure a neighbour of the best
+        repaid = self._since_seconds * LOAD_EXPLORE_SHARE >= self._check_cost
+        if self._since_check >= self._check_every and repaid:  # re-measure a neighbour
             # A best that held since the last check is checked half as often (up to 16x).
             held = best == self._checked_best
             self._check_every = (
                 min(16 * LOAD_EXPLORE_EVERY, 2 * self._check_every) if held else LOAD_EXPLORE_EVERY
             )
             self._since_check, self._checked_best = 0, best
+            self._since_seconds, self._check_cost, self._checking = 0.0, 0.0, best
             self._side = -self._side
             neighbour = best + self._side
             return neighbour if 0 <= neighbour <= k_max else best - self._side
@@ -406,9 +452,9 @@ class LoadSchedule:
         per_token = MATCH_PRIOR_COST * plain
         for width in range(1, widest + 1):
             tokens = rows - len(curves) + sum(c[min(width, len(c)) - 1] for c in curves)
-            measured = self.match_times.get(width, ())
-            if len(measured) >= 2:
-                seconds = self._predict(measured, rows)
+            measured = self.match_times.get(width)
+            if measured is not None and len(measured) >= 2:
+                seconds = self._seconds(measured, rows, width + 1)
                 per_token = max(seconds - plain, 0.0) / width  # for the wider ones, unmeasured
             else:
                 seconds = plain + per_token * width
@@ -421,26 +467,26 @@ class LoadSchedule:
         if ("match", width) not in self._warmed:  # new shapes, cold caches
             self._warmed.add(("match", width))
         else:
-            self.match_times.setdefault(width, deque(maxlen=LOAD_WINDOW)).append((rows, seconds))
+            self.match_times.setdefault(width, RoundTimes()).add(rows, seconds)
 
     def predicted_seconds(self, rows: int, k: int) -> float:
-        return self._predict(self.times[k], rows)
+        return self._seconds(self.times[k], rows, k + 1)
 
-    @staticmethod
-    def _predict(samples: Iterable[tuple[int, float]], rows: int) -> float:
-        """Seconds of a round of ``rows`` rows: a line through the median time at each batch
-        size in ``samples`` (a constant until two sizes are seen)."""
-        by_size: dict[int, list[float]] = {}
-        for size, seconds in samples:
-            by_size.setdefault(size, []).append(seconds)
-        points = [(size, statistics.median(values)) for size, values in by_size.items()]
-        if len(points) == 1:
-            return points[0][1]
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        spread = sum((n - mean_n) ** 2 for n, _ in points)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / spread
-        return max(mean_t + max(slope, 0.0) * (rows - mean_n), 1e-6)
+    def _seconds(self, times: RoundTimes, rows: int, width: int) -> float:
+        """A round's seconds by ``times`` (rounds verifying ``width`` positions per row), except
+        where they were measured on one side of ``rows`` only (a check at a full batch, say):
+        then priced from the nearest size measured as the target alone's rounds (K = 0) change
+        between the two sizes: shrinking in proportion to them, growing the more of in
+        proportion and by ``width`` times their growth. Never cheaper than the evidence says,
+        so a K is measured at this size (a check) before it is trusted here."""
+        plain, sizes = self.times.get(0), times.by_size
+        if plain is None or times is plain or rows in sizes or min(sizes) < rows < max(sizes):
+            return times.predict(rows)
+        nearest = min(sizes, key=lambda n: abs(n - rows))
+        measured = times.predict(nearest)
+        there, here = plain.predict(nearest), plain.predict(rows)
+        scaled = measured * here / there
+        return scaled if rows < nearest else max(scaled, measured + width * (here - there))
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a row emits per round drafting ``k``: the bonus/correction token plus each
@@ -459,16 +505,27 @@ class LoadSchedule:
             self.reached[position] + prior
         )
 
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` spent for the round about to run beyond its own time (the draft
+        catching up) in what the current check costs."""
+        self._check_cost += seconds
+
     def update(self, rows: int, k: int, seconds: float | None, parts: list, steps: list) -> None:
         """Record a round of ``rows`` rows drafting ``k``: its wall time (None: not a time of
         this K, e.g. matches widened the call), and for each row (``parts[i].k`` drafted,
         ``steps[i].accepted`` kept) which positions were reached."""
+        if seconds is not None:
+            self._since_seconds += seconds
+            if self._checking is not None and self._checking in self.times:
+                best = self.predicted_seconds(rows, self._checking)
+                self._check_cost += max(0.0, seconds - best)
+        self._checking = None
         if seconds is None:
             pass
         elif k not in self._warmed:  # the first round of a K: new shapes, cold caches
             self._warmed.add(k)
         else:
-            self.times.setdefault(k, deque(maxlen=LOAD_WINDOW)).append((rows, seconds))
+            self.times.setdefault(k, RoundTimes()).add(rows, seconds)
         if k > len(self.reached):
             grow = k - len(self.reached)
             self.reached += [0.0] * grow
