@@ -4,6 +4,8 @@ is what it would be alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -123,6 +125,45 @@ def test_a_seeded_row_is_the_same_whatever_shares_its_batch(llama_bundle, propos
         assert proposer == "model" or "lookup" in sources  # the matches fired
     assert outputs[0] == outputs[1] == outputs[2]
     assert outputs[0][("mine", 0)] != outputs[0][("mine", 5)]
+
+
+def test_a_seeded_row_does_not_set_its_neighbours_draft_length(llama_bundle):
+    """A seeded sampled row drafts its fixed K in its own calls (slots at the end of the
+    cache), so the other rows still draft what the load schedule chooses (here nothing), and
+    every row's output is what it would be without the other kind beside it."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    class Nothing(LoadSchedule):  # drafting never pays
+        def _choose(self, rows: int, k_max: int) -> int:
+            return 0
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    ids = generator.encode_prompts(PROMPTS[:6])
+    plain = GenerationConfig(
+        max_new_tokens=16, temperature=1.0, proposer="model", draft_schedule="adaptive"
+    )
+    seeded = replace(plain, seed=3, max_new_tokens=24)
+
+    def run(kinds: str) -> dict:
+        runner = BatchRunner(
+            generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+        )
+        runner.schedules["load"] = Nothing()
+        requests = [
+            Request(i, ids[i], seeded if kind == "s" else plain, np.random.default_rng([5, i]))
+            for i, kind in enumerate(kinds)
+        ]
+        return dict(runner.run(requests))
+
+    mixed = run("pspssp")  # refills and moves in both kinds of slots
+    for i in (0, 2, 5):
+        assert mixed[i].stats.drafted_tokens == 0  # the load schedule's K, not the seeded K
+    for i in (1, 3, 4):
+        assert mixed[i].stats.drafted_tokens > 0
+    alone = run("ssssss")
+    assert [mixed[i].token_ids for i in (1, 3, 4)] == [alone[i].token_ids for i in (1, 3, 4)]
+    plain_only = run("pppppp")
+    assert [mixed[i].token_ids for i in (0, 2, 5)] == [plain_only[i].token_ids for i in (0, 2, 5)]
 
 
 def test_the_load_schedule_measures_then_takes_the_best(llama_bundle):

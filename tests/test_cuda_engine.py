@@ -235,7 +235,10 @@ def test_batched_greedy_on_the_cuda_engine_equals_target_alone(batched_bundle, s
                 assert result.token_ids == expected[key].token_ids, (batch, k, key)
             if k:
                 accepted = sum(r.stats.accepted_tokens for r in results.values())
-                assert 0 < accepted < sum(r.stats.drafted_tokens for r in results.values())
+                drafted = sum(r.stats.drafted_tokens for r in results.values())
+                assert 0 < accepted <= drafted
+                if schedule == "fixed":  # rejections rolled back too (the load schedule may
+                    assert accepted < drafted  # settle on K = 0 after measuring K = 1)
         assert generator.target.capacity > 16  # it grew
 
 

@@ -4,8 +4,9 @@ that finishes frees its slot for the next request at the round boundary (continu
 Rows live in slots 0 .. n-1 of both models' caches (a call covers a contiguous block); when a
 row finishes, the last row moves into its slot. Each row samples from its own random stream and
 uses only its own share of the round's draft tokens, so a seeded row's tokens do not depend on
-which rows share its batch, nor on how many (when its draft length is fixed: see
-`BatchRunner.draft_length`).
+which rows share its batch, nor on how many, when its draft length is fixed (see
+`BatchRunner.draft_length`). Seeded sampled rows therefore run apart, in the last slots (the
+newest lowest) and their own calls: the others' draft length still follows the load.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class BatchRunner:
         # keeps a matched token only with probability p(x).
         self.matches = {True: MatchAcceptance(), False: MatchAcceptance()}
         self.rows: list[_Row] = []  # in slots 0 .. len - 1
+        self.seeded: list[_Row] = []  # seeded sampled rows: seeded[i] in slot max_batch - 1 - i
         self._matchless = 0  # rounds left that skip matching (`MATCH_RECHECK_EVERY`)
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
@@ -114,7 +116,7 @@ class BatchRunner:
                     admitted.append(request)
             for request, result in self.add(admitted):
                 yield request.key, result
-            if not self.rows:
+            if not self.rows and not self.seeded:
                 if not more:
                     return
                 continue
@@ -124,18 +126,32 @@ class BatchRunner:
     @property
     def free(self) -> int:
         """Slots without a row."""
-        return self.max_batch - len(self.rows)
+        return self.max_batch - len(self.rows) - len(self.seeded)
 
     def add(self, requests: list[Request]) -> list[tuple[Request, GenerationResult]]:
         """Prefill ``requests`` into the next free slots, all prompts in one call per model
-        (and prompt chunk), and give each its first token (`active` has it); returns those
-        finished at once (a prompt that fills its length, a first token that ends it)."""
+        (and prompt chunk; seeded sampled rows in their own), and give each its first token
+        (`active` has it); returns those finished at once (a prompt that fills its length, a
+        first token that ends it)."""
         rows = [self._new_row(request) for request in requests]
         finished = [(row.request, self._result(row)) for row in rows if row.finish_reason]
         rows = [row for row in rows if not row.finish_reason]
-        if not rows:
-            return finished
-        start = len(self.rows)
+        plain = [row for row in rows if not row.request.config.reproducible]
+        seeded = [row for row in rows if row.request.config.reproducible]
+        done = []
+        if plain:
+            start = len(self.rows)
+            self.rows.extend(plain)
+            done += self._admit(plain, start)
+        if seeded:  # in slot order: the newest nearest the plain rows
+            start = self.max_batch - len(self.seeded) - len(seeded)
+            self.seeded.extend(reversed(seeded))
+            done += self._admit(seeded, start)
+        return finished + self._leave(done)
+
+    def _admit(self, rows: list[_Row], start: int) -> list[int]:
+        """Prefill ``rows`` into slots ``start ..`` and take their first tokens; the slots of
+        those finished."""
         for slot in range(start, start + len(rows)):
             self.target.set_length(slot, 0)
             self.draft.set_length(slot, 0)
@@ -145,7 +161,6 @@ class BatchRunner:
         if any(row.drafting for row in rows) and self._model_drafts(rows):
             prompts = [row.request.prompt[:-1] if row.drafting else [] for row in rows]
             self.draft.prefill_rows(start, prompts)
-        self.rows.extend(rows)
         steps = batched_round(self.target, self.draft, [row.round for row in rows], 0, start)
         done = []
         for slot, (row, step) in enumerate(zip(rows, steps), start):
@@ -158,33 +173,47 @@ class BatchRunner:
                 done.append(slot)
         if any(step.error is not None for step in steps):
             self._clear_stale()
-        return finished + self._leave(done)
+        return done
 
     def step(self) -> list[tuple[Request, GenerationResult]]:
-        """One round over every row; the rows that finished leave, freeing their slots."""
-        return self._leave(self._round(self.rows))
+        """One round over every row (the seeded ones in their own calls); the rows that
+        finished leave, freeing their slots."""
+        finished = self._round(self.rows, 0) if self.rows else []
+        if self.seeded:
+            start = self.max_batch - len(self.seeded)
+            finished += self._round(self.seeded[::-1], start)
+        return self._leave(finished)
 
     def _leave(self, slots: list[int]) -> list[tuple[Request, GenerationResult]]:
-        """The finished rows in ``slots`` leave (last slot first: `_free` moves the last row
-        into the freed slot); their results."""
+        """The finished rows in ``slots`` leave (the row nearest the middle of the cache
+        first: `_free` moves that one into a freed slot); their results."""
+        boundary = self.max_batch - len(self.seeded)
+        plain = sorted((slot for slot in slots if slot < boundary), reverse=True)
         finished = []
-        for slot in sorted(slots, reverse=True):
-            row = self.rows[slot]
-            self._free(self.rows, slot)
+        for slot in plain + sorted(slot for slot in slots if slot >= boundary):
+            row = self._row(slot)
+            self._free(slot)
             finished.append((row.request, self._result(row)))
         return finished
 
+    def _row(self, slot: int) -> _Row:
+        if slot < len(self.rows):
+            return self.rows[slot]
+        return self.seeded[self.max_batch - 1 - slot]
+
     def active(self) -> Iterator[tuple[Request, list[int]]]:
         """Each running request and its new tokens so far (valid until the next step)."""
-        for row in self.rows:
+        for row in self.rows + self.seeded:
             yield row.request, row.tokens[len(row.request.prompt) :]
 
     def cancel(self, key: Hashable) -> GenerationResult | None:
         """Drop the running request ``key`` (its slot is free for the next); its result so
         far, with finish reason "cancelled" (None: no such request is running)."""
-        for index, row in enumerate(self.rows):
+        slots = [*range(len(self.rows)), *range(self.max_batch - len(self.seeded), self.max_batch)]
+        for slot in slots:
+            row = self._row(slot)
             if row.request.key == key:
-                self._free(self.rows, index)
+                self._free(slot)
                 row.finish_reason = "cancelled"
                 return self._result(row)
         return None
@@ -207,17 +236,19 @@ class BatchRunner:
             row.finish_reason = "length"
         return row
 
-    def _round(self, rows: list[_Row]) -> list[int]:
-        """One batched round over every row; returns the indices of rows that finished."""
+    def _round(self, rows: list[_Row], start: int) -> list[int]:
+        """One batched round over ``rows`` (in slots ``start ..``); returns the slots of rows
+        that finished."""
         if len(rows) == 1 and self._runs_alone(rows[0]):
             return self._round_alone(rows[0])
         k = self.draft_length(rows)
         fits = self._fits(rows)
         schedule = self._schedule(rows)
-        found: dict[int, Proposal] = {}
-        skip = not k and self._matchless > 0 and not self._reproducible(rows)
+        reproducible = self._reproducible(rows)
+        found: dict[int, Proposal] = {}  # by the row's index in ``rows``
+        skip = not k and self._matchless > 0 and not reproducible
         self._matchless -= skip
-        for slot, row in enumerate(rows):
+        for i, row in enumerate(rows):
             config = row.request.config
             room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
             cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
@@ -225,23 +256,25 @@ class BatchRunner:
             row.round.k, row.round.match = model_k, None
             proposal = None if skip else self._match(row, cap, k, schedule)
             if proposal is not None:
-                found[slot] = proposal
+                found[i] = proposal
         matched = self._verified_matches(rows, found, k, schedule)
-        for slot, proposal in matched.items():
-            row = rows[slot]
+        for i, proposal in matched.items():
+            row = rows[i]
             row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
             row.round.source = proposal.source
+        parts = [row.round for row in rows]
         if k:  # a draft behind after rounds without drafting: not a cost of this K
             started = time.perf_counter()
-            catch_up(self.draft, [row.round for row in rows])
+            catch_up(self.draft, parts, start)
             schedule.charge(time.perf_counter() - started)
         lengths = [len(row.tokens) for row in rows]
         started = time.perf_counter()
-        steps = batched_round(self.target, self.draft, [row.round for row in rows], k)
+        steps = batched_round(self.target, self.draft, parts, k, start)
         seconds = time.perf_counter() - started
         finished = []
         failed = any(step.error is not None for step in steps)
-        for slot, (row, step) in enumerate(zip(rows, steps)):
+        for i, (row, step) in enumerate(zip(rows, steps)):
+            slot = start + i
             if step.error is not None:  # NaN/inf logits in this row: it fails alone
                 self._fail(row, slot, step.error)
                 finished.append(slot)
@@ -250,22 +283,24 @@ class BatchRunner:
             self._settle(row, step)
             # The draft model saw the row up to the round's start; after it, its own tokens,
             # which stand only where they were the ones verified.
-            seen = len(row.tokens) - 1 if slot not in matched else lengths[slot]
+            seen = len(row.tokens) - 1 if i not in matched else lengths[i]
             self.draft.set_length(slot, min(len(row.tokens) - 1, seen))
-            if slot in matched:
+            if i in matched:
                 history = row.match_history
                 acceptance = self.matches[row.request.config.greedy]
-                acceptance.record(matched[slot], history, step.drafted, step.accepted)
+                acceptance.record(matched[i], history, step.drafted, step.accepted)
                 row.match_history = outcome(step.drafted, step.accepted)
             if row.finish_reason:
                 finished.append(slot)
         if failed:
             self._clear_stale()
-        if k or not self._reproducible(rows):
-            model = [slot for slot in range(len(rows)) if slot not in matched]
-            parts, model_steps = [rows[s].round for s in model], [steps[s] for s in model]
-            width = max(row.round.k for row in rows)  # matches may make the call wider
-            schedule.update(len(rows), k, None if width > k else seconds, parts, model_steps)
+        if not reproducible:  # what the load schedule chose, and how it went
+            model = [i for i in range(len(rows)) if i not in matched]
+            width = max(part.k for part in parts)  # matches may make the call wider
+            schedule.update(
+                len(rows), k, None if width > k else seconds,
+                [parts[i] for i in model], [steps[i] for i in model],
+            )  # fmt: skip
             if k == 0 and width > 0:  # a round of matches alone: its width is what it cost
                 schedule.update_match_width(len(rows), width, seconds)
         return finished
@@ -421,16 +456,21 @@ class BatchRunner:
     def _reproducible(rows: list[_Row]) -> bool:
         return any(row.request.config.reproducible for row in rows)
 
-    def _free(self, rows: list[_Row], slot: int) -> None:
-        """Drop the row in ``slot``; the last row moves into it (slots stay packed)."""
-        last = len(rows) - 1
-        if slot != last:
-            self.target.move_row(last, slot)
-            self.draft.move_row(last, slot)
-            rows[slot] = rows[last]
-        rows.pop()
-        self.target.set_length(last, 0)
-        self.draft.set_length(last, 0)
+    def _free(self, slot: int) -> None:
+        """Drop the row in ``slot``; the row of its kind nearest the middle of the cache (the
+        last plain row, the newest seeded one) moves into it (each kind's slots stay packed)."""
+        if slot < len(self.rows):
+            group, index, edge = self.rows, slot, len(self.rows) - 1
+        else:
+            group, index = self.seeded, self.max_batch - 1 - slot
+            edge = self.max_batch - len(self.seeded)
+        if slot != edge:
+            self.target.move_row(edge, slot)
+            self.draft.move_row(edge, slot)
+            group[index] = group[-1]
+        group.pop()
+        self.target.set_length(edge, 0)
+        self.draft.set_length(edge, 0)
 
     def _result(self, row: _Row) -> GenerationResult:
         prompt = row.request.prompt

@@ -130,10 +130,10 @@ class RowRound:
 def batched_round(
     target: RowsDecoder, draft: RowsDecoder, rows: list[RowRound], k: int, start: int = 0
 ) -> list[RoundResult]:
-    """One round for rows 0 .. n-1 of both models' caches: K draft steps, each one draft call
-    for every row (none when every row has a match), then ONE target call verifying
-    ``[n, W+1]`` (W: the most draft tokens a row verifies); each row accepts its own prefix.
-    (Rows from ``start`` on instead: only where no row drafts, as in a first token's step.)
+    """One round for rows ``start`` .. ``start + n - 1`` of both models' caches: K draft steps,
+    each one draft call for every row (none when every row has a match), then ONE target call
+    verifying ``[n, W+1]`` (W: the most draft tokens a row verifies); each row accepts its own
+    prefix.
     A row uses its first ``row.k`` draft tokens or its match: it draws nothing past them (its
     random stream advances as if it were alone) and its later slots are filler. A row whose
     logits come out NaN/inf fails alone (its result's ``error``); the others go on as they
@@ -142,7 +142,7 @@ def batched_round(
     n = len(rows)
     k = k if any(row.model_k for row in rows) else 0
     failed: dict[int, str] = {}
-    drafts, q = draft_rows(draft, rows, k, failed) if k else (np.zeros((n, 0), np.int64), [])
+    drafts, q = draft_rows(draft, rows, k, failed, start) if k else (np.zeros((n, 0), np.int64), [])
     drafts_per_row = [row.match or own for row, own in zip(rows, drafts.tolist())]
     drafted_at = time.perf_counter()
 
@@ -200,16 +200,21 @@ def _row_verdict(failed: dict[int, str], i: int, *verify_args) -> tuple[int, int
 
 
 def draft_rows(
-    draft: RowsDecoder, rows: list[RowRound], k: int, failed: dict[int, str] | None = None
+    draft: RowsDecoder,
+    rows: list[RowRound],
+    k: int,
+    failed: dict[int, str] | None = None,
+    start: int = 0,
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
-    """K draft tokens for every row ``[n, K]`` and, per sampled row, the distributions they
-    were drawn from ``[K, V]``. The first call feeds each row what it has not yet seen (1
-    token, or 2 after a fully accepted round), right-padded to the longest (`catch_up` first
-    when the draft is further behind). A row whose draft logits are NaN/inf is recorded in
-    ``failed`` (its drafts are filler) instead of failing the others."""
+    """K draft tokens for every row ``[n, K]`` (rows in slots ``start ..``) and, per sampled
+    row, the distributions they were drawn from ``[K, V]``. The first call feeds each row what
+    it has not yet seen (1 token, or 2 after a fully accepted round), right-padded to the
+    longest (`catch_up` first when the draft is further behind). A row whose draft logits are
+    NaN/inf is recorded in ``failed`` (its drafts are filler) instead of failing the others."""
     failed = {} if failed is None else failed
     n = len(rows)
-    unseen = [row.tokens[length:] for row, length in zip(rows, draft.lengths[:n].tolist())]
+    lengths = draft.lengths[start : start + n].tolist()
+    unseen = [row.tokens[length:] for row, length in zip(rows, lengths)]
     ids, fed = _right_padded(unseen)
     width = ids.shape[1]
     newest = (np.arange(n), fed - 1)  # each row's newest real token, in the first call's output
@@ -220,10 +225,11 @@ def draft_rows(
     need = NEED_ARGMAX if greedy else NEED_LOGITS
     for step in range(k):
         if step == 0 and width > 1:
-            picked = _pick(draft.forward_rows(ids, keep_last=width, fed=fed, need=need), newest)
+            out = draft.forward_rows(ids, keep_last=width, fed=fed, start=start, need=need)
+            picked = _pick(out, newest)
         else:
             fed_now = ids if step == 0 else drafts[:, step - 1 : step]
-            out = draft.forward_rows(fed_now, keep_last=1, need=need)
+            out = draft.forward_rows(fed_now, keep_last=1, start=start, need=need)
             picked = _pick(out, (slice(None), 0))
         if greedy and not failed:
             try:
@@ -277,17 +283,17 @@ def _flat(out: Forward) -> Forward:
     )
 
 
-def catch_up(draft: RowsDecoder, rows: list[RowRound]) -> None:
+def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> None:
     """Feed the draft all but the newest of the tokens it has not seen, where it is more than
     two behind (after rounds without drafting), so that a round's first draft call feeds each
-    row one or two tokens."""
-    n = len(rows)
-    unseen = [row.tokens[length:-1] for row, length in zip(rows, draft.lengths[:n].tolist())]
+    row one or two tokens (rows in slots ``start ..``)."""
+    lengths = draft.lengths[start : start + len(rows)].tolist()
+    unseen = [row.tokens[length:-1] for row, length in zip(rows, lengths)]
     longest = max(map(len, unseen))
     if longest > 1:  # whole prompts, where the draft skipped them: a chunk at a time
         for offset in range(0, longest, PREFILL_CHUNK):
             ids, fed = _right_padded([tokens[offset : offset + PREFILL_CHUNK] for tokens in unseen])
-            draft.forward_rows(ids, keep_last=1, fed=fed)
+            draft.forward_rows(ids, keep_last=1, fed=fed, start=start)
 
 
 def _right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
