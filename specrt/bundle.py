@@ -364,6 +364,8 @@ def _validate_view(label: str, spec: ModelSpec, vocab_size: int) -> None:
     for name, low in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1), ("vocab_size", 1)):
         _at_least(f"{label}.{name}", getattr(spec, name), low)
     _at_least(f"{label}.max_positions", spec.max_positions, 2)
+    if spec.sliding_window is not None:
+        _at_least(f"{label}.sliding_window", spec.sliding_window, 1)
     if spec.dtype not in DTYPES:
         _range_error(f"{label}.dtype", spec.dtype, f"one of {DTYPES}")
     if not spec.files:

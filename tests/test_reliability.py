@@ -173,6 +173,10 @@ def target(data):
     return data["models"]["target"]
 
 
+def engine(data):
+    return target(data)["engines"]["onnxruntime"]
+
+
 MANIFEST_EDITS = {
     "models-list": (lambda m: m.update(models=[1]), "manifest.models is a list, not an object"),
     "eos-int": (lambda m: m["tokenizer"].update(eos_token_ids=0), "eos_token_ids is an integer"),
@@ -196,6 +200,12 @@ MANIFEST_EDITS = {
     "io-missing": (lambda m: target(m).pop("io"), "manifest.models.target.io is missing"),
     "layers-float": (lambda m: target(m).update(num_layers=2.5), "num_layers is a number"),
     "cache": (lambda m: target(m).update(cache="paged"), "cache kind 'paged'"),
+    "window-neg": (lambda m: engine(m).update(sliding_window=-1), "sliding_window is -1"),
+    "io-argmax": (lambda m: engine(m)["io"].update(argmax="x"), "graph lacks ['x']"),
+    "io-local-mask": (
+        lambda m: engine(m)["io"].update(local_attention_mask="x"),
+        "graph lacks ['x']",
+    ),
 }
 
 

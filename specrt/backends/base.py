@@ -147,10 +147,12 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
         io.total_length,
         io.logits_to_keep,
         io.cache_indices,
+        io.local_attention_mask,
     )
     wanted += [n for n in optional if n]
     produced = [io.logits, *io.present_keys, *io.present_values]
-    produced += [io.probabilities] if io.probabilities else []
+    optional = (io.probabilities, io.argmax, io.max_logit, io.max_probability)
+    produced += [n for n in optional if n]
     missing = [n for n in wanted if n not in inputs] + [n for n in produced if n not in outputs]
     if missing:
         raise BundleError(
