@@ -109,6 +109,37 @@ def test_cancel_and_dropped_iterators_free_their_slots(service, serial):
     assert after.result(timeout=30).text == serial[PROMPTS[2]].text
 
 
+def test_seeded_requests_beside_greedy_ones(service, serial):
+    """Seeded sampled requests run in their own slots and calls: each gives what it gives
+    alone, the greedy ones beside them give their serial output, and cancelling a seeded one
+    in the middle frees its slot for the rest."""
+    seeded = GenerationConfig(max_new_tokens=20, temperature=1.0, num_draft_tokens=3, seed=5)
+    greedy = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    alone = {p: service.submit(p, seeded).result(timeout=30).token_ids for p in PROMPTS[:4]}
+    long = GenerationConfig(
+        max_new_tokens=200, temperature=1.0, num_draft_tokens=3, seed=9, ignore_eos=True
+    )
+    cancelled = service.submit(PROMPTS[5], long)
+    next(iter(cancelled))  # it is running
+
+    def client(item: tuple[str, str]):
+        prompt, kind = item
+        if kind == "cancel":
+            cancelled.cancel()
+            return cancelled.result(timeout=30)
+        return service.submit(prompt, seeded if kind == "seeded" else greedy).result(timeout=60)
+
+    items = [(p, "seeded") for p in PROMPTS[:4]] + [(p, "greedy") for p in PROMPTS[4:12]]
+    outputs = in_threads(client, [*items, ("", "cancel")])
+    assert outputs[("", "cancel")].finish_reason == "cancelled"
+    for (prompt, kind), result in outputs.items():
+        if kind == "seeded":
+            assert result.token_ids == alone[prompt], prompt
+        elif kind == "greedy":
+            assert result.token_ids == serial[prompt].token_ids, prompt
+    assert service.running == 0
+
+
 def test_a_full_service_is_overloaded(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=1)
     long = GenerationConfig(max_new_tokens=100, num_draft_tokens=2, ignore_eos=True)
