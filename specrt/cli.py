@@ -404,14 +404,15 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
     required=True,
     type=click.Path(path_type=Path),
     help='JSONL: {"id", "prompt", optional "max_new_tokens", "temperature", "top_k", "top_p", '
-    '"seed", "num_draft_tokens", "stop", "proposer"}, or OpenAI batch-file lines.',
+    '"seed", "num_draft_tokens", "stop", "proposer"}, or OpenAI batch-file lines ("-": stdin).',
 )
 @click.option(
     "--output",
     "output_path",
     required=True,
     type=click.Path(path_type=Path),
-    help="JSONL results, one per row as it finishes; rerun to resume after a crash.",
+    help='JSONL results, one per row as it finishes; rerun to resume after a crash ("-": '
+    "stdout, which cannot be resumed).",
 )
 @click.option("--summary", type=click.Path(path_type=Path), help="Write the summary as JSON.")
 @click.option("--progress/--no-progress", default=None, help="A progress bar [on a terminal].")
@@ -446,9 +447,11 @@ def batch(
 
     Up to --batch-size rows share each model call; the draft length adapts to the load (K = 0
     where drafting does not pay) unless --draft-schedule fixed is given."""
-    from specrt.jobs.batch import progress_bar, run_batch
+    from specrt.jobs.batch import progress_bar, run_batch, spooled
 
-    if input_path.resolve() == output_path.resolve():
+    if str(output_path) == "-":
+        output_path = Path("/dev/stdout")
+    elif input_path.resolve() == output_path.resolve():
         raise click.UsageError("--output must not be the --input file")
     if output_path.is_dir():
         raise click.UsageError(f"--output {output_path} is a directory; give a file")
@@ -466,7 +469,8 @@ def batch(
             f"{batch_size} has no effect",
             err=True,
         )
-    result = run_batch(generator, input_path, output_path, defaults, progress_bar(progress))
+    with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
+        result = run_batch(generator, rows, output_path, defaults, progress_bar(progress))
     report = result.to_dict()
     if summary is not None:
         summary.write_text(json.dumps(report, indent=2) + "\n")

@@ -89,6 +89,33 @@ def test_bad_rows_become_error_records(reference):
     assert 0 < summary["cache_bytes"] <= summary["cache_bytes_per_row"]  # one row, grown as needed
 
 
+def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
+    """``--input -`` reads stdin (spooled: the ids are checked first), ``--output -`` writes
+    the records to stdout and the summary to stderr; a full device fails with one line
+    instead of hanging (an output that cannot be read back is not read for resuming), and a
+    device as input is refused."""
+    root, expected, _ = reference
+    cmd = command(llama_bundle, Path("-"), Path("-"), "--batch-size", "4")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        cmd, input=(root / "in.jsonl").read_text(), capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr  # the bad rows, on purpose
+    streamed = tmp_path / "streamed.jsonl"
+    streamed.write_text(done.stdout)
+    assert results(streamed) == expected
+    assert "32 rows: 29 ok, 3 failed" in done.stderr
+    full = run(command(llama_bundle, root / "in.jsonl", Path("/dev/full")))
+    assert full.returncode == 1 and full.stderr.strip().splitlines() == [
+        "Error: No space left on device (free some space, or write somewhere else)"
+    ], full.stderr
+    device = run(command(llama_bundle, Path("/dev/zero"), tmp_path / "out.jsonl"))
+    assert device.returncode != 0 and "Traceback" not in device.stderr
+    assert "/dev/zero is a device, not a JSONL file" in device.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, tmp_path):
     root, expected, _ = reference
     input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"

@@ -10,7 +10,9 @@ row that cannot run (malformed, too long, a bad parameter): the job goes on.
 
 Crash-safe: rerunning the same command after a crash or ``kill -9`` skips the ids already in
 the output, so no row is lost or written twice; a last line torn by the crash is cut off and
-its row done again. Duplicate ids in the input are refused before any work.
+its row done again. Duplicate ids in the input are refused before any work. Stdin and pipes
+are spooled to a temporary file first; an output that is a pipe or a device (stdout,
+/dev/null) is written but cannot be resumed.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -110,6 +116,34 @@ class Summary:
         }
 
 
+@contextmanager
+def spooled(path: Path) -> Iterator[Path]:
+    """``path`` where it can be read twice (the ids are checked before any work): a file as it
+    is; stdin (``-``) or a pipe copied to a temporary file first, removed afterwards."""
+    if str(path) == "-":
+        source = sys.stdin.buffer
+    else:
+        try:
+            mode = path.stat().st_mode
+        except OSError:  # `read_rows` says what is wrong
+            mode = stat.S_IFREG
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            yield path
+            return
+        if not stat.S_ISFIFO(mode):
+            raise InvalidInputError(
+                f"input {path} is a device, not a JSONL file; give a file, or pipe it to --input -"
+            )
+        source = open(path, "rb")  # noqa: SIM115 - closed below
+    handle, name = tempfile.mkstemp(prefix="specrt-input-", suffix=".jsonl")
+    try:
+        with os.fdopen(handle, "wb") as spool, source:
+            shutil.copyfileobj(source, spool, 1 << 20)
+        yield Path(name)
+    finally:
+        os.unlink(name)
+
+
 def read_rows(path: Path) -> Iterator[Row]:
     """The input's rows, one per non-blank line, parsed as they are read."""
     try:
@@ -180,8 +214,8 @@ def check_ids(path: Path) -> int:
 def done_ids(output: Path) -> dict[str, bool]:
     """Ids already in ``output``, each with whether its record is an error. A last line without
     its newline (a crash mid-write) or that is not a whole JSON object is cut off, and its row
-    runs again."""
-    if not output.exists():
+    runs again. A pipe or a device (stdout, /dev/null) cannot be read back: nothing is done."""
+    if not output.is_file():
         return {}
     data = output.read_bytes()
     keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
@@ -245,7 +279,8 @@ def run_batch(
 
         for key, result in generator.run(requests()):
             write({"id": key, **result.to_dict()})
-        os.fsync(out.fileno())
+        if output_path.is_file():  # pipes and devices have nothing to sync
+            os.fsync(out.fileno())
     summary.wall_time_s = time.perf_counter() - started
     decoders = (generator.target, getattr(generator.drafter, "decoder", None))
     summary.cache_bytes = sum(getattr(d, "cache_bytes", 0) for d in decoders)
