@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +69,11 @@ def _read_bytes(name: str) -> bytes:
         return sys.stdin.buffer.read()
     try:
         with open(name, "rb") as handle:  # not Path.is_file(): pipes are files to read too
+            if stat.S_ISCHR(os.fstat(handle.fileno()).st_mode) and not handle.isatty():
+                raise InvalidInputError(  # /dev/zero would be read forever
+                    f"prompt file {name} is a device, not a file; give a file, or pipe it to "
+                    "--prompt-file -"
+                )
             return handle.read()
     except FileNotFoundError as exc:
         raise InvalidInputError(f"prompt file {name} does not exist") from exc

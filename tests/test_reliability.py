@@ -92,6 +92,8 @@ def test_prompts_from_stdin_and_a_pipe(llama_bundle, tmp_path):
     writer.join()
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["token_ids"] == expected["token_ids"]
+    output = one_clear_line(generate(llama_bundle, "--prompt-file", "/dev/zero"), 2)  # endless
+    assert "/dev/zero is a device" in output
 
 
 def test_prompt_that_is_not_utf8_text(llama_bundle):
