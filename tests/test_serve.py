@@ -146,6 +146,14 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
         (dict(logprobs=2), openai.BadRequestError, "logprobs is not supported"),
         (dict(echo=True), openai.BadRequestError, "echo is not supported"),
+        (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty is not"),
+        (dict(extra_body={"tool_choice": "auto"}), openai.BadRequestError, "tool_choice is not"),
+        (
+            dict(extra_body={"max_completion_tokens": 5}),
+            openai.BadRequestError,
+            "max_tokens and max_completion_tokens differ",
+        ),
+        (dict(extra_body={"colour": 1}), openai.BadRequestError, "unknown field(s) ['colour']"),
     ]
     for overrides, kind, words in cases:
         request = {**dict(model="tiny", prompt="Simple is", max_tokens=4), **overrides}
@@ -162,10 +170,20 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
     )
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt="Simple is", max_tokens=4).choices
-    off = client.completions.create(
-        model="tiny", prompt="Simple is", max_tokens=4, logprobs=None, echo=False
+    off = client.completions.create(  # what clients such as LangChain send: all "off"
+        model="tiny",
+        prompt="Simple is",
+        max_tokens=4,
+        logprobs=None,
+        echo=False,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        best_of=1,
+        user="someone",
+        extra_body={"max_completion_tokens": 4, "response_format": {"type": "text"}},
     )
-    assert off.choices[0].logprobs is None
+    assert off.choices[0].logprobs is None and off.usage.completion_tokens == 4
     assert client.models.list().data[0].id == "tiny"
 
 

@@ -28,6 +28,7 @@ from specrt.serve.metrics import Metrics
 # OpenAI request fields -> GenerationConfig fields (top_k is an extension, as in vLLM).
 FIELDS = {
     "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",  # chat's newer name
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
@@ -36,9 +37,23 @@ FIELDS = {
 }
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 COMPLETION, CHAT = "completion", "chat"
-# Fields accepted only when off (null, false, 0): specrt computes no log-probabilities and does
-# not echo the prompt.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo")
+# Fields accepted only at values that ask for nothing specrt does not do (clients such as
+# LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
+# or structured output.
+OFF_VALUES = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),  # vLLM's extension
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 IGNORED = {
     "model",
     "prompt",
@@ -47,7 +62,11 @@ IGNORED = {
     "n",
     "user",
     "stream_options",
-    *UNSUPPORTED,
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    *OFF_VALUES,
 }
 
 
@@ -134,14 +153,23 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
             raise _HttpError(
                 400, f"unknown field(s) {unknown}", "invalid_request_error", unknown[0]
             )
-        for field in UNSUPPORTED:  # accepted when off; on, an answer without them is wrong
-            if body.get(field):
+        for field, off in OFF_VALUES.items():  # on, an answer without them would be wrong
+            if body.get(field) not in off:
+                shown = " or ".join(json.dumps(o) for o in off[1:])
                 raise _HttpError(
                     400,
-                    f"{field} is not supported by specrt serve: leave it out (or null)",
+                    f"{field} is not supported by specrt serve: leave it out (or {shown})",
                     "invalid_request_error",
                     field,
                 )
+        lengths = [body[f] for f in ("max_tokens", "max_completion_tokens") if f in body]
+        if len(lengths) == 2 and lengths[0] != lengths[1]:
+            raise _HttpError(
+                400,
+                "max_tokens and max_completion_tokens differ: give one",
+                "invalid_request_error",
+                "max_completion_tokens",
+            )
         if kind == CHAT:
             prompt = chat_prompt(body.get("messages"))
         else:
