@@ -455,6 +455,8 @@ def batch(
         raise click.UsageError("--output must not be the --input file")
     if output_path.is_dir():
         raise click.UsageError(f"--output {output_path} is a directory; give a file")
+    if summary is not None and summary.is_dir():  # found now, not after the whole job
+        raise click.UsageError(f"--summary {summary} is a directory; give a file")
     defaults = GenerationConfig(**params)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     generator = _load(
@@ -473,6 +475,7 @@ def batch(
         result = run_batch(generator, rows, output_path, defaults, progress_bar(progress))
     report = result.to_dict()
     if summary is not None:
+        summary.parent.mkdir(parents=True, exist_ok=True)
         summary.write_text(json.dumps(report, indent=2) + "\n")
     click.echo(
         f"{result.rows} rows: {result.ok} ok, {result.failed} failed, {result.skipped} already "

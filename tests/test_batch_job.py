@@ -110,6 +110,15 @@ def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
     assert full.returncode == 1 and full.stderr.strip().splitlines() == [
         "Error: No space left on device (free some space, or write somewhere else)"
     ], full.stderr
+    summary = run(
+        command(llama_bundle, root / "in.jsonl", tmp_path / "out.jsonl", "--summary", tmp_path)
+    )
+    assert (
+        summary.returncode == 2
+        and "--summary" in summary.stderr
+        and "is a directory" in summary.stderr
+    )
+    assert not (tmp_path / "out.jsonl").exists()  # found before any work
     device = run(command(llama_bundle, Path("/dev/zero"), tmp_path / "out.jsonl"))
     assert device.returncode != 0 and "Traceback" not in device.stderr
     assert "/dev/zero is a device, not a JSONL file" in device.stderr
