@@ -97,13 +97,20 @@ def test_generate_keeps_the_order_of_the_prompts(llama_bundle):
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
 
 
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive", "heuristic"])
 @pytest.mark.parametrize("proposer", ["model", "lookup", "hybrid"])
-def test_a_seeded_row_is_the_same_whatever_shares_its_batch(llama_bundle, proposer):
+def test_a_seeded_row_is_the_same_whatever_shares_its_batch(llama_bundle, proposer, schedule):
     """Each row samples from its own stream: its tokens do not depend on the batch size or on
     its neighbours (other prompts, other settings, greedy rows, rows finishing early), whoever
-    proposes its drafts (batch 1 is the one-row loop)."""
+    proposes its drafts and whatever its draft schedule (batch 1 is the one-row loop; a
+    batched seeded row drafts by its own schedule as that loop does)."""
     seeded = GenerationConfig(
-        max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=7, proposer=proposer
+        max_new_tokens=24,
+        temperature=1.0,
+        num_draft_tokens=3,
+        seed=7,
+        proposer=proposer,
+        draft_schedule=schedule,
     )
     neighbours = [
         GenerationConfig(max_new_tokens=3 + i, temperature=0.6 + 0.1 * i, top_k=5 * i, seed=i)

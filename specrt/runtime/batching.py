@@ -25,7 +25,7 @@ from specrt.runtime.hybrid import HybridDrafter, MatchAcceptance, outcome
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RoundResult, RowRound, batched_round, catch_up, scheduled_round
-from specrt.runtime.schedules import DraftSchedule, LoadSchedule
+from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
@@ -66,6 +66,7 @@ class _Row:
     error: str | None = None  # why it failed (finish reason "error")
     # Its one-row drafter and schedule, and its own lookup (a hybrid is shared by rows)
     alone: tuple[Drafter, DraftSchedule, object] | None = None
+    schedule: DraftSchedule | None = None  # a seeded row's own, as in the one-row loop
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:
@@ -232,6 +233,10 @@ class BatchRunner:
         row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.reproducible:  # its draws follow its own outcomes alone, whatever the batch
+            drafts = k_max and config.proposer != "lookup"
+            name = config.draft_schedule if drafts else "fixed"
+            row.schedule = make_schedule(name, k_max, reproducible=True)
         if len(prompt) >= limit:
             row.finish_reason = "length"
         return row
@@ -252,6 +257,9 @@ class BatchRunner:
             config = row.request.config
             room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
             cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
+            if row.schedule is not None:  # K and the drafting's stop by the row's own schedule
+                cap = row.schedule.start_round(max(0, cap))
+                row.round.keep_drafting = row.schedule.keep_drafting
             model_k = 0 if config.proposer == "lookup" else min(k, cap)  # lookup: no model
             row.round.k, row.round.match = model_k, None
             proposal = None if skip else self._match(row, cap, k, schedule)
@@ -280,6 +288,8 @@ class BatchRunner:
                 finished.append(slot)
                 continue
             self.target.set_length(slot, len(row.tokens) + step.accepted)
+            if row.schedule is not None and step.source == "model":
+                row.schedule.update(step.drafted, step.accepted, step.draft_time_s, 0.0)
             self._settle(row, step)
             # The draft model saw the row up to the round's start; after it, its own tokens,
             # which stand only where they were the ones verified.

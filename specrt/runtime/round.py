@@ -112,7 +112,8 @@ class RowRound:
     """One row's part in a batched round: its tokens (the target's cache holds all but the
     newest), how to sample, its own random stream, and how many draft tokens it verifies:
     the first ``k`` of the model's (fewer near its length limit), or ``match``, tokens proposed
-    by matching (`LookupDrafter`: point masses) in their place."""
+    by matching (`LookupDrafter`: point masses) in their place. ``keep_drafting``: the row's
+    own schedule may stop its share early, as in the one-row loop (seeded rows)."""
 
     tokens: list[int]
     sampling: SamplingParams
@@ -120,6 +121,7 @@ class RowRound:
     k: int
     match: list[int] | None = None
     source: str = "model"
+    keep_drafting: KeepGoing | None = None
 
     @property
     def model_k(self) -> int:
@@ -242,9 +244,14 @@ def draft_rows(
                 drafts[i, step] = drafts[i, step - 1] if step else 0
                 continue
             try:
-                drafts[i, step] = _draft_token(row, i, step, picked, q)
+                drafts[i, step] = token = _draft_token(row, i, step, picked, q)
             except NumericalError as exc:
                 failed[i] = str(exc)
+                continue
+            if row.keep_drafting is not None:  # its confidence: the probability drawn with
+                confidence = float(q[i][step][token]) if q[i] is not None else 0.0
+                if not row.keep_drafting(step + 1, confidence):
+                    row.k = step + 1
     return drafts, q
 
 
