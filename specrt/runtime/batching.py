@@ -3,10 +3,10 @@ that finishes frees its slot for the next request at the round boundary (continu
 
 Rows live in slots 0 .. n-1 of both models' caches (a call covers a contiguous block); when a
 row finishes, the last row moves into its slot. Each row samples from its own random stream and
-uses only its own share of the round's draft tokens, so a seeded row's tokens do not depend on
-which rows share its batch, nor on how many, when its draft length is fixed (see
-`BatchRunner.draft_length`). Seeded sampled rows therefore run apart, in the last slots (the
-newest lowest) and their own calls: the others' draft length still follows the load.
+uses only its own share of the round's draft tokens. A seeded sampled row's share comes from
+its own schedule (as in the one-row loop), not from the load, so its tokens do not depend on
+which rows share its batch, nor on how many; such rows run apart, in the last slots (the
+newest lowest) and their own calls, and the others' draft length still follows the load.
 """
 
 from __future__ import annotations
@@ -426,11 +426,11 @@ class BatchRunner:
         return {slot: replace(p, tokens=p.tokens[:width]) for slot, p in found.items()}
 
     def draft_length(self, rows: list[_Row]) -> int:
-        """The round's K for every row. Fixed (each row's own ``num_draft_tokens``) when a row
-        samples under a seed: its draws must not depend on its neighbours or the machine's
-        speed. Otherwise the load schedule picks K for this many rows from measured round
-        times and acceptance (K = 0 when drafting does not pay at this batch size). K is
-        capped so that every row's positions fit in both caches."""
+        """The round's K for every row. For seeded sampled rows the most any may draft (each
+        row's own schedule takes its share: its draws must not depend on its neighbours or
+        the machine's speed). Otherwise the load schedule picks K for this many rows from
+        measured round times and acceptance (K = 0 when drafting does not pay at this batch
+        size). K is capped so that every row's positions fit in both caches."""
         k_max = max(
             row.request.config.num_draft_tokens
             if row.drafting and row.request.config.proposer != "lookup"
