@@ -337,6 +337,22 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"})
         assert bad.status_code == 400 and "messages must be" in bad.json()["error"]["message"]
+        parts = [  # OpenAI's newer content form: a list of text parts, joined by newlines
+            {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "def"}, {"type": "text", "text": "f"}],
+            },
+        ]
+        reply = client.chat.completions.create(model="tiny", messages=parts, max_tokens=12)
+        joined = "<system>be brief\n<user>def\nf\n<assistant>"
+        assert reply.usage.prompt_tokens == len(
+            generator.tokenizer.encode(joined, add_special_tokens=False)
+        )
+        image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+        body = {"messages": [{"role": "user", "content": image}]}
+        bad = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert bad.status_code == 400 and "only text parts" in bad.json()["error"]["message"]
 
 
 def test_a_taken_port_or_a_bad_host_fails_before_the_bundle_loads(llama_bundle):

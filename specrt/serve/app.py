@@ -251,6 +251,12 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
     def chat_prompt(messages: object) -> list[int]:
         """The conversation rendered by the bundle's chat template, as token ids (the template
         writes the special tokens itself)."""
+        if isinstance(messages, list):
+            messages = [
+                {**m, "content": _text_of(m["content"])} if isinstance(m, dict) and "content" in m
+                else m
+                for m in messages
+            ]  # fmt: skip
         if not (
             isinstance(messages, list)
             and messages
@@ -263,7 +269,8 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
         ):
             raise _HttpError(
                 400,
-                'messages must be a non-empty list of {"role": str, "content": str}',
+                'messages must be a non-empty list of {"role": str, "content": str, or a list '
+                'of {"type": "text", "text": str} parts}',
                 "invalid_request_error",
                 "messages",
             )
@@ -285,6 +292,27 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
 
 
 _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's
+
+
+def _text_of(content: object) -> object:
+    """A message's content as text: a list of text parts (OpenAI's newer form) joined by
+    newlines, as vLLM does; anything else as it is (checked by the caller)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _HttpError(
+                400,
+                f"message content part of type {kind!r}: only text parts are supported",
+                "invalid_request_error",
+                "messages",
+            )
+        if not isinstance(part.get("text"), str):
+            return None  # reported as a malformed message
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def usage(result: GenerationResult) -> dict:
