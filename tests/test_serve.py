@@ -165,6 +165,12 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         assert words in caught.value.response.json()["error"]["message"]
     raw = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=10)
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    nulls = dict.fromkeys(["temperature", "top_p", "seed", "stop", "n", "stream", "max_tokens"])
+    raw = httpx.post(f"{url}/v1/completions", json={"prompt": "Simple is", **nulls}, timeout=30)
+    assert raw.status_code == 200, raw.text  # null is the default, as OpenAI reads it
+    assert raw.json()["usage"]["completion_tokens"] <= 16  # the default max_tokens
+    raw = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": "4"}, timeout=10)
+    assert raw.status_code == 400 and 'max_tokens="4"' in raw.json()["error"]["message"]
     chat = httpx.post(
         f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
     )

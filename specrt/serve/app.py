@@ -146,6 +146,7 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
                 "not_found_error",
                 "model",
             )
+        body = {key: value for key, value in body.items() if value is not None}  # null: default
         if body.get("n", 1) != 1:
             raise _HttpError(400, "only n = 1 is supported", "invalid_request_error", "n")
         unknown = sorted(set(body) - set(FIELDS) - IGNORED)
@@ -192,12 +193,11 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
                 )
         options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
         options.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
-        if options.get("stop") is None:
-            options.pop("stop", None)
-        if isinstance(options.get("max_new_tokens"), int) and options["max_new_tokens"] < 1:
+        length = options["max_new_tokens"]
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise _HttpError(
                 400,
-                f"max_tokens={options['max_new_tokens']}: use an integer >= 1",
+                f"max_tokens={json.dumps(length)}: use an integer >= 1",
                 "invalid_request_error",
                 "max_tokens",
             )
