@@ -191,6 +191,9 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
     )
     assert off.choices[0].logprobs is None and off.usage.completion_tokens == 4
     assert client.models.list().data[0].id == "tiny"
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
 
 
 def test_disconnects_mid_stream_free_their_slots(server, client, reference):

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over a `specrt.runtime.service.Service` (Starlette).
 
 ``POST /v1/completions`` (``stream`` as server-sent events), ``POST /v1/chat/completions``
-(rendered with the bundle's chat template; 400 without one), ``GET /v1/models``, ``GET /health``,
+(rendered with the bundle's chat template; 400 without one), ``GET /v1/models`` (and
+``/v1/models/{id}``), ``GET /health``,
 ``GET /metrics`` (Prometheus). Errors are OpenAI-style bodies: 400 bad request, 404 unknown
 model, 413 prompt too long, 429 overloaded.
 """
@@ -83,15 +84,17 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
             {"status": "ok", "running": service.running, "waiting": service.waiting}
         )
 
+    model = {"id": model_name, "object": "model", "created": created, "owned_by": "specrt"}
+
     async def models(request: Request) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"id": model_name, "object": "model", "created": created, "owned_by": "specrt"}
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def one_model(request: Request) -> Response:
+        asked = request.path_params["name"]
+        if asked != model_name:
+            message = f"model {asked!r} is not served here (this is {model_name!r})"
+            return error(404, message, "not_found_error", "model")
+        return JSONResponse(model)
 
     async def metrics_page(request: Request) -> Response:
         body, content_type = metrics.exposition()
@@ -284,6 +287,7 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
     routes = [
         Route("/health", health),
         Route("/v1/models", models),
+        Route("/v1/models/{name:path}", one_model),
         Route("/metrics", metrics_page),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
