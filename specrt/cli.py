@@ -512,6 +512,13 @@ def _proposer_line(proposers: dict[str, dict]) -> str:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--model-name", default=None, help="The model id clients ask for [bundle name].")
 @click.option(
+    "--api-key",
+    envvar="SPECRT_API_KEY",
+    show_envvar=True,
+    default=None,
+    help="Clients must send it as a bearer token on /v1 (/health and /metrics stay open).",
+)
+@click.option(
     "--batch-size",
     type=click.IntRange(1, MAX_BATCH),
     default=DEFAULT_SERVE_BATCH_SIZE,
@@ -550,6 +557,7 @@ def serve(
     host,
     port,
     model_name,
+    api_key,
     batch_size,
     max_waiting,
     num_draft_tokens,
@@ -587,7 +595,10 @@ def serve(
         f"{per_slot / 2**20:.1f} MiB each (--batch-size sets how many)",
         err=True,
     )
-    run_server(generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock)
+    run_server(
+        generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock,
+        api_key=api_key or None,
+    )  # fmt: skip
 
 
 @main.command()

@@ -364,6 +364,25 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         assert bad.status_code == 400 and "only text parts" in bad.json()["error"]["message"]
 
 
+def test_an_api_key_guards_the_v1_routes(llama_bundle):
+    """With --api-key, /v1 wants it as a bearer token (the openai client sends its api_key so):
+    a wrong or missing key gets OpenAI's 401, streaming works with the right one, and the
+    health probe and the metrics scraper need none."""
+    with running_server(llama_bundle, "--api-key", "s3cret") as (url, _):
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as caught:
+            wrong.completions.create(model="tiny", prompt="Simple is", max_tokens=4)
+        assert caught.value.response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        right = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        chunks = list(
+            right.completions.create(model="tiny", prompt="Simple is", max_tokens=4, stream=True)
+        )
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200
+
+
 def test_a_taken_port_or_a_bad_host_fails_before_the_bundle_loads(llama_bundle):
     """One line naming the address and what to do, a non-zero exit, no traceback, and before
     the bundle loads (minutes for large engines): the load's own line never shows."""

@@ -9,12 +9,14 @@ model, 413 prompt too long, 429 overloaded.
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -71,9 +73,12 @@ IGNORED = {
 }
 
 
-def create_app(service: Service, model_name: str, defaults: GenerationConfig) -> Starlette:
+def create_app(
+    service: Service, model_name: str, defaults: GenerationConfig, api_key: str | None = None
+) -> Starlette:
     """The app serving ``service`` as model ``model_name``; ``defaults``: the config a request
-    starts from (its num_draft_tokens and draft schedule, above all)."""
+    starts from (its num_draft_tokens and draft schedule, above all). ``api_key``: the /v1
+    routes answer only requests bearing it (`BearerKey`)."""
     metrics = Metrics(service)
     created = int(time.time())
     tokenizer = service.generator.tokenizer
@@ -292,7 +297,31 @@ def create_app(service: Service, model_name: str, defaults: GenerationConfig) ->
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    middleware = [Middleware(BearerKey, key=api_key)] if api_key else []
+    return Starlette(routes=routes, middleware=middleware)
+
+
+class BearerKey:
+    """The /v1 routes answer only requests with ``Authorization: Bearer <key>`` (as OpenAI and
+    vLLM's ``--api-key``); /health and /metrics stay open for probes and scrapers. Plain ASGI,
+    so streamed answers and client disconnects pass through untouched."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "missing or wrong API key: send it as Authorization: Bearer <key>"
+                response = JSONResponse(
+                    {"error": {"message": message, "type": "invalid_request_error",
+                               "param": None, "code": "invalid_api_key"}},
+                    status_code=401,
+                )  # fmt: skip
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's

@@ -60,12 +60,13 @@ def serve(
     max_waiting: int = 64,
     shutdown_s: float = 30.0,
     sock: socket.socket | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Serve ``generator`` until SIGTERM / SIGINT, on ``sock`` (from `listen`) or on a socket
-    bound to ``host:port`` now."""
+    bound to ``host:port`` now; with ``api_key``, the /v1 routes want it as a bearer token."""
     sock = sock or listen(host, port)
     service = Service(generator, max_waiting=max_waiting)
-    app = create_app(service, model_name, defaults)
+    app = create_app(service, model_name, defaults, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
