@@ -169,6 +169,8 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
     raw = httpx.post(f"{url}/v1/completions", json={"prompt": "Simple is", **nulls}, timeout=30)
     assert raw.status_code == 200, raw.text  # null is the default, as OpenAI reads it
     assert raw.json()["usage"]["completion_tokens"] <= 16  # the default max_tokens
+    vllm_off = {"prompt": "Simple is", "max_tokens": 4, "top_k": -1}  # vLLM's "no filter"
+    assert httpx.post(f"{url}/v1/completions", json=vllm_off, timeout=30).status_code == 200
     raw = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": "4"}, timeout=10)
     assert raw.status_code == 400 and 'max_tokens="4"' in raw.json()["error"]["message"]
     chat = httpx.post(

@@ -201,6 +201,8 @@ def create_app(
                 )
         options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
         options.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
+        if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
+            options["top_k"] = 0  # vLLM's "no top-k filter", which its clients send
         length = options["max_new_tokens"]
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise _HttpError(
