@@ -35,7 +35,8 @@ DEFAULT_BATCH_SIZE = 8  # rows per call of `specrt batch` (best measured on the 
 DEFAULT_SERVE_BATCH_SIZE = 16
 MAX_BATCH = 256
 # Rounds without a model draft that skip looking for matches after the load schedule found
-# them not worth verifying (their acceptance is learnt only from verified ones, so it stands)
+# them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
+# twice as many each time that holds, up to 8x
 MATCH_RECHECK_EVERY = 8
 
 
@@ -101,6 +102,7 @@ class BatchRunner:
         self.rows: list[_Row] = []  # in slots 0 .. len - 1
         self.seeded: list[_Row] = []  # seeded sampled rows: seeded[i] in slot max_batch - 1 - i
         self._matchless = 0  # rounds left that skip matching (`MATCH_RECHECK_EVERY`)
+        self._matchless_next = MATCH_RECHECK_EVERY
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         """Yield ``(key, result)`` for each request as it finishes (not in request order).
@@ -421,8 +423,10 @@ class BatchRunner:
         ]
         width = schedule.match_width(len(rows), curves)
         if not width:
-            self._matchless = MATCH_RECHECK_EVERY
+            self._matchless = self._matchless_next
+            self._matchless_next = min(2 * self._matchless_next, 8 * MATCH_RECHECK_EVERY)
             return {}
+        self._matchless_next = MATCH_RECHECK_EVERY
         return {slot: replace(p, tokens=p.tokens[:width]) for slot, p in found.items()}
 
     def draft_length(self, rows: list[_Row]) -> int:
