@@ -335,6 +335,47 @@ def test_checks_of_the_k_not_taken_cost_a_bounded_share_of_the_time():
     assert checks[40.0] < checks[0.0]
 
 
+def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, monkeypatch):
+    """Where the load schedule keeps finding the rows' matches not worth verifying, rounds
+    without a model draft stop looking for them for 8, 16, ... 64 rounds; the rows' output is
+    the target alone's either way."""
+    import specrt.runtime.batching as batching
+    from specrt.runtime.schedules import LoadSchedule
+
+    class NoMatches(LoadSchedule):  # the model never drafts, no width of matches pays
+        def _choose(self, rows: int, k_max: int) -> int:
+            return 0
+
+        def match_width(self, rows: int, curves: list[list[float]]) -> int:
+            return 0
+
+    calls = []
+    real = batching.find_match
+    monkeypatch.setattr(batching, "find_match", lambda *a: calls.append(1) or real(*a))
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    ids = generator.encode_prompts(["Simple is better " * 2, "def f(x): return x; def f"] * 2)
+
+    def run(config: GenerationConfig) -> list[list[int]]:
+        runner = BatchRunner(
+            generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+        )
+        runner.schedules["load"] = NoMatches()
+        requests = [Request(i, p, config, np.random.default_rng([3, i])) for i, p in enumerate(ids)]
+        results = dict(runner.run(requests))
+        return [results[i].token_ids for i in range(len(ids))]
+
+    options = dict(max_new_tokens=100, temperature=1.0, ignore_eos=True)
+    alone = run(GenerationConfig(num_draft_tokens=0, **options))
+    assert not calls
+    hybrid = GenerationConfig(
+        num_draft_tokens=4, draft_schedule="adaptive", proposer="hybrid", **options
+    )
+    assert run(hybrid) == alone
+    rounds = 99  # after each row's first token
+    assert 0 < len(calls) <= 4 * 6, len(calls)  # rounds 1, 10, 27, 60 (skips of 8, 16, 32)
+    assert len(calls) < 4 * rounds / 8
+
+
 def test_greedy_and_sampled_rows_learn_how_matches_fare_apart(llama_bundle):
     """A sampled row keeps a matched token only with probability p(x), a greedy one whenever it
     is the argmax: mixed in one estimate, each kind would be judged by the other's."""
