@@ -335,6 +335,28 @@ def test_checks_of_the_k_not_taken_cost_a_bounded_share_of_the_time():
     assert checks[40.0] < checks[0.0]
 
 
+def test_a_check_waits_until_the_drafts_backlog_is_repaid():
+    """The draft's catch-up before a check grows with the tokens it skipped: once a catch-up
+    has been timed per token, a check waits until the rounds since repay the one it would
+    need now, not the last one's (which, early, caught up on little)."""
+    from specrt.runtime.schedules import LOAD_EXPLORE_SHARE, LoadSchedule
+
+    def checks(backlog: int) -> int:
+        schedule, rng = LoadSchedule(), np.random.default_rng(4)
+        schedule.charge(0.001, 10)  # 0.1 ms a token, measured
+        count = 0
+        for _ in range(2000):  # rounds of 1 s where drafting never pays
+            k = schedule.choose(8, 4, backlog)
+            count += k > 0
+            accepted = [int(np.argmin(np.append(rng.random(k) < 0.3, False))) for _ in range(8)]
+            schedule.update(8, k, 1.0 + k, [_Part(k)] * 8, [_Step(a) for a in accepted])
+        return count
+
+    assert checks(0) > checks(10**6) >= 3  # the first three rounds of K = 1 measure it
+    # 10^6 tokens are 100 s to catch up on: at 2% that is 5000 s of rounds, more than 2000
+    assert checks(10**6) == 3, LOAD_EXPLORE_SHARE
+
+
 def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, monkeypatch):
     """Where the load schedule keeps finding the rows' matches not worth verifying, rounds
     without a model draft stop looking for them for 8, 16, ... 64 rounds; the rows' output is

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from specrt.errors import OverloadedError
+from specrt.errors import OverloadedError, SpecrtError
 from specrt.export.tiny import make_tokenizer
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.service import Service
@@ -138,6 +138,26 @@ def test_seeded_requests_beside_greedy_ones(service, serial):
         elif kind == "greedy":
             assert result.token_ids == serial[prompt].token_ids, prompt
     assert service.running == 0
+
+
+def test_a_round_that_raises_fails_its_requests_instead_of_hanging_them(service, serial):
+    """A bug in a round (here an exception the runner raises once) ends the requests in flight
+    with an error; the service goes on serving the next ones."""
+    step = service._runner.step
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return step()
+
+    service._runner.step = broken
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    handle = service.submit(PROMPTS[0], config)
+    with pytest.raises(SpecrtError, match="internal error in the service: RuntimeError"):
+        handle.result(timeout=30)
+    assert service.submit(PROMPTS[2], config).result(timeout=30).text == serial[PROMPTS[2]].text
 
 
 def test_a_full_service_is_overloaded(llama_bundle):

@@ -275,8 +275,8 @@ class BatchRunner:
         parts = [row.round for row in rows]
         if k:  # a draft behind after rounds without drafting: not a cost of this K
             started = time.perf_counter()
-            catch_up(self.draft, parts, start)
-            schedule.charge(time.perf_counter() - started)
+            fed = catch_up(self.draft, parts, start)
+            schedule.charge(time.perf_counter() - started, fed)
         lengths = [len(row.tokens) for row in rows]
         started = time.perf_counter()
         steps = batched_round(self.target, self.draft, parts, k, start)
@@ -444,7 +444,9 @@ class BatchRunner:
         k_max = max(0, min(k_max, self._fits(rows)))
         if k_max == 0 or self._reproducible(rows):
             return k_max
-        return self._schedule(rows).choose(len(rows), k_max)
+        lengths = self.draft.lengths[: len(rows)].tolist()  # rows from slot 0 (not seeded)
+        backlog = sum(max(0, len(row.tokens) - 1 - n) for row, n in zip(rows, lengths))
+        return self._schedule(rows).choose(len(rows), k_max, backlog)
 
     def _fits(self, rows: list[_Row]) -> int:
         """Draft tokens every row's positions fit in both caches."""

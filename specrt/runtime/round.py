@@ -290,17 +290,19 @@ def _flat(out: Forward) -> Forward:
     )
 
 
-def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> None:
+def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> int:
     """Feed the draft all but the newest of the tokens it has not seen, where it is more than
     two behind (after rounds without drafting), so that a round's first draft call feeds each
-    row one or two tokens (rows in slots ``start ..``)."""
+    row one or two tokens (rows in slots ``start ..``); the tokens fed."""
     lengths = draft.lengths[start : start + len(rows)].tolist()
     unseen = [row.tokens[length:-1] for row, length in zip(rows, lengths)]
     longest = max(map(len, unseen))
-    if longest > 1:  # whole prompts, where the draft skipped them: a chunk at a time
-        for offset in range(0, longest, PREFILL_CHUNK):
-            ids, fed = _right_padded([tokens[offset : offset + PREFILL_CHUNK] for tokens in unseen])
-            draft.forward_rows(ids, keep_last=1, fed=fed, start=start)
+    if longest <= 1:
+        return 0
+    for offset in range(0, longest, PREFILL_CHUNK):  # whole prompts, where the draft skipped
+        ids, fed = _right_padded([tokens[offset : offset + PREFILL_CHUNK] for tokens in unseen])
+        draft.forward_rows(ids, keep_last=1, fed=fed, start=start)
+    return sum(map(len, unseen))
 
 
 def _right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -396,8 +396,13 @@ class LoadSchedule:
         self._checked_best, self._side = -1, 1
         self._since_seconds, self._check_cost = 0.0, 0.0  # round time since, cost of, a check
         self._checking: int | None = None  # the best K, while a check's round runs
+        self._catch_up_s: float | None = None  # per token the draft catches up on
+        self._backlog = 0  # tokens it would catch up on before a round drafting now
 
-    def choose(self, rows: int, k_max: int) -> int:
+    def choose(self, rows: int, k_max: int, backlog: int = 0) -> int:
+        """K for a round of ``rows`` rows; ``backlog``: tokens the draft would have to catch up
+        on first (after rounds without drafting), which a check must repay too."""
+        self._backlog = backlog
         self.last_k = self._choose(rows, k_max)
         return self.last_k
 
@@ -416,7 +421,8 @@ class LoadSchedule:
         if best < k_max and best + 1 not in known:  # climb while one more token pays
             return best + 1
         self._since_check += 1
-        repaid = self._since_seconds * LOAD_EXPLORE_SHARE >= self._check_cost
+        due = max(self._check_cost, self._backlog * (self._catch_up_s or 0.0))
+        repaid = self._since_seconds * LOAD_EXPLORE_SHARE >= due
         if self._since_check >= self._check_every and repaid:  # re-measure a neighbour
             # A best that held since the last check is checked half as often (up to 16x).
             held = best == self._checked_best
@@ -505,10 +511,12 @@ class LoadSchedule:
             self.reached[position] + prior
         )
 
-    def charge(self, seconds: float) -> None:
+    def charge(self, seconds: float, tokens: int = 0) -> None:
         """Count ``seconds`` spent for the round about to run beyond its own time (the draft
-        catching up) in what the current check costs."""
+        catching up on ``tokens``) in what the current check costs."""
         self._check_cost += seconds
+        if tokens:
+            self._catch_up_s = _average(self._catch_up_s, seconds / tokens, 0.5)
 
     def update(self, rows: int, k: int, seconds: float | None, parts: list, steps: list) -> None:
         """Record a round of ``rows`` rows drafting ``k``: its wall time (None: not a time of

@@ -312,9 +312,18 @@ class Service:
                         self._round()
             except SpecrtError as exc:  # a model failure: fail what ran, keep serving
                 log.error("specrt service: %s", exc)
-                for key in list(self._running):
-                    self._runner.cancel(key)
-                    self._running.pop(key)._finish(None, exc)
+                self._fail_running(exc)
+            except Exception as exc:  # a bug: its requests get an error, never a hang
+                log.exception("specrt service: a round failed")
+                self._fail_running(SpecrtError(f"internal error in the service: {exc!r}"))
+
+    def _fail_running(self, exc: SpecrtError) -> None:
+        for key in list(self._running):
+            try:
+                self._runner.cancel(key)
+            except Exception:  # noqa: BLE001 - the runner may be what broke; the slot is lost
+                log.exception("specrt service: could not free a slot")
+            self._running.pop(key)._finish(None, exc)
 
     def _admit(self, handles: list[RequestHandle]) -> None:
         """Prefill the admitted requests together (one call per model) and hand out their
