@@ -443,9 +443,9 @@ def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
     schedule.rounds, schedule.last_k = 0, 0
     choose = schedule.choose
 
-    def counted(rows: int, k_max: int) -> int:
+    def counted(rows: int, k_max: int, backlog: int = 0) -> int:
         schedule.rounds += 1
-        return choose(rows, k_max)
+        return choose(rows, k_max, backlog)
 
     schedule.choose = counted
     config = GenerationConfig(
