@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from specrt.bench.costs import step_seconds
@@ -52,7 +53,8 @@ def main() -> None:
         }
     target = step_seconds(pair.target, context=256)
     in_loop = step_seconds(pair.draft, context=256)  # the draft's 1 thread
-    same_threads = load_pair(args.bundle, threads=args.threads, draft_threads=args.threads)
+    threads = args.threads or os.cpu_count() or 1  # the target's default: all cores
+    same_threads = load_pair(args.bundle, threads=args.threads, draft_threads=threads)
     draft = step_seconds(same_threads.draft, context=256)
     report["target_step_ms"] = target * 1e3
     report["draft_step_ms"] = draft * 1e3

@@ -54,15 +54,17 @@ class Plan:
     draft_lr: float
     eval_windows: int
     compile: bool
-    # Stage 2 (off in the shipped pair; docs/performance.md, session 8): the target on long
-    # windows, half of them a text followed by a copy of its beginning (stage 1's 256-token
-    # windows taught no position past 256), then the draft distilled again from it on them.
+    # Stage 2 (docs/performance.md, sessions 8, 9 and 12): the target on long windows, most of
+    # them a text followed by a copy of its beginning (stage 1's 256-token windows taught no
+    # position past 256, and a target that follows a copy is what prompt lookup needs), then
+    # the draft distilled again from it on them.
     long_seq: int
     long_steps: int
     long_batch: int
     long_lr: float
     redistill_steps: int
-    copy_fraction: float = 0.5
+    copy_fraction: float = 0.75
+    long_bf16: bool = True  # bf16 autocast: 0.93 s a step with AMX, float32 1.5 s
 
 
 FULL = Plan(
@@ -93,10 +95,10 @@ FULL = Plan(
     eval_windows=400,
     compile=True,
     long_seq=768,
-    long_steps=0,  # 240 measured: copies better, held-out text worse
+    long_steps=1500,
     long_batch=8,
-    long_lr=5e-4,
-    redistill_steps=0,  # 200 with it
+    long_lr=1e-3,
+    redistill_steps=300,
 )
 SMOKE = Plan(
     vocab=300,
@@ -391,9 +393,10 @@ def stage_two(
     times: dict,
 ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     """The target on long windows with copies; the draft distilled again from it."""
-    # Stage 2 draws from its own stream: the same whether stage 1 ran here or not. It runs in
-    # float32 without torch.compile: on this CPU bf16 autocast ran 16x slower uncompiled, and
-    # compiling the loaded models did not bring it back (a step of 768-token windows: 3 s).
+    # Each part of stage 2 draws from its own stream: the same whether stage 1 (or the target's
+    # part, --long-steps 0) ran in this process or not. No torch.compile: loaded models gained
+    # nothing from it. On a CPU without bf16 instructions (AMD EPYC, session 8) bf16 autocast
+    # ran 16x slower than float32: pass --long-fp32 there.
     generator = torch.Generator().manual_seed(seed + 1)
     t = time.time()
     train(
@@ -407,7 +410,7 @@ def stage_two(
         False,
         name="target (long, copies)",
         copy_fraction=plan.copy_fraction,
-        bf16=False,
+        bf16=plan.long_bf16,
     )
     train(
         draft,
@@ -416,12 +419,12 @@ def stage_two(
         plan.long_batch,
         plan.long_seq,
         plan.draft_lr / 3,
-        generator,
+        torch.Generator().manual_seed(seed + 2),
         False,
         teacher=target,
         name="draft (distilled again)",
         copy_fraction=plan.copy_fraction,
-        bf16=False,
+        bf16=plan.long_bf16,
     )
     times["stage2_s"] = time.time() - t
     return target, draft
@@ -444,9 +447,15 @@ def main() -> None:
     names += ("redistill_steps",)
     for name in names:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    for name in ("long_lr", "copy_fraction"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
+    parser.add_argument("--long-fp32", action="store_true", help="stage 2 in float32")
     args = parser.parse_args()
     plan = SMOKE if args.smoke else FULL
+    names += ("long_lr", "copy_fraction")
     overrides = {n: getattr(args, n) for n in names}
+    if args.long_fp32:
+        overrides["long_bf16"] = False
     plan = replace(plan, **{n: v for n, v in overrides.items() if v is not None})
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "heldout_prompts.jsonl", "w") as handle:
