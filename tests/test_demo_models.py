@@ -49,10 +49,15 @@ def test_training_script_smoke(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo_generator(tmp_path_factory):
+def demo_bundle(tmp_path_factory) -> Path:
     bundle = tmp_path_factory.mktemp("demo") / "bundle"
     export_bundle(DEMO / "target", DEMO / "draft", bundle, slim=True)  # as engines/demo.json
-    return SpeculativeGenerator.from_bundle(bundle)
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def demo_generator(demo_bundle):
+    return SpeculativeGenerator.from_bundle(demo_bundle)
 
 
 def test_shipped_pair_is_lossless_on_heldout_prompts(demo_generator):
@@ -66,3 +71,13 @@ def test_shipped_pair_is_lossless_on_heldout_prompts(demo_generator):
     rounds = sum(r.stats.rounds for r in spec)
     # the shipped pair really speculates well (MODEL_CARD.md): >= 2.3 tokens per target pass
     assert emitted / rounds >= 2.3
+
+
+def test_measure_script_runs(demo_bundle, tmp_path):
+    """`make measure-demo` (it once stopped on its own default of --threads)."""
+    out = tmp_path / "measurements.json"
+    script = REPO / "models" / "measure_demo.py"
+    command = [sys.executable, str(script), "--bundle", str(demo_bundle), "--out", str(out)]
+    subprocess.run([*command, "--prompts", "2", "--max-new-tokens", "8"], check=True)
+    report = json.loads(out.read_text())
+    assert report["greedy"]["tokens_per_round"] >= 1 and 0 < report["draft_cost_ratio"] < 1
