@@ -43,7 +43,7 @@ engines/.device-$(DEVICE):
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '$(PROMPT)')" --max-new-tokens 96 --compare
 
-# Retrain the shipped demo pair (about 75 minutes on 2 cores), then measure it for MODEL_CARD.md.
+# Retrain the shipped demo pair (about 100 minutes on 2 cores), then measure it for MODEL_CARD.md.
 demo-models: install
 	$(BIN)/python models/train_demo.py --out models/demo
 
