@@ -572,3 +572,29 @@ def test_admitted_rows_have_their_first_token_before_any_round(llama_bundle):
     assert [len(row.tokens) for row in runner.rows] == [len(p) + 1 for p in ids]
     for (key, result), _ in zip(runner.run([]), range(3)):  # the rest: the target's own
         assert result.token_ids[:1] == expected[key]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_the_caches_give_back_what_they_grew_once_every_row_left(
+    llama_bundle, monkeypatch, max_batch
+):
+    """Attention reads a cache's whole capacity, so after a long row the next rows would pay
+    for its positions: once no row is left (a new one-row sequence, an empty batch) both
+    caches shrink back to one step, and the rows after are still the target alone's."""
+    from specrt.backends import batched
+
+    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=max_batch)
+    alone = SpeculativeGenerator.from_bundle(llama_bundle)
+    caches = (generator.target, generator.drafter.decoder)
+    options = dict(ignore_eos=True, num_draft_tokens=3, proposer="model")
+    for prompts, new_tokens in ((PROMPTS, 40), (PROMPTS[:1], 4), (PROMPTS[1:3], 30)):
+        config = GenerationConfig(max_new_tokens=new_tokens, **options)
+        results = generator.generate(prompts, config)
+        expected = alone.generate(prompts, replace(config, num_draft_tokens=0))
+        assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+        capacity = [cache.capacity for cache in caches]
+        if new_tokens == 4:  # a short row after long ones
+            assert capacity == [16, 16]
+        else:
+            assert min(capacity) > 16

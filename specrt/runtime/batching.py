@@ -136,6 +136,9 @@ class BatchRunner:
         (and prompt chunk; seeded sampled rows in their own), and give each its first token
         (`active` has it); returns those finished at once (a prompt that fills its length, a
         first token that ends it)."""
+        if not self.rows and not self.seeded:  # the caches may give back what they grew
+            self.target.shrink()
+            self.draft.shrink()
         rows = [self._new_row(request) for request in requests]
         finished = [(row.request, self._result(row)) for row in rows if row.finish_reason]
         rows = [row for row in rows if not row.finish_reason]
