@@ -139,26 +139,32 @@ class HybridDrafter:
     def match_length(self, found: Proposal) -> int:
         """How many of the matched tokens to verify: the most tokens per second, or 0 where
         the model's rounds do better."""
-        seconds = self.verify_seconds
+        intercept, slope = self._verify_line()  # once: this runs every round, for 24 lengths
+        one = max(intercept + slope, 1e-9)
         best, best_rate = 0, 0.0
         expected_tokens = self.acceptance.expected_tokens(found, self.history)
         for length, expected in enumerate(expected_tokens, start=1):
-            rate = expected * seconds(1) / seconds(length + 1)
+            rate = expected * one / max(intercept + slope * (length + 1), 1e-9)
             if rate > best_rate:
                 best, best_rate = length, rate
         return best if best_rate >= self.model_rate else 0
 
     def verify_seconds(self, positions: int) -> float:
         """Predicted time of a verification pass over ``positions`` positions."""
+        intercept, slope = self._verify_line()
+        return max(intercept + slope * positions, 1e-9)
+
+    def _verify_line(self) -> tuple[float, float]:
+        """The fitted verification time as intercept + slope x positions."""
         centre = self.verify_time.mean()
         if centre is None:
-            return 1.0 + MIN_VERIFY_SLOPE * positions  # the scale cancels out: only ratios count
+            return 1.0, MIN_VERIFY_SLOPE  # the scale cancels out: only ratios count
         x, y = centre
         slope = self.verify_time.slope
         if slope is None:
             slope = MIN_VERIFY_SLOPE * y
         slope = min(max(slope, MIN_VERIFY_SLOPE * y), MAX_VERIFY_SLOPE * y)
-        return max(y + slope * (positions - x), 1e-9)
+        return y - slope * x, slope
 
     def observe(
         self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
