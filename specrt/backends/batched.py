@@ -258,8 +258,7 @@ class BatchedDecoder(RowsDecoder):
 
     def _grow(self, needed: int) -> None:
         super()._grow(needed)
-        self._shapes.clear()  # the masks span the capacity, and the bindings the buffers
-        self._bound = None
+        self._bound = None  # bound again at the next call (its masks fitted to the capacity)
         self._rows = None
 
     # ---------------------------------------------------------------------------------------
@@ -340,6 +339,8 @@ class BatchedDecoder(RowsDecoder):
             arrays.key = key
             if key[1] <= MAX_KEPT_CALL_TOKENS:
                 self._shapes[key] = arrays
+        elif arrays.capacity != self.capacity:  # the cache grew or shrank since
+            arrays.fit(self.capacity)
         io, binding = self.spec.io, self._binding
         self._logits_to_keep[0] = key[2]
         binding.bind_ortvalue_input(io.input_ids, arrays.values[0])
@@ -367,16 +368,22 @@ class _CallArrays:
         self.positions = np.zeros((n, count), dtype=np.int64)
         self.indices = np.zeros((n, count, 2), dtype=np.int64)
         self.indices[..., 0] = np.arange(n)[:, None]
-        self.slots = np.arange(capacity, dtype=np.int64)
-        self.mask = np.zeros((n, 1, count, capacity), dtype=bool)
-        self.values = [
-            shared_ortvalue(a) for a in (self.ids, self.positions, self.indices, self.mask)
-        ]
-        if local_mask:  # the local layers' mask
-            self.local_mask = np.zeros_like(self.mask)
-            self.local_value = shared_ortvalue(self.local_mask)
+        self.values = [shared_ortvalue(a) for a in (self.ids, self.positions, self.indices)]
+        self._local = local_mask
+        self.fit(capacity)
         self.outputs: dict[str, ort.OrtValue] = {}
         self.result = self.row_result = Forward(None)
+
+    def fit(self, capacity: int) -> None:
+        """The masks for a cache of ``capacity`` positions (the call writes them whole)."""
+        n, count, _ = self.shape
+        self.capacity = capacity
+        self.slots = np.arange(capacity, dtype=np.int64)
+        self.mask = np.zeros((n, 1, count, capacity), dtype=bool)
+        self.values[3:] = [shared_ortvalue(self.mask)]
+        if self._local:  # the local layers' mask
+            self.local_mask = np.zeros_like(self.mask)
+            self.local_value = shared_ortvalue(self.local_mask)
 
     def host_outputs(self, graph_vocab: int, vocab: int, probabilities: bool) -> None:
         """The logits (and the graph's softmax) into host arrays, cut to ``vocab``."""
