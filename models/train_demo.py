@@ -9,8 +9,8 @@ tokenizer, trained on the corpus and then distilled from the target (0.8 KL + 0.
     python models/train_demo.py --smoke --out /tmp/demo    # seconds: tiny sizes, a few steps
 
 Stage 2 (part of the shipped pair since session 12): ``--long-steps N --redistill-steps M``
-(1500 and 300 by default) go on training the target on 768-token windows, 3 in 4 of them a
-text followed by a copy of its beginning, then distil the draft again from it;
+(1500 and 600 by default) go on training the target on 768-token windows, 3 in 4 of them a
+text followed by a copy of its beginning, then distil the draft again from it on plain text;
 ``--continue-from DIR`` runs stage 2 alone on a pair from stage 1 (MODEL_CARD.md has the copy
 accuracy it reached, docs/performance.md sessions 8, 9 and 12 the speed it brought).
 
@@ -58,7 +58,7 @@ class Plan:
     # Stage 2 (docs/performance.md, sessions 8, 9 and 12): the target on long windows, most of
     # them a text followed by a copy of its beginning (stage 1's 256-token windows taught no
     # position past 256, and a target that follows a copy is what prompt lookup needs), then
-    # the draft distilled again from it on them.
+    # the draft distilled again from it on long windows.
     long_seq: int
     long_steps: int
     long_batch: int

@@ -90,8 +90,7 @@ class RowsDecoder(DecoderBase):
 
     def shrink(self) -> None:
         """With every row free, give back the capacity grown for earlier rows: attention reads
-        all of it, so the rows after a long one would go on paying for its positions (a step of
-        the demo target: 0.85 ms at 256 positions, 1.1 ms at 1024)."""
+        all of it, so the rows after a long one would go on paying for its positions."""
         first = min(self.max_positions, CAPACITY_STEP)
         if self.capacity > first and not self.lengths.any():
             self._grow(first)

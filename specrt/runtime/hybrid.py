@@ -30,8 +30,8 @@ from specrt.runtime.drafters import Draft, LookupDrafter, ModelDrafter
 from specrt.runtime.lookup import NO_PROPOSAL, Proposal
 from specrt.runtime.schedules import KeepGoing, LineFit
 
-# Proposed from a match at most; the round verifies the length with the most tokens per second.
-# Loops and copies run long: 24 over 10 measured 2.4x -> 2.9x on click held-out (docs, session 12).
+# Proposed from a match at most (loops and copies run long); the round verifies the length with
+# the most tokens per second, so a longer cap only allows more (docs/performance.md, session 12).
 MAX_MATCH_TOKENS = 24
 # Bounds of the fitted cost of one more verified position, as a share of a pass: it is
 # assumed at the lower one until two lengths were measured.
