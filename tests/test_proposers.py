@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specrt.backends import Forward
+import specrt.runtime.generator as generator_module
+from specrt.backends import Forward, base
 from specrt.export import SUPPORTED_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.lookup import NgramIndex, SuffixCache
@@ -239,3 +240,37 @@ def test_suffix_cache_off_leaks_nothing_across_requests(llama_bundle):
         )
         assert "suffix" in stats_of_later(shared, first=True)
         assert shared.suffix_cache.documents_added == 2
+
+
+def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, monkeypatch):
+    """A row's first token comes from one pass over what the prefill (whole chunks) left of the
+    prompt, not a pass of its own, and that pass also verifies a match where the hybrid finds
+    one worth it (no model runs for it): the output stays the target's."""
+    chunk = 16  # prefill chunks (PREFILL_CHUNK, 256) that fit the tiny model's 128 positions
+    monkeypatch.setattr(base, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(generator_module, "PREFILL_CHUNK", chunk)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    target, fed = generator.target, []
+    forward = target.forward
+
+    def counted(tokens, *args, **kwargs):
+        fed.append(len(tokens))
+        return forward(tokens, *args, **kwargs)
+
+    target.forward = counted  # the prefill's chunks go through it too
+    short = generator.encode_prompts([REPEATS[1]])[0][: chunk - 4]
+    long = (short * 4)[: chunk + 5]
+    alone = GenerationConfig(max_new_tokens=6, ignore_eos=True, num_draft_tokens=0)
+    hybrid = GenerationConfig(max_new_tokens=6, ignore_eos=True, proposer="hybrid")
+    for prompt, prefilled in ((short, []), (long, [chunk])):
+        rest = len(prompt) - sum(prefilled)
+        fed.clear()
+        [expected] = generator.generate([prompt], alone)
+        assert fed == prefilled + [rest] + [1] * 5  # one pass per new token, the first one too
+        fed.clear()
+        generator._hybrids.clear()  # priors only: what it learns from timing varies
+        [result] = generator.generate([prompt], hybrid)
+        assert result.token_ids == expected.token_ids
+        first = fed[len(prefilled)]
+        assert first > rest  # a match too
+        assert result.stats.proposers["lookup"]["proposed"] >= first - rest

@@ -4,7 +4,8 @@ interchangeable in the loop (as transformers' candidate generators are).
 ``prefill(tokens)`` shows the drafter a prompt; ``propose(tokens, k, ...)`` returns up to k draft
 tokens continuing ``tokens`` and, when sampling, the distributions they were drawn from (after
 the same warp the target gets); ``rollback(n)`` says that only ``tokens[:n]`` stand: the drafter
-keeps whatever state is still valid; ``observe(round)`` tells it how the round went.
+keeps whatever state is still valid; ``observe(round)`` tells it how the round went (its
+verification time None where the pass also fed the end of a prompt).
 
 `ModelDrafter` runs a small model; `LookupDrafter` matches the row against its own text (and a
 `SuffixCache` of earlier requests); `specrt.runtime.hybrid.HybridDrafter` picks between them
@@ -68,7 +69,12 @@ class Drafter(Protocol):
     def rollback(self, valid_length: int) -> None: ...
 
     def observe(
-        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+        self,
+        source: str,
+        drafted: int,
+        accepted: int,
+        draft_time_s: float,
+        verify_time_s: float | None,
     ) -> None: ...
 
 
@@ -94,7 +100,12 @@ class ModelDrafter:
         self.decoder.rollback(valid_length)
 
     def observe(
-        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+        self,
+        source: str,
+        drafted: int,
+        accepted: int,
+        draft_time_s: float,
+        verify_time_s: float | None,
     ) -> None:
         pass  # the draft-length schedule learns from model rounds
 
@@ -181,7 +192,12 @@ class LookupDrafter:
         pass  # the index holds accepted tokens only
 
     def observe(
-        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+        self,
+        source: str,
+        drafted: int,
+        accepted: int,
+        draft_time_s: float,
+        verify_time_s: float | None,
     ) -> None:
         pass
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from specrt.backends import Decoder, RowsDecoder
+from specrt.backends.base import PREFILL_CHUNK
 from specrt.errors import InvalidInputError, NumericalError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
@@ -20,7 +21,7 @@ from specrt.runtime.hybrid import HybridDrafter
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import first_token, scheduled_round
+from specrt.runtime.round import first_round, scheduled_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -280,24 +281,23 @@ class SpeculativeGenerator:
         finish_reason = "length"
         stopper, stop_text = self._stop_strings(config), None
 
-        # Both models see all but the last prompt token, which the target alone is fed next
-        # for the first new token. A draft with fewer positions than the prompt cannot follow:
-        # the target decodes alone.
+        # The draft sees all but the last prompt token; the target is prefilled in whole
+        # chunks, and the pass for the first new token feeds it the rest (one pass fewer). A
+        # draft with fewer positions than the prompt cannot follow: the target decodes alone.
         target.reset()
         drafter.reset()
         drafting = k_max > 0 and len(prompt) < drafter.max_positions
-        if len(prompt) > 1:
-            target.prefill(prompt[:-1])
-            if drafting:
-                drafter.prefill(prompt[:-1])
+        target.prefill(prompt[: (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK])
+        if drafting and len(prompt) > 1:
+            drafter.prefill(prompt[:-1])
 
         while len(tokens) < limit:
-            if len(tokens) == len(prompt):  # the first token: the target alone, at once
-                step = first_token(target, tokens, sampling, rng)
+            # A round emits at most k+1 tokens; every position fed must fit in each model.
+            room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
+            room = max(0, room) if drafting else 0
+            if len(tokens) == len(prompt):  # the first token at once: no model drafts
+                step = first_round(target, drafter, tokens, room, sampling, rng)
             else:
-                # A round emits at most k+1 tokens; every position fed must fit in each model.
-                room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
-                room = max(0, room) if drafting else 0
                 step = scheduled_round(target, drafter, schedule, tokens, room, sampling, rng)
 
             # Roll back: each cache keeps only what is still history (all but the newest token).

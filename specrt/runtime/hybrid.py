@@ -167,9 +167,20 @@ class HybridDrafter:
         return y - slope * x, slope
 
     def observe(
-        self, source: str, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
+        self,
+        source: str,
+        drafted: int,
+        accepted: int,
+        draft_time_s: float,
+        verify_time_s: float | None,
     ) -> None:
-        """Learn from a round: acceptance of a match's tokens, or the model's rate."""
+        """Learn from a round: acceptance of a match's tokens, or the model's rate (not from
+        a row's first pass, ``verify_time_s`` None: it fed the prompt's end too)."""
+        if verify_time_s is None:
+            if source != "model" and drafted:
+                self.acceptance.record(self._last, self.history, drafted, accepted)
+                self.history = outcome(drafted, accepted)
+            return
         if self._warm:  # the first pass runs on cold caches: not what passes cost
             self.verify_time.add(drafted + 1, verify_time_s)
         self._warm = True

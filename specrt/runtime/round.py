@@ -73,16 +73,21 @@ def speculative_round(
     )
 
 
-def first_token(
-    target: Decoder, tokens: list[int], sampling: SamplingParams, rng: np.random.Generator
+def first_round(
+    target: Decoder,
+    drafter: Drafter,
+    tokens: list[int],
+    room: int,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
 ) -> RoundResult:
-    """The token after a prompt (the target's cache holding all of it but the last token),
-    from the target alone: a plain step right after the prefill, so a request's first token
-    never waits for drafting."""
-    started = time.perf_counter()
-    out = target.forward(tokens[target.length :], keep_last=1, need=rows_needed(sampling))
-    _, token = verify([], None, out, sampling, rng)
-    return RoundResult(0, 0, [token], 0.0, time.perf_counter() - started)
+    """The first round after a prompt: one pass over what the target's cache lacks of it (at
+    least the last token) and whatever the drafter proposes for free (a match: k = 0, so no
+    model runs and a request's first token never waits for drafting). The drafter learns how
+    its match fared, not what the pass cost (it fed the prompt's end too)."""
+    step = speculative_round(target, drafter, tokens, 0, sampling, rng, limit=room)
+    drafter.observe(step.source, step.drafted, step.accepted, step.draft_time_s, None)
+    return step
 
 
 def scheduled_round(
