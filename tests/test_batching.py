@@ -598,3 +598,23 @@ def test_the_caches_give_back_what_they_grew_once_every_row_left(
             assert capacity == [16, 16]
         else:
             assert min(capacity) > 16
+
+
+def test_a_one_row_call_attends_over_its_own_positions_only(llama_bundle, monkeypatch):
+    """A call on one row binds the first positions of its row (`VIEW_STEP` past its length),
+    not the whole capacity another row grew: the logits are those of a call on both rows,
+    which attends over all of it."""
+    from specrt.backends import batched
+
+    monkeypatch.setattr(batched, "VIEW_STEP", 8)
+    target = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=2).target
+    rng = np.random.default_rng(0)
+    long, short = (rng.integers(3, target.vocab_size, size).tolist() for size in (90, 9))
+    target.prefill_rows(0, [long, short])  # row 0 grows the capacity past 90 positions
+    step = np.array([[5, 6, 7], [5, 6, 7]])
+    both = target.forward_rows(step, keep_last=3).logits[1].copy()
+    target.set_length(1, len(short))
+    alone = target.forward_rows(step[1:], keep_last=3, start=1)
+    assert target._bound.mask.shape[-1] == 16 < target.capacity  # 9 + 3 positions, in steps of 8
+    np.testing.assert_allclose(alone.logits[0], both, rtol=0, atol=1e-5)
+    assert target.lengths.tolist() == [93, 12]

@@ -10,7 +10,9 @@ rolling it back is lowering that number (later calls overwrite the stale slots).
 Attention reads the whole buffer, so its capacity grows with the longest row (in steps of
 `CAPACITY_STEP`, up to ``max_length``) rather than being reserved at ``max_length`` up front.
 A call covers rows ``start .. start + n``, a contiguous view of the buffers: the scheduler keeps
-its live rows packed at the front (`move_row`).
+its live rows packed at the front (`move_row`). A call on one row sees only the first positions
+of its row (`VIEW_STEP` past its length: also a contiguous view), so a row pays for its own
+length, not for the capacity.
 
 Row 0 alone is also a `Decoder` (``length``, ``forward``, ``rollback`` …), so the one-row loop
 runs on this engine unchanged.
@@ -37,6 +39,7 @@ from specrt.errors import BundleError
 CAPACITY_STEP = 256  # cache positions added at a time
 MAX_KEPT_CALL_TOKENS = 80  # calls of at most this many tokens per row keep their arrays
 SMALL_CALL = 16  # positions per call up to which the host writes its inputs in plain Python
+VIEW_STEP = 32  # a one-row call's view of its row grows in steps of this many positions
 
 
 class RowsDecoder(DecoderBase):
@@ -222,7 +225,7 @@ class BatchedDecoder(RowsDecoder):
         # Local and global layers: the window goes into the local layers' mask only.
         self._local = bool(io.local_attention_mask)
         self._binding = session.io_binding()
-        self._rows: tuple[int, int] | None = None  # the rows the cache binding covers
+        self._rows: tuple[int, int, int] | None = None  # rows and positions the binding covers
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
         self._bound: _CallArrays | None = None
         self._logits_to_keep = np.ones(1, dtype=np.int64)
@@ -271,12 +274,15 @@ class BatchedDecoder(RowsDecoder):
         self._check_room(longest, count)
         if longest + count > self.capacity:
             self._grow(longest + count)
-        if self._rows != (start, n):
-            self._bind_rows(start, n)
+        width = self.capacity
+        if n == 1:  # its row's first positions are contiguous: attend over those only
+            width = min(width, -(-(longest + count) // VIEW_STEP) * VIEW_STEP)
+        if self._rows != (start, n, width):
+            self._bind_rows(start, n, width)
         arrays = self._bound
         key = self._call_key(n, count, keep_last, need)
-        if arrays is None or arrays.key != key:
-            arrays = self._bind(key)
+        if arrays is None or arrays.key != key or arrays.capacity != width:
+            arrays = self._bind(key, width)
         if n * count > SMALL_CALL:
             np.add(self.lengths[start : start + n, None], arrays.steps, out=arrays.positions)
             arrays.indices[..., 1] = arrays.positions
@@ -314,32 +320,33 @@ class BatchedDecoder(RowsDecoder):
         else:
             self.lengths[start : start + n] += fed
 
-    def _bind_rows(self, start: int, n: int) -> None:
+    def _bind_rows(self, start: int, n: int, width: int) -> None:
         for (past, present), buffer in zip(self._names, self._buffers):
-            value = shared_ortvalue(buffer[start : start + n])
+            value = shared_ortvalue(buffer[start : start + n, :width])
             self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(present, value)
-        self._rows = (start, n)
+        self._rows = (start, n, width)
 
     def _call_key(self, n: int, count: int, keep_last: int, need: str) -> tuple:
         """What a call's arrays depend on: on the host every output comes back, whatever is
         needed."""
         return n, count, keep_last
 
-    def _new_arrays(self, key: tuple) -> _CallArrays:
-        arrays = _CallArrays(key[:3], self.capacity, self._local)
+    def _new_arrays(self, key: tuple, width: int) -> _CallArrays:
+        arrays = _CallArrays(key[:3], width, self._local)
         arrays.host_outputs(self.spec.vocab_size, self.vocab_size, self._with_probabilities)
         return arrays
 
-    def _bind(self, key: tuple) -> _CallArrays:
+    def _bind(self, key: tuple, width: int) -> _CallArrays:
+        """Bind the arrays of call shape ``key`` with masks over ``width`` positions."""
         arrays = self._shapes.get(key)
         if arrays is None:
-            arrays = self._new_arrays(key)
+            arrays = self._new_arrays(key, width)
             arrays.key = key
             if key[1] <= MAX_KEPT_CALL_TOKENS:
                 self._shapes[key] = arrays
-        elif arrays.capacity != self.capacity:  # the cache grew or shrank since
-            arrays.fit(self.capacity)
+        elif arrays.capacity != width:  # the cache or the row's view grew or shrank since
+            arrays.fit(width)
         io, binding = self.spec.io, self._binding
         self._logits_to_keep[0] = key[2]
         binding.bind_ortvalue_input(io.input_ids, arrays.values[0])

@@ -110,12 +110,12 @@ class DeviceRowsDecoder(BatchedDecoder):
     def _call_key(self, n: int, count: int, keep_last: int, need: str) -> tuple:
         return n, count, keep_last, need
 
-    def _new_arrays(self, key: tuple) -> _CallArrays:
+    def _new_arrays(self, key: tuple, width: int) -> _CallArrays:
         """Inputs on the host; of the outputs, what ``need`` names in host arrays (onnxruntime
         copies into them), the others on the device."""
         if len(self._shapes) >= MAX_KEPT_CALL_SHAPES:  # each holds outputs on the device
             self._shapes.clear()
-        arrays = _CallArrays(key[:3], self.capacity, self._local)
+        arrays = _CallArrays(key[:3], width, self._local)
         n, _, keep_last, need = key
         vocab = self.spec.vocab_size
         shapes = {
@@ -137,14 +137,14 @@ class DeviceRowsDecoder(BatchedDecoder):
         arrays.result = Forward(host.pop("logits", None), **host)
         return arrays
 
-    def _bind_rows(self, start: int, n: int) -> None:
-        shape = (n, self.capacity, self._width)
+    def _bind_rows(self, start: int, n: int, width: int) -> None:
+        shape = (n, width, self._width)  # one row: its first positions (`VIEW_STEP`)
         offset = start * self.capacity * self._width * self._dtype().itemsize
         for (past, present), buffer in zip(self._names, self._buffers):
             address = buffer.data_ptr() + offset
             self._binding.bind_input(past, self.device, 0, self._dtype, shape, address)
             self._binding.bind_output(present, self.device, 0, self._dtype, shape, address)
-        self._rows = (start, n)
+        self._rows = (start, n, width)
 
     def _run(self, start: int, n: int, fed: int | np.ndarray) -> None:
         if self.device != "cpu":
