@@ -40,6 +40,7 @@ CAPACITY_STEP = 256  # cache positions added at a time
 MAX_KEPT_CALL_TOKENS = 80  # calls of at most this many tokens per row keep their arrays
 SMALL_CALL = 16  # positions per call up to which the host writes its inputs in plain Python
 VIEW_STEP = 32  # a one-row call's view of its row grows in steps of this many positions
+MAX_KEPT_VIEWS = 256  # sets of cache values kept for the rows and views calls bound
 
 
 class RowsDecoder(DecoderBase):
@@ -95,8 +96,12 @@ class RowsDecoder(DecoderBase):
         """With every row free, give back the capacity grown for earlier rows: attention reads
         all of it, so the rows after a long one would go on paying for its positions."""
         first = min(self.max_positions, CAPACITY_STEP)
-        if self.capacity > first and not self.lengths.any():
+        if self.capacity > first and not self.lengths.any() and self._shrinks:
             self._grow(first)
+
+    @property
+    def _shrinks(self) -> bool:
+        return True
 
     def rollback(self, length: int) -> None:
         """Keep only the first ``length`` positions of row 0."""
@@ -228,6 +233,7 @@ class BatchedDecoder(RowsDecoder):
         self._rows: tuple[int, int, int] | None = None  # rows and positions the binding covers
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
         self._bound: _CallArrays | None = None
+        self._views: dict[tuple[int, int, int], list] = {}  # (start, n, width): cache values
         self._logits_to_keep = np.ones(1, dtype=np.int64)
         self._binding.bind_ortvalue_input(io.logits_to_keep, shared_ortvalue(self._logits_to_keep))
         self._grow(min(self.max_positions, CAPACITY_STEP))
@@ -262,6 +268,13 @@ class BatchedDecoder(RowsDecoder):
         super()._grow(needed)
         self._bound = None  # bound again at the next call (its masks fitted to the capacity)
         self._rows = None
+        self._views.clear()
+
+    @property
+    def _shrinks(self) -> bool:
+        """Not with one row: its calls see its own positions only (`VIEW_STEP`), so a
+        capacity kept after a long row costs nothing, and regrowing it costs copies."""
+        return self.max_batch > 1
 
     # ---------------------------------------------------------------------------------------
     def _prepare(
@@ -321,11 +334,17 @@ class BatchedDecoder(RowsDecoder):
             self.lengths[start : start + n] += fed
 
     def _bind_rows(self, start: int, n: int, width: int) -> None:
-        for (past, present), buffer in zip(self._names, self._buffers):
-            value = shared_ortvalue(buffer[start : start + n, :width])
+        key = (start, n, width)
+        values = self._views.get(key)
+        if values is None:
+            if len(self._views) >= MAX_KEPT_VIEWS:
+                self._views.clear()
+            views = (buffer[start : start + n, :width] for buffer in self._buffers)
+            values = self._views[key] = [shared_ortvalue(view) for view in views]
+        for (past, present), value in zip(self._names, values):
             self._binding.bind_ortvalue_input(past, value)
             self._binding.bind_ortvalue_output(present, value)
-        self._rows = (start, n, width)
+        self._rows = key
 
     def _call_key(self, n: int, count: int, keep_last: int, need: str) -> tuple:
         """What a call's arrays depend on: on the host every output comes back, whatever is
