@@ -245,7 +245,8 @@ def test_suffix_cache_off_leaks_nothing_across_requests(llama_bundle):
 def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, monkeypatch):
     """A row's first token comes from one pass over what the prefill (whole chunks) left of the
     prompt, not a pass of its own, and that pass also verifies a match where the hybrid finds
-    one worth it (no model runs for it): the output stays the target's."""
+    one worth it and it fits in a chunk (no model runs for it): the output stays the
+    target's."""
     chunk = 16  # prefill chunks (PREFILL_CHUNK, 256) that fit the tiny model's 128 positions
     monkeypatch.setattr(base, "PREFILL_CHUNK", chunk)
     monkeypatch.setattr(generator_module, "PREFILL_CHUNK", chunk)
@@ -262,7 +263,8 @@ def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, mon
     long = (short * 4)[: chunk + 5]
     alone = GenerationConfig(max_new_tokens=6, ignore_eos=True, num_draft_tokens=0)
     hybrid = GenerationConfig(max_new_tokens=6, ignore_eos=True, proposer="hybrid")
-    for prompt, prefilled in ((short, []), (long, [chunk])):
+    full = (short * 8)[: 2 * chunk]  # its rest fills a chunk: no room for a match
+    for prompt, prefilled in ((short, []), (long, [chunk]), (full, [chunk])):
         rest = len(prompt) - sum(prefilled)
         fed.clear()
         [expected] = generator.generate([prompt], alone)
@@ -272,5 +274,8 @@ def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, mon
         [result] = generator.generate([prompt], hybrid)
         assert result.token_ids == expected.token_ids
         first = fed[len(prefilled)]
+        if prompt is full:  # one call feeds at most a chunk (TensorRT plans' profiles)
+            assert first == rest == chunk
+            continue
         assert first > rest  # a match too
         assert result.stats.proposers["lookup"]["proposed"] >= first - rest

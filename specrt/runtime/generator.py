@@ -296,6 +296,8 @@ class SpeculativeGenerator:
             room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
             room = max(0, room) if drafting else 0
             if len(tokens) == len(prompt):  # the first token at once: no model drafts
+                # One call feeds at most a prefill chunk (TensorRT plans' largest profile).
+                room = min(room, PREFILL_CHUNK - (len(tokens) - target.length))
                 step = first_round(target, drafter, tokens, room, sampling, rng)
             else:
                 step = scheduled_round(target, drafter, schedule, tokens, room, sampling, rng)
