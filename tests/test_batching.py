@@ -622,3 +622,37 @@ def test_a_one_row_call_attends_over_its_own_positions_only(llama_bundle, monkey
     assert target._bound.mask.shape[-1] == 16 < target.capacity  # 9 + 3 positions, in steps of 8
     np.testing.assert_allclose(alone.logits[0], both, rtol=0, atol=1e-5)
     assert target.lengths.tolist() == [93, 12]
+
+
+def test_a_batch_gives_back_what_a_row_that_left_had_grown(llama_bundle, monkeypatch):
+    """Attention over several rows reads the whole capacity: once a long row leaves, the
+    capacity steps no live row needs are given back at once (not only when the batch
+    empties), and the rows are still the target alone's."""
+    from specrt.backends import batched
+    from specrt.runtime import batching
+
+    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(batching, "SHRINK_HEADROOM", 4)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=2)
+    resizes = []  # (capacity before, after, whether a row was live)
+
+    def spied(cache, grow):
+        def resize(needed: int) -> None:
+            before = cache.capacity
+            grow(needed)
+            resizes.append((before, cache.capacity, bool(cache.lengths.any())))
+
+        return resize
+
+    for cache in (generator.target, generator.drafter.decoder):
+        cache._grow = spied(cache, cache._grow)
+    configs = [
+        GenerationConfig(max_new_tokens=40 if i == 0 else 4, num_draft_tokens=3, ignore_eos=True)
+        for i in range(8)
+    ]
+    results = run_all(generator, configs)
+    alone = SpeculativeGenerator.from_bundle(llama_bundle)
+    for key, result in results.items():
+        [expected] = alone.generate([requests(alone, configs)[key].prompt], configs[key])
+        assert result.token_ids == expected.token_ids, key
+    assert any(after < before and live for before, after, live in resizes), resizes

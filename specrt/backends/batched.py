@@ -92,12 +92,15 @@ class RowsDecoder(DecoderBase):
         self.lengths[:] = 0
         self.shrink()
 
-    def shrink(self) -> None:
-        """With every row free, give back the capacity grown for earlier rows: attention reads
-        all of it, so the rows after a long one would go on paying for its positions."""
-        first = min(self.max_positions, CAPACITY_STEP)
-        if self.capacity > first and not self.lengths.any() and self._shrinks:
-            self._grow(first)
+    def shrink(self, headroom: int = 0) -> None:
+        """Give back the capacity steps no row needs, ``headroom`` positions past the longest
+        row kept (so that it does not grow again at once): attention over several rows reads
+        all of the capacity, so the rows after a long one would go on paying for its positions."""
+        longest = int(self.lengths.max(initial=0))
+        steps = max(1, -(-(longest + headroom if longest else 0) // CAPACITY_STEP))
+        capacity = min(self.max_positions, steps * CAPACITY_STEP)
+        if self.capacity > capacity and self._shrinks:
+            self._grow(capacity)
 
     @property
     def _shrinks(self) -> bool:

@@ -38,6 +38,9 @@ MAX_BATCH = 256
 # them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
 # twice as many each time that holds, up to 8x
 MATCH_RECHECK_EVERY = 8
+# Positions past the longest row a cache keeps when it gives back capacity steps (rows grow by
+# a round's tokens at a time: a row about to pass the step would make it grow again at once).
+SHRINK_HEADROOM = 32
 
 
 @dataclass
@@ -136,7 +139,7 @@ class BatchRunner:
         (and prompt chunk; seeded sampled rows in their own), and give each its first token
         (`active` has it); returns those finished at once (a prompt that fills its length, a
         first token that ends it)."""
-        if not self.rows and not self.seeded:  # the caches may give back what they grew
+        if not self.rows and not self.seeded:  # the caches give back all they grew
             self.target.shrink()
             self.draft.shrink()
         rows = [self._new_row(request) for request in requests]
@@ -153,7 +156,10 @@ class BatchRunner:
             start = self.max_batch - len(self.seeded) - len(seeded)
             self.seeded.extend(reversed(seeded))
             done += self._admit(seeded, start)
-        return finished + self._leave(done)
+        finished += self._leave(done)
+        for cache in (self.target, self.draft):  # give back what rows that left had grown
+            cache.shrink(SHRINK_HEADROOM)
+        return finished
 
     def _admit(self, rows: list[_Row], start: int) -> list[int]:
         """Prefill ``rows`` into slots ``start ..`` and take their first tokens; the slots of
