@@ -99,12 +99,8 @@ class RowsDecoder(DecoderBase):
         longest = int(self.lengths.max(initial=0))
         steps = max(1, -(-(longest + headroom if longest else 0) // CAPACITY_STEP))
         capacity = min(self.max_positions, steps * CAPACITY_STEP)
-        if self.capacity > capacity and self._shrinks:
+        if self.capacity > capacity:
             self._grow(capacity)
-
-    @property
-    def _shrinks(self) -> bool:
-        return True
 
     def rollback(self, length: int) -> None:
         """Keep only the first ``length`` positions of row 0."""
@@ -273,11 +269,11 @@ class BatchedDecoder(RowsDecoder):
         self._rows = None
         self._views.clear()
 
-    @property
-    def _shrinks(self) -> bool:
+    def shrink(self, headroom: int = 0) -> None:
         """Not with one row: its calls see its own positions only (`VIEW_STEP`), so a
         capacity kept after a long row costs nothing, and regrowing it costs copies."""
-        return self.max_batch > 1
+        if self.max_batch > 1:
+            super().shrink(headroom)
 
     # ---------------------------------------------------------------------------------------
     def _prepare(
