@@ -424,10 +424,10 @@ def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
     """While the load schedule has the model draft nothing, admitted prompts are not fed to
     the draft; when drafting resumes, the draft reads them (a chunk at a time) and every row
     still equals the target alone's output."""
-    import specrt.runtime.round as round_module
+    import specrt.backends.batched as batched_module
     from specrt.runtime.schedules import LoadSchedule
 
-    monkeypatch.setattr(round_module, "PREFILL_CHUNK", 4)  # whole prompts in several chunks
+    monkeypatch.setattr(batched_module, "PREFILL_CHUNK", 4)  # whole prompts in several chunks
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     alone = GenerationConfig(max_new_tokens=24, num_draft_tokens=0, ignore_eos=True)
     expected = [r.token_ids for r in generator.generate(PROMPTS[:4], alone)]
@@ -656,3 +656,34 @@ def test_a_batch_gives_back_what_a_row_that_left_had_grown(llama_bundle, monkeyp
         [expected] = alone.generate([requests(alone, configs)[key].prompt], configs[key])
         assert result.token_ids == expected.token_ids, key
     assert any(after < before and live for before, after, live in resizes), resizes
+
+
+def test_a_row_far_behind_its_neighbours_is_fed_apart(llama_bundle):
+    """Prefilling (or catching the draft up on) rows of very different lengths: a call pads
+    every row to its longest, so the long row goes alone (one call of 60 positions, not four),
+    and every row ends where it would have, fed by itself."""
+    from specrt.backends.batched import padded_runs
+
+    assert padded_runs([3, 3, 60, 2, 0, 0, 5]) == [(0, 2), (2, 3), (3, 4), (6, 7)]
+    assert padded_runs([40, 40, 40]) == [(0, 3)]  # like lengths share a call
+    assert padded_runs([0, 0]) == []
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    target = generator.target
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(3, 40, n).tolist() for n in (3, 4, 60, 2)]
+    calls, call = [], target._call
+
+    def recorded(start, n, tokens, *args, **kwargs):
+        calls.append((start, n, tokens.shape[1]))
+        return call(start, n, tokens, *args, **kwargs)
+
+    target._call = recorded
+    target.prefill_rows(0, pieces)
+    assert (2, 1, 60) in calls and all(n * width < 100 for _, n, width in calls), calls
+    assert target.lengths.tolist() == [3, 4, 60, 2]
+    together = target.forward_rows(np.array([[5]] * 4), keep_last=1).logits[:, 0]
+    for row, piece in enumerate(pieces):  # each row alone, from scratch
+        target.lengths[:] = 0
+        target.prefill_rows(row, [piece])
+        alone = target.forward_rows(np.array([[5]]), keep_last=1, start=row).logits[0, 0]
+        np.testing.assert_allclose(together[row], alone, atol=1e-4)

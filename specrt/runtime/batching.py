@@ -144,7 +144,8 @@ class BatchRunner:
             self.draft.shrink()
         rows = [self._new_row(request) for request in requests]
         finished = [(row.request, self._result(row)) for row in rows if row.finish_reason]
-        rows = [row for row in rows if not row.finish_reason]
+        # By prompt length: neighbours of like length share prefill calls (`padded_runs`)
+        rows = sorted((row for row in rows if not row.finish_reason), key=lambda r: len(r.tokens))
         plain = [row for row in rows if not row.request.config.reproducible]
         seeded = [row for row in rows if row.request.config.reproducible]
         done = []

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Decoder, Forward, RowsDecoder
-from specrt.backends.base import PREFILL_CHUNK
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
@@ -297,16 +296,14 @@ def _flat(out: Forward) -> Forward:
 
 def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> int:
     """Feed the draft all but the newest of the tokens it has not seen, where it is more than
-    two behind (after rounds without drafting), so that a round's first draft call feeds each
-    row one or two tokens (rows in slots ``start ..``); the tokens fed."""
+    one behind (after rounds without drafting, or a prompt it skipped), so that a round's first
+    draft call feeds each row one or two tokens (rows in slots ``start ..``); the tokens fed.
+    Rows far behind are fed apart from the others (`prefill_rows`)."""
     lengths = draft.lengths[start : start + len(rows)].tolist()
     unseen = [row.tokens[length:-1] for row, length in zip(rows, lengths)]
-    longest = max(map(len, unseen))
-    if longest <= 1:
+    if max(map(len, unseen)) <= 1:
         return 0
-    for offset in range(0, longest, PREFILL_CHUNK):  # whole prompts, where the draft skipped
-        ids, fed = _right_padded([tokens[offset : offset + PREFILL_CHUNK] for tokens in unseen])
-        draft.forward_rows(ids, keep_last=1, fed=fed, start=start)
+    draft.prefill_rows(start, unseen)
     return sum(map(len, unseen))
 
 
