@@ -687,3 +687,27 @@ def test_a_row_far_behind_its_neighbours_is_fed_apart(llama_bundle):
         target.prefill_rows(row, [piece])
         alone = target.forward_rows(np.array([[5]]), keep_last=1, start=row).logits[0, 0]
         np.testing.assert_allclose(together[row], alone, atol=1e-4)
+
+
+def test_padding_past_a_long_row_does_not_grow_the_cache(llama_bundle, monkeypatch):
+    """A wide call pads a row that feeds fewer tokens: its padding must not grow the cache
+    every row attends over (it lands in the last slot, which no real token reads); the real
+    tokens' logits are those of the row fed alone. A real token that needs the last slot
+    still grows it."""
+    from specrt.backends import batched
+
+    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    target = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=2).target
+    rng = np.random.default_rng(1)
+    long, short = (rng.integers(3, target.vocab_size, size).tolist() for size in (13, 3))
+    target.prefill_rows(0, [long, short])
+    assert target.capacity == 16
+    wide = np.array([[5, 0, 0, 0], [5, 6, 7, 8]])  # row 0: one real token, 3 padding
+    both = target.forward_rows(wide, keep_last=4, fed=np.array([1, 4])).logits.copy()
+    assert target.capacity == 16 and target.lengths.tolist() == [14, 7]
+    for row, count in ((0, 1), (1, 4)):  # each row fed alone after its prefix
+        target.set_length(row, target.lengths[row] - count)
+        alone = target.forward_rows(wide[row : row + 1, :count], keep_last=count, start=row)
+        np.testing.assert_allclose(alone.logits[0], both[row, :count], rtol=0, atol=1e-5)
+    target.forward_rows(wide, keep_last=1, fed=np.array([2, 1]))  # row 0 reaches slot 15
+    assert target.capacity == 32 and target.lengths.tolist() == [16, 8]

@@ -289,7 +289,7 @@ class BatchedDecoder(RowsDecoder):
         fed: int | np.ndarray,
         need: str = NEED_LOGITS,
     ) -> Forward:
-        arrays = self._prepare(start, n, tokens.shape[1], keep_last, need)
+        arrays = self._prepare(start, n, tokens.shape[1], keep_last, need, fed)
         arrays.ids[...] = tokens
         self._run(start, n, fed)
         return arrays.result
@@ -311,15 +311,29 @@ class BatchedDecoder(RowsDecoder):
 
     # ---------------------------------------------------------------------------------------
     def _prepare(
-        self, start: int, n: int, count: int, keep_last: int, need: str = NEED_LOGITS
+        self,
+        start: int,
+        n: int,
+        count: int,
+        keep_last: int,
+        need: str = NEED_LOGITS,
+        fed: int | np.ndarray | None = None,
     ) -> _CallArrays:
-        """Check room, grow the cache if a row would pass its capacity, write the rows'
-        positions, cache indices and mask, and bind the arrays of this call's shape."""
+        """Check room, grow the cache if a row's tokens would pass its capacity, write the
+        rows' positions, cache indices and mask, and bind the arrays of this call's shape.
+
+        Padding (a row's positions past its ``fed`` real tokens) does not grow the cache: its
+        keys and values land in the last slot, past every real token, where nothing reads them
+        before a real token overwrites them (a long row padded in a wide round would otherwise
+        double the capacity every row attends over)."""
         lengths = self.lengths[start : start + n].tolist()
         longest = max(lengths)
         self._check_room(longest, count)
         if longest + count > self.capacity:
-            self._grow(longest + count)
+            real = count if fed is None or isinstance(fed, int) else fed.tolist()
+            ends = [n + (real if isinstance(real, int) else real[i]) for i, n in enumerate(lengths)]
+            if max(ends) >= self.capacity:  # a real token needs the slots (or the last one)
+                self._grow(longest + count)
         width = self.capacity
         if n == 1:  # its row's first positions are contiguous: attend over those only
             width = min(width, -(-(longest + count) // VIEW_STEP) * VIEW_STEP)
@@ -331,7 +345,7 @@ class BatchedDecoder(RowsDecoder):
             arrays = self._bind(key, width)
         if n * count > SMALL_CALL:
             np.add(self.lengths[start : start + n, None], arrays.steps, out=arrays.positions)
-            arrays.indices[..., 1] = arrays.positions
+            np.minimum(arrays.positions, self.capacity - 1, out=arrays.indices[..., 1])
             np.less_equal(arrays.slots, arrays.positions[:, None, :, None], out=arrays.mask)
             windowed = arrays.mask
             if self._local:
@@ -344,11 +358,12 @@ class BatchedDecoder(RowsDecoder):
         # A few positions (a draft step, one row's verification): plain Python stores beat
         # numpy's per-call cost, which runs cold right after a model call.
         positions, indices, mask = arrays.positions, arrays.indices, arrays.mask
+        last = self.capacity - 1
         for row, length in enumerate(lengths):
             for step in range(count):
                 position = length + step
                 positions[row, step] = position
-                indices[row, step, 1] = position
+                indices[row, step, 1] = min(position, last)
                 visible = mask[row, 0, step]
                 visible[: position + 1] = True
                 visible[position + 1 :] = False
