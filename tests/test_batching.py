@@ -287,6 +287,23 @@ def test_a_batch_size_is_priced_by_its_own_rounds():
     assert sum(schedule.choose(8, 4) == 0 for _ in range(10)) >= 9  # (a check may come)
 
 
+def test_a_model_draft_must_beat_the_round_of_matches_it_would_replace():
+    """Where the rows' matches would be verified without the model (a round of K = 0 with
+    matches), drafting is weighed against that round, not against the target alone: a K that
+    beats the target alone but not the matches is not chosen."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    def seconds(rows: int, k: int) -> float:  # a verified position 0.1 / row
+        return 0.3 + 0.05 * k + 0.1 * rows * (k + 1)
+
+    schedule, rng = LoadSchedule(), np.random.default_rng(2)
+    _modelled_rounds(schedule, 4, 200, seconds, 0.9, rng)
+    drafting = max(schedule.rate(4, k) for k in schedule.times if k)
+    assert drafting > 1.1 * schedule.rate(4, 0)  # drafting beats the target alone
+    assert sum(schedule.choose(4, 4) > 0 for _ in range(10)) >= 9
+    assert sum(schedule.choose(4, 4, without_draft=1.1 * drafting) == 0 for _ in range(10)) >= 9
+
+
 def test_a_k_measured_at_small_batches_is_not_trusted_at_a_full_one():
     """K = 1 measured at 2 rows only: at 16 rows it is priced as growing by its two positions
     per row times the target alone's growth, not in proportion (which would take it for cheap
@@ -368,8 +385,8 @@ def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, 
         def _choose(self, rows: int, k_max: int) -> int:
             return 0
 
-        def match_width(self, rows: int, curves: list[list[float]]) -> int:
-            return 0
+        def match_option(self, rows: int, curves: list[list[float]]) -> tuple[int, None]:
+            return 0, None
 
     calls = []
     real = batching.find_match
@@ -443,9 +460,9 @@ def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
     schedule.rounds, schedule.last_k = 0, 0
     choose = schedule.choose
 
-    def counted(rows: int, k_max: int, backlog: int = 0) -> int:
+    def counted(rows: int, k_max: int, backlog: int = 0, without_draft=None) -> int:
         schedule.rounds += 1
-        return choose(rows, k_max, backlog)
+        return choose(rows, k_max, backlog, without_draft)
 
     schedule.choose = counted
     config = GenerationConfig(

@@ -258,26 +258,25 @@ class BatchRunner:
         that finished."""
         if len(rows) == 1 and self._runs_alone(rows[0]):
             return self._round_alone(rows[0])
-        k = self.draft_length(rows)
         fits = self._fits(rows)
         schedule = self._schedule(rows)
         reproducible = self._reproducible(rows)
-        found: dict[int, Proposal] = {}  # by the row's index in ``rows``
-        skip = not k and self._matchless > 0 and not reproducible
+        # The rows' matches come first: a round without a model draft verifies them, and the
+        # model's draft must beat that round, not the target alone.
+        skip = not schedule.last_k and self._matchless > 0 and not reproducible
         self._matchless -= skip
-        for i, row in enumerate(rows):
-            config = row.request.config
-            room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
-            cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
-            if row.schedule is not None:  # K and the drafting's stop by the row's own schedule
-                cap = row.schedule.start_round(max(0, cap))
-                row.round.keep_drafting = row.schedule.keep_drafting
-            model_k = 0 if config.proposer == "lookup" else min(k, cap)  # lookup: no model
-            row.round.k, row.round.match = model_k, None
-            proposal = None if skip else self._match(row, cap, k, schedule)
+        caps = [self._cap(row, fits) for row in rows]
+        found: dict[int, Proposal] = {}  # by the row's index in ``rows``
+        for i, (row, cap) in enumerate(zip(rows, caps)):
+            proposal = None if skip else self._find(row, cap)
             if proposal is not None:
                 found[i] = proposal
-        matched = self._verified_matches(rows, found, k, schedule)
+        width, without_draft = self._match_option(rows, found, schedule)
+        k = self.draft_length(rows, without_draft)
+        for row, cap in zip(rows, caps):
+            row.round.k = 0 if row.request.config.proposer == "lookup" else min(k, cap)
+            row.round.match = None
+        matched = self._verified_matches(rows, found, caps, k, width, schedule)
         for i, proposal in matched.items():
             row = rows[i]
             row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
@@ -395,51 +394,78 @@ class BatchRunner:
         self.target.clear_stale()
         self.draft.clear_stale()
 
-    def _match(self, row: _Row, cap: int, k: int, schedule: LoadSchedule) -> Proposal | None:
-        """The row's match to verify this round instead of the model's draft, if any: always
-        for "lookup" rows; for "hybrid" rows where it is expected to keep more tokens than the
-        model's K (by what matches and model drafts kept so far), or always under a seed (the
-        choice must not depend on other rows). Where the load schedule adapts and the model
-        drafts, a match fills the round's width and never widens it (every row pays for the
-        widest); with no model draft the matches' width is chosen for the whole round
-        (`_verified_matches`)."""
+    def _cap(self, row: _Row, fits: int) -> int:
+        """The most tokens ``row`` may have verified this round (a seeded row: by its own
+        schedule, which also stops its drafting)."""
         config = row.request.config
+        room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
+        cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
+        if row.schedule is not None:
+            cap = row.schedule.start_round(max(0, cap))
+            row.round.keep_drafting = row.schedule.keep_drafting
+        return cap
+
+    def _find(self, row: _Row, cap: int) -> Proposal | None:
+        """The row's match of up to ``cap`` tokens (its own text, else the suffix cache)."""
         if row.index is None or cap <= 0:
             return None
-        adapts = schedule.adapt and not config.reproducible
-        found = find_match(
-            row.index, self.suffix_cache, row.tokens, min(cap, k or cap) if adapts else cap
-        )
-        if not found.tokens:
-            return None
-        if config.proposer == "lookup" or config.reproducible or not k:
-            return found
-        model = schedule.expected_tokens(min(k, cap))
-        expected = self.matches[config.greedy].expected_tokens(found, row.match_history)[-1]
-        return found if expected >= model else None
+        found = find_match(row.index, self.suffix_cache, row.tokens, cap)
+        return found if found.tokens else None
+
+    def _curve(self, row: _Row, proposal: Proposal) -> list[float]:
+        """Tokens the row is expected to emit with 1, 2, ... of the match verified."""
+        acceptance = self.matches[row.request.config.greedy]
+        return acceptance.expected_tokens(proposal, row.match_history)
+
+    def _match_option(
+        self, rows: list[_Row], found: dict[int, Proposal], schedule: LoadSchedule
+    ) -> tuple[int, float | None]:
+        """How many tokens of the matches a round without a model draft would verify, and its
+        expected tokens per second (None: not known), where the load schedule adapts."""
+        if not found or not schedule.adapt or self._reproducible(rows):
+            return 0, None
+        curves = [self._curve(rows[i], proposal) for i, proposal in found.items()]
+        return schedule.match_option(len(rows), curves)
 
     def _verified_matches(
-        self, rows: list[_Row], found: dict[int, Proposal], k: int, schedule: LoadSchedule
+        self,
+        rows: list[_Row],
+        found: dict[int, Proposal],
+        caps: list[int],
+        k: int,
+        width: int,
+        schedule: LoadSchedule,
     ) -> dict[int, Proposal]:
-        """The matches the round verifies. In a round without a model draft the load schedule
-        chooses how many tokens of them to verify (0: none), from what such rounds cost and how
-        often matches are kept: a match that is rarely kept (sampling, text that does not repeat)
-        would make every row pay for a wider call."""
-        if k or not found or not schedule.adapt or self._reproducible(rows):
-            return found
-        curves = [
-            self.matches[rows[s].request.config.greedy].expected_tokens(p, rows[s].match_history)
-            for s, p in found.items()
-        ]
-        width = schedule.match_width(len(rows), curves)
-        if not width:
-            self._matchless = self._matchless_next
-            self._matchless_next = min(2 * self._matchless_next, 8 * MATCH_RECHECK_EVERY)
+        """The matches the round verifies instead of the model's draft. Without a model draft
+        (K = 0, adapting), ``width`` tokens of every match (0: none; matching then pauses for
+        a while, `MATCH_RECHECK_EVERY`): a match that is rarely kept (sampling, text that does
+        not repeat) would make every row pay for a wider call. Otherwise, always for "lookup"
+        rows and under a seed (the choice must not depend on other rows); for "hybrid" rows
+        where a match is expected to keep more tokens than the model's K (by what matches
+        and model drafts kept so far). Where the load schedule adapts, a match fills the
+        round's width and never widens it (every row pays for the widest)."""
+        if not found:
             return {}
-        self._matchless_next = MATCH_RECHECK_EVERY
-        return {slot: replace(p, tokens=p.tokens[:width]) for slot, p in found.items()}
+        adapts = schedule.adapt and not self._reproducible(rows)
+        if adapts and not k:
+            if not width:
+                self._matchless = self._matchless_next
+                self._matchless_next = min(2 * self._matchless_next, 8 * MATCH_RECHECK_EVERY)
+                return {}
+            self._matchless_next = MATCH_RECHECK_EVERY
+            return {i: replace(p, tokens=p.tokens[:width]) for i, p in found.items()}
+        verified = {}
+        for i, proposal in found.items():
+            row, config = rows[i], rows[i].request.config
+            if adapts:
+                proposal = replace(proposal, tokens=proposal.tokens[:k])
+            if config.proposer == "lookup" or config.reproducible or not k:
+                verified[i] = proposal
+            elif self._curve(row, proposal)[-1] >= schedule.expected_tokens(min(k, caps[i])):
+                verified[i] = proposal
+        return verified
 
-    def draft_length(self, rows: list[_Row]) -> int:
+    def draft_length(self, rows: list[_Row], without_draft: float | None = None) -> int:
         """The round's K for every row. For seeded sampled rows the most any may draft (each
         row's own schedule takes its share: its draws must not depend on its neighbours or
         the machine's speed). Otherwise the load schedule picks K for this many rows from
@@ -456,7 +482,7 @@ class BatchRunner:
             return k_max
         lengths = self.draft.lengths[: len(rows)].tolist()  # rows from slot 0 (not seeded)
         backlog = sum(max(0, len(row.tokens) - 1 - n) for row, n in zip(rows, lengths))
-        return self._schedule(rows).choose(len(rows), k_max, backlog)
+        return self._schedule(rows).choose(len(rows), k_max, backlog, without_draft)
 
     def _fits(self, rows: list[_Row]) -> int:
         """Draft tokens every row's positions fit in both caches."""

@@ -398,11 +398,18 @@ class LoadSchedule:
         self._checking: int | None = None  # the best K, while a check's round runs
         self._catch_up_s: float | None = None  # per token the draft catches up on
         self._backlog = 0  # tokens it would catch up on before a round drafting now
+        self._without_draft: float | None = None  # tokens/s of the round without a model draft
 
-    def choose(self, rows: int, k_max: int, backlog: int = 0) -> int:
+    def choose(
+        self, rows: int, k_max: int, backlog: int = 0, without_draft: float | None = None
+    ) -> int:
         """K for a round of ``rows`` rows; ``backlog``: tokens the draft would have to catch up
-        on first (after rounds without drafting), which a check must repay too."""
+        on first (after rounds without drafting), which a check must repay too;
+        ``without_draft``: the expected tokens per second of this round without a model draft
+        where its rows' matches would be verified (`match_width`), else that of the target
+        alone is used: a model draft must beat what the round gets without it."""
         self._backlog = backlog
+        self._without_draft = without_draft
         self.last_k = self._choose(rows, k_max)
         return self.last_k
 
@@ -414,6 +421,7 @@ class LoadSchedule:
             if k not in known:
                 return k
         rates = {k: self.rate(rows, k) for k in known}
+        rates[0] = max(rates[0], self._without_draft or 0.0)
         best = 0
         for k in known:  # a longer draft must beat a shorter one clearly: round times are noisy
             if rates[k] > rates[best] * (1 + LOAD_MARGIN):
@@ -442,17 +450,23 @@ class LoadSchedule:
 
     def match_width(self, rows: int, curves: list[list[float]]) -> int:
         """How many tokens of matches a round of ``rows`` rows without a model draft verifies
-        (0: none). ``curves``: for each row with a match, the tokens it is expected to emit
-        when 1, 2, ... of them are verified (`MatchAcceptance.expected_tokens`); the other rows
-        emit one. The width with the most expected tokens per second, by the measured times of
-        rounds of each width; a width not measured yet is priced at the cost per token of the
+        (0: none); `match_option` tells its expected tokens per second too."""
+        return self.match_option(rows, curves)[0]
+
+    def match_option(self, rows: int, curves: list[list[float]]) -> tuple[int, float | None]:
+        """How many tokens of matches a round of ``rows`` rows without a model draft verifies
+        (0: none), and the round's expected tokens per second (None: not known yet).
+        ``curves``: for each row with a match, the tokens it is expected to emit when 1, 2, ...
+        of them are verified (`MatchAcceptance.expected_tokens`); the other rows emit one.
+        The width with the most expected tokens per second, by the measured times of rounds of
+        each width; a width not measured yet is priced at the cost per token of the
         widest narrower one measured (before any: `MATCH_PRIOR_COST` of a round without
         matches), so widths are tried one after another while they pay."""
         widest = max(map(len, curves), default=0)
         if not self.adapt:
-            return widest
+            return widest, None
         if len(self.times.get(0, ())) < 2:
-            return 0  # rounds without matches first: what the widths are compared with
+            return 0, None  # rounds without matches first: what the widths are compared with
         plain = self.predicted_seconds(rows, 0)
         best, best_rate = 0, rows / plain
         per_token = MATCH_PRIOR_COST * plain
@@ -466,7 +480,7 @@ class LoadSchedule:
                 seconds = plain + per_token * width
             if tokens / seconds > best_rate * (1 + LOAD_MARGIN):
                 best, best_rate = width, tokens / seconds
-        return best
+        return best, best_rate
 
     def update_match_width(self, rows: int, width: int, seconds: float) -> None:
         """Record a round without a model draft that verified ``width`` tokens of matches."""
