@@ -53,7 +53,7 @@ def padded_runs(counts: Sequence[int], overhead: int = CALL_OVERHEAD) -> list[tu
     ``overhead`` positions per call. One row far behind its neighbours is fed alone, not with
     all of them padded to its length."""
     n = len(counts)
-    cost = [0] + [0] * n  # cost[b]: rows before b covered
+    cost = [0] * (n + 1)  # cost[b]: rows before b covered
     cut: list[int | None] = [None] * (n + 1)  # where the run ending at b starts (None: skipped)
     for end in range(1, n + 1):
         cost[end] = cost[end - 1] if counts[end - 1] == 0 else 1 << 62
@@ -267,6 +267,7 @@ class BatchedDecoder(RowsDecoder):
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
         self._bound: _CallArrays | None = None
         self._views: dict[tuple[int, int, int], list] = {}  # (start, n, width): cache values
+        self._blocks: list[np.ndarray] = []  # the memory the buffers are views on (`_resized`)
         self._logits_to_keep = np.ones(1, dtype=np.int64)
         self._binding.bind_ortvalue_input(io.logits_to_keep, shared_ortvalue(self._logits_to_keep))
         self._grow(min(self.max_positions, CAPACITY_STEP))
@@ -354,9 +355,10 @@ class BatchedDecoder(RowsDecoder):
         longest = max(lengths)
         self._check_room(longest, count)
         if longest + count > self.capacity:
-            real = count if fed is None or isinstance(fed, int) else fed.tolist()
-            ends = [n + (real if isinstance(real, int) else real[i]) for i, n in enumerate(lengths)]
-            if max(ends) >= self.capacity:  # a real token needs the slots (or the last one)
+            real_end = longest + count
+            if fed is not None and not isinstance(fed, int):  # rows padded past their tokens
+                real_end = int(np.max(self.lengths[start : start + n] + fed))
+            if real_end >= self.capacity:  # a real token needs the slots (or the last one)
                 self._grow(longest + count)
         width = self.capacity
         if n == 1:  # its row's first positions are contiguous: attend over those only
