@@ -731,9 +731,9 @@ def test_padding_past_a_long_row_does_not_grow_the_cache(llama_bundle, monkeypat
 
 
 def test_the_cache_grows_and_shrinks_in_the_memory_it_has(llama_bundle, monkeypatch):
-    """Growing or shrinking the capacity moves the rows within the memory the cache already
-    holds (a fresh allocation faults every page in again: 40-60 ms for 16 demo rows), and
-    every row's content survives both moves."""
+    """Shrinking the capacity, and growing it again up to the largest it has had, moves the
+    rows within the memory the cache already holds (a fresh allocation faults every page in
+    again: 40-60 ms for 16 demo rows), and every row's content survives each move."""
     from specrt.backends import batched
 
     monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
@@ -751,10 +751,13 @@ def test_the_cache_grows_and_shrinks_in_the_memory_it_has(llama_bundle, monkeypa
     def addresses() -> list[int]:
         return [buffer.__array_interface__["data"][0] for buffer in target._buffers]
 
-    before, where = next_logits(), addresses()
-    target._grow(40)  # 48 positions
-    assert target.capacity == 48 and addresses() == where
+    before = next_logits()
+    target._grow(40)  # 48 positions: new memory, the largest yet
+    where = addresses()
     np.testing.assert_allclose(next_logits(), before, rtol=0, atol=1e-5)
     target.shrink()
     assert target.capacity == 16 and addresses() == where
+    np.testing.assert_allclose(next_logits(), before, rtol=0, atol=1e-5)
+    target._grow(30)
+    assert target.capacity == 32 and addresses() == where
     np.testing.assert_allclose(next_logits(), before, rtol=0, atol=1e-5)

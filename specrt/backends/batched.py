@@ -268,6 +268,7 @@ class BatchedDecoder(RowsDecoder):
         self._bound: _CallArrays | None = None
         self._views: dict[tuple[int, int, int], list] = {}  # (start, n, width): cache values
         self._blocks: list[np.ndarray] = []  # the memory the buffers are views on (`_resized`)
+        self._block_capacity = 0
         self._logits_to_keep = np.ones(1, dtype=np.int64)
         self._binding.bind_ortvalue_input(io.logits_to_keep, shared_ortvalue(self._logits_to_keep))
         self._grow(min(self.max_positions, CAPACITY_STEP))
@@ -299,26 +300,29 @@ class BatchedDecoder(RowsDecoder):
         return (self.max_batch, capacity, self._width)
 
     def _resized(self, capacity: int) -> list:
-        """The buffers at ``capacity`` positions, content kept: views on one block per buffer,
-        allocated once for ``max_positions`` (its pages are mapped as they are first used,
-        then kept), each row moved within it. A fresh allocation would fault every page in
-        again at its first writes: 40-60 ms to grow a 16-row demo cache on this project's VMs,
-        against ~5 ms to move the rows."""
-        if not self._buffers:
-            size = self.max_batch * self.max_positions * self._width
-            self._blocks = [np.zeros(size, self._dtype) for _ in self._names]
-        old, shape = self.capacity, self._buffer_shape(capacity)
-        keep = min(old, capacity)
+        """The buffers at ``capacity`` positions, content kept, as views on one block of memory
+        per buffer that is kept for the largest capacity yet, the rows moved within it. A fresh
+        allocation faults every page in again at its first writes: 40-60 ms to grow a 16-row
+        demo cache on this project's VMs, against ~5 ms to move the rows."""
+        shape = self._buffer_shape(capacity)
+        if capacity > self._block_capacity:  # new memory, written (its pages mapped) at once
+            blocks = [np.full(int(np.prod(shape)), 0, self._dtype) for _ in self._names]
+            buffers = [block.reshape(shape) for block in blocks]
+            window = (slice(None), slice(0, self.capacity))
+            for new, previous in zip(buffers, self._buffers):
+                new[window] = previous
+            self._blocks, self._block_capacity = blocks, capacity
+            return buffers
+        old, keep = self.capacity, min(self.capacity, capacity)
         # Growing, a row's new place starts past its old one: move the last row first; shrinking,
         # the first (no row lands on one not moved yet).
         order = range(self.max_batch - 1, -1, -1) if capacity > old else range(self.max_batch)
         buffers = []
-        for block, previous in zip(self._blocks, self._buffers or [None] * len(self._blocks)):
+        for block, previous in zip(self._blocks, self._buffers):
             new = block[: int(np.prod(shape))].reshape(shape)
-            if previous is not None:
-                for row in order:
-                    new[row, :keep] = previous[row, :keep]
-                    new[row, keep:] = 0
+            for row in order:
+                new[row, :keep] = previous[row, :keep]
+                new[row, keep:] = 0
             buffers.append(new)
         return buffers
 
