@@ -160,6 +160,22 @@ def test_a_round_that_raises_fails_its_requests_instead_of_hanging_them(service,
     assert service.submit(PROMPTS[2], config).result(timeout=30).text == serial[PROMPTS[2]].text
 
 
+def test_a_service_takes_its_caches_memory_at_start(llama_bundle, monkeypatch):
+    """A long-lived service maps the cache memory of its longest rows when it starts (growing
+    into new memory held every running request for ~60 ms on the demo pair); the capacity
+    rows attend over stays at one step until a row needs more."""
+    from specrt.backends import batched
+
+    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
+    decoders = (generator.target, generator.drafter.decoder)
+    capacities = [decoder.capacity for decoder in decoders]
+    with Service(generator):
+        for decoder, capacity in zip(decoders, capacities):
+            assert decoder._block_capacity == decoder.max_positions > capacity
+            assert decoder.capacity == capacity
+
+
 def test_a_full_service_is_overloaded(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=1)
     long = GenerationConfig(max_new_tokens=100, num_draft_tokens=2, ignore_eos=True)

@@ -210,6 +210,8 @@ class Service:
             one_row=generator.one_row,
         )
         self._runner.schedules = generator._load_schedules
+        for decoder in (generator.target, draft):  # no request pays for the cache's memory
+            decoder.reserve()
         self._waiting: deque[RequestHandle] = deque()
         self._running: dict[int, RequestHandle] = {}
         self._keys = itertools.count()
