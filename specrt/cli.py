@@ -591,8 +591,8 @@ def serve(
     decoders = (generator.target, getattr(generator.drafter, "decoder", None))
     per_slot = sum(getattr(decoder, "cache_bytes_per_row", 0) for decoder in decoders)
     click.echo(
-        f"specrt serve: {generator.max_batch} requests per model call, KV cache up to "
-        f"{per_slot / 2**20:.1f} MiB each (--batch-size sets how many)",
+        f"specrt serve: {generator.max_batch} requests per model call, KV cache "
+        f"{per_slot / 2**20:.1f} MiB each, taken at start (--batch-size sets how many)",
         err=True,
     )
     run_server(
