@@ -246,17 +246,17 @@ def test_matches_widen_a_round_only_where_it_pays(cost_per_token, curve, expecte
 
     schedule = LoadSchedule()
     curves = [curve] * 6
-    assert schedule.match_width(8, curves) == 0  # rounds without matches are measured first
+    assert schedule.match_option(8, curves)[0] == 0  # rounds without matches are measured first
     for _ in range(300):
-        width = schedule.match_width(8, curves)
+        width = schedule.match_option(8, curves)[0]
         seconds = 1.0 + cost_per_token * width
         schedule.update(8, 0, None if width else seconds, [], [])
         if width:
             schedule.update_match_width(8, width, seconds)
     rates = [(2 + 6 * (curve[w - 1] if w else 1)) / (1 + cost_per_token * w) for w in range(5)]
     assert max(range(5), key=rates.__getitem__) == expected  # the scenario is what it says
-    assert schedule.match_width(8, curves) == expected
-    assert LoadSchedule(adapt=False).match_width(8, curves) == 4  # "fixed": every token
+    assert schedule.match_option(8, curves)[0] == expected
+    assert LoadSchedule(adapt=False).match_option(8, curves)[0] == 4  # "fixed": every token
 
 
 def _modelled_rounds(schedule, rows: int, count: int, seconds, acceptance: float, rng) -> None:

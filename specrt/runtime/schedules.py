@@ -406,7 +406,7 @@ class LoadSchedule:
         """K for a round of ``rows`` rows; ``backlog``: tokens the draft would have to catch up
         on first (after rounds without drafting), which a check must repay too;
         ``without_draft``: the expected tokens per second of this round without a model draft
-        where its rows' matches would be verified (`match_width`), else that of the target
+        where its rows' matches would be verified (`match_option`), else that of the target
         alone is used: a model draft must beat what the round gets without it."""
         self._backlog = backlog
         self._without_draft = without_draft
@@ -447,11 +447,6 @@ class LoadSchedule:
     def rate(self, rows: int, k: int) -> float:
         """Expected tokens per second of a round of ``rows`` rows drafting ``k``."""
         return rows * self.expected_tokens(k) / self.predicted_seconds(rows, k)
-
-    def match_width(self, rows: int, curves: list[list[float]]) -> int:
-        """How many tokens of matches a round of ``rows`` rows without a model draft verifies
-        (0: none); `match_option` tells its expected tokens per second too."""
-        return self.match_option(rows, curves)[0]
 
     def match_option(self, rows: int, curves: list[list[float]]) -> tuple[int, float | None]:
         """How many tokens of matches a round of ``rows`` rows without a model draft verifies
