@@ -761,3 +761,48 @@ def test_the_cache_grows_and_shrinks_in_the_memory_it_has(llama_bundle, monkeypa
     target._grow(30)
     assert target.capacity == 32 and addresses() == where
     np.testing.assert_allclose(next_logits(), before, rtol=0, atol=1e-5)
+
+
+def test_a_row_that_ran_alone_is_read_whole_by_the_draft_once_batched(llama_bundle, monkeypatch):
+    """A row running alone lets the hybrid's model skip ahead to a window of its context; once
+    another row joins, the batched rounds read the draft's cache as the row's tokens from the
+    start, so the row is fed to the draft again from there: its draft logits are those of the
+    row's own tokens."""
+    import specrt.runtime.hybrid as hybrid
+    from specrt.runtime.schedules import LoadSchedule
+
+    monkeypatch.setattr(hybrid, "DRAFT_WINDOW", 4)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
+    reference = SpeculativeGenerator.from_bundle(llama_bundle, threads=1).drafter.decoder
+    draft = generator.drafter.decoder
+    runner = BatchRunner(
+        generator.target, draft, generator.tokenizer, frozenset(), one_row=generator.one_row
+    )
+
+    class Drafts(LoadSchedule):  # batched rounds draft, so the draft reads the rows
+        def _choose(self, rows: int, k_max: int) -> int:
+            return 2
+
+    runner.schedules["load"] = Drafts()
+    config = GenerationConfig(
+        max_new_tokens=40, ignore_eos=True, proposer="hybrid", draft_schedule="adaptive"
+    )
+    rng = np.random.default_rng(7)
+    first, second = (rng.integers(3, draft.vocab_size, n).tolist() for n in (30, 9))
+    runner.add([Request(0, first, config, np.random.default_rng(0))])
+    draft.set_length(0, 0)  # as if admitted while the model drafted nothing
+    row = runner._row(0)
+    while not row.draft_offset:  # alone: the model skipped ahead
+        assert not runner.step()
+    runner.add([Request(1, second, config, np.random.default_rng(1))])
+    runner.step()
+    assert row.draft_offset == 0 and 0 < draft.lengths[0] < len(row.tokens)
+    seen = int(draft.lengths[0])
+    reference.reset()
+    reference.prefill(row.tokens[:seen])
+    expected = reference.forward(row.tokens[seen : seen + 1], keep_last=1).logits[-1]
+    lengths = draft.lengths.copy()
+    step = np.array([[row.tokens[seen]], [0]])
+    got = draft.forward_rows(step, keep_last=1).logits[0, -1]
+    draft.lengths[:] = lengths
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)

@@ -279,3 +279,37 @@ def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, mon
             continue
         assert first > rest  # a match too
         assert result.stats.proposers["lookup"]["proposed"] >= first - rest
+
+
+def test_a_hybrids_model_reads_a_window_of_a_long_context(llama_bundle, monkeypatch):
+    """The hybrid's model, asked to draft after skipping a long prompt, reads only its last
+    `DRAFT_WINDOW` tokens (the output stays the target's); a seeded row's model reads it all
+    (its draws must be the batched runner's, which reads every row whole)."""
+    import specrt.runtime.hybrid as hybrid
+
+    window = 6
+    monkeypatch.setattr(hybrid, "DRAFT_WINDOW", window)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    draft, fed = generator.drafter.decoder, []
+    forward = draft.forward
+
+    def counted(tokens, *args, **kwargs):
+        fed.append(len(tokens))
+        return forward(tokens, *args, **kwargs)
+
+    draft.forward = counted
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, generator.target.vocab_size, 40).tolist()  # nothing to match
+    [expected] = generator.generate(
+        [prompt], GenerationConfig(max_new_tokens=16, ignore_eos=True, num_draft_tokens=0)
+    )
+    hybrid_config = dict(max_new_tokens=16, ignore_eos=True, proposer="hybrid")
+    [result] = generator.generate([prompt], GenerationConfig(**hybrid_config))
+    assert result.token_ids == expected.token_ids
+    assert result.stats.proposers["model"]["proposed"] > 0  # the model drafted
+    assert max(fed) == window  # its first catch-up: the window, not the prompt
+    assert draft.length < len(prompt)
+    fed.clear()
+    seeded = GenerationConfig(**hybrid_config, temperature=1.0, seed=3)
+    generator.generate([prompt], seeded)
+    assert max(fed) >= len(prompt) - 1  # the whole prompt at least

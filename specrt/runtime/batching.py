@@ -65,6 +65,7 @@ class _Row:
     stopper: StopStrings | None = None
     index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
     match_history: int = 0  # how its last match fared (`hybrid.outcome`)
+    draft_offset: int = 0  # its first tokens that rounds run alone left out of the draft's cache
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")
@@ -258,6 +259,10 @@ class BatchRunner:
         that finished."""
         if len(rows) == 1 and self._runs_alone(rows[0]):
             return self._round_alone(rows[0])
+        for slot, row in enumerate(rows, start):  # the draft reads batched rows from their start
+            if row.draft_offset:
+                self.draft.set_length(slot, 0)
+                row.draft_offset = 0
         fits = self._fits(rows)
         schedule = self._schedule(rows)
         reproducible = self._reproducible(rows)
@@ -346,8 +351,10 @@ class BatchRunner:
             drafter, schedule = self.one_row(config)
             row.alone = drafter, schedule, getattr(drafter, "lookup", None)
         drafter, schedule, lookup = row.alone
+        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
         if isinstance(drafter, HybridDrafter):  # shared by rows: this row's index and history
             drafter.lookup, drafter.history = lookup, row.match_history
+        model.offset = row.draft_offset  # and where the draft's cache starts in it
         room = min(row.limit - len(tokens) - 1, self.draft.max_positions - len(tokens))
         sampling, rng = config.sampling, row.request.rng
         try:
@@ -360,6 +367,7 @@ class BatchRunner:
             return [0]
         if isinstance(drafter, HybridDrafter):
             row.match_history = drafter.history
+        row.draft_offset = model.offset
         self.target.set_length(0, len(tokens) + step.accepted)
         self._settle(row, step)
         drafter.rollback(len(tokens) - 1)

@@ -85,6 +85,9 @@ class ModelDrafter:
         self.decoder = decoder
         self.max_positions = decoder.max_positions
         self._q: np.ndarray | None = None
+        # The row's first ``offset`` tokens are not in the model's cache: it reads the row from
+        # there (a hybrid's model skips ahead to a window of a long context).
+        self.offset = 0
 
     @property
     def run_time_s(self) -> float:
@@ -92,12 +95,13 @@ class ModelDrafter:
 
     def reset(self) -> None:
         self.decoder.reset()
+        self.offset = 0
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.decoder.prefill(tokens)
 
     def rollback(self, valid_length: int) -> None:
-        self.decoder.rollback(valid_length)
+        self.decoder.rollback(max(0, valid_length - self.offset))
 
     def observe(
         self,
@@ -124,7 +128,7 @@ class ModelDrafter:
         fit this round, is for proposers that choose their own length.)"""
         drafted: list[int] = []
         q = None if sampling.greedy else self._q_buffer(k)
-        pending = tokens[self.decoder.length :]
+        pending = tokens[self.offset + self.decoder.length :]
         if k and len(pending) > 2:  # behind (a row admitted while the model did not draft)
             self.decoder.prefill(pending[:-1])
             pending = pending[-1:]

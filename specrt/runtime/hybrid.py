@@ -53,6 +53,10 @@ MODEL_PRIOR_ROUNDS = 2.0
 FIRST_MODEL_ROUNDS = 4
 EXPLORE_EVERY = 32
 MATCH_BINS = 4  # match lengths told apart: 1, 2, 3, 4 and more
+# A model that skipped more tokens than this (a prompt, rounds of matches) reads only the last
+# of them: catching up a long prompt cost more than the model's rounds gained on such rows
+# (docs/performance.md, session 15). Only a proposer's context: the output stays the target's.
+DRAFT_WINDOW = 64
 
 
 class HybridDrafter:
@@ -129,10 +133,16 @@ class HybridDrafter:
         return draft
 
     def _catch_up(self, tokens: list[int]) -> None:
-        """Feed the model what it missed (the prompt, rounds of matches) but the newest token:
-        a cost of the matches, not of the model's round (`Draft.catch_up_s`)."""
-        decoder = self.model.decoder
-        missed = tokens[decoder.length : -1]
+        """Feed the model what it missed (the prompt, rounds of matches) but the newest token,
+        at most the last `DRAFT_WINDOW` (unless ``reproducible``: a seeded row's draws must be
+        the batched runner's): a cost of the matches, not of the model's round
+        (`Draft.catch_up_s`)."""
+        model, decoder = self.model, self.model.decoder
+        missed = tokens[model.offset + decoder.length : -1]
+        if len(missed) > DRAFT_WINDOW and not self.reproducible:
+            decoder.rollback(0)  # start over at the window
+            model.offset = len(tokens) - 1 - DRAFT_WINDOW
+            missed = tokens[model.offset : -1]
         if len(missed) > 1:
             decoder.prefill(missed)
 
