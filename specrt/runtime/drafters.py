@@ -103,6 +103,18 @@ class ModelDrafter:
     def rollback(self, valid_length: int) -> None:
         self.decoder.rollback(max(0, valid_length - self.offset))
 
+    def catch_up(self, tokens: list[int], window: int | None = None) -> None:
+        """Feed the model what it has not seen of ``tokens`` but the newest token; where that
+        is more than ``window``, only the last ``window`` of them (the model starts over
+        there: a proposer's context, the output stays the target's)."""
+        missed = tokens[self.offset + self.decoder.length : -1]
+        if window is not None and len(missed) > window:
+            self.decoder.rollback(0)
+            self.offset = len(tokens) - 1 - window
+            missed = tokens[self.offset : -1]
+        if len(missed) > 1:
+            self.decoder.prefill(missed)
+
     def observe(
         self,
         source: str,
@@ -128,10 +140,9 @@ class ModelDrafter:
         fit this round, is for proposers that choose their own length.)"""
         drafted: list[int] = []
         q = None if sampling.greedy else self._q_buffer(k)
+        if k:  # behind (a row admitted while the model did not draft)
+            self.catch_up(tokens)
         pending = tokens[self.offset + self.decoder.length :]
-        if k and len(pending) > 2:  # behind (a row admitted while the model did not draft)
-            self.decoder.prefill(pending[:-1])
-            pending = pending[-1:]
         need = rows_needed(sampling)
         while len(drafted) < k:
             out = self.decoder.forward(pending, keep_last=1, need=need)

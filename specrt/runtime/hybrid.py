@@ -133,18 +133,11 @@ class HybridDrafter:
         return draft
 
     def _catch_up(self, tokens: list[int]) -> None:
-        """Feed the model what it missed (the prompt, rounds of matches) but the newest token,
-        at most the last `DRAFT_WINDOW` (unless ``reproducible``: a seeded row's draws must be
-        the batched runner's): a cost of the matches, not of the model's round
+        """Feed the model what it missed (the prompt, rounds of matches), at most the last
+        `DRAFT_WINDOW` (unless ``reproducible``: a seeded row's draws must be the batched
+        runner's, which reads rows whole): a cost of the matches, not of the model's round
         (`Draft.catch_up_s`)."""
-        model, decoder = self.model, self.model.decoder
-        missed = tokens[model.offset + decoder.length : -1]
-        if len(missed) > DRAFT_WINDOW and not self.reproducible:
-            decoder.rollback(0)  # start over at the window
-            model.offset = len(tokens) - 1 - DRAFT_WINDOW
-            missed = tokens[model.offset : -1]
-        if len(missed) > 1:
-            decoder.prefill(missed)
+        self.model.catch_up(tokens, None if self.reproducible else DRAFT_WINDOW)
 
     def match_length(self, found: Proposal) -> int:
         """How many of the matched tokens to verify: the most tokens per second, or 0 where
