@@ -506,11 +506,13 @@ class BatchRunner:
         return self.schedules[name]
 
     def _model_drafts(self, rows: list[_Row]) -> bool:
-        """Whether the draft model should read these admitted rows' prompts now: not while the
-        load schedule has the model draft nothing (its rounds catch the draft up when it
-        drafts again, `catch_up`), unless a row's draws must not depend on that (a seed)."""
-        schedule = self.schedules.get("load")
-        return schedule is None or schedule.last_k != 0 or self._reproducible(rows)
+        """Whether the draft model should read these admitted rows' prompts now: where K
+        adapts to the load it may never draft for them, and the first round that drafts
+        catches the draft up (`catch_up`, as after rounds without drafting), so a request's
+        first token waits for the target's prefill alone; not under a seed (a row's draws must
+        not depend on that) nor a fixed K."""
+        adapts = any(row.request.config.draft_schedule != "fixed" for row in rows)
+        return not adapts or self._reproducible(rows)
 
     @staticmethod
     def _reproducible(rows: list[_Row]) -> bool:
