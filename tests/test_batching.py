@@ -323,6 +323,23 @@ def test_a_k_measured_at_small_batches_is_not_trusted_at_a_full_one():
     assert schedule.predicted_seconds(16, 1) >= 0.9 * seconds(16, 1)
 
 
+def test_a_k_measured_while_rows_were_short_is_priced_against_rounds_now():
+    """Every round grows dearer as the rows grow (attention reads the whole cache), and a K not
+    chosen is measured seldom: K = 1, measured when a round of the target alone took 2 s, is
+    priced in proportion once those rounds take 4 s, not at the 3.5 s it took then (which
+    would make it look worth drafting)."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    schedule = LoadSchedule()
+    for k, seconds, count in ((0, 2.0, 3), (1, 3.5, 3), (0, 4.0, 30)):
+        for _ in range(count):
+            accepted = [k] * 6 + [0] * 4  # 0.6 of the draft tokens kept
+            schedule.update(10, k, seconds, [_Part(k)] * 10, [_Step(a) for a in accepted])
+    assert schedule.predicted_seconds(10, 1) == pytest.approx(7.0)
+    assert schedule.expected_tokens(1) / 3.5 > 1 / 4.0  # priced as measured, K = 1 would win
+    assert schedule.choose(10, 1) == 0
+
+
 def test_checks_of_the_k_not_taken_cost_a_bounded_share_of_the_time():
     """Re-measuring a K other than the best costs its round and, after rounds without
     drafting, the draft's catch-up (`charge`): checks are spaced so that they take at most
@@ -372,6 +389,39 @@ def test_a_check_waits_until_the_drafts_backlog_is_repaid():
     assert checks(0) > checks(10**6) >= 3  # the first three rounds of K = 1 measure it
     # 10^6 tokens are 100 s to catch up on: at 2% that is 5000 s of rounds, more than 2000
     assert checks(10**6) == 3, LOAD_EXPLORE_SHARE
+
+
+def test_an_admitted_prompt_is_read_by_the_target_alone_where_k_adapts(llama_bundle):
+    """Where K adapts to the load the model may never draft for a row, so admitting it
+    prefills the target alone (its first token waits for nothing else); the first round that
+    drafts catches the draft up, and the rows are the target alone's. A fixed K, or a seed,
+    drafts at once: the draft reads the prompt with the target."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    target, draft = generator.target, generator.drafter.decoder
+    ids = generator.encode_prompts(PROMPTS[:3])
+    alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    for schedule, seed, read in (
+        ("adaptive", None, False),
+        ("fixed", None, True),
+        ("adaptive", 5, True),
+    ):
+        config = GenerationConfig(
+            max_new_tokens=12, num_draft_tokens=3, draft_schedule=schedule, seed=seed,
+            temperature=0.0 if seed is None else 1.0, ignore_eos=True,
+        )  # fmt: skip
+        runner = BatchRunner(target, draft, generator.tokenizer, frozenset())
+        requests = [Request(i, p, config, np.random.default_rng([7, i])) for i, p in enumerate(ids)]
+        runner.add(requests)
+        slots = range(len(ids)) if seed is None else range(1, 4)
+        expected = sorted(len(p) - 1 if read else 0 for p in ids)
+        assert sorted(draft.lengths[list(slots)].tolist()) == expected, (schedule, seed)
+        while runner.rows or runner.seeded:
+            runner.step()
+    results = generator.generate(PROMPTS[:3], replace(config, seed=None, temperature=0.0))
+    expected = alone.generate(
+        PROMPTS[:3], replace(config, seed=None, temperature=0.0, num_draft_tokens=0)
+    )
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
 def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, monkeypatch):

@@ -320,8 +320,9 @@ MATCH_PRIOR_COST = 0.25
 
 
 class RoundTimes:
-    """Recent wall times of one kind of round, kept apart for each batch size: a job's tail
-    (fewer rows) must not be priced from, nor evict, the full batch's many rounds."""
+    """Recent times of one kind of round (`LoadSchedule._relative`), kept apart for each batch
+    size: a job's tail (fewer rows) must not be priced from, nor evict, the full batch's many
+    rounds."""
 
     def __init__(self) -> None:
         self.by_size: dict[int, deque[float]] = {}
@@ -363,13 +364,14 @@ class LoadSchedule:
     """K for a batched round of n rows, from what rounds have cost.
 
     Drafting pays less as the batch grows: verifying n * (K+1) positions stops being free, and
-    so does each draft step. For each K the schedule keeps the wall times of its recent rounds
-    with their batch sizes (the first round of each K warms caches and is dropped) and predicts
-    a round of n rows by a line through the median time at each batch size seen (a constant
-    until two sizes are seen: the choice rests on the ratios between K, which change slowly
-    with n). For each draft position i it keeps the rate a_i at which the token is accepted
-    when reached (decayed counts over a prior). It picks the K with the most expected tokens
-    per second:
+    so does each draft step. For each K the schedule keeps the times of its recent rounds with
+    their batch sizes (the target alone's in seconds, the others' as multiples of the target
+    alone's rounds at the time: rows grow through a job; the first round of each K warms caches
+    and is dropped) and predicts a round of n rows by a line through the median at each batch
+    size seen (a constant until two sizes are seen: the choice rests on the ratios between K,
+    which change slowly with n). For each draft position i it keeps the rate a_i at which the
+    token is accepted when reached (decayed counts over a prior). It picks the K with the most
+    expected tokens per second:
 
     .. math:: \\arg\\max_K \\frac{1 + \\sum_{j=1}^{K} \\prod_{i \\le j} a_i}{T(n, K)}
 
@@ -482,7 +484,17 @@ class LoadSchedule:
         if ("match", width) not in self._warmed:  # new shapes, cold caches
             self._warmed.add(("match", width))
         else:
-            self.match_times.setdefault(width, RoundTimes()).add(rows, seconds)
+            relative = self._relative(rows, width, seconds)
+            self.match_times.setdefault(width, RoundTimes()).add(rows, relative)
+
+    def _relative(self, rows: int, k: int, seconds: float) -> float:
+        """What a round is kept as: the target alone's (K = 0) in seconds, the others as a
+        multiple of the target alone's rounds of late. Rounds grow dearer as the rows grow
+        (attention reads the whole cache), and a K not chosen is measured seldom: taken in
+        seconds, one measured while the rows were short would look cheap against the target
+        alone's rounds now."""
+        plain = self.times.get(0)
+        return seconds if k == 0 or plain is None else seconds / plain.predict(rows)
 
     def predicted_seconds(self, rows: int, k: int) -> float:
         return self._seconds(self.times[k], rows, k + 1)
@@ -495,11 +507,14 @@ class LoadSchedule:
         proportion and by ``width`` times their growth. Never cheaper than the evidence says,
         so a K is measured at this size (a check) before it is trusted here."""
         plain, sizes = self.times.get(0), times.by_size
-        if plain is None or times is plain or rows in sizes or min(sizes) < rows < max(sizes):
+        if plain is None or times is plain:
             return times.predict(rows)
+        here = plain.predict(rows)  # ``times`` hold multiples of the target alone's (`_relative`)
+        if rows in sizes or min(sizes) < rows < max(sizes):
+            return times.predict(rows) * here
         nearest = min(sizes, key=lambda n: abs(n - rows))
-        measured = times.predict(nearest)
-        there, here = plain.predict(nearest), plain.predict(rows)
+        there = plain.predict(nearest)
+        measured = times.predict(nearest) * there
         scaled = measured * here / there
         return scaled if rows < nearest else max(scaled, measured + width * (here - there))
 
@@ -542,7 +557,7 @@ class LoadSchedule:
         elif k not in self._warmed:  # the first round of a K: new shapes, cold caches
             self._warmed.add(k)
         else:
-            self.times.setdefault(k, RoundTimes()).add(rows, seconds)
+            self.times.setdefault(k, RoundTimes()).add(rows, self._relative(rows, k, seconds))
         if k > len(self.reached):
             grow = k - len(self.reached)
             self.reached += [0.0] * grow
