@@ -287,6 +287,24 @@ def test_a_batch_size_is_priced_by_its_own_rounds():
     assert sum(schedule.choose(8, 4) == 0 for _ in range(10)) >= 9  # (a check may come)
 
 
+def test_the_target_alone_is_measured_at_each_batch_size_before_drafting_is_weighed():
+    """A job's tail comes after its full batch: at 8 rows the target alone's round is measured
+    before any K is weighed against it there (priced from 16 rows, it would look dear and
+    drafting a bargain), and matches wait for it too."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    def seconds(rows: int, k: int) -> float:  # 0.3 of fixed cost, a verified position 0.1 / row
+        return 0.3 + 0.05 * k + 0.1 * rows * (k + 1)
+
+    schedule, rng = LoadSchedule(), np.random.default_rng(5)
+    _modelled_rounds(schedule, 16, 400, seconds, 0.6, rng)
+    assert 8 * 1.6 / seconds(8, 1) < 8 / seconds(8, 0)  # the scenario: drafting does not pay
+    assert schedule.match_option(8, [[1.9, 2.8]] * 8) == (0, None)
+    assert schedule.choose(8, 4) == 0
+    _modelled_rounds(schedule, 8, 100, seconds, 0.6, rng)
+    assert sum(schedule.choose(8, 4) == 0 for _ in range(10)) >= 9
+
+
 def test_a_model_draft_must_beat_the_round_of_matches_it_would_replace():
     """Where the rows' matches would be verified without the model (a round of K = 0 with
     matches), drafting is weighed against that round, not against the target alone: a K that
@@ -435,8 +453,8 @@ def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, 
         def _choose(self, rows: int, k_max: int) -> int:
             return 0
 
-        def match_option(self, rows: int, curves: list[list[float]]) -> tuple[int, None]:
-            return 0, None
+        def match_option(self, rows: int, curves: list[list[float]]) -> tuple[int, float]:
+            return 0, 1.0  # priced: no width pays
 
     calls = []
     real = batching.find_match

@@ -281,7 +281,8 @@ class BatchRunner:
         for row, cap in zip(rows, caps):
             row.round.k = 0 if row.request.config.proposer == "lookup" else min(k, cap)
             row.round.match = None
-        matched = self._verified_matches(rows, found, caps, k, width, schedule)
+        priced = without_draft is not None
+        matched = self._verified_matches(rows, found, caps, k, width, priced, schedule)
         for i, proposal in matched.items():
             row = rows[i]
             row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
@@ -442,12 +443,14 @@ class BatchRunner:
         caps: list[int],
         k: int,
         width: int,
+        priced: bool,
         schedule: LoadSchedule,
     ) -> dict[int, Proposal]:
         """The matches the round verifies instead of the model's draft. Without a model draft
-        (K = 0, adapting), ``width`` tokens of every match (0: none; matching then pauses for
-        a while, `MATCH_RECHECK_EVERY`): a match that is rarely kept (sampling, text that does
-        not repeat) would make every row pay for a wider call. Otherwise, always for "lookup"
+        (K = 0, adapting), ``width`` tokens of every match (0: none; where the widths were
+        ``priced`` and none paid, matching then pauses for a while, `MATCH_RECHECK_EVERY`): a
+        match that is rarely kept (sampling, text that does not repeat) would make every row
+        pay for a wider call. Otherwise, always for "lookup"
         rows and under a seed (the choice must not depend on other rows); for "hybrid" rows
         where a match is expected to keep more tokens than the model's K (by what matches
         and model drafts kept so far). Where the load schedule adapts, a match fills the
@@ -456,6 +459,8 @@ class BatchRunner:
             return {}
         adapts = schedule.adapt and not self._reproducible(rows)
         if adapts and not k:
+            if not width and not priced:  # the round measures the target alone
+                return {}
             if not width:
                 self._matchless = self._matchless_next
                 self._matchless_next = min(2 * self._matchless_next, 8 * MATCH_RECHECK_EVERY)

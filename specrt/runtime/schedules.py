@@ -418,10 +418,11 @@ class LoadSchedule:
     def _choose(self, rows: int, k_max: int) -> int:
         if not self.adapt:
             return k_max
+        if not self.measured_alone(rows):
+            return 0
         known = [k for k in range(k_max + 1) if len(self.times.get(k, ())) >= 2]
-        for k in range(min(1, k_max) + 1):  # the target alone and one draft token first
-            if k not in known:
-                return k
+        if k_max and 1 not in known:  # one draft token next
+            return 1
         rates = {k: self.rate(rows, k) for k in known}
         rates[0] = max(rates[0], self._without_draft or 0.0)
         best = 0
@@ -446,6 +447,14 @@ class LoadSchedule:
             return neighbour if 0 <= neighbour <= k_max else best - self._side
         return best
 
+    def measured_alone(self, rows: int) -> bool:
+        """Whether rounds of the target alone (K = 0, no matches) were measured at this batch
+        size (and twice in all): what every K and width is weighed against, measured first.
+        A job's tail comes after its full batch: priced from there, the target alone's
+        round would look dear, and drafting a bargain."""
+        plain = self.times.get(0)
+        return plain is not None and len(plain) >= 2 and rows in plain.by_size
+
     def rate(self, rows: int, k: int) -> float:
         """Expected tokens per second of a round of ``rows`` rows drafting ``k``."""
         return rows * self.expected_tokens(k) / self.predicted_seconds(rows, k)
@@ -462,7 +471,7 @@ class LoadSchedule:
         widest = max(map(len, curves), default=0)
         if not self.adapt:
             return widest, None
-        if len(self.times.get(0, ())) < 2:
+        if not self.measured_alone(rows):
             return 0, None  # rounds without matches first: what the widths are compared with
         plain = self.predicted_seconds(rows, 0)
         best, best_rate = 0, rows / plain
