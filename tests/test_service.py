@@ -285,3 +285,32 @@ def test_the_first_token_comes_at_admission(service, serial, llama_bundle):
     stop = tokenizer.decode([first[prompt]]).strip()
     handle = service.submit(prompt, GenerationConfig(max_new_tokens=20, stop=[stop]))
     assert "".join(handle) == "" and handle.result().finish_reason == "stop"
+
+
+def test_a_request_that_comes_during_an_admission_does_not_wait_a_round(llama_bundle, serial):
+    """Requests arriving while others are prefilled are admitted before the batch's next round
+    (else they would wait for the admission and then a whole round): here B is submitted from
+    within A's admission, and is admitted before any round runs; both are their serial
+    outputs."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    events, later = [], []
+    with Service(generator) as service:
+        runner = service._runner
+        add, step = runner.add, runner.step
+
+        def admitting(requests):
+            events.append(("admit", [r.key for r in requests]))
+            if not later:  # B arrives while A is being prefilled
+                later.append(service.submit(PROMPTS[1], config))
+            return add(requests)
+
+        def stepping():
+            events.append(("round", None))
+            return step()
+
+        runner.add, runner.step = admitting, stepping
+        first = service.submit(PROMPTS[0], config)
+        results = [first.result(timeout=60), later[0].result(timeout=60)]
+    assert events[:3] == [("admit", [first.key]), ("admit", [later[0].key]), ("round", None)]
+    assert [r.token_ids for r in results] == [serial[p].token_ids for p in PROMPTS[:2]]

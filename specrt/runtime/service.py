@@ -302,13 +302,13 @@ class Service:
                 self._wake.wait_for(lambda: self._waiting or self._running or self._closing)
                 if not (self._waiting or self._running):
                     return  # closing, nothing left
-                admitted = []
-                room = self._runner.max_batch - len(self._running)
-                while self._waiting and len(admitted) < room:
-                    admitted.append(self._waiting.popleft())
+                admitted = self._take()
             try:
                 with self.generator._lock:  # direct calls on the generator wait for the round
-                    self._admit(admitted)
+                    while admitted:  # those that came during an admission do not wait a round
+                        self._admit(admitted)
+                        with self._wake:
+                            admitted = self._take()
                     self._drop_cancelled()
                     if self._running:
                         self._round()
@@ -318,6 +318,14 @@ class Service:
             except Exception as exc:  # a bug: its requests get an error, never a hang
                 log.exception("specrt service: a round failed")
                 self._fail_running(SpecrtError(f"internal error in the service: {exc!r}"))
+
+    def _take(self) -> list[RequestHandle]:
+        """The waiting requests that fit in the free slots, out of the queue (under the lock)."""
+        taken = []
+        room = self._runner.max_batch - len(self._running)
+        while self._waiting and len(taken) < room:
+            taken.append(self._waiting.popleft())
+        return taken
 
     def _fail_running(self, exc: SpecrtError) -> None:
         for key in list(self._running):
