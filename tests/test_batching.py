@@ -863,15 +863,16 @@ def test_the_cache_grows_and_shrinks_in_the_memory_it_has(llama_bundle, monkeypa
     np.testing.assert_allclose(next_logits(), before, rtol=0, atol=1e-5)
 
 
-def test_a_row_that_ran_alone_is_read_whole_by_the_draft_once_batched(llama_bundle, monkeypatch):
+def test_a_row_that_ran_alone_keeps_its_draft_window_once_batched(llama_bundle, monkeypatch):
     """A row running alone lets the hybrid's model skip ahead to a window of its context; once
-    another row joins, the batched rounds read the draft's cache as the row's tokens from the
-    start, so the row is fed to the draft again from there: its draft logits are those of the
-    row's own tokens."""
+    another row joins, the batched rounds go on reading the draft's cache as that window: the
+    row's draft logits are those of a fresh decode of the window."""
+    import specrt.runtime.batching as batching
     import specrt.runtime.hybrid as hybrid
     from specrt.runtime.schedules import LoadSchedule
 
     monkeypatch.setattr(hybrid, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(batching, "DRAFT_WINDOW", 4)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
     reference = SpeculativeGenerator.from_bundle(llama_bundle, threads=1).drafter.decoder
     draft = generator.drafter.decoder
@@ -890,19 +891,59 @@ def test_a_row_that_ran_alone_is_read_whole_by_the_draft_once_batched(llama_bund
     rng = np.random.default_rng(7)
     first, second = (rng.integers(3, draft.vocab_size, n).tolist() for n in (30, 9))
     runner.add([Request(0, first, config, np.random.default_rng(0))])
-    draft.set_length(0, 0)  # as if admitted while the model drafted nothing
     row = runner._row(0)
-    while not row.draft_offset:  # alone: the model skipped ahead
+    while not row.round.offset:  # alone: the model skipped ahead
         assert not runner.step()
     runner.add([Request(1, second, config, np.random.default_rng(1))])
     runner.step()
-    assert row.draft_offset == 0 and 0 < draft.lengths[0] < len(row.tokens)
-    seen = int(draft.lengths[0])
+    offset, seen = row.round.offset, int(draft.lengths[0])
+    assert offset > 0 and 0 < seen <= 4 + 3
     reference.reset()
-    reference.prefill(row.tokens[:seen])
-    expected = reference.forward(row.tokens[seen : seen + 1], keep_last=1).logits[-1]
+    reference.prefill(row.tokens[offset : offset + seen])
+    expected = reference.forward(row.tokens[offset + seen : offset + seen + 1], keep_last=1)
     lengths = draft.lengths.copy()
-    step = np.array([[row.tokens[seen]], [0]])
+    step = np.array([[row.tokens[offset + seen]], [0]])
     got = draft.forward_rows(step, keep_last=1).logits[0, -1]
     draft.lengths[:] = lengths
-    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got, expected.logits[-1], rtol=0, atol=1e-4)
+
+
+def test_a_batched_row_far_ahead_of_the_draft_is_read_from_a_window(llama_bundle, monkeypatch):
+    """After rounds without drafting (and prompts it skipped at admission), the draft starts
+    over at each row's last `DRAFT_WINDOW` tokens rather than catching up on all of them (a
+    proposer's context: the rows are still the target alone's)."""
+    import specrt.runtime.batching as batching
+    from specrt.runtime.schedules import LoadSchedule
+
+    monkeypatch.setattr(batching, "DRAFT_WINDOW", 6)
+
+    class Later(LoadSchedule):  # 5 rounds without drafting, then K = 2
+        rounds = 0
+
+        def _choose(self, rows: int, k_max: int) -> int:
+            self.rounds += 1
+            return 0 if self.rounds <= 5 else 2
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    draft = generator.drafter.decoder
+    fed, prefill = [], draft.prefill_rows
+
+    def recorded(start, pieces):
+        fed.extend(len(piece) for piece in pieces)
+        return prefill(start, pieces)
+
+    draft.prefill_rows = recorded
+    runner = BatchRunner(generator.target, draft, generator.tokenizer, frozenset())
+    runner.schedules["load"] = Later()
+    config = GenerationConfig(
+        max_new_tokens=20, num_draft_tokens=3, draft_schedule="adaptive", ignore_eos=True
+    )
+    ids = generator.encode_prompts(PROMPTS[:3])
+    assert min(map(len, ids)) > 6
+    results = dict(
+        runner.run([Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)])
+    )
+    assert fed and max(fed) == 6, fed  # each row's window, never its whole text
+    alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    expected = alone.generate(PROMPTS[:3], replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]

@@ -21,7 +21,7 @@ from specrt.backends import RowsDecoder
 from specrt.errors import InvalidInputError, NumericalError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter
-from specrt.runtime.hybrid import HybridDrafter, MatchAcceptance, outcome
+from specrt.runtime.hybrid import DRAFT_WINDOW, HybridDrafter, MatchAcceptance, outcome
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RoundResult, RowRound, batched_round, catch_up, scheduled_round
@@ -65,7 +65,6 @@ class _Row:
     stopper: StopStrings | None = None
     index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
     match_history: int = 0  # how its last match fared (`hybrid.outcome`)
-    draft_offset: int = 0  # its first tokens that rounds run alone left out of the draft's cache
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")
@@ -259,10 +258,6 @@ class BatchRunner:
         that finished."""
         if len(rows) == 1 and self._runs_alone(rows[0]):
             return self._round_alone(rows[0])
-        for slot, row in enumerate(rows, start):  # the draft reads batched rows from their start
-            if row.draft_offset:
-                self.draft.set_length(slot, 0)
-                row.draft_offset = 0
         fits = self._fits(rows)
         schedule = self._schedule(rows)
         reproducible = self._reproducible(rows)
@@ -290,6 +285,7 @@ class BatchRunner:
         parts = [row.round for row in rows]
         if k:  # a draft behind after rounds without drafting: not a cost of this K
             started = time.perf_counter()
+            self._window(rows, start)
             fed = catch_up(self.draft, parts, start)
             schedule.charge(time.perf_counter() - started, fed)
         lengths = [len(row.tokens) for row in rows]
@@ -311,7 +307,7 @@ class BatchRunner:
             # The draft model saw the row up to the round's start; after it, its own tokens,
             # which stand only where they were the ones verified.
             seen = len(row.tokens) - 1 if i not in matched else lengths[i]
-            self.draft.set_length(slot, min(len(row.tokens) - 1, seen))
+            self.draft.set_length(slot, min(len(row.tokens) - 1, seen) - row.round.offset)
             if i in matched:
                 history = row.match_history
                 acceptance = self.matches[row.request.config.greedy]
@@ -331,6 +327,17 @@ class BatchRunner:
             if k == 0 and width > 0:  # a round of matches alone: its width is what it cost
                 schedule.update_match_width(len(rows), width, seconds)
         return finished
+
+    def _window(self, rows: list[_Row], start: int) -> None:
+        """Where the draft is more than `DRAFT_WINDOW` tokens behind a row (rounds without
+        drafting, a prompt it skipped), it starts over at the row's last tokens, as the
+        one-row hybrid's does: catching up on a whole long row cost more than the rounds it
+        drafts for gain. Not under a seed: those rows are always read whole."""
+        for slot, row in enumerate(rows, start):
+            behind = len(row.tokens) - 1 - row.round.offset - int(self.draft.lengths[slot])
+            if behind > DRAFT_WINDOW and not row.request.config.reproducible:
+                row.round.offset = len(row.tokens) - 1 - DRAFT_WINDOW
+                self.draft.set_length(slot, 0)
 
     def _runs_alone(self, row: _Row) -> bool:
         """A row alone in the batch drafts as the one-row loop does (the adaptive schedule
@@ -355,7 +362,7 @@ class BatchRunner:
         model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
         if isinstance(drafter, HybridDrafter):  # shared by rows: this row's index and history
             drafter.lookup, drafter.history = lookup, row.match_history
-        model.offset = row.draft_offset  # and where the draft's cache starts in it
+        model.offset = row.round.offset  # and where the draft's cache starts in it
         room = min(row.limit - len(tokens) - 1, self.draft.max_positions - len(tokens))
         sampling, rng = config.sampling, row.request.rng
         try:
@@ -368,7 +375,7 @@ class BatchRunner:
             return [0]
         if isinstance(drafter, HybridDrafter):
             row.match_history = drafter.history
-        row.draft_offset = model.offset
+        row.round.offset = model.offset
         self.target.set_length(0, len(tokens) + step.accepted)
         self._settle(row, step)
         drafter.rollback(len(tokens) - 1)
@@ -494,7 +501,10 @@ class BatchRunner:
         if k_max == 0 or self._reproducible(rows):
             return k_max
         lengths = self.draft.lengths[: len(rows)].tolist()  # rows from slot 0 (not seeded)
-        backlog = sum(max(0, len(row.tokens) - 1 - n) for row, n in zip(rows, lengths))
+        backlog = sum(
+            min(DRAFT_WINDOW, max(0, len(row.tokens) - 1 - row.round.offset - n))
+            for row, n in zip(rows, lengths)
+        )
         return self._schedule(rows).choose(len(rows), k_max, backlog, without_draft)
 
     def _fits(self, rows: list[_Row]) -> int:

@@ -117,7 +117,8 @@ class RowRound:
     newest), how to sample, its own random stream, and how many draft tokens it verifies:
     the first ``k`` of the model's (fewer near its length limit), or ``match``, tokens proposed
     by matching (`LookupDrafter`: point masses) in their place. ``keep_drafting``: the row's
-    own schedule may stop its share early, as in the one-row loop (seeded rows)."""
+    own schedule may stop its share early, as in the one-row loop (seeded rows). ``offset``:
+    the row's first tokens the draft's cache leaves out (it reads a window of a long row)."""
 
     tokens: list[int]
     sampling: SamplingParams
@@ -126,6 +127,7 @@ class RowRound:
     match: list[int] | None = None
     source: str = "model"
     keep_drafting: KeepGoing | None = None
+    offset: int = 0
 
     @property
     def model_k(self) -> int:
@@ -220,7 +222,7 @@ def draft_rows(
     failed = {} if failed is None else failed
     n = len(rows)
     lengths = draft.lengths[start : start + n].tolist()
-    unseen = [row.tokens[length:] for row, length in zip(rows, lengths)]
+    unseen = [row.tokens[row.offset + length :] for row, length in zip(rows, lengths)]
     ids, fed = _right_padded(unseen)
     width = ids.shape[1]
     newest = (np.arange(n), fed - 1)  # each row's newest real token, in the first call's output
@@ -300,7 +302,7 @@ def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> int:
     draft call feeds each row one or two tokens (rows in slots ``start ..``); the tokens fed.
     Rows far behind are fed apart from the others (`prefill_rows`)."""
     lengths = draft.lengths[start : start + len(rows)].tolist()
-    unseen = [row.tokens[length:-1] for row, length in zip(rows, lengths)]
+    unseen = [row.tokens[row.offset + length : -1] for row, length in zip(rows, lengths)]
     if max(map(len, unseen)) <= 1:
         return 0
     draft.prefill_rows(start, unseen)
