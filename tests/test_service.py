@@ -314,3 +314,34 @@ def test_a_request_that_comes_during_an_admission_does_not_wait_a_round(llama_bu
         results = [first.result(timeout=60), later[0].result(timeout=60)]
     assert events[:3] == [("admit", [first.key]), ("admit", [later[0].key]), ("round", None)]
     assert [r.token_ids for r in results] == [serial[p].token_ids for p in PROMPTS[:2]]
+
+
+def test_requests_admitted_together_each_get_their_first_token_after_their_own_prefill(
+    llama_bundle, serial
+):
+    """Requests that come back together are prefilled one by one, the shortest prompt first,
+    and each one's first token is handed out before the next prompt is prefilled; every
+    output is still its serial one."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    prompts = sorted(PROMPTS[2:5], key=len, reverse=True)  # submitted longest first
+    added, handles = [], {}
+    with Service(generator) as service:
+        runner = service._runner
+        add = runner.add
+
+        def adding(requests):
+            started = [key for key, h in handles.items() if h._sent_tokens]
+            added.append(([r.key for r in requests], started))
+            return add(requests)
+
+        runner.add = adding
+        with service._wake:  # all three wait, then are admitted at once
+            for prompt in prompts:
+                handle = service.submit(prompt, config)
+                handles[handle.key] = handle
+        results = [handle.result(timeout=60) for handle in handles.values()]
+    by_length = sorted(handles, key=lambda key: len(handles[key].request.prompt))
+    assert [keys for keys, _ in added] == [[key] for key in by_length]
+    assert [sorted(started) for _, started in added] == [sorted(by_length[:n]) for n in range(3)]
+    assert [r.token_ids for r in results] == [serial[p].token_ids for p in prompts]

@@ -336,8 +336,9 @@ class Service:
             self._running.pop(key)._finish(None, exc)
 
     def _admit(self, handles: list[RequestHandle]) -> None:
-        """Prefill the admitted requests together (one call per model) and hand out their
-        first tokens."""
+        """Prefill the admitted requests one after another, the shortest prompt first, and hand
+        out each one's first token as soon as its own prefill is done: requests that finish
+        in the same round come back together, and none waits for the others' prompts."""
         live = []
         for handle in handles:
             if handle._cancelled:
@@ -346,12 +347,12 @@ class Service:
                 handle.admitted_at = time.perf_counter()
                 live.append(handle)
                 self._running[handle.key] = handle
-        for request, result in self._runner.add([handle.request for handle in live]):
-            self._running.pop(request.key)._finish(result)
-        admitted = {handle.key for handle in live}
-        for request, new_ids in self._runner.active():  # their first tokens, out at once
-            if request.key in admitted:
-                self._running[request.key]._progress(new_ids)
+        for handle in sorted(live, key=lambda h: len(h.request.prompt)):
+            for request, result in self._runner.add([handle.request]):
+                self._running.pop(request.key)._finish(result)
+            if handle.key in self._running:  # its first token, out at once
+                new_ids = next(ids for r, ids in self._runner.active() if r.key == handle.key)
+                handle._progress(new_ids)
 
     def _drop_cancelled(self) -> None:
         for key, handle in list(self._running.items()):
