@@ -358,6 +358,28 @@ def test_a_k_measured_while_rows_were_short_is_priced_against_rounds_now():
     assert schedule.choose(10, 1) == 0
 
 
+def test_the_target_alone_is_measured_again_while_a_longer_draft_is_best():
+    """Every K is priced against the target alone's rounds, which are not chosen while the
+    best K is 2 or more (its neighbours are 1 and 3); measured slow at first (cold caches, a
+    busy machine), they would keep a K that does not pay chosen for good. Every third check
+    measures them again: here they take 3 s at first and 1 s after, drafting costs 0.5 s and
+    0.3 s a token, and the schedule comes back to K = 0."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    schedule, rng = LoadSchedule(), np.random.default_rng(6)
+    rounds = [0]
+
+    def seconds(rows: int, k: int) -> float:
+        rounds[0] += 1
+        plain = 3.0 if k == 0 and rounds[0] <= 3 else 1.0
+        return plain + (0.5 + 0.3 * k if k else 0.0)
+
+    _modelled_rounds(schedule, 4, 3000, seconds, 0.6, rng)
+    rates = [schedule.expected_tokens(k) / seconds(4, k) for k in range(5)]
+    assert max(range(5), key=rates.__getitem__) == 0 and rates[2] > rates[1]  # the scenario
+    assert sum(schedule.choose(4, 4) == 0 for _ in range(10)) >= 9
+
+
 def test_checks_of_the_k_not_taken_cost_a_bounded_share_of_the_time():
     """Re-measuring a K other than the best costs its round and, after rounds without
     drafting, the draft's catch-up (`charge`): checks are spaced so that they take at most

@@ -376,10 +376,11 @@ class LoadSchedule:
     .. math:: \\arg\\max_K \\frac{1 + \\sum_{j=1}^{K} \\prod_{i \\le j} a_i}{T(n, K)}
 
     K = 0 (the target alone) is one of the choices, so a batch where drafting does not pay
-    runs as fast as one without it. K = 0 and 1 are measured first, then K + 1 while the best
-    K so far is the largest measured (rates are unimodal in K: each extra token gains less and
-    costs as much). Costs and acceptance drift, so a neighbour of the best is measured again
-    after `LOAD_EXPLORE_EVERY` rounds, then half as often each time the best held, and only
+    runs as fast as one without it. K = 0 (at each batch size) and 1 are measured first, then
+    K + 1 while the best K so far is the largest measured (rates are unimodal in K: each extra
+    token gains less and costs as much). Costs and acceptance drift, so a neighbour of the best
+    (every third time the target alone, the rounds the others are priced against) is measured
+    again after `LOAD_EXPLORE_EVERY` rounds, then half as often each time the best held, and only
     once the rounds since the last check took 1 / `LOAD_EXPLORE_SHARE` times what it cost (its
     round beyond one of the best, and the draft's catch-up after rounds without drafting,
     `charge`): at most that share of the time goes to checks.
@@ -395,7 +396,7 @@ class LoadSchedule:
         self.accepted: list[float] = []
         self._since_check, self._check_every = 0, LOAD_EXPLORE_EVERY
         self.last_k: int | None = None  # the K chosen last
-        self._checked_best, self._side = -1, 1
+        self._checked_best, self._turn = -1, 0
         self._since_seconds, self._check_cost = 0.0, 0.0  # round time since, cost of, a check
         self._checking: int | None = None  # the best K, while a check's round runs
         self._catch_up_s: float | None = None  # per token the draft catches up on
@@ -442,9 +443,14 @@ class LoadSchedule:
             )
             self._since_check, self._checked_best = 0, best
             self._since_seconds, self._check_cost, self._checking = 0.0, 0.0, best
-            self._side = -self._side
-            neighbour = best + self._side
-            return neighbour if 0 <= neighbour <= k_max else best - self._side
+            # Below, above, and (every third check) the target alone: the rounds every other
+            # K is priced against, which are not measured again while the best K is above 1.
+            self._turn = (self._turn + 1) % 3
+            if self._turn == 2 and best >= 2:
+                return 0
+            side = -1 if self._turn == 1 else 1
+            neighbour = best + side
+            return neighbour if 0 <= neighbour <= k_max else best - side
         return best
 
     def measured_alone(self, rows: int) -> bool:
