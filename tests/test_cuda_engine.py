@@ -89,9 +89,10 @@ def cpu_twin(bundle, max_batch: int = 1) -> SpeculativeGenerator:
 @pytest.fixture
 def small_steps(monkeypatch):
     """The cache grows 16 positions at a time (not 256): the tiny models' rows grow it often."""
-    from specrt.backends import batched
+    from specrt.backends import batched, device_rows
 
     monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(device_rows, "DEVICE_CAPACITY_STEP", 16)
 
 
 def test_speculative_greedy_equals_target_only_on_the_cuda_engine(cuda_bundle):

@@ -130,9 +130,9 @@ class RowsDecoder(DecoderBase):
         """Give back the capacity steps no row needs, ``headroom`` positions past the longest
         row kept (so that it does not grow again at once): attention over several rows reads
         all of the capacity, so the rows after a long one would go on paying for its positions."""
-        longest = int(self.lengths.max(initial=0))
-        steps = max(1, -(-(longest + headroom if longest else 0) // CAPACITY_STEP))
-        capacity = min(self.max_positions, steps * CAPACITY_STEP)
+        longest, step = int(self.lengths.max(initial=0)), self._capacity_step()
+        steps = max(1, -(-(longest + headroom if longest else 0) // step))
+        capacity = min(self.max_positions, steps * step)
         if self.capacity > capacity:
             self._grow(capacity)
 
@@ -217,10 +217,14 @@ class RowsDecoder(DecoderBase):
     def _grow(self, needed: int) -> None:
         """Reallocate the cache with room for ``needed`` positions per row (fewer than now:
         `shrink`), keeping its content."""
-        steps = -(-needed // CAPACITY_STEP)
-        capacity = min(self.max_positions, steps * CAPACITY_STEP)
+        step = self._capacity_step()
+        capacity = min(self.max_positions, -(-needed // step) * step)
         self._buffers = self._resized(capacity)
         self.capacity = capacity
+
+    def _capacity_step(self) -> int:
+        """Positions the cache grows by at a time."""
+        return CAPACITY_STEP
 
     def _resized(self, capacity: int) -> list:
         """New zeroed buffers of ``capacity`` positions holding the current ones' content."""

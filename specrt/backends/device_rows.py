@@ -29,6 +29,9 @@ from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
 MAX_KEPT_CALL_SHAPES = 64  # call shapes whose arrays are kept for the next call of that shape
+# Positions a device cache grows by at a time: a resize allocates every buffer anew, and a GPU's
+# attention over positions no row uses yet costs little (the CPU engine's step is 32).
+DEVICE_CAPACITY_STEP = 256
 # What each ``need`` brings back to the host; the other outputs stay on the device.
 ON_HOST = {
     NEED_LOGITS: ("logits",),
@@ -91,6 +94,9 @@ class DeviceRowsDecoder(BatchedDecoder):
             for row, length in enumerate(self.lengths.tolist()):
                 content[row, length:] = 0
             buffer.update_inplace(content)
+
+    def _capacity_step(self) -> int:
+        return DEVICE_CAPACITY_STEP
 
     def _resized(self, capacity: int) -> list:
         buffers = []
