@@ -259,6 +259,28 @@ def test_matches_widen_a_round_only_where_it_pays(cost_per_token, curve, expecte
     assert LoadSchedule(adapt=False).match_option(8, curves)[0] == 4  # "fixed": every token
 
 
+def test_a_width_measured_on_slow_rounds_is_measured_again():
+    """A width of matches whose first rounds ran slow (a cache resize, a busy machine) looks
+    dear; it is measured again now and then, as a K is, so the round settles on the width that
+    pays (2 of the rows' matches here: 1 + 0.3 a token, the first two rounds of width 2 slowed
+    by 2 s)."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    schedule, curves = LoadSchedule(), [[1.9, 2.8, 2.9, 3.0]] * 6
+    twos = 0
+    for _ in range(600):
+        width = schedule.match_option(8, curves)[0]
+        seconds = 1.0 + 0.3 * width
+        if width == 2:
+            twos += 1
+            seconds += 2.0 if twos in (2, 3) else 0.0  # its first measured rounds (1: warm-up)
+        schedule.update(8, 0, None if width else seconds, [], [])
+        if width:
+            schedule.update_match_width(8, width, seconds)
+    assert twos > 3
+    assert sum(schedule.match_option(8, curves)[0] == 2 for _ in range(10)) >= 9
+
+
 def _modelled_rounds(schedule, rows: int, count: int, seconds, acceptance: float, rng) -> None:
     """``count`` rounds of ``rows`` rows as ``schedule`` chooses them, each taking
     ``seconds(rows, k)``, each draft position accepted with probability ``acceptance``."""
@@ -475,7 +497,7 @@ def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, 
         def _choose(self, rows: int, k_max: int) -> int:
             return 0
 
-        def match_option(self, rows: int, curves: list[list[float]]) -> tuple[int, float]:
+        def match_option(self, rows: int, curves: list, probe: bool = False) -> tuple[int, float]:
             return 0, 1.0  # priced: no width pays
 
     calls = []
@@ -503,6 +525,41 @@ def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, 
     rounds = 99  # after each row's first token
     assert 0 < len(calls) <= 4 * 6, len(calls)  # rounds 1, 10, 27, 60 (skips of 8, 16, 32)
     assert len(calls) < 4 * rounds / 8
+
+
+def test_the_round_after_a_pause_in_matching_verifies_a_width(llama_bundle):
+    """Matches found not to pay are paused, and nothing is learnt of them while they are: the
+    round that ends a pause verifies a width of them anyway (a probe), without shortening the
+    pauses, and the rows are the target alone's."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    class Probed(LoadSchedule):  # the model never drafts; matches pay only when probed
+        probes: list[bool] = []
+
+        def _choose(self, rows: int, k_max: int) -> int:
+            return 0
+
+        def match_option(self, rows: int, curves: list, probe: bool = False) -> tuple[int, float]:
+            self.probes.append(probe)
+            return (1, 1.0) if probe else (0, 1.0)
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    prompts = ["Simple is better " * 2, "def f(x): return x; def f"] * 2
+    ids = generator.encode_prompts(prompts)
+    runner = BatchRunner(
+        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+    )
+    schedule = runner.schedules["load"] = Probed()
+    options = dict(max_new_tokens=100, ignore_eos=True)
+    config = GenerationConfig(
+        num_draft_tokens=4, draft_schedule="adaptive", proposer="hybrid", **options
+    )
+    requests = [Request(i, p, config, np.random.default_rng([3, i])) for i, p in enumerate(ids)]
+    results = dict(runner.run(requests))
+    # looks at rounds 1, 10 (a probe), 11, 28 (a probe), 29, 62, 63: pauses of 8, 16, 32 still
+    assert schedule.probes == [False, True, False, True, False, True, False], schedule.probes
+    alone = generator.generate(prompts, replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(4)] == [r.token_ids for r in alone]
 
 
 def test_greedy_and_sampled_rows_learn_how_matches_fare_apart(llama_bundle):

@@ -106,6 +106,7 @@ class BatchRunner:
         self.seeded: list[_Row] = []  # seeded sampled rows: seeded[i] in slot max_batch - 1 - i
         self._matchless = 0  # rounds left that skip matching (`MATCH_RECHECK_EVERY`)
         self._matchless_next = MATCH_RECHECK_EVERY
+        self._look_again = False  # a pause just ended: its first round verifies a width anyway
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         """Yield ``(key, result)`` for each request as it finishes (not in request order).
@@ -265,19 +266,22 @@ class BatchRunner:
         # model's draft must beat that round, not the target alone.
         skip = not schedule.last_k and self._matchless > 0 and not reproducible
         self._matchless -= skip
+        self._look_again |= skip and not self._matchless
         caps = [self._cap(row, fits) for row in rows]
         found: dict[int, Proposal] = {}  # by the row's index in ``rows``
         for i, (row, cap) in enumerate(zip(rows, caps)):
             proposal = None if skip else self._find(row, cap)
             if proposal is not None:
                 found[i] = proposal
-        width, without_draft = self._match_option(rows, found, schedule)
+        probe = self._look_again and bool(found)
+        self._look_again &= not probe
+        width, without_draft = self._match_option(rows, found, schedule, probe)
         k = self.draft_length(rows, without_draft)
         for row, cap in zip(rows, caps):
             row.round.k = 0 if row.request.config.proposer == "lookup" else min(k, cap)
             row.round.match = None
         priced = without_draft is not None
-        matched = self._verified_matches(rows, found, caps, k, width, priced, schedule)
+        matched = self._verified_matches(rows, found, caps, k, width, priced, probe, schedule)
         for i, proposal in matched.items():
             row = rows[i]
             row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
@@ -434,14 +438,16 @@ class BatchRunner:
         return acceptance.expected_tokens(proposal, row.match_history)
 
     def _match_option(
-        self, rows: list[_Row], found: dict[int, Proposal], schedule: LoadSchedule
+        self, rows: list[_Row], found: dict[int, Proposal], schedule: LoadSchedule, probe: bool
     ) -> tuple[int, float | None]:
         """How many tokens of the matches a round without a model draft would verify, and its
-        expected tokens per second (None: not known), where the load schedule adapts."""
+        expected tokens per second (None: not known), where the load schedule adapts;
+        ``probe``: measure a width now (matches do not pay on what was learnt when they were
+        last verified, and nothing is learnt while they are not)."""
         if not found or not schedule.adapt or self._reproducible(rows):
             return 0, None
         curves = [self._curve(rows[i], proposal) for i, proposal in found.items()]
-        return schedule.match_option(len(rows), curves)
+        return schedule.match_option(len(rows), curves, probe)
 
     def _verified_matches(
         self,
@@ -451,6 +457,7 @@ class BatchRunner:
         k: int,
         width: int,
         priced: bool,
+        probe: bool,
         schedule: LoadSchedule,
     ) -> dict[int, Proposal]:
         """The matches the round verifies instead of the model's draft. Without a model draft
@@ -472,7 +479,8 @@ class BatchRunner:
                 self._matchless = self._matchless_next
                 self._matchless_next = min(2 * self._matchless_next, 8 * MATCH_RECHECK_EVERY)
                 return {}
-            self._matchless_next = MATCH_RECHECK_EVERY
+            if not probe:  # a width that pays: the pauses start short again
+                self._matchless_next = MATCH_RECHECK_EVERY
             return {i: replace(p, tokens=p.tokens[:width]) for i, p in found.items()}
         verified = {}
         for i, proposal in found.items():

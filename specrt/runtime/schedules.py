@@ -397,6 +397,9 @@ class LoadSchedule:
         self._since_check, self._check_every = 0, LOAD_EXPLORE_EVERY
         self.last_k: int | None = None  # the K chosen last
         self._checked_best, self._turn = -1, 0
+        # Checks of match widths: rounds since the last, rounds between, the best then, side
+        self._width_rounds, self._width_every = 0, LOAD_EXPLORE_EVERY
+        self._width_best, self._width_side = -1, 1
         self._since_seconds, self._check_cost = 0.0, 0.0  # round time since, cost of, a check
         self._checking: int | None = None  # the best K, while a check's round runs
         self._catch_up_s: float | None = None  # per token the draft catches up on
@@ -465,7 +468,9 @@ class LoadSchedule:
         """Expected tokens per second of a round of ``rows`` rows drafting ``k``."""
         return rows * self.expected_tokens(k) / self.predicted_seconds(rows, k)
 
-    def match_option(self, rows: int, curves: list[list[float]]) -> tuple[int, float | None]:
+    def match_option(
+        self, rows: int, curves: list[list[float]], probe: bool = False
+    ) -> tuple[int, float | None]:
         """How many tokens of matches a round of ``rows`` rows without a model draft verifies
         (0: none), and the round's expected tokens per second (None: not known yet).
         ``curves``: for each row with a match, the tokens it is expected to emit when 1, 2, ...
@@ -473,14 +478,18 @@ class LoadSchedule:
         The width with the most expected tokens per second, by the measured times of rounds of
         each width; a width not measured yet is priced at the cost per token of the
         widest narrower one measured (before any: `MATCH_PRIOR_COST` of a round without
-        matches), so widths are tried one after another while they pay."""
+        matches), so widths are tried one after another while they pay. A width is kept as
+        long as it is the best; a neighbour of it is measured again as K's are
+        (`LOAD_EXPLORE_EVERY` rounds, half as often each time the best held): a width measured
+        on a slow round would otherwise never be tried again (a server settled on 1 token of
+        its rows' matches, 4.2 tokens/ms, where 3 gave 5.2); ``probe``: that check now."""
         widest = max(map(len, curves), default=0)
         if not self.adapt:
             return widest, None
         if not self.measured_alone(rows):
             return 0, None  # rounds without matches first: what the widths are compared with
         plain = self.predicted_seconds(rows, 0)
-        best, best_rate = 0, rows / plain
+        rates = [rows / plain]
         per_token = MATCH_PRIOR_COST * plain
         for width in range(1, widest + 1):
             tokens = rows - len(curves) + sum(c[min(width, len(c)) - 1] for c in curves)
@@ -490,9 +499,29 @@ class LoadSchedule:
                 per_token = max(seconds - plain, 0.0) / width  # for the wider ones, unmeasured
             else:
                 seconds = plain + per_token * width
-            if tokens / seconds > best_rate * (1 + LOAD_MARGIN):
-                best, best_rate = width, tokens / seconds
-        return best, best_rate
+            rates.append(tokens / seconds)
+        best = 0
+        for width, rate in enumerate(rates):
+            if rate > rates[best] * (1 + LOAD_MARGIN):
+                best = width
+        width = self._width_check(best, widest, probe)
+        return width, rates[width]
+
+    def _width_check(self, best: int, widest: int, now: bool) -> int:
+        """``best``, or now and then a neighbour of it to measure again (see `match_option`)."""
+        self._width_rounds += 1
+        if self._width_rounds < self._width_every and not now:
+            return best
+        held = best == self._width_best
+        self._width_every = (
+            min(16 * LOAD_EXPLORE_EVERY, 2 * self._width_every) if held else LOAD_EXPLORE_EVERY
+        )
+        self._width_rounds, self._width_best = 0, best
+        self._width_side = -self._width_side
+        for width in (best + self._width_side, best - self._width_side):
+            if 1 <= width <= widest:
+                return width
+        return best
 
     def update_match_width(self, rows: int, width: int, seconds: float) -> None:
         """Record a round without a model draft that verified ``width`` tokens of matches."""
