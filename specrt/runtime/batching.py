@@ -462,13 +462,14 @@ class BatchRunner:
     ) -> dict[int, Proposal]:
         """The matches the round verifies instead of the model's draft. Without a model draft
         (K = 0, adapting), ``width`` tokens of every match (0: none; where the widths were
-        ``priced`` and none paid, matching then pauses for a while, `MATCH_RECHECK_EVERY`): a
-        match that is rarely kept (sampling, text that does not repeat) would make every row
-        pay for a wider call. Otherwise, always for "lookup"
-        rows and under a seed (the choice must not depend on other rows); for "hybrid" rows
-        where a match is expected to keep more tokens than the model's K (by what matches
-        and model drafts kept so far). Where the load schedule adapts, a match fills the
-        round's width and never widens it (every row pays for the widest)."""
+        ``priced`` and none paid, matching then pauses for a while, `MATCH_RECHECK_EVERY`; a
+        ``probe`` ending a pause does not make the next pause shorter): a match that is rarely
+        kept (sampling, text that does not repeat) would make every row pay for a wider call.
+        Otherwise, always for "lookup" rows and under a seed (the choice must not depend on
+        other rows); for "hybrid" rows where a match is expected to keep more tokens than the
+        model's K (by what matches and model drafts kept so far). Where the load schedule
+        adapts, a match fills the round's width and never widens it (every row pays for the
+        widest)."""
         if not found:
             return {}
         adapts = schedule.adapt and not self._reproducible(rows)
