@@ -800,6 +800,22 @@ def test_rows_attend_over_little_more_than_the_longest_row(llama_bundle):
     assert max(longest for _, longest in seen) > 68  # the rows outgrew the first step
 
 
+def test_a_cache_of_one_row_grows_in_large_steps(llama_bundle):
+    """One row's calls see only its own positions, so its cache's capacity costs memory, not
+    compute: it grows in large steps (each resize copies the row), not in the small steps a
+    batch's cache takes; the row is the target alone's either way."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    target = generator.target
+    resizes, grow = [], target._grow
+    target._grow = lambda needed: resizes.append(needed) or grow(needed)
+    config = GenerationConfig(max_new_tokens=60, num_draft_tokens=3, ignore_eos=True)
+    [result] = generator.generate([PROMPTS[0]], config)
+    assert len(result.token_ids) == 60 and target.length > 64
+    assert resizes == []  # a step of 32 would have grown it at 32 and 64 positions
+    [alone] = generator.generate([PROMPTS[0]], replace(config, num_draft_tokens=0))
+    assert result.token_ids == alone.token_ids
+
+
 def test_a_one_row_call_attends_over_its_own_positions_only(llama_bundle, monkeypatch):
     """A call on one row binds the first positions of its row (`VIEW_STEP` past its length),
     not the whole capacity another row grew: the logits are those of a call on both rows,

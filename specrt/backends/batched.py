@@ -40,6 +40,9 @@ from specrt.errors import BundleError
 # demo rows: ~7.5 us a position a target step) and a resize moves the rows (2-5 ms): steps of
 # 32 balance the two for a longest row that grows a token or a few a round.
 CAPACITY_STEP = 32
+# A cache of one row grows in larger steps: that row's calls see only its own positions
+# (`VIEW_STEP`), so its capacity costs memory, not compute, and each resize copies the row.
+ONE_ROW_CAPACITY_STEP = 256
 MAX_KEPT_CALL_TOKENS = 80  # calls of at most this many tokens per row keep their arrays
 SMALL_CALL = 16  # positions per call up to which the host writes its inputs in plain Python
 VIEW_STEP = 32  # a one-row call's view of its row grows in steps of this many positions
@@ -224,7 +227,7 @@ class RowsDecoder(DecoderBase):
 
     def _capacity_step(self) -> int:
         """Positions the cache grows by at a time."""
-        return CAPACITY_STEP
+        return CAPACITY_STEP if self.max_batch > 1 else ONE_ROW_CAPACITY_STEP
 
     def _resized(self, capacity: int) -> list:
         """New zeroed buffers of ``capacity`` positions holding the current ones' content."""
