@@ -360,6 +360,25 @@ class RoundTimes:
         return max(t_low + slope * (rows - low), 1e-6)
 
 
+class _CheckSpacing:
+    """When to measure a neighbour of the best choice again: after `LOAD_EXPLORE_EVERY` rounds,
+    then twice as long each time the best held since the last check (up to 16x)."""
+
+    def __init__(self) -> None:
+        self.rounds, self.every, self.best = 0, LOAD_EXPLORE_EVERY, -1
+
+    def tick(self) -> bool:
+        """Count a round; whether a check is due."""
+        self.rounds += 1
+        return self.rounds >= self.every
+
+    def restart(self, best: int) -> None:
+        """A check of a neighbour of ``best`` starts now."""
+        held = best == self.best
+        self.every = min(16 * LOAD_EXPLORE_EVERY, 2 * self.every) if held else LOAD_EXPLORE_EVERY
+        self.rounds, self.best = 0, best
+
+
 class LoadSchedule:
     """K for a batched round of n rows, from what rounds have cost.
 
@@ -394,12 +413,10 @@ class LoadSchedule:
         self._warmed: set[int | tuple[str, int]] = set()
         self.reached: list[float] = []  # per draft position: decayed counts
         self.accepted: list[float] = []
-        self._since_check, self._check_every = 0, LOAD_EXPLORE_EVERY
+        self._k_checks = _CheckSpacing()
         self.last_k: int | None = None  # the K chosen last
-        self._checked_best, self._turn = -1, 0
-        # Checks of match widths: rounds since the last, rounds between, the best then, side
-        self._width_rounds, self._width_every = 0, LOAD_EXPLORE_EVERY
-        self._width_best, self._width_side = -1, 1
+        self._turn = 0  # which K a check measures: below the best, above, the target alone
+        self._width_checks, self._width_side = _CheckSpacing(), 1
         self._since_seconds, self._check_cost = 0.0, 0.0  # round time since, cost of, a check
         self._checking: int | None = None  # the best K, while a check's round runs
         self._catch_up_s: float | None = None  # per token the draft catches up on
@@ -435,16 +452,11 @@ class LoadSchedule:
                 best = k
         if best < k_max and best + 1 not in known:  # climb while one more token pays
             return best + 1
-        self._since_check += 1
-        due = max(self._check_cost, self._backlog * (self._catch_up_s or 0.0))
-        repaid = self._since_seconds * LOAD_EXPLORE_SHARE >= due
-        if self._since_check >= self._check_every and repaid:  # re-measure a neighbour
-            # A best that held since the last check is checked half as often (up to 16x).
-            held = best == self._checked_best
-            self._check_every = (
-                min(16 * LOAD_EXPLORE_EVERY, 2 * self._check_every) if held else LOAD_EXPLORE_EVERY
-            )
-            self._since_check, self._checked_best = 0, best
+        turn_came = self._k_checks.tick()
+        cost = max(self._check_cost, self._backlog * (self._catch_up_s or 0.0))
+        repaid = self._since_seconds * LOAD_EXPLORE_SHARE >= cost
+        if turn_came and repaid:  # re-measure a neighbour
+            self._k_checks.restart(best)
             self._since_seconds, self._check_cost, self._checking = 0.0, 0.0, best
             # Below, above, and (every third check) the target alone: the rounds every other
             # K is priced against, which are not measured again while the best K is above 1.
@@ -509,14 +521,9 @@ class LoadSchedule:
 
     def _width_check(self, best: int, widest: int, now: bool) -> int:
         """``best``, or now and then a neighbour of it to measure again (see `match_option`)."""
-        self._width_rounds += 1
-        if self._width_rounds < self._width_every and not now:
+        if not self._width_checks.tick() and not now:
             return best
-        held = best == self._width_best
-        self._width_every = (
-            min(16 * LOAD_EXPLORE_EVERY, 2 * self._width_every) if held else LOAD_EXPLORE_EVERY
-        )
-        self._width_rounds, self._width_best = 0, best
+        self._width_checks.restart(best)
         self._width_side = -self._width_side
         for width in (best + self._width_side, best - self._width_side):
             if 1 <= width <= widest:
