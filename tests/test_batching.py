@@ -738,6 +738,34 @@ def test_admitted_rows_have_their_first_token_before_any_round(llama_bundle):
         assert result.token_ids[:1] == expected[key]
 
 
+def test_a_prompt_is_read_in_one_call_of_its_own_row_that_gives_its_first_token(llama_bundle):
+    """Admitting a prompt costs one call of its row alone: it feeds the prompt (short of a
+    prefill chunk) and its last position gives the first token, the target alone's. No pass
+    of its own for the first token, and no call on several rows, which would attend over all
+    the positions a long running row grew."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    target = generator.target
+    runner = BatchRunner(target, generator.drafter.decoder, generator.tokenizer, frozenset())
+    config = GenerationConfig(max_new_tokens=50, num_draft_tokens=3, ignore_eos=True)
+    ids = generator.encode_prompts(PROMPTS[:3])
+    requests = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
+    runner.add(requests[:1])
+    for _ in range(10):  # the running row grows the cache
+        runner.step()
+    assert target.capacity > max(map(len, ids[1:])) + 8
+    calls, call = [], target._call
+    target._call = lambda start, n, tokens, *a, **k: (
+        calls.append((n, tokens.shape[1])) or call(start, n, tokens, *a, **k)
+    )
+    runner.add(requests[1:])
+    assert calls == [(1, len(p)) for p in sorted(ids[1:], key=len)]
+    target._call = call
+    results = dict(runner.run([]))
+    alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    expected = alone.generate(PROMPTS[:3], replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]
+
+
 @pytest.mark.parametrize("max_batch", [1, 3])
 def test_the_caches_give_back_what_they_grew_once_every_row_left(
     llama_bundle, monkeypatch, max_batch

@@ -18,13 +18,21 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specrt.backends import RowsDecoder
+from specrt.backends.base import PREFILL_CHUNK
 from specrt.errors import InvalidInputError, NumericalError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.hybrid import DRAFT_WINDOW, HybridDrafter, MatchAcceptance, outcome
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import RoundResult, RowRound, batched_round, catch_up, scheduled_round
+from specrt.runtime.round import (
+    RoundResult,
+    RowRound,
+    batched_round,
+    catch_up,
+    first_tokens,
+    scheduled_round,
+)
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -136,10 +144,9 @@ class BatchRunner:
         return self.max_batch - len(self.rows) - len(self.seeded)
 
     def add(self, requests: list[Request]) -> list[tuple[Request, GenerationResult]]:
-        """Prefill ``requests`` into the next free slots, all prompts in one call per model
-        (and prompt chunk; seeded sampled rows in their own), and give each its first token
-        (`active` has it); returns those finished at once (a prompt that fills its length, a
-        first token that ends it)."""
+        """Prefill ``requests`` into the next free slots (seeded sampled rows in their own) and
+        give each its first token (`active` has it); returns those finished at once (a prompt
+        that fills its length, a first token that ends it)."""
         if not self.rows and not self.seeded:  # the caches give back all they grew
             self.target.shrink()
             self.draft.shrink()
@@ -169,13 +176,17 @@ class BatchRunner:
         for slot in range(start, start + len(rows)):
             self.target.set_length(slot, 0)
             self.draft.set_length(slot, 0)
-        # Both models see all but the last prompt token, which the target alone is fed next:
-        # a request's first token comes right after its prefill, not after a round of the batch.
-        self.target.prefill_rows(start, [row.request.prompt[:-1] for row in rows])
+        # The target reads a prompt as the one-row loop does: its whole chunks, then a pass
+        # over the rest whose last position gives the first token (`first_tokens`), so a
+        # request's first token comes right after its own prompt, not after a round of the
+        # batch. The draft sees all but the last prompt token.
+        prompts = [row.request.prompt for row in rows]
+        heads = [prompt[: (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK] for prompt in prompts]
+        self.target.prefill_rows(start, heads)
         if any(row.drafting for row in rows) and self._model_drafts(rows):
-            prompts = [row.request.prompt[:-1] if row.drafting else [] for row in rows]
-            self.draft.prefill_rows(start, prompts)
-        steps = batched_round(self.target, self.draft, [row.round for row in rows], 0, start)
+            drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
+            self.draft.prefill_rows(start, drafted)
+        steps = first_tokens(self.target, [row.round for row in rows], start)
         done = []
         for slot, (row, step) in enumerate(zip(rows, steps), start):
             if step.error is not None:

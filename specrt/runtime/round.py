@@ -198,6 +198,26 @@ def batched_round(
     ]
 
 
+def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> list[RoundResult]:
+    """Each row's first token after its prompt (rows in slots ``start ..``): one call per row
+    feeds what the target's cache lacks of the prompt (its end, as the one-row loop's first
+    pass: at most a prefill chunk) and draws from the last position. A call of one row
+    attends over that row's positions only; one over several rows would attend over the whole
+    cache, which rows already running may have grown far past these prompts."""
+    results = []
+    for slot, row in enumerate(rows, start):
+        started = time.perf_counter()
+        fed = np.array([row.tokens[int(target.lengths[slot]) :]], dtype=np.int64)
+        need = NEED_ARGMAX if row.sampling.greedy else NEED_LOGITS
+        out = target.forward_rows(fed, keep_last=1, start=slot, need=need)
+        failed: dict[int, str] = {}
+        _, token = _row_verdict(failed, 0, [], None, _pick(out, 0), row.sampling, row.rng)
+        seconds = time.perf_counter() - started
+        tokens = [] if failed else [token]
+        results.append(RoundResult(0, 0, tokens, 0.0, seconds, "model", failed.get(0)))
+    return results
+
+
 def _row_verdict(failed: dict[int, str], i: int, *verify_args) -> tuple[int, int]:
     """`verify` for row ``i``; NaN/inf logits fail that row alone (recorded in ``failed``)."""
     try:
