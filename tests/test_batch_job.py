@@ -32,7 +32,9 @@ def write_input(path: Path, rows: int = 30) -> list[dict]:
     text.append(
         json.dumps({"custom_id": "openai", "body": {"prompt": "for i in", "max_tokens": 5}})
     )
-    path.write_text("\n".join(text) + "\n")
+    raw = [line.encode() for line in text]
+    raw.insert(26, '{"id": "latin-1", "prompt": "caf\u00e9"}'.encode("latin-1"))  # not UTF-8
+    path.write_bytes(b"\n".join(raw) + b"\n")
     return lines
 
 
@@ -74,8 +76,8 @@ def reference(llama_bundle, tmp_path_factory):
 
 def test_bad_rows_become_error_records(reference):
     _, records, summary = reference
-    assert len(records) == 32
-    for row_id in ("too-long", "bad-parameter", "line 21"):
+    assert len(records) == 33
+    for row_id in ("too-long", "bad-parameter", "line 21", "line 27"):
         assert "error" in records[row_id] and "text" not in records[row_id], row_id
     assert "at most 128 positions fit" in records["too-long"]["error"]["message"]
     assert "top_p=0" in records["bad-parameter"]["error"]["message"]
@@ -84,7 +86,8 @@ def test_bad_rows_become_error_records(reference):
     )
     assert len(records["row-3"]["token_ids"]) == 8 + 3 % 9
     assert "e" not in records["row-15"]["text"] and "x" not in records["row-15"]["text"]
-    assert summary["rows"] == 32 and summary["ok"] == 29 and summary["failed"] == 3
+    assert "not UTF-8 text (byte 0xe9" in records["line 27"]["error"]["message"]
+    assert summary["rows"] == 33 and summary["ok"] == 29 and summary["failed"] == 4
     assert summary["skipped"] == 0 and summary["new_tokens"] > 0 and summary["batch_size"] == 1
     assert 0 < summary["cache_bytes"] <= summary["cache_bytes_per_row"]  # one row, grown as needed
 
@@ -98,14 +101,14 @@ def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
     cmd = command(llama_bundle, Path("-"), Path("-"), "--batch-size", "4")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        cmd, input=(root / "in.jsonl").read_text(), capture_output=True, text=True, env=env,
-        timeout=300,
+        cmd, input=(root / "in.jsonl").read_bytes(), capture_output=True, env=env, timeout=300,
     )  # fmt: skip
+    done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
     assert done.returncode == 1, done.stderr  # the bad rows, on purpose
     streamed = tmp_path / "streamed.jsonl"
     streamed.write_text(done.stdout)
     assert results(streamed) == expected
-    assert "32 rows: 29 ok, 3 failed" in done.stderr
+    assert "33 rows: 29 ok, 4 failed" in done.stderr
     full = run(command(llama_bundle, root / "in.jsonl", Path("/dev/full")))
     assert full.returncode == 1 and full.stderr.strip().splitlines() == [
         "Error: No space left on device (free some space, or write somewhere else)"
@@ -155,13 +158,13 @@ def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, 
     assert done.returncode == 1, done.stderr
     assert results(output) == expected  # every id exactly once, the same tokens
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert summary["skipped"] > 0 and summary["ok"] + summary["failed"] + summary["skipped"] == 32
-    assert summary["failed"] + summary["skipped_errors"] == 3
+    assert summary["skipped"] > 0 and summary["ok"] + summary["failed"] + summary["skipped"] == 33
+    assert summary["failed"] + summary["skipped_errors"] == 4
     assert all(alive_at_kill)  # every kill hit a running job
     assert summary["ok"] > 0  # the kills did leave rows undone
     again = run(command(llama_bundle, input_path, output))
     assert again.returncode == 1  # the output still holds the three error records
-    assert "0 ok, 0 failed, 32 already done (3 of them errors)" in again.stderr
+    assert "0 ok, 0 failed, 33 already done (4 of them errors)" in again.stderr
 
 
 def test_duplicate_ids_are_refused_before_any_work(llama_bundle, tmp_path):
@@ -172,6 +175,17 @@ def test_duplicate_ids_are_refused_before_any_work(llama_bundle, tmp_path):
     done = run(command(llama_bundle, path, tmp_path / "out.jsonl"))
     assert done.returncode == 1 and "id '1' appears twice" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_input_in_utf16_is_refused_before_any_work(llama_bundle, tmp_path):
+    """Every line of a UTF-16 file would fail alone: one line says what to do instead."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 1, "prompt": "a"}\n', encoding="utf-16")
+    done = run(command(llama_bundle, path, tmp_path / "out.jsonl"))
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"Error: {path} is UTF-16 text; JSON Lines are UTF-8: save the file as UTF-8"
+    ]
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_an_output_that_is_not_ours_is_left_alone(llama_bundle, tmp_path):

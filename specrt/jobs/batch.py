@@ -17,6 +17,7 @@ are spooled to a temporary file first; an output that is a pipe or a device (std
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -145,23 +146,29 @@ def spooled(path: Path) -> Iterator[Path]:
 
 
 def read_rows(path: Path) -> Iterator[Row]:
-    """The input's rows, one per non-blank line, parsed as they are read."""
+    """The input's rows, one per non-blank line, parsed as they are read. A line that is not
+    UTF-8 is a bad row like a line that is not JSON (its own error record): one such line in
+    a large file must not stop the job."""
     try:
-        handle = open(path, encoding="utf-8-sig", errors="strict")
+        handle = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError as exc:
         raise InvalidInputError(f"input file {path} does not exist") from exc
     except IsADirectoryError as exc:
         raise InvalidInputError(f"input file {path} is a directory; give a JSONL file") from exc
     with handle:
-        number = 0
-        while True:
+        for number, data in enumerate(handle, 1):
+            if number == 1:
+                if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                    raise InvalidInputError(
+                        f"{path} is UTF-16 text; JSON Lines are UTF-8: save the file as UTF-8"
+                    )
+                data = data.removeprefix(codecs.BOM_UTF8)
             try:
-                line = handle.readline()
+                line = data.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise InvalidInputError(f"{path}:{number + 1} is not UTF-8 text") from exc
-            if not line:
-                return
-            number += 1
+                message = f"not UTF-8 text (byte {data[exc.start]:#04x} at column {exc.start + 1})"
+                yield Row(f"line {number}", error=f"{message}; save the file as UTF-8")
+                continue
             if line.strip():
                 yield parse_row(line, f"line {number}")
 
