@@ -766,6 +766,37 @@ def test_a_prompt_is_read_in_one_call_of_its_own_row_that_gives_its_first_token(
     assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]
 
 
+def test_a_prompt_longer_than_a_chunk_is_read_in_whole_chunks_then_its_end(
+    llama_bundle, monkeypatch
+):
+    """As in the one-row loop, a prompt's whole prefill chunks go first (the rows together),
+    then its end in a call of its own row that gives the first token; the rows are the target
+    alone's (chunks of 8 positions here, 256 in use)."""
+    from specrt.backends import batched
+    from specrt.runtime import batching
+
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(batched, "PREFILL_CHUNK", 8)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    target = generator.target
+    runner = BatchRunner(target, generator.drafter.decoder, generator.tokenizer, frozenset())
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, ignore_eos=True)
+    ids = sorted(generator.encode_prompts(PROMPTS[:3]), key=len)
+    assert max(map(len, ids)) > 9
+    calls, call = [], target._call
+    target._call = lambda start, n, tokens, *a, **k: (
+        calls.append((start, n, tokens.shape[1])) or call(start, n, tokens, *a, **k)
+    )
+    runner.add([Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)])
+    target._call = call
+    ends = [(slot, 1, len(p) - (len(p) - 1) // 8 * 8) for slot, p in enumerate(ids)]
+    assert calls[-3:] == ends
+    assert calls[:-3] and all(width == 8 for _, _, width in calls[:-3])  # the chunks before
+    results = dict(runner.run([]))
+    expected = generator.generate(ids, replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]
+
+
 @pytest.mark.parametrize("max_batch", [1, 3])
 def test_the_caches_give_back_what_they_grew_once_every_row_left(
     llama_bundle, monkeypatch, max_batch
