@@ -701,6 +701,34 @@ def test_a_row_with_nan_logits_fails_alone(llama_bundle, tmp_path, max_batch, te
         generator.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=64, **options))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_prompt_that_reaches_nan_logits_fails_alone_at_admission(
+    llama_bundle, tmp_path, temperature
+):
+    """A prompt long enough to reach the poisoned positions fails at its admission (its first
+    token's logits are NaN); the prompts admitted with it run as they do without it."""
+    options = dict(num_draft_tokens=3, ignore_eos=True, temperature=temperature, seed=5)
+    poisoned = poisoned_copy(llama_bundle, tmp_path, 30)
+    results = {}
+    for bundle in (llama_bundle, poisoned):
+        generator = SpeculativeGenerator.from_bundle(
+            bundle, threads=1, max_batch=4, check_files=False
+        )
+        short = generator.encode_prompts(PROMPTS[:3])
+        prompts = [generator.encode_prompts([" ".join(PROMPTS[:8])])[0][:40], *short]
+        assert len(prompts[0]) > 30 and all(len(p) + 8 + 3 < 30 for p in short)
+        config = GenerationConfig(max_new_tokens=8, **options)
+        requests = [
+            Request(i, p, config, np.random.default_rng([5, i])) for i, p in enumerate(prompts)
+        ]
+        results[bundle] = dict(generator.run(requests))
+    clean, failed = results[llama_bundle], results[poisoned]
+    assert failed[0].finish_reason == "error" and "NaN/inf" in failed[0].error
+    assert failed[0].token_ids == [] and clean[0].error is None
+    for i in (1, 2, 3):
+        assert failed[i].error is None and failed[i].token_ids == clean[i].token_ids, i
+
+
 def test_a_row_alone_in_the_batch_drafts_as_the_one_row_loop(llama_bundle):
     """The only row of a batch (a service with one client, a job's last row) runs the one-row
     loop's rounds: the adaptive schedule stops drafting token by token, where the load
