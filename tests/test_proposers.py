@@ -115,9 +115,14 @@ def test_ngram_index_matches_brute_force(min_n, max_n):
     for trial in range(30):
         tokens = rng.integers(0, 4 + trial % 5, size=int(rng.integers(2, 60))).tolist()
         index = NgramIndex(min_n, max_n)
-        for end in range(1, len(tokens) + 1):  # grown one token at a time, as in the loop
+        for end in range(1, len(tokens) + 1):  # grown one token at a time
             got = index.propose(tokens[:end], 5).tokens
             assert got == brute_force_lookup(tokens[:end], 5, min_n, max_n), (tokens[:end], got)
+        index, end = NgramIndex(min_n, max_n), int(rng.integers(1, len(tokens) + 1))
+        while end <= len(tokens):  # a prompt at once, then rounds of several tokens
+            got = index.propose(tokens[:end], 5).tokens
+            assert got == brute_force_lookup(tokens[:end], 5, min_n, max_n), (tokens[:end], got)
+            end += int(rng.integers(1, 8))
     # (a fresh index per sequence: one index follows one growing row)
     assert NgramIndex(1, 3).propose([7, 8, 9, 1, 7, 8], 3).tokens == [9, 1, 7]  # the longest
     assert NgramIndex(1, 3).propose([5, 6, 5, 6, 5], 4).tokens == [6, 5, 6, 5]  # loops on

@@ -66,11 +66,15 @@ class NgramIndex:
 
     def _index(self, tokens: Sequence[int]) -> None:
         # The n-gram ending at position j is indexed once token j+1 (its continuation) exists,
-        # so the row's own last n-gram never matches itself.
+        # so the row's own last n-gram never matches itself. Each size in one pass of zipped
+        # slices, in order of j (the latest occurrence wins): a whole prompt at once is
+        # several times faster than tuple by tuple.
         end = len(tokens) - 1
-        for j in range(max(self._seen, self.min_n - 1), end):
-            for n in range(self.min_n, min(self.max_n, j + 1) + 1):
-                self._next[tuple(tokens[j - n + 1 : j + 1])] = j + 1
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(self._seen, n - 1)  # j: from here to end - 1
+            if first < end:
+                grams = zip(*(tokens[first - n + 1 + i : end - n + 1 + i] for i in range(n)))
+                self._next.update(zip(grams, range(first + 1, end + 1)))
         self._seen = max(self._seen, end)
 
 
