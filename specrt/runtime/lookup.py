@@ -66,9 +66,8 @@ class NgramIndex:
 
     def _index(self, tokens: Sequence[int]) -> None:
         # The n-gram ending at position j is indexed once token j+1 (its continuation) exists,
-        # so the row's own last n-gram never matches itself. Each size in one pass of zipped
-        # slices, in order of j (the latest occurrence wins): a whole prompt at once is
-        # several times faster than tuple by tuple.
+        # so the row's own last n-gram never matches itself. Each size in one pass, in order
+        # of j (the latest occurrence wins): a whole prompt is indexed at a row's first round.
         end = len(tokens) - 1
         for n in range(self.min_n, self.max_n + 1):
             first = max(self._seen, n - 1)  # j: from here to end - 1
