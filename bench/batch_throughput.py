@@ -5,13 +5,13 @@ today's one-row-at-a-time speculative loop.
         [--proposer hybrid|model|lookup] [--temperature 1]
 
 Each contender is a fresh process (its peak RSS is its own) running the held-out prompts
-(64 x 128 new tokens, EOS ignored so every row is the same length; greedy unless --temperature)
-through `run_batch`, the
-code `specrt batch` runs, JSONL in and out. Contenders run one at a time; at each batch size
-the two modes run twice each, A B B A, and each mode's tokens/s is its total tokens over its
-total time. Prints a table (tokens/s, ratios, peak
-RSS, KV cache reserved per slot) and writes it as JSON, with a plot of tokens/s against batch
-size (--plot, needs matplotlib: the bench extra).
+(up to --num-prompts, 64; the shipped file holds 40) x 128 new tokens, EOS ignored so every row
+is the same length; greedy unless --temperature) through `run_batch`, the code `specrt batch`
+runs, JSONL in and out. Contenders run one at a time; at each batch size the two modes run
+twice each, A B B A, and each mode's tokens/s is its total tokens over its total time; how far
+a mode's two runs differ is printed as the run's noise (a ratio nearer 1.0 than that is a
+tie). Prints a table (tokens/s, ratios, peak RSS, KV cache reserved per slot) and writes it as
+JSON, with a plot of tokens/s against batch size (--plot, needs matplotlib: the bench extra).
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def mean_run(runs: list[dict]) -> dict:
     """Two runs of one contender as one: total tokens over total time, the larger peak RSS."""
     tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
     merged = {**runs[0], "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-    merged["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+    merged["runs_tokens_per_s"] = speeds = [r["tokens_per_s"] for r in runs]
+    # How far one run of the same job lands from another: what "noise" is in this run
+    merged["run_spread"] = (max(speeds) - min(speeds)) / statistics.mean(speeds)
     merged["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
     merged["acceptance"] = statistics.mean(r["acceptance"] for r in runs)
     merged["drafted_per_row_token"] = statistics.mean(r["drafted_per_row_token"] for r in runs)
@@ -151,12 +153,16 @@ def main() -> None:
         for k, schedule in order:
             runs[k].append(spawn(args, batch, k, schedule))
         spec, alone = (mean_run(runs[k]) for k in (args.k, 0))
-        rows.append({"batch_size": batch, "speculative": spec, "target_only": alone})
+        noise = max(spec["run_spread"], alone["run_spread"])
+        rows.append(
+            {"batch_size": batch, "speculative": spec, "target_only": alone, "noise": noise}
+        )
         print(
             f"B={batch:2d}  speculative {spec['tokens_per_s']:7.0f} tok/s (acceptance "
             f"{spec['acceptance']:.2f}, {spec['drafted_per_row_token']:.2f} drafted/token)  "
             f"target alone {alone['tokens_per_s']:7.0f} tok/s  spec/alone "
-            f"{spec['tokens_per_s'] / alone['tokens_per_s']:.2f}x  spec/one-row "
+            f"{spec['tokens_per_s'] / alone['tokens_per_s']:.2f}x (runs of a mode differ by "
+            f"{100 * noise:.1f}%)  spec/one-row "
             f"{spec['tokens_per_s'] / one_row['tokens_per_s']:.2f}x  peak RSS "
             f"{spec['peak_rss_mib']:.0f} MiB  cache {spec['cache_mib_reserved']:.1f} MiB reserved, "
             f"{spec['cache_mib_per_slot_at_max_length']:.1f} MiB per slot at max length",

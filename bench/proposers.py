@@ -15,11 +15,12 @@ specrt is; the pair was trained on the standard library only):
 Every contender runs every prompt (greedy unless --temperature, 128 new tokens, EOS ignored),
 interleaved prompt by prompt, ``--repeats`` times; a contender's time on a prompt is its median
 over the repeats and its speed-up is the target alone's time over it. Every greedy output is
-checked against the target alone's. The suffix cache starts empty in each repeat and learns
-from the rows before (a batch
-job's order). Prints a table per workload and writes JSON (--out). Then the held-out set
-once more, ``--batch-size`` rows per model call (`specrt batch`'s path): each contender's
-tokens/s over two runs against the target alone batched the same way.
+checked against the target alone's. Each contender learns (its schedules, the hybrid's rates)
+from its own rounds only, as alone in a process; the suffix cache starts empty in each repeat
+and learns from the rows before (a batch job's order). Prints a table per workload and writes
+JSON (--out). Then the held-out set once more, ``--batch-size`` rows per model call (`specrt
+batch`'s path): each contender's tokens/s over two runs against the target alone batched the
+same way.
 """
 
 from __future__ import annotations
@@ -80,33 +81,43 @@ def repetitive_prompts(count: int) -> list[str]:
     return found[:count]
 
 
+def learning_apart(generator, suffix_cache=None):
+    """A generator over ``generator``'s loaded models that has learned nothing yet: each
+    contender learns its schedules and the hybrid's rates from its own rounds, as it would
+    alone in a process (contenders that share one generator share what it learns: the
+    draft-only contender's rounds would steer the hybrid's model rounds)."""
+    from specrt.runtime import SpeculativeGenerator
+
+    return SpeculativeGenerator(
+        generator.target,
+        generator.drafter,
+        generator.tokenizer,
+        generator.eos_token_ids,
+        suffix_cache=suffix_cache,
+    )
+
+
 def run_workload(
     generator, prompts: list[str], repeats: int, log, temperature: float = 0.0
 ) -> dict:
-    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+    from specrt.runtime import GenerationConfig
     from specrt.runtime.lookup import SuffixCache
 
     ids = generator.encode_prompts(prompts)
     seconds = {name: [[] for _ in ids] for name in CONTENDERS}
     proposers: dict[str, dict] = {name: {} for name in CONTENDERS}
+    runners = {name: learning_apart(generator) for name in CONTENDERS}
     for repeat in range(repeats):
         # Each suffix contender learns from its own earlier rows only.
-        cached = {
-            name: SpeculativeGenerator(
-                generator.target,
-                generator.drafter,
-                generator.tokenizer,
-                generator.eos_token_ids,
-                suffix_cache=SuffixCache(),
-            )
-            for name, options in CONTENDERS.items()
-            if options.get("suffix")
-        }
+        for name, options in CONTENDERS.items():
+            if options.get("suffix"):
+                runners[name] = learning_apart(generator, SuffixCache())
         for row, prompt in enumerate(ids):
             reference = None
             for name, options in CONTENDERS.items():
                 options = dict(options)
-                runner = cached[name] if options.pop("suffix", False) else generator
+                options.pop("suffix", None)
+                runner = runners[name]
                 config = GenerationConfig(
                     max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=temperature, **options
                 )
@@ -158,15 +169,15 @@ def run_batched(bundle: str, prompts: list[str], batch_size: int, repeats: int) 
     from specrt.runtime import GenerationConfig, SpeculativeGenerator
     from specrt.runtime.lookup import SuffixCache
 
-    generator = SpeculativeGenerator.from_bundle(bundle, max_batch=batch_size)
+    loaded = SpeculativeGenerator.from_bundle(bundle, max_batch=batch_size)
     seconds = {name: 0.0 for name in BATCH_CONTENDERS}
     reference = None
     for repeat in range(repeats):
         names = list(BATCH_CONTENDERS)
         for name in names if repeat % 2 == 0 else names[::-1]:
             options = dict(BATCH_CONTENDERS[name])
-            generator.suffix_cache = SuffixCache() if options.pop("suffix", False) else None
-            generator._load_schedules.clear()
+            cache = SuffixCache() if options.pop("suffix", False) else None
+            generator = learning_apart(loaded, cache)  # a batch job's process, from scratch
             config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
             started = time.perf_counter()
             results = generator.generate(prompts, config)
@@ -176,7 +187,6 @@ def run_batched(bundle: str, prompts: list[str], batch_size: int, repeats: int) 
                 reference = tokens
             elif tokens != reference:
                 raise SystemExit(f"{name} changed the output (batched)")
-    generator.suffix_cache = None
     base = seconds["target alone"]
     return {name: {"speedup": base / value} for name, value in seconds.items()}
 
