@@ -209,14 +209,15 @@ def test_every_proposer_greedy_equals_target_only(bundles, arch):
             sources = {s for r in results for s in r.stats.proposers}
             proposed = sum(e["proposed"] for r in results for e in r.stats.proposers.values())
             accepted = sum(e["accepted"] for r in results for e in r.stats.proposers.values())
-            assert "lookup" in sources, (arch, options)  # the matches fired
+            # The matches fired, and some were rejected; not always with a hybrid on a
+            # repeating target: whether its rounds take the matches or the model's drafts (all
+            # kept there too) is decided by measured speed (the output is the same either way)
+            if not (repeats and options["proposer"] == "hybrid"):
+                assert "lookup" in sources, (arch, options)
+                assert accepted < proposed, (arch, options)
             if generator is cached and not repeats:
                 assert "suffix" in sources, (arch, options)
             assert 0 < accepted, (arch, options)
-            # And rejected ones; not always with a hybrid on a repeating target: it may leave
-            # the trap's match to the model's drafts (by measured speed), which are all kept
-            if not (repeats and options["proposer"] == "hybrid"):
-                assert accepted < proposed, (arch, options)
             for result in results:
                 stats = result.stats
                 assert stats.accepted_tokens == sum(e["accepted"] for e in stats.proposers.values())
