@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -37,12 +38,18 @@ EXPORT_EXTRA = "pip install torch==2.13.0 && pip install 'specrt[export]'"
 
 def _friendly_errors(command):
     """Turn specrt's own errors and the machine's (disk full, read-only, permissions) into a
-    one-line message and exit status 1; anything else is a bug and keeps its traceback."""
+    one-line message and exit status 1; anything else is a bug and keeps its traceback. Where
+    the program reading the output stops (`| head`), stop quietly with status 1, as Unix
+    tools do."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except BrokenPipeError:
+            # Python flushes stdout again at exit, which would fail and print; send it nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         except SpecrtError as exc:
             raise click.ClickException(str(exc)) from exc
         except OSError as exc:

@@ -63,6 +63,24 @@ def test_generate_human_output_with_comparison(llama_bundle):
     assert "vs target alone" in result.output
 
 
+def test_a_reader_that_stops_early_stops_the_command_quietly(llama_bundle, tmp_path):
+    """`specrt generate ... | head`: once the reader is gone the command stops with status 1,
+    and prints nothing (no "Broken pipe", no traceback), as Unix tools do."""
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"def f{i}(x):\n" for i in range(400)))
+    command = [sys.executable, "-m", "specrt.cli", "generate", "--bundle", str(llama_bundle)]
+    command += ["--prompt-file", str(prompts), "--json", "--max-new-tokens", "8"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(10)  # the first result came, then the reader goes away
+    process.stdout.close()
+    _, errors = process.communicate(timeout=300)
+    assert process.returncode == 1
+    assert errors.decode().strip() == ""
+
+
 def test_runtime_imports_no_torch():
     import subprocess
     import sys
