@@ -4,14 +4,14 @@ today's one-row-at-a-time speculative loop.
     .venv/bin/python bench/batch_throughput.py [--bundle engines/demo] [--batch-sizes 1 2 4 8 16]
         [--proposer hybrid|model|lookup] [--temperature 1]
 
-Each contender is a fresh process (its peak RSS is its own) running the held-out prompts
-(up to --num-prompts, 64; the shipped file holds 40) x 128 new tokens, EOS ignored so every row
-is the same length; greedy unless --temperature) through `run_batch`, the code `specrt batch`
-runs, JSONL in and out. Contenders run one at a time; at each batch size the two modes run
-twice each, A B B A, and each mode's tokens/s is its total tokens over its total time; how far
-a mode's two runs differ is printed as the run's noise (a ratio nearer 1.0 than that is a
-tie). Prints a table (tokens/s, ratios, peak RSS, KV cache reserved per slot) and writes it as
-JSON, with a plot of tokens/s against batch size (--plot, needs matplotlib: the bench extra).
+Each contender is a fresh process (its peak RSS is its own) running the 64 held-out prompts
+(--num-prompts) x 128 new tokens (EOS ignored so every row is the same length; greedy unless
+--temperature) through `run_batch`, the code `specrt batch` runs, JSONL in and out. Contenders
+run one at a time; at each batch size the two modes run twice each, A B B A, and each mode's
+tokens/s is its total tokens over its total time; how far a mode's two runs differ is printed
+as the run's noise (a ratio nearer 1.0 than that is a tie). Prints a table (tokens/s, ratios,
+peak RSS, KV cache reserved per slot) and writes it as JSON, with a plot of tokens/s against
+batch size (--plot, needs matplotlib: the bench extra).
 """
 
 from __future__ import annotations

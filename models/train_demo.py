@@ -161,23 +161,28 @@ def corpus(limit: int | None) -> tuple[list[str], list[str]]:
     return train, heldout
 
 
-def heldout_prompts(count: int = 40, context_lines: int = 8) -> list[dict]:
+def heldout_prompts(count: int = 64, context_lines: int = 8) -> list[dict]:
     """Prompts cut from held-out files: a function's ``def`` line and the lines before it, so the
-    model is asked to write a body it never saw. Up to two per file, in file order."""
+    model is asked to write a body it never saw. Two per file, in file order; then, where the
+    files run out (63 on Python 3.11's), a third per file."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    prompts: list[dict] = []
+    held: list[tuple[str, list[str], list[int]]] = []
     for path in sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts):
         rel = path.relative_to(root).as_posix()
         if int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_EVERY:
             continue
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
         defs = [i for i, line in enumerate(lines) if re.match(r"\s*def \w+\(.*\):\s*$", line)]
-        for i in defs[1:3]:  # skip the first def: there the file's header dominates
-            prompt = "".join(lines[max(0, i - context_lines) : i + 1])[-600:]
-            prompts.append({"file": rel, "line": i + 1, "prompt": prompt})
-        if len(prompts) >= count:
-            break
-    return prompts[:count]
+        held.append((rel, lines, defs))
+    prompts: list[dict] = []
+    for first, last in ((1, 3), (3, 4)):  # skip the first def: there the file's header dominates
+        for rel, lines, defs in held:
+            for i in defs[first:last]:
+                prompt = "".join(lines[max(0, i - context_lines) : i + 1])[-600:]
+                prompts.append({"file": rel, "line": i + 1, "prompt": prompt})
+                if len(prompts) == count:
+                    return prompts
+    return prompts
 
 
 def train_tokenizer(texts: list[str], vocab: int) -> PreTrainedTokenizerFast:

@@ -33,7 +33,7 @@ def test_training_script_smoke(tmp_path):
     )
     report = json.loads((out / "training_report.json").read_text())
     assert report["smoke"] and report["train_files"] > report["heldout_files"] > 0
-    assert len((out / "heldout_prompts.jsonl").read_text().splitlines()) == 40
+    assert len((out / "heldout_prompts.jsonl").read_text().splitlines()) == 64
     # the saved tokenizer loads both ways, and both agree
     fast = PreTrainedTokenizerFast.from_pretrained(out / "tokenizer")
     raw = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
