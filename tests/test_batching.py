@@ -800,10 +800,9 @@ def test_a_prompt_longer_than_a_chunk_is_read_in_whole_chunks_then_its_end(
     """As in the one-row loop, a prompt's whole prefill chunks go first (the rows together),
     then its end in a call of its own row that gives the first token; the rows are the target
     alone's (chunks of 8 positions here, 256 in use)."""
-    from specrt.backends import batched
-    from specrt.runtime import batching
+    from specrt.backends import base, batched
 
-    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(base, "PREFILL_CHUNK", 8)  # `whole_chunks`
     monkeypatch.setattr(batched, "PREFILL_CHUNK", 8)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     target = generator.target

@@ -26,6 +26,12 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 PREFILL_CHUNK = 256
 
 
+def whole_chunks(prompt: Sequence[int]) -> Sequence[int]:
+    """The part of ``prompt`` prefilled ahead of its first pass: its whole chunks, leaving at
+    least its last token to the pass whose last position gives the first new token."""
+    return prompt[: (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK]
+
+
 # What a call must bring back to the host. A device backend copies only that; a host backend
 # returns everything it has whatever is asked.
 NEED_LOGITS = "logits"  # the logits rows (to warp them, or to check them)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specrt.backends import RowsDecoder
-from specrt.backends.base import PREFILL_CHUNK
+from specrt.backends.base import whole_chunks
 from specrt.errors import InvalidInputError, NumericalError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter
@@ -181,8 +181,7 @@ class BatchRunner:
         # request's first token comes right after its own prompt, not after a round of the
         # batch. The draft sees all but the last prompt token.
         prompts = [row.request.prompt for row in rows]
-        heads = [prompt[: (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK] for prompt in prompts]
-        self.target.prefill_rows(start, heads)
+        self.target.prefill_rows(start, [whole_chunks(prompt) for prompt in prompts])
         if any(row.drafting for row in rows) and self._model_drafts(rows):
             drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
             self.draft.prefill_rows(start, drafted)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from specrt.backends import Decoder, RowsDecoder
-from specrt.backends.base import PREFILL_CHUNK
+from specrt.backends.base import PREFILL_CHUNK, whole_chunks
 from specrt.errors import InvalidInputError, NumericalError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
@@ -287,7 +287,7 @@ class SpeculativeGenerator:
         target.reset()
         drafter.reset()
         drafting = k_max > 0 and len(prompt) < drafter.max_positions
-        target.prefill(prompt[: (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK])
+        target.prefill(whole_chunks(prompt))
         if drafting and len(prompt) > 1:
             drafter.prefill(prompt[:-1])
 
