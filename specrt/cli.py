@@ -456,14 +456,21 @@ def batch(
     where drafting does not pay) unless --draft-schedule fixed is given."""
     from specrt.jobs.batch import progress_bar, run_batch, spooled
 
-    if str(output_path) == "-":
+    to_stdout = str(output_path) == "-"
+    if to_stdout:
         output_path = Path("/dev/stdout")
-    elif input_path.resolve() == output_path.resolve():
+    elif _same_file(input_path, output_path):
         raise click.UsageError("--output must not be the --input file")
-    if output_path.is_dir():
-        raise click.UsageError(f"--output {output_path} is a directory; give a file")
-    if summary is not None and summary.is_dir():  # found now, not after the whole job
-        raise click.UsageError(f"--summary {summary} is a directory; give a file")
+    else:
+        _check_writable(output_path, "--output")
+    if summary is not None and str(summary) == "-":
+        if to_stdout:
+            raise click.UsageError("--output - and --summary - would both go to stdout")
+        summary = Path("/dev/stdout")
+    elif summary is not None:  # found now, not after the whole job
+        if _same_file(summary, input_path) or _same_file(summary, output_path):
+            raise click.UsageError("--summary must not be the --input or the --output file")
+        _check_writable(summary, "--summary")
     defaults = GenerationConfig(**params)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     generator = _load(
@@ -479,7 +486,15 @@ def batch(
             err=True,
         )
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
-        result = run_batch(generator, rows, output_path, defaults, progress_bar(progress))
+        try:
+            result = run_batch(generator, rows, output_path, defaults, progress_bar(progress))
+        except KeyboardInterrupt:
+            click.echo(
+                f"\ninterrupted: the rows finished so far are in {output_path}; run the same "
+                "command again to go on from there",
+                err=True,
+            )
+            sys.exit(130)
     report = result.to_dict()
     if summary is not None:
         summary.parent.mkdir(parents=True, exist_ok=True)
@@ -499,8 +514,40 @@ def batch(
         ),
         err=True,
     )
+    if result.skipped_errors:
+        click.echo(
+            f"rows whose records in {output_path} are errors are not run again: delete those "
+            "lines to run them again",
+            err=True,
+        )
     if not result.all_ok:
         sys.exit(1)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (the same path, a symbolic or a hard link)."""
+    try:
+        return a.resolve() == b.resolve() or os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse, before any work, a file the job could not write at its end: a directory, one
+    under a file, or where writing is not allowed."""
+    if path.is_dir():
+        raise click.UsageError(f"{option} {path} is a directory; give a file")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise click.UsageError(f"{option} {path} cannot be written (permission denied)")
+        return
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise click.UsageError(f"{option} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.UsageError(f"{option} {path}: cannot write in {folder} (permission denied)")
 
 
 def _proposer_line(proposers: dict[str, dict]) -> str:

@@ -165,6 +165,36 @@ def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, 
     again = run(command(llama_bundle, input_path, output))
     assert again.returncode == 1  # the output still holds the three error records
     assert "0 ok, 0 failed, 33 already done (4 of them errors)" in again.stderr
+    assert "are errors are not run again: delete those lines to run them again" in again.stderr
+
+
+def test_ctrl_c_stops_the_job_with_one_line_and_a_rerun_goes_on(llama_bundle, reference, tmp_path):
+    """SIGINT (Ctrl-C) mid-job: exit 130 with one line saying how to go on, the rows written
+    so far kept; the same command again finishes the job, every id once, the same tokens."""
+    root, expected, _ = reference
+    input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        command(llama_bundle, input_path, output, "--batch-size", "2"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if output.exists() and output.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.01)
+    assert process.poll() is None, "the job ended before it could be interrupted"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "interrupted: the rows finished so far are in" in stderr and "Traceback" not in stderr
+    assert 3 <= len(results(output)) < 33
+    done = run(command(llama_bundle, input_path, output))
+    assert done.returncode == 1, done.stderr  # the bad rows, on purpose
+    assert results(output) == expected
 
 
 def test_duplicate_ids_are_refused_before_any_work(llama_bundle, tmp_path):
@@ -198,6 +228,59 @@ def test_an_output_that_is_not_ours_is_left_alone(llama_bundle, tmp_path):
     assert output.read_text() == "my notes\nmore notes\n"
     done = run(command(llama_bundle, path, path))
     assert done.returncode == 2 and "must not be the --input" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "a note without its newline",  # read as a line torn by a crash, it was cut off
+        '{"config": 1, "secret": "keep me"}',  # JSON, but not a record of ours
+        '{"id": "p1", "text": "x"}\nmy notes',
+        '{"id": "a", "prompt": "the input copied"}\n{"id": "b", "prompt": "b"}\n',
+    ],
+)
+def test_an_output_of_other_lines_is_never_cut_or_taken_for_results(
+    llama_bundle, tmp_path, content
+):
+    """Only a file of result records (its last line possibly torn mid-record) is resumed;
+    anything else is refused whole, with or without a newline at its end."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "a"}\n')
+    output = tmp_path / "out.txt"
+    output.write_text(content)
+    done = run(command(llama_bundle, path, output))
+    assert done.returncode == 1 and "is not a result of specrt batch" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert output.read_text() == content
+
+
+def test_the_summary_and_output_paths_are_checked_before_any_work(llama_bundle, tmp_path):
+    path = tmp_path / "in.jsonl"
+    text = '{"id": "a", "prompt": "a"}\n'
+    path.write_text(text)
+    output = tmp_path / "out.jsonl"
+    linked = tmp_path / "linked.jsonl"
+    os.link(path, linked)  # a hard link: the same file under another name
+    note = tmp_path / "note.txt"
+    note.write_text("mine\n")
+    cases = [
+        (command(llama_bundle, path, linked), "--output must not be the --input file"),
+        (command(llama_bundle, path, output, "--summary", path), "--summary must not be"),
+        (command(llama_bundle, path, output, "--summary", linked), "--summary must not be"),
+        (command(llama_bundle, path, output, "--summary", output), "--summary must not be"),
+        (command(llama_bundle, path, output, "--summary", tmp_path), "is a directory"),
+        (command(llama_bundle, path, output, "--summary", note / "s.json"), "is a file, not"),
+        (command(llama_bundle, path, note / "o.jsonl"), "is a file, not a folder"),
+        (command(llama_bundle, path, "-", "--summary", "-"), "would both go to stdout"),
+    ]
+    for cmd, message in cases:
+        done = run(cmd)
+        assert done.returncode == 2 and message in done.stderr, (cmd, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert path.read_text() == text and note.read_text() == "mine\n"
+    assert not output.exists()
+    done = run(command(llama_bundle, path, output, "--summary", "-"))  # the summary to stdout
+    assert done.returncode == 0 and json.loads(done.stdout)["ok"] == 1
 
 
 def test_a_seeded_job_gives_each_row_its_own_stream(llama_bundle, tmp_path):

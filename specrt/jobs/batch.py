@@ -220,30 +220,51 @@ def check_ids(path: Path) -> int:
 
 def done_ids(output: Path) -> dict[str, bool]:
     """Ids already in ``output``, each with whether its record is an error. A last line without
-    its newline (a crash mid-write) or that is not a whole JSON object is cut off, and its row
-    runs again. A pipe or a device (stdout, /dev/null) cannot be read back: nothing is done."""
+    its newline that begins as every record does (a crash mid-write) is cut off, and its row
+    runs again. Any other line that is not a result record means the file is not ours: it is
+    refused and left as it is. A pipe or a device (stdout, /dev/null) cannot be read back:
+    nothing is done."""
     if not output.is_file():
         return {}
     data = output.read_bytes()
     keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
+    torn = data[len(keep) :]
+    if torn and not (torn.startswith(RECORD_START) or RECORD_START.startswith(torn)):
+        raise _not_ours(output, keep.count(b"\n") + 1)
     ids = {}
-    lines = keep.splitlines(keepends=True)
-    for index, line in enumerate(lines):
+    for index, line in enumerate(keep.splitlines()):
         try:
             record = json.loads(line)
-            ids[str(record["id"])] = "error" in record
-        except (ValueError, KeyError, TypeError) as exc:
-            if index == len(lines) - 1:  # a torn last line: written partly, then the crash
-                keep = keep[: len(keep) - len(line)]
-                break
-            raise InvalidInputError(
-                f"{output} line {index + 1} is not a result of specrt batch; give another "
-                "--output (this one is left as it is)"
-            ) from exc
-    if len(keep) != len(data):
+        except ValueError:
+            record = None
+        if not is_result(record):
+            raise _not_ours(output, index + 1)
+        ids[str(record["id"])] = "error" in record
+    if torn:
         with open(output, "r+b") as handle:
             handle.truncate(len(keep))
     return ids
+
+
+# How every line `run_batch` writes begins (`json.dumps` of a record whose first key is "id").
+RECORD_START = b'{"id": '
+RESULT_KEYS = {"text", "token_ids", "finish_reason", "stats"}
+
+
+def is_result(record: object) -> bool:
+    """Whether ``record`` is a line `run_batch` writes: a result or a row's error."""
+    if not isinstance(record, dict) or "id" not in record:
+        return False
+    if "error" in record:
+        return set(record) == {"id", "error"} and isinstance(record["error"], dict)
+    return RESULT_KEYS <= set(record)
+
+
+def _not_ours(output: Path, line: int) -> InvalidInputError:
+    return InvalidInputError(
+        f"{output} line {line} is not a result of specrt batch; give another --output (this "
+        "one is left as it is)"
+    )
 
 
 def run_batch(
