@@ -584,7 +584,8 @@ def _proposer_line(proposers: dict[str, dict]) -> str:
     type=click.IntRange(min=0),
     default=64,
     show_default=True,
-    help="Requests that may wait for a slot; beyond them clients get 429.",
+    help="Requests that may wait for a slot (0: none, a request is taken only while a slot is "
+    "free); beyond them clients get 429.",
 )
 @click.option(
     "--num-draft-tokens",
@@ -633,6 +634,11 @@ def serve(
             f"specrt serve needs the serve extra ({exc.name} is missing): "
             "pip install 'specrt[serve]'"
         ) from exc
+    if api_key == "":  # an empty key would let every client in
+        raise click.UsageError(
+            "--api-key (or SPECRT_API_KEY) is empty: give a key, or leave it out to serve "
+            "without one"
+        )
     sock = listen(host, port)  # a taken port fails now, not after the load
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     generator = _load(
@@ -651,7 +657,7 @@ def serve(
     )
     run_server(
         generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock,
-        api_key=api_key or None,
+        api_key=api_key,
     )  # fmt: skip
 
 

@@ -198,6 +198,34 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         client.models.retrieve("gpt-4")
 
 
+def test_oversized_bodies_and_prompts_are_refused_before_they_are_read_whole(server, reference):
+    """A body larger than any prompt of the model could need gets 413 whether its length is
+    declared or not (chunked), and a prompt of more characters than its positions could
+    hold gets 413 without being tokenized; a non-boolean stream gets 400; the server goes on
+    answering meanwhile."""
+    url = server[0]
+    generator, _ = reference
+    chars = generator.max_prompt_chars
+    too_big = 6 * chars + (1 << 20) + 1
+    body = b'{"prompt": "' + b"a" * too_big + b'"}'
+    declared = httpx.post(f"{url}/v1/completions", content=body, timeout=60)
+    assert declared.status_code == 413, declared.text
+    assert "request body is over" in declared.json()["error"]["message"]
+    parts = (body[i : i + 65536] for i in range(0, len(body), 65536))
+    chunked = httpx.post(f"{url}/v1/completions", content=parts, timeout=60)
+    assert chunked.status_code == 413 and "request body is over" in chunked.text
+    long = {"prompt": "Simple is better. " * (chars // 18 + 1), "max_tokens": 2}
+    started = time.monotonic()
+    refused = httpx.post(f"{url}/v1/completions", json=long, timeout=60)
+    assert refused.status_code == 413, refused.text
+    assert "characters, far more than 128 positions hold" in refused.json()["error"]["message"]
+    assert time.monotonic() - started < 10
+    streamed = {"prompt": "Simple is", "max_tokens": 2, "stream": "yes"}
+    bad = httpx.post(f"{url}/v1/completions", json=streamed, timeout=30)
+    assert bad.status_code == 400 and "stream must be true or false" in bad.text
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
 def test_disconnects_mid_stream_free_their_slots(server, client, reference):
     url, process = server
     body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 200, "stream": True}
@@ -383,6 +411,33 @@ def test_an_api_key_guards_the_v1_routes(llama_bundle):
         assert chunks[-1].choices[0].finish_reason == "length"
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_a_broken_chat_template_or_an_empty_key_stops_the_server_in_one_line(
+    llama_bundle, tmp_path
+):
+    bundle = tmp_path / "broken"
+    shutil.copytree(llama_bundle, bundle)
+    config_path = bundle / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['role'] }"
+    config_path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    serve = [sys.executable, "-m", "specrt.cli", "serve", "--port", str(free_port())]
+    cases = [
+        (["--bundle", str(bundle)], 1, "chat template is broken"),
+        (["--bundle", str(llama_bundle), "--api-key", ""], 2, "--api-key"),
+    ]
+    for extra, status, words in cases:
+        done = subprocess.run(serve + extra, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == status, done.stderr
+        assert words in done.stderr and "Traceback" not in done.stderr
+    config_path.write_text("{not json")
+    done = subprocess.run(
+        serve + ["--bundle", str(bundle)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and "tokenizer_config.json" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_taken_port_or_a_bad_host_fails_before_the_bundle_loads(llama_bundle):

@@ -190,6 +190,15 @@ def test_a_full_service_is_overloaded(llama_bundle):
         assert queued.result(timeout=30).finish_reason == "cancelled"
     with pytest.raises(OverloadedError, match="shutting down"):
         service.submit(PROMPTS[0], long)
+    with Service(generator, max_waiting=0) as service:  # no queue: only a free slot takes one
+        first = service.submit(PROMPTS[0], long)
+        next(iter(first))
+        with pytest.raises(OverloadedError, match="overloaded: 1 requests running and 0 waiting"):
+            service.submit(PROMPTS[1], long)
+        first.cancel()
+        assert first.result(timeout=30).finish_reason == "cancelled"
+        again = service.submit(PROMPTS[1], GenerationConfig(max_new_tokens=4))
+        assert again.result(timeout=30).finish_reason == "length"
 
 
 def test_stop_strings_never_leak_into_the_stream(service, serial):

@@ -27,6 +27,9 @@ from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
+# How many times a token's longest text a prompt may hold per position before it is refused
+# untokenized (a normalizer may merge characters: NFC, collapsed spaces).
+PROMPT_CHARS_MARGIN = 8
 
 
 class SpeculativeGenerator:
@@ -98,6 +101,12 @@ class SpeculativeGenerator:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise InvalidInputError("this generator has no tokenizer; pass token ids")
+                if len(prompt) > self.max_prompt_chars:  # found without tokenizing it all
+                    raise PromptTooLongError(
+                        f"prompt {index} has {len(prompt)} characters, far more than "
+                        f"{self.target.max_positions} positions hold (a token stands for at "
+                        f"most {self.tokenizer.max_token_chars} characters here); shorten it"
+                    )
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = self._token_ids(index, prompt)
@@ -105,6 +114,15 @@ class SpeculativeGenerator:
                 raise PromptTooLongError(self._too_long(index, len(ids)))
             encoded.append(ids)
         return encoded
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a prompt cannot fit, whatever its tokens: a token stands for
+        `BundleTokenizer.max_token_chars` at most (`PROMPT_CHARS_MARGIN` times over, for
+        normalizers that merge characters). A longer prompt is refused before it is tokenized,
+        which takes seconds for megabytes of text."""
+        per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
+        return PROMPT_CHARS_MARGIN * self.target.max_positions * per_token
 
     def _too_long(self, index: int, length: int) -> str:
         limit, own = self.target.max_positions, self.target.model_max_positions

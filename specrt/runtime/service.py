@@ -186,8 +186,8 @@ def _wake(waiter: asyncio.Future) -> None:
 class Service:
     """Continuous batching over one generator for many concurrent callers (see the module).
 
-    ``max_waiting``: requests that may wait for a slot; beyond that `submit` raises
-    `OverloadedError`."""
+    ``max_waiting``: requests that may wait for a slot (0: none, a request is taken only
+    while a slot is free); beyond that `submit` raises `OverloadedError`."""
 
     def __init__(
         self, generator: SpeculativeGenerator, max_waiting: int = DEFAULT_MAX_WAITING
@@ -264,7 +264,9 @@ class Service:
         with self._wake:
             if self._closing:
                 raise OverloadedError("the service is shutting down: not accepting requests")
-            if len(self._waiting) >= self.max_waiting:
+            # Requests queued for the slots free now are not waiting: those past them are.
+            free = max(0, self._runner.max_batch - len(self._running))
+            if len(self._waiting) - free >= self.max_waiting:
                 raise OverloadedError(
                     f"overloaded: {self.running} requests running and {len(self._waiting)} "
                     "waiting; retry later"

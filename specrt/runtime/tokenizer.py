@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -39,6 +40,12 @@ class BundleTokenizer:
         if not ids:
             raise InvalidInputError(f"the prompt {text[:40]!r} encodes to no tokens")
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for, at most: the longest string of
+        the vocabulary (a byte-level token's string has a character per byte of its text)."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

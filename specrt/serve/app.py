@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +40,7 @@ FIELDS = {
     "stop": "stop",
 }
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
 COMPLETION, CHAT = "completion", "chat"
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
 # LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
@@ -81,6 +83,8 @@ def create_app(
     routes answer only requests bearing it (`BearerKey`)."""
     metrics = Metrics(service)
     created = int(time.time())
+    # A character escaped in JSON takes at most 6 bytes (\\uXXXX); the rest of a body is small.
+    max_body = 6 * service.generator.max_prompt_chars + BODY_SLACK
     tokenizer = service.generator.tokenizer
     template = ChatTemplate.from_directory(tokenizer.directory) if tokenizer else None
 
@@ -119,13 +123,15 @@ def create_app(
 
     async def answer(request: Request, kind: str) -> Response:
         try:
-            body = await request.json()
+            body = json.loads(await read_body(request))
+        except _HttpError as exc:
+            return error(exc.status, str(exc), exc.kind, exc.param)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object", "invalid_request_error")
-        try:
-            handle, stream = submit(body, kind)
+        try:  # off the event loop: a long prompt's tokenizing must not stall other requests
+            handle, stream = await run_in_threadpool(submit, body, kind)
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except PromptTooLongError as exc:
@@ -146,6 +152,26 @@ def create_app(
         body["speculative_decoding"] = spec_stats(result)
         return JSONResponse(body)
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 once it passes what the longest prompt could take (as
+        JSON text, every character escaped), declared or as it arrives."""
+        too_big = _HttpError(
+            413,
+            f"the request body is over {max_body} bytes, more than any prompt of this model "
+            "needs; shorten the prompt",
+            "invalid_request_error",
+            "prompt",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body:
+            raise too_big
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > max_body:
+                raise too_big
+        return bytes(data)
+
     def submit(body: dict, kind: str) -> tuple[RequestHandle, bool]:
         if body.get("model", model_name) != model_name:
             raise _HttpError(
@@ -155,6 +181,8 @@ def create_app(
                 "model",
             )
         body = {key: value for key, value in body.items() if value is not None}  # null: default
+        if not isinstance(body.get("stream", False), bool):
+            raise _HttpError(400, "stream must be true or false", "invalid_request_error", "stream")
         if body.get("n", 1) != 1:
             raise _HttpError(400, "only n = 1 is supported", "invalid_request_error", "n")
         unknown = sorted(set(body) - set(FIELDS) - IGNORED)
@@ -214,7 +242,7 @@ def create_app(
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         handle = service.submit(prompt, config)
         handle.add_done_callback(metrics.record)
-        return handle, bool(body.get("stream", False))
+        return handle, body.get("stream", False)
 
     async def events(handle: RequestHandle, ident: str, kind: str) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta, a last one with the finish reason, usage and

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specrt.errors import BundleError
+
 
 class ChatTemplateError(ValueError):
     """The template cannot render these messages (it raised, or is broken)."""
@@ -31,10 +33,17 @@ class ChatTemplate:
     def from_directory(cls, directory: Path) -> ChatTemplate | None:
         """The template of a tokenizer directory (``chat_template.jinja``, or
         ``chat_template`` in ``tokenizer_config.json``), or None."""
+        path = directory / "tokenizer_config.json"
         try:
-            config = json.loads((directory / "tokenizer_config.json").read_text())
-        except (OSError, ValueError):
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
             config = {}
+        except (OSError, ValueError) as exc:
+            raise BundleError(
+                f"cannot read {path} ({exc}); fix it, or re-export the bundle"
+            ) from exc
+        if not isinstance(config, dict):
+            raise BundleError(f"{path} is not a JSON object; fix it, or re-export the bundle")
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -44,7 +53,13 @@ class ChatTemplate:
             source = jinja.read_text()
         if not isinstance(source, str) or not source.strip():
             return None
-        return cls(source, _token(config.get("bos_token")), _token(config.get("eos_token")))
+        try:
+            return cls(source, _token(config.get("bos_token")), _token(config.get("eos_token")))
+        except ChatTemplateError as exc:
+            where = jinja if jinja.is_file() else f"chat_template in {path}"
+            raise BundleError(
+                f"{exc} ({where}); fix it, or remove it to serve /v1/completions alone"
+            ) from exc
 
     def render(self, messages: list[dict]) -> str:
         from jinja2.exceptions import TemplateError
