@@ -194,9 +194,29 @@ generation_options = _stack(
         help="Longest n-gram prompt lookup matches (the longest match wins).",
     ),
 )
+
+
+def _threads(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    """At most a few per CPU: onnxruntime starts every one (100000 took minutes, then hung)."""
+    cpus = os.cpu_count() or 1
+    if value is not None and value > MAX_THREADS_PER_CPU * cpus:
+        raise click.BadParameter(
+            f"{value} is far more than this machine's {cpus} CPUs can run; give at most {cpus} "
+            "(more only slows onnxruntime down)"
+        )
+    return value
+
+
+MAX_THREADS_PER_CPU = 4
+THREADS_TYPE = click.IntRange(min=1)
+
 load_options = _stack(
     click.option(
-        "--threads", type=click.IntRange(min=1), default=None, help="onnxruntime intra-op threads."
+        "--threads",
+        type=THREADS_TYPE,
+        default=None,
+        callback=_threads,
+        help="onnxruntime intra-op threads.",
     ),
     ENGINE_OPTION,
     click.option(
@@ -675,7 +695,9 @@ def serve(
     default=BENCH_MAX_DRAFT_TOKENS,
     show_default=True,
 )
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads for everyone.")
+@click.option(
+    "--threads", type=THREADS_TYPE, default=None, callback=_threads, help="Threads for everyone."
+)
 @ENGINE_OPTION
 @click.option("--no-transformers", is_flag=True, help="Skip the PyTorch contenders.")
 @click.option(

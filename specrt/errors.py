@@ -42,8 +42,8 @@ _OS_ADVICE = {
     errno.ENOSPC: "free some space, or write somewhere else",
     errno.EDQUOT: "free some space, or write somewhere else",
     errno.EROFS: "the file system is read-only: write somewhere else",
-    errno.EACCES: "check the permissions, or write somewhere else",
-    errno.EPERM: "check the permissions, or write somewhere else",
+    errno.EACCES: "check the permissions, or use another path",
+    errno.EPERM: "check the permissions, or use another path",
     errno.ENOENT: "check the path",
     errno.EMFILE: "too many open files: raise the limit (ulimit -n)",
 }

@@ -21,6 +21,11 @@ from pathlib import Path
 from specrt.errors import InvalidInputError
 
 STDIN = "-"
+# What `specrt batch` reads per row: found in a prompt file, refused rather than ignored.
+ROW_SETTINGS = {
+    "max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+    "num_draft_tokens", "proposer", "draft_schedule",
+}  # fmt: skip
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -43,6 +48,13 @@ def read_prompt_file(path: str | Path) -> list[str]:
                     f'{name}:{number} has no "prompt" key (keys: {sorted(item)[:5]}); '
                     'write {"prompt": "..."}'
                 )
+            settings = sorted(ROW_SETTINGS & set(item))
+            if settings:  # silently ignored, they would give another output than asked for
+                raise InvalidInputError(
+                    f"{name}:{number} sets {', '.join(settings)}: prompt files hold prompts; "
+                    "give settings as options (--max-new-tokens ...), or run the file with "
+                    "`specrt batch`, which reads them per row"
+                )
             item = item["prompt"]
         if not isinstance(item, str):
             raise InvalidInputError(
@@ -58,7 +70,10 @@ def collect_prompts(
     """Prompts given one by one, then those of ``prompt_file``; at least one."""
     collected = list(prompts)
     if prompt_file is not None:
-        collected += read_prompt_file(prompt_file)
+        from_file = read_prompt_file(prompt_file)
+        if not from_file:
+            raise InvalidInputError(f"prompt file {prompt_file} holds no prompts")
+        collected += from_file
     if not collected:
         raise InvalidInputError("give a prompt with --prompt TEXT or --prompt-file FILE")
     return collected

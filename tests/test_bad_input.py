@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,6 +15,8 @@ from click.testing import CliRunner
 from specrt.cli import main
 from specrt.errors import InvalidInputError
 from specrt.runtime import SpeculativeGenerator
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def cli(*args: str):
@@ -128,9 +134,47 @@ def test_no_prompt_and_empty_prompt_file(llama_bundle, tmp_path):
     assert generate(llama_bundle).exit_code == 2
     (tmp_path / "empty.txt").write_text("\n\n")
     result = generate(llama_bundle, "--prompt-file", tmp_path / "empty.txt")
-    assert result.exit_code == 2 and "give a prompt" in result.output
+    assert result.exit_code == 2 and "empty.txt holds no prompts" in result.output
     result = generate(llama_bundle, "--prompt-file", tmp_path / "missing.txt")
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_per_row_settings_in_a_prompt_file_are_refused_not_ignored(llama_bundle, tmp_path):
+    """`specrt generate` reads prompts from a JSONL file; a line that also sets
+    max_new_tokens would otherwise get the command's setting without a word."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "file": "x.py"}\n{"prompt": "b", "max_new_tokens": 2}\n')
+    result = generate(llama_bundle, "--prompt-file", path)
+    assert result.exit_code == 2 and "rows.jsonl:2 sets max_new_tokens" in result.output
+    assert "specrt batch" in result.output
+
+
+def test_threads_beyond_the_machine_are_refused(llama_bundle):
+    result = generate(llama_bundle, "--prompt", "a", "--threads", "100000")
+    assert result.exit_code == 2 and "100000 is far more than this machine's" in result.output
+
+
+def unprivileged() -> list[str]:
+    """A command prefix under which file permissions hold (root reads any file: dropped
+    capabilities make it a plain user for the command); None where that cannot be done."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root reads files whatever their permissions, and setpriv is missing")
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--"]
+
+
+@pytest.mark.parametrize("name", ["target/onnxruntime/model.onnx.data", "tokenizer/tokenizer.json"])
+def test_an_unreadable_bundle_file_says_so(bundle_copy, name):
+    """A file the user may not read is a permissions problem, not a broken bundle."""
+    (bundle_copy / name).chmod(0)
+    cmd = [sys.executable, "-m", "specrt.cli", "generate", "--bundle", str(bundle_copy)]
+    cmd += ["--prompt", "a", "--max-new-tokens", "2", "--skip-checksums"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(unprivileged() + cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and "(permission denied)" in done.stderr, done.stderr
+    assert "re-export" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_prompt_longer_than_max_positions_fails_before_any_work(llama_bundle):

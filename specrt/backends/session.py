@@ -38,6 +38,10 @@ def create_session(
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
+    path = Path(path)
+    for file in (path, *path.parent.glob(f"{path.name}.*")):  # the graph and its weights
+        if file.is_file() and not os.access(file, os.R_OK):
+            raise BundleError(f"cannot read {file} (permission denied); check its permissions")
     try:
         return ort.InferenceSession(
             str(path), sess_options=options, providers=list(providers or default_providers())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -15,6 +16,8 @@ from specrt.errors import BundleError, InvalidInputError
 class BundleTokenizer:
     def __init__(self, directory: str | Path, spec: TokenizerSpec) -> None:
         path = Path(directory) / "tokenizer.json"
+        if path.is_file() and not os.access(path, os.R_OK):
+            raise BundleError(f"cannot read {path} (permission denied); check its permissions")
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on a broken file
