@@ -14,10 +14,26 @@ def out_of_range(name: str, value: object, rule: str) -> InvalidInputError:
     return InvalidInputError(f"{name}={value!r} is out of range: {rule}")
 
 
+def wrong_type(name: str, value: object, wanted: str, rule: str) -> InvalidInputError:
+    return InvalidInputError(f"{name}={value!r} is {_kind(value)}, not {wanted}: {rule}")
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, numbers.Real):
+        return "a number with a fraction" if isinstance(value, float) else "a number"
+    return f"a {type(value).__name__}"
+
+
 def integer(name: str, value: object, low: int, high: int | None = None, rule: str = "") -> int:
     """``value`` as an int in [low, high]; anything else (a bool, a float, a string) refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise out_of_range(name, value, rule or _integer_rule(low, high))
+        raise wrong_type(name, value, "an integer", rule or _integer_rule(low, high))
     value = int(value)
     if value < low or (high is not None and value > high):
         raise out_of_range(name, value, rule or _integer_rule(low, high))
@@ -27,7 +43,7 @@ def integer(name: str, value: object, low: int, high: int | None = None, rule: s
 def number(name: str, value: object, rule: str, check) -> float:
     """``value`` as a finite float passing ``check``; bools and non-numbers refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise out_of_range(name, value, rule)
+        raise wrong_type(name, value, "a number", rule)
     value = float(value)
     if not (math.isfinite(value) and check(value)):
         raise out_of_range(name, value, rule)
@@ -36,7 +52,7 @@ def number(name: str, value: object, rule: str, check) -> float:
 
 def flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise out_of_range(name, value, "use True or False")
+        raise wrong_type(name, value, "a boolean", "use True or False")
     return value
 
 

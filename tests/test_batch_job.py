@@ -298,3 +298,15 @@ def test_a_seeded_job_gives_each_row_its_own_stream(llama_bundle, tmp_path):
     reordered.write_text("".join(reversed(path.read_text().splitlines(keepends=True))))
     run(command(llama_bundle, reordered, tmp_path / "b.jsonl", *sampled))
     assert results(tmp_path / "b.jsonl") == first  # the same tokens per id, whatever the order
+
+
+def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_form():
+    """As an OpenAI request reads null; an OpenAI batch line is told its own field names."""
+    from specrt.jobs.batch import row_from_item
+
+    row = row_from_item({"id": 1, "prompt": "a", "temperature": None, "seed": 3}, "line 1")
+    assert row.error is None and row.options == {"seed": 3}
+    line = {"custom_id": "c", "body": {"prompt": "a", "messages": [], "max_tokens": 2}}
+    row = row_from_item(line, "line 2")
+    assert "unknown field(s) ['messages']" in row.error and "max_tokens" in row.error
+    assert "max_new_tokens" not in row.error

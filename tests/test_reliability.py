@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -266,13 +267,13 @@ def test_graph_wider_than_the_manifest_says(llama_bundle, tmp_path):
         ({"prompt": "Simple"}, "prompts must be a list"),
         ("Simple", "prompts must be a list"),
         (b"Simple", "prompts must be a list"),
-        ([b"Simple"], "prompt 0 is bytes"),
+        ([b"Simple"], "the prompt is bytes"),
         ([[3, 4.5]], "token id 4.5 that is not an integer"),
         ([[True, 4]], "token id True that is not an integer"),
         ([["3"]], "token id '3' that is not an integer"),
         ([[3], None], "prompt 1 is NoneType"),
-        ([{"a": 1}], "prompt 0 is dict"),
-        ([[]], "prompt 0 is empty"),
+        ([{"a": 1}], "the prompt is dict"),
+        ([[]], "the prompt is empty"),
         ([[-1]], "outside the vocabulary"),
     ],
 )
@@ -327,7 +328,21 @@ def test_generation_config_types(field, value):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"threads": "2"}, "threads='2' is out of range"),
+        ({"max_new_tokens": "8"}, "max_new_tokens='8' is a string, not an integer"),
+        ({"temperature": None}, "temperature=None is null, not a number"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 is out of range: use an integer >= 1"),
+        ({"stop": [""]}, "stop=[''] is not a stop string"),
+    ],
+)
+def test_a_wrong_type_is_told_apart_from_a_value_out_of_range(options, message):
+    with pytest.raises(InvalidInputError, match=re.escape(message)):
+        GenerationConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"threads": "2"}, "threads='2' is a string, not an integer"),
         ({"threads": 0}, "threads=0 is out of range"),
         ({"draft_threads": 0}, "draft_threads=0 is out of range"),
         ({"providers": "CPUExecutionProvider"}, "give a list of provider names"),
@@ -335,7 +350,7 @@ def test_generation_config_types(field, value):
         ({"providers": []}, "give a list of provider names"),
         ({"engine": "vulkan"}, "engine='vulkan'"),
         ({"max_length": 1}, "max_length=1 is out of range"),
-        ({"check_files": "no"}, "check_files='no' is out of range"),
+        ({"check_files": "no"}, "check_files='no' is a string, not a boolean"),
     ],
 )
 def test_load_options_of_the_wrong_type(llama_bundle, options, message):

@@ -191,15 +191,18 @@ def row_from_item(item: object, fallback_id: str) -> Row:
         row_id, prompt = item["custom_id"], body.get("prompt")
         options = {ours: body[theirs] for theirs, ours in OPENAI_OPTIONS.items() if theirs in body}
         extra = sorted(set(body) - set(OPENAI_OPTIONS) - {"prompt", "model"})
+        known = ", ".join(["prompt", *OPENAI_OPTIONS])
     else:
         row_id, prompt = item.get("id"), item.get("prompt")
         options = {key: item[key] for key in ROW_OPTIONS if key in item}
         extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt"})
+        known = ", ".join(ROW_OPTIONS)
+    options = {key: value for key, value in options.items() if value is not None}  # null: default
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         return Row(fallback_id, error='a line needs an "id" (a string or an integer)')
     row = Row(str(row_id), prompt if isinstance(prompt, str) else None, options)
     if extra:
-        row.error = f"unknown field(s) {extra}; known: {', '.join(ROW_OPTIONS)}"
+        row.error = f"unknown field(s) {extra}; known: {known}"
     elif not isinstance(prompt, str):
         row.error = 'a line needs a "prompt" string'
     return row

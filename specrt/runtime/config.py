@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specrt.errors import InvalidInputError
 from specrt.validation import flag, integer, number, out_of_range
 
 MAX_DRAFT_TOKENS = 64
@@ -87,7 +88,7 @@ class GenerationConfig:
         rule = "use a number in (0, 1] (1 = no nucleus filter)"
         set("top_p", number("top_p", self.top_p, rule, lambda p: 0 < p <= 1))
         if self.seed is not None:
-            rule = "use a non-negative integer, or None for a random seed"
+            rule = "use a non-negative integer, or none for a random seed"
             set("seed", integer("seed", self.seed, 0, rule=rule))
         set("ignore_eos", flag("ignore_eos", self.ignore_eos))
         set("adaptive_draft", flag("adaptive_draft", self.adaptive_draft))
@@ -126,7 +127,8 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     """``stop`` as a tuple of non-empty strings (one string is one stop string)."""
     if isinstance(stop, str):
         stop = (stop,)
-    rule = "use a string or a list of non-empty strings"
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise out_of_range("stop", stop, rule)
+        raise InvalidInputError(
+            f"stop={stop!r} is not a stop string: use a string or a list of non-empty strings"
+        )
     return tuple(stop)

@@ -98,20 +98,21 @@ class SpeculativeGenerator:
             raise InvalidInputError("no prompts given")
         encoded = []
         for index, prompt in enumerate(prompts):
+            name = "the prompt" if len(prompts) == 1 else f"prompt {index}"
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise InvalidInputError("this generator has no tokenizer; pass token ids")
                 if len(prompt) > self.max_prompt_chars:  # found without tokenizing it all
                     raise PromptTooLongError(
-                        f"prompt {index} has {len(prompt)} characters, far more than "
+                        f"{name} has {len(prompt)} characters, far more than "
                         f"{self.target.max_positions} positions hold (a token stands for at "
                         f"most {self.tokenizer.max_token_chars} characters here); shorten it"
                     )
                 ids = self.tokenizer.encode(prompt)
             else:
-                ids = self._token_ids(index, prompt)
+                ids = self._token_ids(name, prompt)
             if len(ids) >= self.target.max_positions:
-                raise PromptTooLongError(self._too_long(index, len(ids)))
+                raise PromptTooLongError(self._too_long(name, len(ids)))
             encoded.append(ids)
         return encoded
 
@@ -124,10 +125,10 @@ class SpeculativeGenerator:
         per_token = self.tokenizer.max_token_chars if self.tokenizer is not None else 1
         return PROMPT_CHARS_MARGIN * self.target.max_positions * per_token
 
-    def _too_long(self, index: int, length: int) -> str:
+    def _too_long(self, name: str, length: int) -> str:
         limit, own = self.target.max_positions, self.target.model_max_positions
         message = (
-            f"prompt {index} has {length} tokens; at most {limit} positions fit, which leaves no "
+            f"{name} has {length} tokens; at most {limit} positions fit, which leaves no "
             f"room to generate. Shorten it to at most {limit - 1} tokens"
         )
         if limit < own:
@@ -136,27 +137,24 @@ class SpeculativeGenerator:
             )
         return message + " (the model's own limit)"
 
-    def _token_ids(self, index: int, prompt: object) -> list[int]:
+    def _token_ids(self, name: str, prompt: object) -> list[int]:
         if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
             prompt = prompt.tolist()
         if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Sequence):
             raise InvalidInputError(
-                f"prompt {index} is {type(prompt).__name__}; a prompt is a string or a list of "
-                "token ids"
+                f"{name} is {type(prompt).__name__}; a prompt is a string or a list of token ids"
             )
         ids = []
         for token in prompt:
             if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                raise InvalidInputError(
-                    f"prompt {index} has a token id {token!r} that is not an integer"
-                )
+                raise InvalidInputError(f"{name} has a token id {token!r} that is not an integer")
             ids.append(int(token))
         if not ids:
-            raise InvalidInputError(f"prompt {index} is empty; give at least one token")
+            raise InvalidInputError(f"{name} is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
         if bad:
             raise InvalidInputError(
-                f"prompt {index} has token id(s) {bad[:5]} outside the vocabulary "
+                f"{name} has token id(s) {bad[:5]} outside the vocabulary "
                 f"[0, {self.target.vocab_size})"
             )
         return ids

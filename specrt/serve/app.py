@@ -233,11 +233,12 @@ def create_app(
             options["top_k"] = 0  # vLLM's "no top-k filter", which its clients send
         length = options["max_new_tokens"]
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
             raise _HttpError(
                 400,
-                f"max_tokens={json.dumps(length)}: use an integer >= 1",
+                f"{field}={json.dumps(length)}: use an integer >= 1",
                 "invalid_request_error",
-                "max_tokens",
+                field,
             )
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         handle = service.submit(prompt, config)
