@@ -534,6 +534,8 @@ def batch(
         ),
         err=True,
     )
+    if not result.rows:
+        click.echo(f"note: {input_path} holds no rows: nothing was run", err=True)
     if result.skipped_errors:
         click.echo(
             f"rows whose records in {output_path} are errors are not run again: delete those "

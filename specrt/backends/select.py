@@ -118,9 +118,9 @@ def select_graph(spec: ModelSpec, role: str, engine: str, providers: list[str]) 
     if engine == "portable":
         return spec
     if engine not in spec.engines:
-        how = {CUDA_ENGINE: "--device cuda", TENSORRT_ENGINE: "--tensorrt"}.get(engine, "")
+        how = {CUDA_ENGINE: " --device cuda", TENSORRT_ENGINE: " --tensorrt"}.get(engine, "")
         raise InvalidInputError(
-            f"the bundle's {role} has no {engine} engine (`specrt build --bundle DIR {how}` "
+            f"the bundle's {role} has no {engine} engine (`specrt build --bundle DIR{how}` "
             "builds one); use engine 'auto' or 'portable'"
         )
     if engine == ONNXRUNTIME_ENGINE and provider != CPU:
