@@ -13,6 +13,7 @@ from specrt.backends import Forward, base
 from specrt.export import SUPPORTED_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.lookup import NgramIndex, SuffixCache
+from specrt.runtime.service import Service
 from specrt.runtime.verification import verify
 from tests.test_verification import PLAIN, Branches, V, _random, branches  # noqa: F401
 
@@ -246,6 +247,16 @@ def test_suffix_cache_off_leaks_nothing_across_requests(llama_bundle):
         )
         assert "suffix" in stats_of_later(shared, first=True)
         assert shared.suffix_cache.documents_added == 2
+    # The same through a Service (what `specrt serve --suffix-cache` runs): off by default.
+    for cache in (None, SuffixCache()):
+        generator = SpeculativeGenerator.from_bundle(
+            llama_bundle, threads=1, max_batch=4, suffix_cache=cache
+        )
+        with Service(generator) as service:
+            service.submit(earlier, config).result(timeout=60)
+            later_stats = service.submit(later, config).result(timeout=60).stats.proposers
+        assert ("suffix" in later_stats) == (cache is not None), later_stats
+        assert cache is None or cache.documents_added == 2
 
 
 def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, monkeypatch):

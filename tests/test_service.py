@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from specrt.errors import OverloadedError, SpecrtError
+from specrt.errors import InvalidInputError, OverloadedError, SpecrtError
 from specrt.export.tiny import make_tokenizer
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.service import Service
@@ -286,8 +286,9 @@ def test_the_first_token_comes_at_admission(service, serial, llama_bundle):
         assert result.token_ids == [first[prompt]] and result.finish_reason == "length"
         assert streamed == result.text == tokenizer.decode([first[prompt]])
         assert result.stats.rounds == 1 and result.stats.drafted_tokens == 0
+    batched = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     one_row = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
-    for generator in (service.generator, one_row):  # batched (waits for the service), one row
+    for generator in (batched, one_row):
         results = generator.generate(prompts, config)
         assert [r.token_ids for r in results] == [[first[p]] for p in prompts]
     prompt = next(p for p in prompts if tokenizer.decode([first[p]]).strip())
@@ -354,3 +355,84 @@ def test_requests_admitted_together_each_get_their_first_token_after_their_own_p
     assert [keys for keys, _ in added] == [[key] for key in by_length]
     assert [sorted(started) for _, started in added] == [sorted(by_length[:n]) for n in range(3)]
     assert [r.token_ids for r in results] == [serial[p].token_ids for p in prompts]
+
+
+def test_the_caches_are_the_services_while_it_runs_requests(llama_bundle, serial):
+    """A Service owns its generator's caches: a second Service on it is refused, and so is a
+    direct call while it runs (either would overwrite its requests' rows between two rounds;
+    the outputs stay the serial ones); once the service is closed the generator is free."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    long = GenerationConfig(max_new_tokens=100, num_draft_tokens=3, ignore_eos=True)
+    with Service(generator) as service:
+        with pytest.raises(InvalidInputError, match="already runs a Service"):
+            Service(generator)
+        running = service.submit(PROMPTS[0], long)
+        deltas = iter(running)  # kept: a dropped iterator cancels its request
+        next(deltas)  # admitted: its rows are in the caches
+        with pytest.raises(InvalidInputError, match="this generator runs a Service"):
+            generator.generate([PROMPTS[1]], config)
+        handle = service.submit(PROMPTS[1], config)
+        assert handle.result(timeout=60).token_ids == serial[PROMPTS[1]].token_ids
+        running.cancel()
+        running.result(timeout=60)
+    assert generator.generate([PROMPTS[2]], config)[0].token_ids == serial[PROMPTS[2]].token_ids
+    with Service(generator) as again:  # a closed service hands the caches back
+        assert again.submit(PROMPTS[3], config).result(timeout=60).token_ids == (
+            serial[PROMPTS[3]].token_ids
+        )
+
+
+def test_a_stream_left_open_is_named_not_waited_for(llama_bundle, serial):
+    """A partly read batched stream holds its rows: a call from the same thread could only
+    wait for itself (it hung); it is refused, as is a Service on that generator, and both
+    work once the stream is closed."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    stream = generator.stream(PROMPTS[:3], config)
+    assert next(stream).token_ids == serial[PROMPTS[0]].token_ids
+    with pytest.raises(InvalidInputError, match="still open in this thread"):
+        generator.generate([PROMPTS[4]], config)
+    with pytest.raises(InvalidInputError, match="not read to the end"):
+        Service(generator)
+    stream.close()
+    assert generator.generate([PROMPTS[4]], config)[0].token_ids == serial[PROMPTS[4]].token_ids
+    with Service(generator) as service:
+        assert service.submit(PROMPTS[5], config).result(timeout=60).text == serial[PROMPTS[5]].text
+
+
+def test_a_consumer_whose_event_loop_closed_costs_only_its_own_request(llama_bundle, serial):
+    """An asyncio consumer that gives up (its task cancelled, then its loop closed) leaves a
+    waiter behind; waking it must not fail the service's other requests."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    long = GenerationConfig(max_new_tokens=100, num_draft_tokens=3, ignore_eos=True)
+    with Service(generator) as service:
+        other = service.submit(PROMPTS[0], config)
+        abandoned = service.submit(PROMPTS[1], long)
+
+        async def consume():
+            async for _ in abandoned:
+                pass
+
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(asyncio.wait_for(consume(), 0.01))
+        assert other.result(timeout=60).token_ids == serial[PROMPTS[0]].token_ids
+        assert abandoned.result(timeout=60).finish_reason in ("cancelled", "length")
+        later = service.submit(PROMPTS[2], config)
+        assert later.result(timeout=60).token_ids == serial[PROMPTS[2]].token_ids
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda g: Service(None), "a Service runs a SpeculativeGenerator, not NoneType"),
+        (lambda g: Service(g, max_waiting=-1), "max_waiting=-1"),
+        (lambda g: Service(g, max_waiting="8"), "max_waiting='8'"),
+        (lambda g: Service(g).submit("Simple", {}), "config must be a GenerationConfig"),
+    ],
+)
+def test_a_service_of_the_wrong_things_is_refused_up_front(llama_bundle, make, message):
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
+    with pytest.raises(InvalidInputError, match=message):
+        make(generator)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import threading
 import time
+import weakref
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,8 @@ class SpeculativeGenerator:
     Loaded with ``max_batch`` > 1 (onnxruntime CPU engines), up to that many rows share every
     model call (`specrt.runtime.batching`); otherwise rows run one at a time. The models'
     caches and output arrays belong to the generator: a lock serialises calls from several
-    threads (load one generator per thread to run them in parallel)."""
+    threads (load one generator per thread to run them in parallel), and while a `Service`
+    runs on it, they are the service's (submit to it)."""
 
     def __init__(
         self,
@@ -55,6 +58,8 @@ class SpeculativeGenerator:
         # Off unless given: it shares one request's text with the proposals of the next.
         self.suffix_cache = suffix_cache
         self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread in a call that holds the caches
+        self._service: weakref.ref | None = None  # the Service running on them, if any
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
         self._hybrids: dict[tuple[int, int, bool], HybridDrafter] = {}
         self._load_schedules: dict[str, LoadSchedule] = {}  # what batches learn, kept
@@ -196,7 +201,7 @@ class SpeculativeGenerator:
                 yield done.pop(row)
             return
         for row, ids in enumerate(encoded):
-            with self._lock:
+            with self._owned():
                 result = self._generate_row(ids, config, row_rng(config, row))
             yield result
 
@@ -208,7 +213,7 @@ class SpeculativeGenerator:
         reason "error"): the other rows go on."""
         if self.max_batch == 1:
             for request in requests:
-                with self._lock:
+                with self._owned():
                     try:
                         result = self._generate_row(request.prompt, request.config, request.rng)
                     except NumericalError as exc:
@@ -226,8 +231,47 @@ class SpeculativeGenerator:
             self.one_row,
         )
         runner.schedules = self._load_schedules
-        with self._lock:
+        with self._owned():
             yield from runner.run(requests)
+
+    @contextlib.contextmanager
+    def _owned(self) -> Iterator[None]:
+        """Hold the caches for a call: other threads wait their turn. Refused, saying why: a
+        call while a `Service` runs on this generator (it would overwrite the rows of the
+        service's requests between two of its rounds), and one that could only wait for
+        itself (a partly read `stream` or `run` of this thread)."""
+        if self._service is not None and self._service() is not None:
+            raise InvalidInputError(
+                "this generator runs a Service, whose requests its caches hold: submit this "
+                "one to the service (service.submit), close it first, or load another generator"
+            )
+        if self._holder == threading.get_ident():
+            raise InvalidInputError(
+                "a stream of this generator is still open in this thread (a partly read "
+                "stream() or run() with max_batch > 1 holds its rows): read it to the end or "
+                "close() it first"
+            )
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
+
+    def _serve(self, service: object | None) -> None:
+        """Hand the caches to ``service`` (None: back to direct calls); one at a time."""
+        if service is not None:
+            if self._service is not None and self._service() is not None:
+                raise InvalidInputError(
+                    "this generator already runs a Service (its caches hold that service's "
+                    "rows): submit to that one, close it first, or load another generator"
+                )
+            if self._holder is not None:
+                raise InvalidInputError(
+                    "this generator is in a call (a stream() or run() not read to the end): "
+                    "finish it before starting a Service on it"
+                )
+        self._service = None if service is None else weakref.ref(service)
 
     def _clear_stale(self) -> None:
         """After NaN logits: no NaN left in a cache where the next row could read it."""

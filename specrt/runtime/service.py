@@ -111,6 +111,7 @@ class RequestHandle:
     async def __aiter__(self) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         seen = 0
+        waiter = None
         try:
             while True:
                 with self._changed:
@@ -132,6 +133,8 @@ class RequestHandle:
         finally:
             if not self.done:
                 self.cancel()
+            with self._changed:  # a consumer gone (its task cancelled, its loop closed)
+                self._waiters = [(lp, w) for lp, w in self._waiters if w is not waiter]
 
     async def wait(self) -> GenerationResult:
         """The result, awaited without blocking the event loop."""
@@ -170,7 +173,10 @@ class RequestHandle:
             self._changed.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, waiter in waiters:
-            loop.call_soon_threadsafe(_wake, waiter)
+            try:
+                loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # its event loop is closed: nobody is waiting there
+                pass
         for callback in callbacks:
             try:
                 callback(self)
@@ -192,6 +198,11 @@ class Service:
     def __init__(
         self, generator: SpeculativeGenerator, max_waiting: int = DEFAULT_MAX_WAITING
     ) -> None:
+        if not isinstance(generator, SpeculativeGenerator):
+            raise InvalidInputError(
+                f"a Service runs a SpeculativeGenerator, not {type(generator).__name__} (load "
+                "one with SpeculativeGenerator.from_bundle(path, max_batch=8))"
+            )
         draft = getattr(generator.drafter, "decoder", None)
         if not (isinstance(generator.target, RowsDecoder) and isinstance(draft, RowsDecoder)):
             raise InvalidInputError(
@@ -200,6 +211,11 @@ class Service:
                 "earlier versions of specrt run one row per call (rebuild those: specrt build "
                 "--bundle DIR --device cuda)"
             )
+        if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
+            raise InvalidInputError(f"max_waiting={max_waiting!r}: use an integer >= 0")
+        # The caches are the service's alone: another service, or a direct call, on the same
+        # generator would overwrite its rows.
+        generator._serve(self)
         self.generator = generator
         self.max_waiting = max_waiting
         self._runner = BatchRunner(
@@ -207,6 +223,7 @@ class Service:
             draft,
             generator.tokenizer,
             generator.eos_token_ids,
+            generator.suffix_cache,
             one_row=generator.one_row,
         )
         self._runner.schedules = generator._load_schedules
@@ -247,7 +264,7 @@ class Service:
         """Queue a request (its prompt checked now); returns its handle. A seeded request
         samples from the stream ``(seed, 0)``, as `SpeculativeGenerator.generate` does for a
         single prompt, so it is reproducible whatever else runs."""
-        config = config or GenerationConfig()
+        config = GenerationConfig() if config is None else config
         if not isinstance(config, GenerationConfig):
             raise InvalidInputError(
                 f"config must be a GenerationConfig, not {type(config).__name__}"
@@ -287,15 +304,15 @@ class Service:
             self._closing = True
             self._wake.notify()
         thread = self._thread
-        if thread is None:
-            return
-        thread.join(timeout)
-        if thread.is_alive():
-            for handle in [*self._waiting, *self._running.values()]:
-                handle.cancel()
-            with self._wake:
-                self._wake.notify()
-            thread.join()
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                for handle in [*self._waiting, *self._running.values()]:
+                    handle.cancel()
+                with self._wake:
+                    self._wake.notify()
+                thread.join()
+        self.generator._serve(None)  # direct calls may use the caches again
 
     # The service thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -306,7 +323,7 @@ class Service:
                     return  # closing, nothing left
                 admitted = self._take()
             try:
-                with self.generator._lock:  # direct calls on the generator wait for the round
+                with self.generator._lock:
                     while admitted:  # those that came during an admission do not wait a round
                         self._admit(admitted)
                         with self._wake:
