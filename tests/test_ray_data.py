@@ -8,17 +8,42 @@ import pytest
 from specrt.jobs.batch import row_from_item, run_row
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
-ray = pytest.importorskip(
-    "ray", reason="the ray extra is not installed (pip install 'specrt[ray]')"
-)
+
+def test_the_datasets_own_columns_come_through(llama_bundle):
+    """The predictor is a plain callable (no Ray here): columns that are not a row's fields
+    (a dataset's labels, sources) come back unchanged beside the results, where they used to
+    make every row an error; a column the results would overwrite is named up front."""
+    import numpy as np
+
+    from specrt.errors import InvalidInputError
+    from specrt.jobs.ray_data import SpecrtPredictor
+
+    predictor = SpecrtPredictor(str(llama_bundle), max_new_tokens=4, ignore_eos=True)
+    batch = {
+        "id": np.array(["a", "b"]),
+        "prompt": np.array(["Simple is", "def fibonacci(n):"]),
+        "source": np.array(["x.py", "y.py"]),
+        "label": np.array([1, 2]),
+    }
+    out = predictor(batch)
+    assert out["error"] == [None, None] and [len(t) for t in out["token_ids"]] == [4, 4]
+    assert list(out["source"]) == ["x.py", "y.py"] and list(out["label"]) == [1, 2]
+    missing = predictor({"id": np.array(["c"]), "source": np.array(["z.py"])})
+    assert missing["error"] == ['a line needs a "prompt" string']
+    with pytest.raises(InvalidInputError, match=r"column\(s\) \['text'\] would be overwritten"):
+        predictor({**batch, "text": np.array(["t", "u"])})
+
 
 WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
 
 
 @pytest.fixture(scope="module")
 def local_ray():
+    ray = pytest.importorskip(
+        "ray", reason="the ray extra is not installed (pip install 'specrt[ray]')"
+    )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
+    yield ray
     ray.shutdown()
 
 
@@ -35,7 +60,7 @@ def test_map_batches_equals_a_single_process(local_ray, llama_bundle):
     ]
     rows[4] = {"id": "r4", "prompt": "Simple is better than complex. " * 6, "max_new_tokens": 6}
     rows[9] = {"id": "r9", "prompt": "x", "max_new_tokens": 0}
-    dataset = ray.data.from_items(rows)
+    dataset = local_ray.data.from_items(rows)
     options = {"bundle": str(llama_bundle), "ignore_eos": True}
     mapped = dataset.map_batches(
         SpecrtPredictor, fn_constructor_kwargs=options, concurrency=2, batch_size=4

@@ -13,9 +13,10 @@
     results.write_parquet("results/")
 
 Rows are those of `specrt batch` (``id``, ``prompt``, optional ``max_new_tokens``,
-``temperature``, ``top_k``, ``top_p``, ``seed``, ``num_draft_tokens``). A row that cannot run
-comes back with its message in the ``error`` column instead of failing the job. Needs the
-``ray`` extra; `specrt.runtime` never imports Ray.
+``temperature``, ``top_k``, ``top_p``, ``seed``, ``num_draft_tokens``, ...); the dataset's other
+columns come through to the results unchanged. A row that cannot run comes back with its
+message in the ``error`` column instead of failing the job. Needs the ``ray`` extra;
+`specrt.runtime` never imports Ray.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from specrt.jobs.batch import make_request, row_from_item
+from specrt.errors import InvalidInputError
+from specrt.jobs.batch import ROW_OPTIONS, make_request, row_from_item
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator
 from specrt.runtime.lookup import SuffixCache
 
 STATS = ("new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate")
+OUTPUT_COLUMNS = ("id", "text", "token_ids", "finish_reason", "error", *STATS)
+# The columns a row is read from (`row_from_item`); the others pass through.
+ROW_COLUMNS = {"id", "prompt", "custom_id", "body", *ROW_OPTIONS}
 
 
 class SpecrtPredictor:
@@ -65,12 +70,21 @@ class SpecrtPredictor:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         columns = {name: list(values) for name, values in batch.items()}
         count = len(next(iter(columns.values()))) if columns else 0
-        out: dict[str, list] = {
-            name: [] for name in ("id", "text", "token_ids", "finish_reason", "error", *STATS)
-        }
+        out: dict[str, list] = {name: [] for name in OUTPUT_COLUMNS}
+        kept = [name for name in columns if name not in ROW_COLUMNS]  # the user's own columns
+        clash = sorted(set(kept) & set(OUTPUT_COLUMNS))
+        if clash:
+            raise InvalidInputError(
+                f"the dataset's column(s) {clash} would be overwritten by the results; rename "
+                "them (rows are read from id, prompt and the generation settings)"
+            )
         rows, records, requests = [], {}, []
         for index in range(count):
-            item = {name: _plain(values[index]) for name, values in columns.items()}
+            item = {
+                name: _plain(values[index])
+                for name, values in columns.items()
+                if name in ROW_COLUMNS
+            }
             item = {name: value for name, value in item.items() if value is not None}
             rows.append(row_from_item(item, f"row {index}"))
             request = make_request(self.generator, rows[-1], self.defaults)
@@ -90,6 +104,8 @@ class SpecrtPredictor:
             out["error"].append(record["error"]["message"] if "error" in record else None)
             for name in STATS:
                 out[name].append(stats.get(name, 0))
+        for name in kept:
+            out[name] = columns[name]
         return out
 
 
