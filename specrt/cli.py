@@ -739,6 +739,8 @@ def bench(
     from specrt.bench.runner import run_benchmark
 
     texts = _prompts(prompts, prompt_file)[:num_prompts]
+    if plot:  # found now, not after the whole benchmark
+        _check_writable(Path(plot), "--plot")
     report = run_benchmark(
         bundle,
         texts,

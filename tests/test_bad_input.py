@@ -236,6 +236,27 @@ def test_export_usage_errors(tmp_path):
     assert (
         result.exit_code == 1 and 'must be a JSON object with "target" and "draft"' in result.output
     )
+    pair = {"target": "t", "draft": "d"}
+    for recipe, message in [  # each refused before any model is built or loaded
+        ({**pair, "draft_precison": "int4"}, "unknown key(s) ['draft_precison']"),
+        ({**pair, "ort_engine": "false"}, "ort_engine='false' must be true or false"),
+        ({**pair, "opset": 3}, "opset=3: use an integer >= 14"),
+        ({**pair, "devices": 5}, "devices=5"),
+        ({**pair, "atol": "0.1"}, "atol='0.1' must be a number > 0"),
+        ({"target": 5, "draft": "d"}, '"target" and "draft" must be paths'),
+        ({"tiny": "llama"}, '"tiny" must be an object with an "arch" name'),
+        ({"tiny": {"arch": "llama", "bogus": 1}}, "unknown \"tiny\" key(s) ['bogus']"),
+        ({"tiny": {"arch": "llama"}, "slim": "yes"}, "slim='yes' must be true or false"),
+    ]:
+        (tmp_path / "r.json").write_text(json.dumps(recipe))
+        result = cli("export", "--recipe", tmp_path / "r.json")
+        assert result.exit_code == 1, (recipe, result.output)
+        assert message.replace('\\"', '"') in result.output, (recipe, result.output)
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+    (tmp_path / "r.json").write_bytes(b'{"target": "caf\xe9"}')
+    result = cli("export", "--recipe", tmp_path / "r.json")
+    assert result.exit_code == 1 and "not valid JSON in UTF-8" in result.output
+    assert not list(tmp_path.glob(".r.sources"))  # no tiny pair built for a bad recipe
 
 
 def test_engine_on_a_gpu_provider_is_refused_with_the_way_out(llama_bundle):
@@ -250,3 +271,12 @@ def test_engine_on_a_gpu_provider_is_refused_with_the_way_out(llama_bundle):
     # and this CPU build of onnxruntime refuses the GPU provider instead of falling back
     with pytest.raises(InvalidInputError, match="not available in this onnxruntime"):
         SpeculativeGenerator.from_bundle(llama_bundle, providers=gpu, engine="onnxruntime")
+
+
+def test_a_bench_plot_that_cannot_be_written_is_found_before_the_benchmark(llama_bundle, tmp_path):
+    (tmp_path / "file").write_text("mine\n")
+    result = cli(
+        "bench", "--bundle", llama_bundle, "--prompt", "a", "--plot", tmp_path / "file/p.png"
+    )
+    assert result.exit_code == 2 and "is a file, not a folder" in result.output
+    assert "tokens/s" not in result.output  # nothing ran

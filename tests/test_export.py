@@ -155,3 +155,7 @@ def test_unsupported_or_missing_checkpoints(tmp_path):
     (tmp_path / "src" / "draft" / "tokenizer.json").unlink()
     with pytest.raises(ExportError, match="has no tokenizer.json"):
         export_bundle(target, tmp_path / "src" / "draft", tmp_path / "out")
+    for weights in (tmp_path / "src" / "draft").glob("*.safetensors"):
+        weights.unlink()  # found before the target's export, not after it
+    with pytest.raises(ExportError, match="draft checkpoint .* has no weights"):
+        export_bundle(target, tmp_path / "src" / "draft", tmp_path / "out")

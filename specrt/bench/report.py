@@ -91,4 +91,5 @@ def plot(report: dict, path: Path) -> None:
     left.legend(fontsize=8)
     right.legend(fontsize=8)
     figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

@@ -33,6 +33,7 @@ DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larg
 DEFAULT_DRAFT_PRECISION = "int8"
 DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines
 CUDA_ATTENTIONS = ("batched", "group_query")  # the cuda engine's graph (see ExportOptions)
+MIN_OPSET = 14  # what the exported attention and norms need (optimum's own floor for them)
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,20 @@ class ExportOptions:
     def __post_init__(self) -> None:
         for name in ("atol", "fp16_atol"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ExportError(f"{name}={value!r} must be a number > 0")
+            if not value > 0:
                 raise ExportError(f"{name}={value} must be > 0")
+        for name in ("slim", "ort_engine", "portable"):
+            if not isinstance(getattr(self, name), bool):
+                raise ExportError(f"{name}={getattr(self, name)!r} must be true or false")
+        opset = self.opset
+        if opset is not None and (
+            isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset
+        ):
+            raise ExportError(f"opset={opset!r}: use an integer >= {MIN_OPSET}, or leave it out")
+        if not isinstance(self.devices, (str, list, tuple)):
+            raise ExportError(f"devices={self.devices!r}: use one or more of {DEVICES}")
         devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
         object.__setattr__(self, "devices", devices)
         unknown = [d for d in self.devices if d not in DEVICES]

@@ -180,7 +180,17 @@ def _load_config(path: Path, role: str):
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (and gemma3 multimodal checkpoints' text "
             "decoders)"
         )
+    # Found now, not after the other model's export (minutes for a large target).
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ExportError(
+            f"{role} checkpoint {str(path)!r} has no weights ({', '.join(WEIGHT_FILES)}); "
+            "pass the directory `save_pretrained` wrote, weights included"
+        )
     return config
+
+
+# How a Hugging Face checkpoint's weights are named (one file, or shards and their index).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
 def _export_checked(

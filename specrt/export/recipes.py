@@ -8,6 +8,7 @@ Paths are relative to the recipe file.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -24,24 +25,51 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
     if not recipe.is_file():
         raise ExportError(f"recipe {recipe} does not exist")
     try:
-        data = json.loads(recipe.read_text())
-    except json.JSONDecodeError as exc:
-        raise ExportError(f"recipe {recipe} is not valid JSON ({exc})") from exc
+        data = json.loads(recipe.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"recipe {recipe} is not valid JSON in UTF-8 ({exc})") from exc
     out = out or recipe.with_suffix("")
     base = recipe.parent
     if isinstance(data, dict) and "tiny" in data:
         from specrt.export.tiny import make_tiny_pair
 
-        target, draft = make_tiny_pair(out_dir=base / f".{out.name}.sources", **data["tiny"])
-        return target, draft, out, _options(data)
+        tiny = data["tiny"]
+        known = [p for p in inspect.signature(make_tiny_pair).parameters if p != "out_dir"]
+        if not isinstance(tiny, dict) or not isinstance(tiny.get("arch"), str):
+            raise ExportError(f'recipe {recipe}: "tiny" must be an object with an "arch" name')
+        unknown = sorted(set(tiny) - set(known))
+        if unknown:
+            raise ExportError(f'recipe {recipe}: unknown "tiny" key(s) {unknown}; known: {known}')
+        options = _options(recipe, data, {"tiny"})
+        try:
+            target, draft = make_tiny_pair(out_dir=base / f".{out.name}.sources", **tiny)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ExportError(f'recipe {recipe}: its "tiny" section: {exc}') from exc
+        return target, draft, out, options
     if not isinstance(data, dict) or not {"target", "draft"} <= set(data):
         raise ExportError(
             f'recipe {recipe} must be a JSON object with "target" and "draft" paths '
             '(or a "tiny" section)'
         )
-    return base / data["target"], base / data["draft"], out, _options(data)
+    if not (isinstance(data["target"], str) and isinstance(data["draft"], str)):
+        raise ExportError(f'recipe {recipe}: "target" and "draft" must be paths (strings)')
+    options = _options(recipe, data, {"target", "draft"})
+    return base / data["target"], base / data["draft"], out, options
 
 
-def _options(data: dict) -> dict:
+def _options(recipe: Path, data: dict, own: set[str]) -> dict:
+    """The recipe's export options, checked now (before any model is built or loaded); a key
+    that is neither is named (a misspelt option would be dropped, and the bundle built
+    without it)."""
     names = {f.name for f in fields(ExportOptions)}
-    return {key: value for key, value in data.items() if key in names}
+    unknown = sorted(set(data) - names - own)
+    if unknown:
+        raise ExportError(
+            f"recipe {recipe}: unknown key(s) {unknown}; known: {sorted(own | names)}"
+        )
+    options = {key: value for key, value in data.items() if key in names}
+    try:
+        ExportOptions.from_settings(options)
+    except ExportError as exc:
+        raise ExportError(f"recipe {recipe}: {exc}") from exc
+    return options
