@@ -443,3 +443,40 @@ def test_export_refuses_what_build_refuses(llama_bundle):
     for atol in ("0", "-1"):
         output = one_clear_line(cli("build", "--bundle", llama_bundle, "--atol", atol))
         assert f"atol={float(atol)}" in output
+
+
+def test_python_api_arguments_of_the_wrong_kind_are_refused_up_front(llama_bundle, tmp_path):
+    """Found where they are given, with what to do, not as an AttributeError deep inside (or,
+    for a hand-made Request, a model call failing or a row ending with no tokens)."""
+    from specrt.errors import PromptTooLongError
+    from specrt.jobs.batch import run_batch
+    from specrt.runtime.batching import Request
+    from specrt.runtime.generator import row_rng
+    from specrt.runtime.lookup import SuffixCache
+
+    with pytest.raises(InvalidInputError, match="suffix_cache must be a SuffixCache or None"):
+        SpeculativeGenerator.from_bundle(llama_bundle, "portable")
+    with pytest.raises(InvalidInputError, match="max_tokens=2.5 is a number with a fraction"):
+        SuffixCache(2.5)
+    with pytest.raises(InvalidInputError, match="max_tokens=0 is out of range"):
+        SuffixCache(0)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=4)
+    for prompt, error, message in [
+        ([], InvalidInputError, "non-empty list of token ids"),
+        ([5, 10**6], InvalidInputError, "outside the vocabulary"),
+        ([5] * 300, PromptTooLongError, "request 'k''s prompt has 300 tokens"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            list(generator.run([Request("k", prompt, config, row_rng(config, 0))]))
+    with pytest.raises(InvalidInputError, match="config must be a GenerationConfig"):
+        list(generator.run([Request("k", [5, 6], None, row_rng(config, 0))]))
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"id": 1, "prompt": "Simple is"}\n')
+    summary = run_batch(generator, str(rows), str(tmp_path / "out.jsonl"))  # str paths, defaults
+    assert summary.ok == 1
+    with pytest.raises(InvalidInputError, match="defaults must be a GenerationConfig"):
+        run_batch(generator, rows, tmp_path / "other.jsonl", {"max_new_tokens": 2})
+    with pytest.raises(InvalidInputError, match="is a directory"):
+        run_batch(generator, rows, tmp_path)
+    assert not (tmp_path / "other.jsonl").exists()

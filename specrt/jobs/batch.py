@@ -272,14 +272,23 @@ def _not_ours(output: Path, line: int) -> InvalidInputError:
 
 def run_batch(
     generator: SpeculativeGenerator,
-    input_path: Path,
-    output_path: Path,
-    defaults: GenerationConfig,
+    input_path: str | Path,
+    output_path: str | Path,
+    defaults: GenerationConfig | None = None,
     progress: Callable[[Summary, int], None] = lambda summary, total: None,
 ) -> Summary:
     """Run every row of ``input_path`` not yet in ``output_path``, appending its result as it
     finishes (rows share model calls when the generator was loaded with ``max_batch`` > 1, so
     they finish out of input order)."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    if defaults is None:
+        defaults = GenerationConfig()
+    elif not isinstance(defaults, GenerationConfig):
+        raise InvalidInputError(
+            f"defaults must be a GenerationConfig, not {type(defaults).__name__}"
+        )
+    if output_path.is_dir():
+        raise InvalidInputError(f"the output {output_path} is a directory; give a file")
     total = check_ids(input_path)
     finished = done_ids(output_path)
     summary = Summary(rows=total, batch_size=generator.max_batch)

@@ -51,6 +51,11 @@ class SpeculativeGenerator:
         eos_token_ids: Sequence[int] = (),
         suffix_cache: SuffixCache | None = None,
     ) -> None:
+        if suffix_cache is not None and not isinstance(suffix_cache, SuffixCache):
+            raise InvalidInputError(
+                f"suffix_cache must be a SuffixCache or None, not {type(suffix_cache).__name__} "
+                "(load options such as engine= are keywords)"
+            )
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -211,6 +216,7 @@ class SpeculativeGenerator:
         > 1 up to that many at a time, finishing out of order; else one after another. A row
         whose logits come out NaN/inf ends alone, as a result with ``error`` set (finish
         reason "error"): the other rows go on."""
+        requests = map(self._checked, requests)
         if self.max_batch == 1:
             for request in requests:
                 with self._owned():
@@ -233,6 +239,29 @@ class SpeculativeGenerator:
         runner.schedules = self._load_schedules
         with self._owned():
             yield from runner.run(requests)
+
+    def _checked(self, request: Request) -> Request:
+        """A `Request` made by hand, checked as cheaply as a batch job's rows allow: its
+        config, random stream and prompt (token ids in the vocabulary, room left to
+        generate); a bad one would fail inside the model call, or end with no tokens."""
+        name = f"request {getattr(request, 'key', '?')!r}"
+        if not isinstance(request, Request):
+            raise InvalidInputError(f"run() takes Requests, not {type(request).__name__}")
+        if not isinstance(request.config, GenerationConfig):
+            raise InvalidInputError(f"{name}: config must be a GenerationConfig")
+        if not isinstance(request.rng, np.random.Generator):
+            raise InvalidInputError(f"{name}: rng must be a numpy Generator (row_rng)")
+        ids = np.asarray(request.prompt)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise InvalidInputError(f"{name}: its prompt must be a non-empty list of token ids")
+        if ids.min() < 0 or ids.max() >= self.target.vocab_size:
+            raise InvalidInputError(
+                f"{name}: its prompt has token ids outside the vocabulary "
+                f"[0, {self.target.vocab_size})"
+            )
+        if len(ids) >= self.target.max_positions:
+            raise PromptTooLongError(self._too_long(f"{name}'s prompt", len(ids)))
+        return request
 
     @contextlib.contextmanager
     def _owned(self) -> Iterator[None]:

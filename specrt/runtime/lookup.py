@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specrt.validation import integer
+
 DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_NGRAM = 3
 SUFFIX_DEPTH = 4  # the longest context the suffix cache matches
@@ -110,8 +112,9 @@ class SuffixCache:
         depth: int = SUFFIX_DEPTH,
         min_n: int = DEFAULT_MIN_NGRAM,
     ) -> None:
-        if max_tokens < 1 or not 1 <= min_n <= depth:
-            raise ValueError("the suffix cache needs max_tokens >= 1 and 1 <= min_n <= depth")
+        max_tokens = integer("max_tokens", max_tokens, 1)
+        depth = integer("depth", depth, 1)
+        min_n = integer("min_n", min_n, 1, depth, f"use an integer in [1, depth] ({depth} here)")
         self.max_tokens, self.depth, self.min_n = max_tokens, depth, min_n
         self._counts: dict[tuple[int, ...], dict[int, int]] = {}
         self._documents: deque[tuple[int, ...]] = deque()
