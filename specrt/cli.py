@@ -160,7 +160,11 @@ generation_options = _stack(
         "--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off."
     ),
     click.option(
-        "--seed", type=int, default=None, help="Seed for sampling (row i uses (seed, i))."
+        "--seed",
+        type=int,
+        default=None,
+        help="Seed for sampling: each row draws from its own stream, (seed, i) for generate's "
+        "row i, (seed, id) for a batch row.",
     ),
     click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
     click.option(

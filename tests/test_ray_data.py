@@ -63,7 +63,10 @@ def test_map_batches_equals_a_single_process(local_ray, llama_bundle):
     dataset = local_ray.data.from_items(rows)
     options = {"bundle": str(llama_bundle), "ignore_eos": True}
     mapped = dataset.map_batches(
-        SpecrtPredictor, fn_constructor_kwargs=options, concurrency=2, batch_size=4
+        SpecrtPredictor,
+        fn_constructor_kwargs=options,
+        compute=local_ray.data.ActorPoolStrategy(size=2),
+        batch_size=4,
     )
     got = {row["id"]: row for row in mapped.take_all()}
     assert sorted(got) == sorted(r["id"] for r in rows)  # every id, once

@@ -7,7 +7,7 @@
     results = rows.map_batches(
         SpecrtPredictor,
         fn_constructor_kwargs={"bundle": "engines/demo", "max_new_tokens": 128},
-        concurrency=4,  # actors, each loading the bundle once
+        compute=ray.data.ActorPoolStrategy(size=4),  # actors, each loading the bundle once
         batch_size=16,
     )
     results.write_parquet("results/")

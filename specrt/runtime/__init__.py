@@ -7,6 +7,7 @@ gen = SpeculativeGenerator.from_bundle("engines/demo")
 
 from specrt.runtime.config import GenerationConfig, SamplingParams
 from specrt.runtime.generator import SpeculativeGenerator
+from specrt.runtime.lookup import SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "GenerationStats",
     "SamplingParams",
     "SpeculativeGenerator",
+    "SuffixCache",
 ]
