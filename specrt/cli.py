@@ -369,7 +369,12 @@ def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> N
 @main.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
-@click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
+@click.option(
+    "--prompt-file",
+    type=click.Path(path_type=Path),
+    help='Prompts, one per line; a .jsonl file holds {"prompt": ...} objects or JSON strings '
+    '(prompts of several lines); "-": stdin.',
+)
 @generation_options
 @load_options
 @click.option(
@@ -690,7 +695,12 @@ def serve(
 @main.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
-@click.option("--prompt-file", type=click.Path(path_type=Path), help="Prompts, one per line.")
+@click.option(
+    "--prompt-file",
+    type=click.Path(path_type=Path),
+    help='Prompts, one per line; a .jsonl file holds {"prompt": ...} objects or JSON strings '
+    '(prompts of several lines); "-": stdin.',
+)
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Use the first N.")
 @click.option(
     "--max-new-tokens", type=click.IntRange(min=1), default=BENCH_NEW_TOKENS, show_default=True
