@@ -222,30 +222,33 @@ def check_ids(path: Path) -> int:
 
 
 def done_ids(output: Path) -> dict[str, bool]:
-    """Ids already in ``output``, each with whether its record is an error. A last line without
-    its newline that begins as every record does (a crash mid-write) is cut off, and its row
-    runs again. Any other line that is not a result record means the file is not ours: it is
-    refused and left as it is. A pipe or a device (stdout, /dev/null) cannot be read back:
-    nothing is done."""
+    """Ids already in ``output``, each with whether its record is an error, read line by line
+    (a million-row job's output need not fit in memory). A last line without its newline that
+    begins as every record does (a crash mid-write) is cut off, and its row runs again. Any
+    other line that is not a result record means the file is not ours: it is refused and
+    left as it is. A pipe or a device (stdout, /dev/null) cannot be read back: nothing is
+    done."""
     if not output.is_file():
         return {}
-    data = output.read_bytes()
-    keep = data if data.endswith(b"\n") or not data else data[: data.rfind(b"\n") + 1]
-    torn = data[len(keep) :]
-    if torn and not (torn.startswith(RECORD_START) or RECORD_START.startswith(torn)):
-        raise _not_ours(output, keep.count(b"\n") + 1)
-    ids = {}
-    for index, line in enumerate(keep.splitlines()):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not is_result(record):
-            raise _not_ours(output, index + 1)
-        ids[str(record["id"])] = "error" in record
+    ids, kept, torn = {}, 0, False
+    with open(output, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.endswith(b"\n"):  # the last line, without its newline
+                if not (line.startswith(RECORD_START) or RECORD_START.startswith(line)):
+                    raise _not_ours(output, number)
+                torn = True
+                break
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not is_result(record):
+                raise _not_ours(output, number)
+            ids[str(record["id"])] = "error" in record
+            kept += len(line)
     if torn:
         with open(output, "r+b") as handle:
-            handle.truncate(len(keep))
+            handle.truncate(kept)
     return ids
 
 
