@@ -269,18 +269,19 @@ class SpeculativeGenerator:
         call while a `Service` runs on this generator (it would overwrite the rows of the
         service's requests between two of its rounds), and one that could only wait for
         itself (a partly read `stream` or `run` of this thread)."""
-        if self._service is not None and self._service() is not None:
-            raise InvalidInputError(
-                "this generator runs a Service, whose requests its caches hold: submit this "
-                "one to the service (service.submit), close it first, or load another generator"
-            )
         if self._holder == threading.get_ident():
             raise InvalidInputError(
                 "a stream of this generator is still open in this thread (a partly read "
                 "stream() or run() with max_batch > 1 holds its rows): read it to the end or "
                 "close() it first"
             )
-        with self._lock:
+        with self._lock:  # a Service started while this call waited for the lock counts too
+            if self._service is not None and self._service() is not None:
+                raise InvalidInputError(
+                    "this generator runs a Service, whose requests its caches hold: submit "
+                    "this one to the service (service.submit), close it first, or load another "
+                    "generator"
+                )
             self._holder = threading.get_ident()
             try:
                 yield
