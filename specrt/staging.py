@@ -27,6 +27,12 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+def through_links(out: Path) -> Path:
+    """Where a bundle at ``out`` really is: a symbolic link (engines/demo -> a bundle kept
+    elsewhere) is the user's and stays; the bundle it points to is the one replaced."""
+    return Path(os.path.realpath(out)) if os.path.islink(out) else out
+
+
 def parked(out: Path) -> Path:
     return out.parent / f".{out.name}.old"
 
@@ -44,6 +50,7 @@ def recover(out: Path) -> bool:
 def staging(out: Path, kind: str) -> Iterator[Path]:
     """A new staging directory for ``out`` (``kind``: "partial" for an export, "build" for a
     rebuild), removed on the way out whatever happens; stale ones of dead writers go first."""
+    out = through_links(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
     directory = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
@@ -89,6 +96,7 @@ def _writer_alive(directory: Path) -> bool:
 
 def publish(staged: Path, out: Path) -> None:
     """Make ``staged`` the bundle at ``out``; the old bundle, if any, is removed after."""
+    out = through_links(out)
     (staged / OWNER_FILE).unlink(missing_ok=True)
     follow_umask(staged)
     if not os.path.lexists(out):

@@ -273,3 +273,21 @@ def test_exported_bundles_are_readable_by_others_under_umask_022(llama_bundle):
     for path in [llama_bundle, *llama_bundle.rglob("*")]:
         expected = 0o755 if path.is_dir() else 0o644
         assert path.stat().st_mode & 0o777 == expected, path
+
+
+def test_a_bundle_behind_a_symbolic_link_is_replaced_where_it_is(tmp_path):
+    """engines/demo -> a bundle kept elsewhere: a build or a forced export replaces that
+    bundle; the link is the user's and stays a link (it became a folder, the real bundle stayed
+    old, and a link to it was left beside it)."""
+    real = tmp_path / "store" / "bundle"
+    real.mkdir(parents=True)
+    (real / "manifest.json").write_text("old")
+    link = tmp_path / "engines" / "demo"
+    link.parent.mkdir()
+    link.symlink_to(Path("..") / "store" / "bundle")
+    with staging(link, "build") as scratch:
+        (scratch / "manifest.json").write_text("new")
+        publish(scratch, link)
+    assert link.is_symlink() and (real / "manifest.json").read_text() == "new"
+    assert sorted(p.name for p in link.parent.iterdir()) == ["demo"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["bundle"]
