@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -515,15 +516,18 @@ def batch(
             err=True,
         )
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
+        previous = signal.signal(signal.SIGTERM, _terminate)  # what systemd, k8s, timeout send
         try:
             result = run_batch(generator, rows, output_path, defaults, progress_bar(progress))
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, _Terminated) as exc:
             click.echo(
                 f"\ninterrupted: the rows finished so far are in {output_path}; run the same "
                 "command again to go on from there",
                 err=True,
             )
-            sys.exit(130)
+            sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 143)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     report = result.to_dict()
     if summary is not None:
         summary.parent.mkdir(parents=True, exist_ok=True)
@@ -553,6 +557,14 @@ def batch(
         )
     if not result.all_ok:
         sys.exit(1)
+
+
+class _Terminated(Exception):
+    """SIGTERM during a batch job: stop as Ctrl-C does (the temporary copy of stdin removed)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _same_file(a: Path, b: Path) -> bool:

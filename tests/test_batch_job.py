@@ -168,15 +168,22 @@ def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, 
     assert "are errors are not run again: delete those lines to run them again" in again.stderr
 
 
-def test_ctrl_c_stops_the_job_with_one_line_and_a_rerun_goes_on(llama_bundle, reference, tmp_path):
-    """SIGINT (Ctrl-C) mid-job: exit 130 with one line saying how to go on, the rows written
-    so far kept; the same command again finishes the job, every id once, the same tokens."""
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_the_job_with_one_line_and_a_rerun_goes_on(
+    llama_bundle, reference, tmp_path, signum, status
+):
+    """SIGINT (Ctrl-C) or SIGTERM mid-job, reading stdin: exit 130 / 143 with one line saying
+    how to go on, the rows written so far kept, the temporary copy of stdin removed; the same
+    command again finishes the job, every id once, the same tokens."""
     root, expected, _ = reference
     input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
     process = subprocess.Popen(
-        command(llama_bundle, input_path, output, "--batch-size", "2"),
+        command(llama_bundle, Path("-"), output, "--batch-size", "2"),
         env=env,
+        stdin=open(input_path, "rb"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -187,11 +194,12 @@ def test_ctrl_c_stops_the_job_with_one_line_and_a_rerun_goes_on(llama_bundle, re
             break
         time.sleep(0.01)
     assert process.poll() is None, "the job ended before it could be interrupted"
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
+    assert process.returncode == status, stderr
     assert "interrupted: the rows finished so far are in" in stderr and "Traceback" not in stderr
     assert 3 <= len(results(output)) < 33
+    assert not list(scratch.glob("specrt-input-*"))  # the copy of stdin
     done = run(command(llama_bundle, input_path, output))
     assert done.returncode == 1, done.stderr  # the bad rows, on purpose
     assert results(output) == expected
