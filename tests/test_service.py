@@ -430,9 +430,14 @@ def test_a_consumer_whose_event_loop_closed_costs_only_its_own_request(llama_bun
         (lambda g: Service(g, max_waiting=-1), "max_waiting=-1"),
         (lambda g: Service(g, max_waiting="8"), "max_waiting='8'"),
         (lambda g: Service(g).submit("Simple", {}), "config must be a GenerationConfig"),
+        (
+            lambda g: Service(SpeculativeGenerator.from_bundle(g.bundle, engine="portable")),
+            r"load it with max_batch >= 2 \(specrt serve --batch-size 2 or more\)",
+        ),
     ],
 )
 def test_a_service_of_the_wrong_things_is_refused_up_front(llama_bundle, make, message):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
+    generator.bundle = llama_bundle
     with pytest.raises(InvalidInputError, match=message):
         make(generator)

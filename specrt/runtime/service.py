@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import numpy as np
 
 from specrt.backends import RowsDecoder
+from specrt.backends.portable import PortableDecoder
 from specrt.errors import InvalidInputError, NumericalError, OverloadedError, SpecrtError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
@@ -205,11 +206,15 @@ class Service:
             )
         draft = getattr(generator.drafter, "decoder", None)
         if not (isinstance(generator.target, RowsDecoder) and isinstance(draft, RowsDecoder)):
+            portable = isinstance(generator.target, PortableDecoder)
             raise InvalidInputError(
-                "the service runs the onnxruntime or cuda engine or the portable graph (batched "
-                "decoders); the TensorRT engines, Gemma 2's cuda engine and cuda engines built by "
-                "earlier versions of specrt run one row per call (rebuild those: specrt build "
-                "--bundle DIR --device cuda)"
+                "the service runs the portable graph batched: load it with max_batch >= 2 "
+                "(specrt serve --batch-size 2 or more)"
+                if portable
+                else "the service runs the onnxruntime or cuda engine or the portable graph "
+                "(batched decoders); the TensorRT engines, Gemma 2's cuda engine and cuda engines "
+                "built by earlier versions of specrt run one row per call (rebuild those: specrt "
+                "build --bundle DIR --device cuda)"
             )
         if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
             raise InvalidInputError(f"max_waiting={max_waiting!r}: use an integer >= 0")
