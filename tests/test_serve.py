@@ -259,6 +259,36 @@ def test_disconnects_mid_stream_free_their_slots(server, client, reference):
     assert "vllm:spec_decode_num_draft_tokens_total" in metrics
 
 
+def test_a_client_gone_before_its_answer_cancels_it_streaming_or_not(server):
+    """Clients that send a whole request and hang up (a timeout, a retry) do not leave work
+    behind: non-streaming requests are cancelled too (they ran to their end before)."""
+    url = server[0]
+    port = int(url.rsplit(":", 1)[1])
+
+    def cancelled() -> float:
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith('vllm:request_success_total{finished_reason="cancelled"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = cancelled()
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 100}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    for _ in range(12):  # 4 slots: most wait, and a waiting one is cancelled for sure
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(head + body)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health").json()
+        if not health["running"] and not health["waiting"]:
+            break
+        time.sleep(0.05)
+    assert cancelled() - before >= 4
+
+
 def test_sixteen_concurrent_streams_equal_their_serial_output(client, reference):
     _, expected = reference
 

@@ -9,6 +9,7 @@ model, 413 prompt too long, 429 overloaded.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -41,6 +42,7 @@ FIELDS = {
 }
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
+BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
 COMPLETION, CHAT = "completion", "chat"
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
 # LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
@@ -123,9 +125,12 @@ def create_app(
 
     async def answer(request: Request, kind: str) -> Response:
         try:
-            body = json.loads(await read_body(request))
+            body = json.loads(await asyncio.wait_for(read_body(request), BODY_TIMEOUT_S))
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
+        except asyncio.TimeoutError:  # a client that stalls must not hold a shutdown
+            message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
+            return error(408, message, "invalid_request_error")
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
@@ -144,13 +149,35 @@ def create_app(
         if stream:
             return StreamingResponse(events(handle, ident, kind), media_type="text/event-stream")
         try:
-            result = await handle.wait()
+            result = await until_disconnect(request, handle)
         except SpecrtError as exc:
             return error(500, str(exc), "server_error")
+        if result is None:  # the client went away: nobody reads this
+            return Response(status_code=499)
         body = chunk(ident, kind, result.text, result.finish_reason, final=True)
         body["usage"] = usage(result)
         body["speculative_decoding"] = spec_stats(result)
         return JSONResponse(body)
+
+    async def until_disconnect(request: Request, handle: RequestHandle):
+        """The request's result; None if the client goes away first, which cancels it (its
+        slot freed at the next round), as a streaming client's going does."""
+        result = asyncio.ensure_future(handle.wait())
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not result.done():
+            handle.cancel()
+            result.cancel()
+            return None
+        return result.result()
+
+    async def disconnected(request: Request) -> None:
+        """Returns once the client has gone (its body was read: what comes next is that)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     async def read_body(request: Request) -> bytes:
         """The body, refused with 413 once it passes what the longest prompt could take (as
