@@ -68,15 +68,22 @@ def _load() -> dict[str, tuple[list[int], str]]:
 
 
 def _save(entries: dict[str, tuple[list[int], str]]) -> None:
-    """Write the memory atomically; a read-only or full disk only costs re-hashing later."""
+    """Write the memory atomically, with what other processes saved since this one read it
+    (theirs would be lost else, and hashed again); a read-only or full disk only costs
+    re-hashing later, and leaves no temporary file behind."""
+    for key, entry in _load().items():
+        entries.setdefault(key, entry)
     if len(entries) > MAX_ENTRIES:
         for key in list(entries)[: len(entries) - MAX_ENTRIES]:
             del entries[key]
     directory = cache_dir()
+    scratch = directory / f".{CACHE_FILE}.{os.getpid()}.{threading.get_ident()}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        scratch = directory / f".{CACHE_FILE}.{os.getpid()}.{threading.get_ident()}"
         scratch.write_text(json.dumps(entries))
         os.replace(scratch, directory / CACHE_FILE)
     except OSError:
-        pass
+        try:
+            scratch.unlink(missing_ok=True)
+        except OSError:
+            pass

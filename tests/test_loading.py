@@ -186,3 +186,28 @@ def test_a_seed_repeats_sampled_output_with_every_schedule(tmp_path):
         generator.generate(prompts * 3, unseeded)  # the shared schedule learns meanwhile
         again = [r.token_ids for r in generator.generate(prompts, config)]
         assert first == again == runs[0][schedule], schedule
+
+
+def test_the_remembered_hashes_keep_other_processes_and_no_scratch_files(tmp_path, monkeypatch):
+    """A long-lived process saving its memory keeps what another process saved meanwhile
+    (it overwrote it, so those files were hashed again); a cache that cannot be written
+    leaves no temporary file behind (one piled up per process)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECRT_CACHE_DIR", str(cache))
+    monkeypatch.setattr(checksums, "_memory", {})
+    files = []
+    for name in "abc":
+        files.append(tmp_path / name)
+        files[-1].write_text(name)
+    checksums.cached_sha256(files[0])  # this process remembers a
+    code = f"from specrt import checksums; checksums.cached_sha256({str(files[1])!r})"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)  # another remembers b
+    checksums.cached_sha256(files[2])  # this one, c: b must stay
+    saved = json.loads((cache / checksums.CACHE_FILE).read_text())
+    assert sorted(Path(key).name for key in saved) == ["a", "b", "c"]
+    (cache / checksums.CACHE_FILE).unlink()
+    (cache / checksums.CACHE_FILE).mkdir()  # the rename can only fail
+    (tmp_path / "d").write_text("d")
+    checksums.cached_sha256(tmp_path / "d")
+    assert sorted(p.name for p in cache.iterdir()) == [checksums.CACHE_FILE]
