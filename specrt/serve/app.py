@@ -166,13 +166,12 @@ def create_app(
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # the client gone, or this handler cancelled (a shutdown's deadline)
             gone.cancel()
-        if not result.done():
-            handle.cancel()
-            result.cancel()
-            return None
-        return result.result()
+            if not result.done():
+                result.cancel()
+                handle.cancel()
+        return result.result() if result.done() and not result.cancelled() else None
 
     async def disconnected(request: Request) -> None:
         """Returns once the client has gone (its body was read: what comes next is that)."""
