@@ -59,7 +59,21 @@ def cache_dir() -> Path:
     return Path(base) / "specrt"
 
 
+def _trusted(directory: Path) -> bool:
+    """Whether only this user can have written the memory: a folder someone else owns, or
+    that others may write in, could vouch for a changed file."""
+    try:
+        folder, memory = directory.stat(), (directory / CACHE_FILE).stat()
+    except OSError:
+        return False
+    return all(
+        entry.st_uid == os.getuid() and not entry.st_mode & 0o022 for entry in (folder, memory)
+    )
+
+
 def _load() -> dict[str, tuple[list[int], str]]:
+    if not _trusted(cache_dir()):
+        return {}  # hash again rather than believe it
     try:
         data = json.loads((cache_dir() / CACHE_FILE).read_text())
         return {key: (list(entry[0]), str(entry[1])) for key, entry in data.items()}

@@ -211,3 +211,22 @@ def test_the_remembered_hashes_keep_other_processes_and_no_scratch_files(tmp_pat
     (tmp_path / "d").write_text("d")
     checksums.cached_sha256(tmp_path / "d")
     assert sorted(p.name for p in cache.iterdir()) == [checksums.CACHE_FILE]
+
+
+def test_a_memory_others_could_write_is_not_believed(llama_bundle, tmp_path, hashing):
+    """Remembered hashes vouch for files: in a folder others may write in, they are not read
+    (every file is hashed again) and a forged entry cannot pass a changed file."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+    load_pair(bundle, threads=1)
+    cache = tmp_path / "cache"
+    cache.chmod(0o777)
+    checksums._memory.clear()
+    hashing.clear()
+    load_pair(bundle, threads=1)
+    assert len(hashing) > 0  # not believed
+    cache.chmod(0o755)
+    checksums._memory.clear()
+    hashing.clear()
+    load_pair(bundle, threads=1)
+    assert hashing == []  # the user's own, believed
