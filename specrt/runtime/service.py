@@ -35,6 +35,7 @@ from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import Prompt, SpeculativeGenerator
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.streaming import TextDeltas
+from specrt.validation import integer
 
 log = logging.getLogger("specrt")
 DEFAULT_MAX_WAITING = 64
@@ -216,8 +217,7 @@ class Service:
                 "built by earlier versions of specrt run one row per call (rebuild those: specrt "
                 "build --bundle DIR --device cuda)"
             )
-        if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 0:
-            raise InvalidInputError(f"max_waiting={max_waiting!r}: use an integer >= 0")
+        max_waiting = integer("max_waiting", max_waiting, 0)
         # The caches are the service's alone: another service, or a direct call, on the same
         # generator would overwrite its rows.
         generator._serve(self)
