@@ -533,10 +533,11 @@ def batch(
         summary.parent.mkdir(parents=True, exist_ok=True)
         summary.write_text(json.dumps(report, indent=2) + "\n")
     click.echo(
-        f"{result.rows} rows: {result.ok} ok, {result.failed} failed, {result.skipped} already "
-        f"done ({result.skipped_errors} of them errors); {result.new_tokens} tokens at "
-        f"{result.tokens_per_second:.1f} tokens/s, acceptance {result.acceptance_rate:.2f}; "
-        f"{result.batch_size} rows per call, KV cache {result.cache_bytes / 2**20:.1f} MiB "
+        f"{_count(result.rows, 'row')}: {result.ok} ok, {result.failed} failed, "
+        f"{result.skipped} already done ({result.skipped_errors} of them errors); "
+        f"{result.new_tokens} tokens at {result.tokens_per_second:.1f} tokens/s, acceptance "
+        f"{result.acceptance_rate:.2f}; {_count(result.batch_size, 'row')} per call, KV cache "
+        f"{result.cache_bytes / 2**20:.1f} MiB "
         f"({result.cache_bytes_per_row / 2**20:.1f} MiB per row at most)"
         + _proposer_line(result.proposers)
         + (
@@ -591,6 +592,10 @@ def _check_writable(path: Path, option: str) -> None:
         raise click.UsageError(f"{option} {path}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise click.UsageError(f"{option} {path}: cannot write in {folder} (permission denied)")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def _proposer_line(proposers: dict[str, dict]) -> str:

@@ -71,11 +71,12 @@ def reference(llama_bundle, tmp_path_factory):
         )
     )
     assert done.returncode == 1, done.stderr  # some rows failed, on purpose
-    return root, results(root / "out.jsonl"), json.loads((root / "summary.json").read_text())
+    summary = json.loads((root / "summary.json").read_text())
+    return root, results(root / "out.jsonl"), summary, done.stderr
 
 
 def test_bad_rows_become_error_records(reference):
-    _, records, summary = reference
+    _, records, summary, done_stderr = reference
     assert len(records) == 33
     for row_id in ("too-long", "bad-parameter", "line 21", "line 27"):
         assert "error" in records[row_id] and "text" not in records[row_id], row_id
@@ -90,6 +91,7 @@ def test_bad_rows_become_error_records(reference):
     assert summary["rows"] == 33 and summary["ok"] == 29 and summary["failed"] == 4
     assert summary["skipped"] == 0 and summary["new_tokens"] > 0 and summary["batch_size"] == 1
     assert 0 < summary["cache_bytes"] <= summary["cache_bytes_per_row"]  # one row, grown as needed
+    assert "33 rows: 29 ok" in done_stderr and "1 row per call" in done_stderr
 
 
 def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
@@ -97,7 +99,7 @@ def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
     the records to stdout and the summary to stderr; a full device fails with one line
     instead of hanging (an output that cannot be read back is not read for resuming), and a
     device as input is refused."""
-    root, expected, _ = reference
+    root, expected, _, _ = reference
     cmd = command(llama_bundle, Path("-"), Path("-"), "--batch-size", "4")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
@@ -108,7 +110,7 @@ def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
     streamed = tmp_path / "streamed.jsonl"
     streamed.write_text(done.stdout)
     assert results(streamed) == expected
-    assert "33 rows: 29 ok, 4 failed" in done.stderr
+    assert "33 rows: 29 ok, 4 failed" in done.stderr and "4 rows per call" in done.stderr
     full = run(command(llama_bundle, root / "in.jsonl", Path("/dev/full")))
     assert full.returncode == 1 and full.stderr.strip().splitlines() == [
         "Error: No space left on device (free some space, or write somewhere else)"
@@ -129,7 +131,7 @@ def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
 
 
 def test_sigkill_at_any_point_then_rerun_loses_nothing(llama_bundle, reference, tmp_path):
-    root, expected, _ = reference
+    root, expected, _, _ = reference
     input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     alive_at_kill = []
@@ -175,7 +177,7 @@ def test_ctrl_c_or_sigterm_stops_the_job_with_one_line_and_a_rerun_goes_on(
     """SIGINT (Ctrl-C) or SIGTERM mid-job, reading stdin: exit 130 / 143 with one line saying
     how to go on, the rows written so far kept, the temporary copy of stdin removed; the same
     command again finishes the job, every id once, the same tokens."""
-    root, expected, _ = reference
+    root, expected, _, _ = reference
     input_path, output = root / "in.jsonl", tmp_path / "out.jsonl"
     scratch = tmp_path / "tmp"
     scratch.mkdir()

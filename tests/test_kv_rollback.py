@@ -105,3 +105,21 @@ def test_prefill_in_chunks_equals_one_call(llama_bundle, engine, monkeypatch):
     chunked.prefill(prompt)
     assert chunked.length == len(prompt)
     np.testing.assert_allclose(chunked.forward([5, 6]).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("engine", ["portable", "onnxruntime"])
+def test_cache_memory_is_reported_for_every_engine(llama_bundle, engine):
+    """What `specrt batch` and `specrt serve` print: the portable graph's cache grows with its
+    row (it reported 0 bytes), the engine's is held for the whole length."""
+    decoder = fresh_decoder(llama_bundle, engine)
+    spec = decoder.spec
+    per_position = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # float32
+    assert decoder.cache_bytes_per_row == per_position * decoder.max_positions
+    decoder.forward([3, 4, 5, 6, 7])
+    held = decoder.cache_bytes
+    if engine == "portable":
+        assert held == per_position * 5
+        decoder.forward([8, 9])
+        assert decoder.cache_bytes == per_position * 7
+    else:
+        assert 0 < held <= decoder.cache_bytes_per_row

@@ -114,6 +114,19 @@ class DecoderBase:
         self.max_positions = min(spec.max_positions, max_length or spec.max_positions)
         self.run_time_s = 0.0
 
+    @property
+    def cache_bytes_per_row(self) -> int:
+        """Cache memory one row takes at ``max_positions`` (keys and values, every layer)."""
+        spec = self.spec
+        per_position = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+        return per_position * self.max_positions * np.dtype(NUMPY_DTYPES[spec.dtype]).itemsize
+
+    @property
+    def cache_bytes(self) -> int:
+        """Cache memory held now: a one-row cache is preallocated whole (a portable graph's
+        grows with its row and says so)."""
+        return self.cache_bytes_per_row
+
     def prefill(self, tokens: Sequence[int]) -> None:
         """Feed a prompt ``PREFILL_CHUNK`` positions at a time, asking for the last position's
         logits only (an engine then skips the head for the rest)."""

@@ -70,6 +70,11 @@ class PortableDecoder(DecoderBase):
     def length(self) -> int:
         return self.cache.length
 
+    @property
+    def cache_bytes(self) -> int:
+        """What the cache holds now: past + new comes back each call, so it grows with the row."""
+        return sum(array.nbytes for array in (*self.cache.keys, *self.cache.values))
+
     def reset(self) -> None:
         self.cache.reset()
 

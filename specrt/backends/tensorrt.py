@@ -159,6 +159,12 @@ class PlanDecoder(DecoderBase):
         self.length = 0
         self._positions = np.arange(self.max_positions, dtype=np.int64)[None]
 
+    @property
+    def cache_bytes_per_row(self) -> int:
+        """Both buffers, float32 whatever the plan's dtype."""
+        spec = self.spec
+        return 2 * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.max_positions * 4
+
     def reset(self) -> None:
         self.length = 0
 
