@@ -10,6 +10,7 @@ DEMO_BUNDLE ?= engines/demo
 DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 DEVICES := --device cpu $(if $(filter cuda,$(DEVICE)),--device cuda)
 PROMPT ?= import os\n\n\ndef read_config(path):\n
+export PROMPT  # read by the recipe from its environment: quotes and % in it stay text
 
 .PHONY: install test lint engines demo demo-models measure-demo bench bench-all gpu-check clean
 
@@ -41,7 +42,7 @@ engines/.device-$(DEVICE):
 	rm -f engines/.device-* && touch $@
 
 demo: engines
-	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '$(PROMPT)')" --max-new-tokens 96 --compare
+	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '%b' "$$PROMPT")" --max-new-tokens 96 --compare
 
 # Retrain the shipped demo pair (about 100 minutes on 2 cores), then measure it for MODEL_CARD.md.
 demo-models: install

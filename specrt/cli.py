@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -35,6 +36,8 @@ DEFAULTS = {
     "draft_schedule": "adaptive",
 }
 EXPORT_EXTRA = "pip install torch==2.13.0 && pip install 'specrt[export]'"
+# What `export` and `build` import (lazily, deep in the pipeline): import names, not packages.
+EXPORT_MODULES = ("torch", "transformers", "optimum", "onnx", "onnxslim", "onnx_ir")
 
 
 def _friendly_errors(command):
@@ -287,14 +290,11 @@ def main() -> None:
 @_friendly_errors
 def export(target, draft, out, recipe, force, **given) -> None:
     """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
-    try:
-        from specrt.export.options import ExportOptions
-        from specrt.export.pipeline import export_bundle
-        from specrt.export.recipes import resolve_recipe
-    except ImportError as exc:
-        raise click.ClickException(
-            f"specrt export needs the export extra ({exc.name} is missing): {EXPORT_EXTRA}"
-        ) from exc
+    _require_export_extra("export")
+    from specrt.export.options import ExportOptions
+    from specrt.export.pipeline import export_bundle
+    from specrt.export.recipes import resolve_recipe
+
     recipe_options: dict = {}
     if recipe is not None:
         if target or draft:
@@ -317,6 +317,16 @@ def export(target, draft, out, recipe, force, **given) -> None:
             f"max |logit diff| {spec.export_check['max_abs_logit_diff']:.2e}{engines}"
         )
     click.echo(f"bundle: {out}")
+
+
+def _require_export_extra(command: str) -> None:
+    """The export stack is imported only once a model is read: name what is missing first."""
+    missing = [name for name in EXPORT_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise click.ClickException(
+            f"specrt {command} needs the export extra ({', '.join(missing)} missing): "
+            f"{EXPORT_EXTRA}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,13 +356,10 @@ def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> N
             click.echo(f"{role}: TensorRT plan for {built_for['gpu']}, {built_for['tensorrt']}")
         click.echo(f"bundle: {bundle}")
         return
-    try:
-        from specrt.export.build import build_engines
-        from specrt.export.options import ExportOptions
-    except ImportError as exc:
-        raise click.ClickException(
-            f"specrt build needs the export extra ({exc.name} is missing): {EXPORT_EXTRA}"
-        ) from exc
+    _require_export_extra("build")
+    from specrt.export.build import build_engines
+    from specrt.export.options import ExportOptions
+
     options = ExportOptions(
         atol=atol,
         draft_precision=draft_precision,

@@ -238,6 +238,10 @@ def test_an_output_that_is_not_ours_is_left_alone(llama_bundle, tmp_path):
     assert output.read_text() == "my notes\nmore notes\n"
     done = run(command(llama_bundle, path, path))
     assert done.returncode == 2 and "must not be the --input" in done.stderr
+    with open(output, "ab") as stdout:  # `--output - >> notes.jsonl`: named as stdout
+        done = subprocess.run(command(llama_bundle, path, Path("-")), stdout=stdout, stderr=-1)
+    assert done.returncode == 1 and b"standard output (--output -) is a file" in done.stderr
+    assert output.read_text() == "my notes\nmore notes\n"
 
 
 @pytest.mark.parametrize(

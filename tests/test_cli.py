@@ -93,6 +93,26 @@ def test_runtime_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_export_and_build_without_the_export_extra_say_what_to_install(llama_bundle, tmp_path):
+    """A runtime-only install (no transformers) got a traceback from deep in the exporter."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['transformers'] = None; from specrt.cli import main; main()"
+    commands = [
+        ["export", "--target", "t", "--draft", "d", "--out", str(tmp_path / "b")],
+        ["build", "--bundle", str(llama_bundle)],
+    ]
+    for args in commands:
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"Error: specrt {args[0]} needs the export extra (transformers missing): pip install"
+            " torch==2.13.0 && pip install 'specrt[export]'"
+        ]
+    assert not (tmp_path / "b").exists()
+
+
 def test_export_engine_options(tmp_path):
     """--draft-precision float32 keeps the draft engine exact; --no-ort-engine builds none;
     an unknown precision is refused by the CLI before any work."""

@@ -73,6 +73,8 @@ def test_stats_are_consistent(llama_generator):
         assert sum(stats.accepted_per_position) == stats.accepted_tokens
         counts = stats.accepted_per_position
         assert all(a >= b for a, b in zip(counts, counts[1:]))  # position i+1 needs position i
+        for entry in stats.proposers.values():  # positions 0..K-1 however far one got
+            assert len(entry["accepted_per_position"]) == len(counts)
         assert stats.tokens_per_second > 0 and stats.wall_time_s > 0
 
 

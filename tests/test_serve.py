@@ -510,3 +510,28 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(llama_bundle):
         assert process.wait(timeout=60) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=2)
+
+
+def test_sigterm_right_after_the_ready_line_exits_0(llama_bundle):
+    """A supervisor reads the address (`--port 0`: the port chosen) and may stop the server at
+    once: the line comes only when the socket listens and SIGTERM is handled (it died of the
+    signal, status -15, when stopped straight after the line)."""
+    cmd = [
+        sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(llama_bundle),
+        "--port", "0", "--threads", "1", "--batch-size", "2",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if " on http://127.0.0.1:" in line:
+                break
+        else:
+            pytest.fail("the server printed no address")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        process.kill()

@@ -267,6 +267,11 @@ def is_result(record: object) -> bool:
 
 
 def _not_ours(output: Path, line: int) -> InvalidInputError:
+    if str(output) == "/dev/stdout":  # --output - into a file (`>> out.jsonl`): resumed too
+        return InvalidInputError(
+            f"standard output (--output -) is a file whose line {line} is not a result of "
+            "specrt batch; send it elsewhere (the file is left as it is)"
+        )
     return InvalidInputError(
         f"{output} line {line} is not a result of specrt batch; give another --output (this "
         "one is left as it is)"

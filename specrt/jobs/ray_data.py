@@ -3,11 +3,13 @@
     import ray
     from specrt.jobs.ray_data import SpecrtPredictor
 
-    rows = ray.data.read_json("prompts.jsonl")  # or read_parquet: columns id, prompt, ...
+    rows = ray.data.read_json("rows.jsonl")  # or read_parquet: columns id, prompt, ...
     results = rows.map_batches(
         SpecrtPredictor,
         fn_constructor_kwargs={"bundle": "engines/demo", "max_new_tokens": 128},
-        compute=ray.data.ActorPoolStrategy(size=4),  # actors, each loading the bundle once
+        # 1 to 4 actors, each loading the bundle once and taking a CPU (a fixed size waits
+        # forever where Ray has too few CPUs for it and the reading)
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=4),
         batch_size=16,
     )
     results.write_parquet("results/")

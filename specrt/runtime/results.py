@@ -20,7 +20,7 @@ class GenerationStats:
     draft_stopped: the sequence reached the draft model's max positions (or the prompt alone did),
     so the target decoded from there on alone.
     proposers: per proposer ("model", "lookup", "suffix") of the rounds it drafted: rounds,
-    proposed and accepted tokens, accepted_per_position.
+    proposed and accepted tokens, accepted_per_position (as long as the whole request's).
     """
 
     prompt_tokens: int = 0
@@ -58,6 +58,10 @@ class GenerationStats:
         self.mean_accepted_tokens = self.accepted_tokens / self.rounds if self.rounds else 0.0
         self.tokens_per_round = self.new_tokens / self.rounds if self.rounds else 0.0
         self.tokens_per_second = self.new_tokens / wall_time_s if wall_time_s > 0 else 0.0
+        width = len(self.accepted_per_position)  # each proposer's positions, as many (0..K-1)
+        for entry in self.proposers.values():
+            by_position = entry["accepted_per_position"]
+            by_position.extend([0] * (width - len(by_position)))
 
     def to_dict(self) -> dict:
         return asdict(self)

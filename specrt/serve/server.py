@@ -83,11 +83,20 @@ def serve(
     )
     server = _Server(config)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
-    log.warning("specrt serve: %s on http://%s:%d/v1", model_name, host, port)
+    server.ready_line = f"specrt serve: {model_name} on http://{host}:{port}/v1"
     server.run(sockets=[sock])
 
 
 class _Server(uvicorn.Server):
+    ready_line = ""
+
+    async def startup(self, sockets=None) -> None:
+        # Said once the socket listens and SIGTERM is ours (a supervisor that reads the line
+        # and stops the server at once must see a clean exit, not a signal's death).
+        await super().startup(sockets)
+        if self.started:
+            log.warning("%s", self.ready_line)
+
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         # uvicorn re-raises a captured signal once it has shut down (exit status -SIGTERM); a
