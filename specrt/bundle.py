@@ -141,9 +141,6 @@ class TokenizerSpec:
     bos_token_id: int | None
     eos_token_ids: list[int]
     pad_token_id: int | None = None
-    # sha256 of the other files beside tokenizer.json (its config and chat template), by name;
-    # bundles exported before it was written have none, and only tokenizer.json is checked
-    files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -320,9 +317,6 @@ def validate_manifest(manifest: Manifest, root: Path) -> None:
         if token is not None and not 0 <= token < manifest.vocab_size:
             _range_error(f"tokenizer.{name}", token, f"a token id in [0, {manifest.vocab_size})")
     _check_relative("tokenizer.path", tokenizer.path)
-    for name in tokenizer.files:
-        if Path(name).name != name or name in ("", ".", ".."):
-            _range_error(f"tokenizer.files[{name!r}]", name, "a file name in the tokenizer folder")
     for role in ROLES:
         spec = manifest.models[role]
         for name, view in [("", spec)] + [(n, spec.engine_view(n)) for n in spec.engines]:
@@ -410,16 +404,8 @@ def verify_checksums(manifest: Manifest, root: str | Path) -> None:
                     f"{role}: {rel} does not match its sha256 in the manifest (the file changed "
                     "or is corrupted); re-export or re-copy the bundle"
                 )
-    folder = root / manifest.tokenizer.path
-    expected = {"tokenizer.json": manifest.tokenizer.sha256, **manifest.tokenizer.files}
-    for name, sha256 in expected.items():
-        path = folder / name
-        if not path.is_file():
-            raise BundleError(
-                f"tokenizer file {path} named in the manifest is missing; re-export or re-copy "
-                "the bundle"
-            )
-        if cached_sha256(path) != sha256:
-            raise BundleError(
-                f"{path} does not match its sha256 in the manifest; re-export or re-copy the bundle"
-            )
+    tok = root / manifest.tokenizer.path / "tokenizer.json"
+    if cached_sha256(tok) != manifest.tokenizer.sha256:
+        raise BundleError(
+            f"{tok} does not match its sha256 in the manifest; re-export or re-copy the bundle"
+        )

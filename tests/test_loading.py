@@ -81,31 +81,6 @@ def test_a_file_changed_in_place_is_hashed_again(llama_bundle, tmp_path, hashing
         load_pair(bundle, threads=1)
 
 
-def test_the_tokenizer_config_is_checked_too(llama_bundle, tmp_path, hashing):
-    """The chat template and special tokens live beside tokenizer.json: a changed or missing
-    tokenizer_config.json is found at load like a changed graph (it was not checked); a bundle
-    exported before their hashes were written still loads."""
-    bundle = tmp_path / "bundle"
-    shutil.copytree(llama_bundle, bundle)
-    files = read_manifest(bundle).tokenizer.files
-    assert {"tokenizer_config.json", "special_tokens_map.json"} <= set(files)
-    config = bundle / "tokenizer" / "tokenizer_config.json"
-    original = config.read_text()
-    config.write_text(original.replace("}", ', "chat_template": "{{ 1 }}"}', 1))
-    with pytest.raises(BundleError, match="tokenizer_config.json does not match its sha256"):
-        load_pair(bundle, threads=1)
-    config.unlink()
-    with pytest.raises(BundleError, match="tokenizer_config.json named in the manifest is missing"):
-        load_pair(bundle, threads=1)
-    config.write_text(original)
-    load_pair(bundle, threads=1)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    del manifest["tokenizer"]["files"]  # as written before
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
-    config.write_text(original + " ")
-    load_pair(bundle, threads=1)
-
-
 def test_skip_checksums_from_the_cli(llama_bundle, tmp_path, hashing):
     from click.testing import CliRunner
 

@@ -389,11 +389,6 @@ def _copy_tokenizer(source: Path, dest: Path, config) -> TokenizerSpec:
         bos_token_id=None if bos is None or isinstance(bos, list) else int(bos),
         eos_token_ids=eos_ids,
         pad_token_id=None if pad is None or isinstance(pad, list) else int(pad),
-        files={
-            name: sha256_file(dest / name)
-            for name in TOKENIZER_FILES
-            if name != "tokenizer.json" and (dest / name).is_file()
-        },
     )
 
 
