@@ -159,3 +159,52 @@ def test_unsupported_or_missing_checkpoints(tmp_path):
         weights.unlink()  # found before the target's export, not after it
     with pytest.raises(ExportError, match="draft checkpoint .* has no weights"):
         export_bundle(target, tmp_path / "src" / "draft", tmp_path / "out")
+
+
+def test_checkpoints_without_an_output_layer_or_quantized_are_refused(tmp_path):
+    """A base model or classifier of a supported family loaded as a causal LM gets a random
+    output layer (an export check failure, or with --atol raised a bundle of random heads); a
+    quantized checkpoint ended in the quantiser's ImportError traceback. One line each, before
+    any export; a checkpoint with a weight removed is found at load."""
+    from transformers import LlamaForSequenceClassification
+
+    from specrt.export.tiny import tiny_config
+
+    target, draft = make_tiny_pair("llama", tmp_path / "src")
+    config = tiny_config("llama", len(make_tokenizer()), num_labels=1, pad_token_id=0)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "classifier")
+    make_tokenizer().save_pretrained(tmp_path / "classifier")
+    with pytest.raises(ExportError, match="is a LlamaForSequenceClassification, not a language"):
+        export_bundle(target, tmp_path / "classifier", tmp_path / "out")
+
+    shutil.copytree(draft, tmp_path / "awq")
+    settings = json.loads((tmp_path / "awq" / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "awq" / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(ExportError, match=r"is quantized \(awq\); export the unquantized"):
+        export_bundle(target, tmp_path / "awq", tmp_path / "out")
+
+    model = AutoModelForCausalLM.from_pretrained(draft)
+    weights = {k: v for k, v in model.state_dict().items() if not k.startswith("lm_head")}
+    shutil.copytree(draft, tmp_path / "headless")
+    from safetensors.torch import save_file
+
+    save_file(weights, tmp_path / "headless" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ExportError, match=r"lacks weights the model needs \(lm_head.weight\)"):
+        export_bundle(target, tmp_path / "headless", tmp_path / "out", portable=False)
+    assert not (tmp_path / "out").exists()
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ExportError, match="a-file is a file, not a folder; choose another --out"):
+        export_bundle(target, draft, tmp_path / "a-file" / "sub" / "bundle")
+
+
+def test_a_multimodal_checkpoint_smaller_than_its_tokenizer_is_named(tmp_path):
+    """The check read the text decoder's vocabulary, the message the top config's (which a
+    multimodal config lacks): an AttributeError traceback."""
+    target, draft = make_tiny_pair("gemma3", tmp_path / "src")
+    settings = json.loads((target / "config.json").read_text())
+    settings["text_config"]["vocab_size"] = 40
+    (target / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(PairMismatchError, match="target model has 40 embeddings but the tokenizer"):
+        export_bundle(target, draft, tmp_path / "out")

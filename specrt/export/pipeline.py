@@ -77,7 +77,8 @@ def export_bundle(
     for role, config in configs.items():
         if text_config(config).vocab_size < vocab:
             raise PairMismatchError(
-                f"the {role} model has {config.vocab_size} embeddings but the tokenizer has "
+                f"the {role} model has {text_config(config).vocab_size} embeddings but the "
+                f"tokenizer has "
                 f"{vocab} tokens; this checkpoint does not belong with this tokenizer"
             )
 
@@ -131,6 +132,9 @@ def check_destination(out: Path, sources: list[Path], force: bool) -> None:
     """Refuse an ``out`` whose replacement could lose anything: only a specrt bundle may be
     replaced (with ``force``), and never one holding a source checkpoint or the working
     directory."""
+    above = next((p for p in out.parents if os.path.lexists(p)), None)
+    if above is not None and not above.is_dir():
+        raise ExportError(f"--out {out}: {above} is a file, not a folder; choose another --out")
     recover(out)
     for source in sources:
         if Path(os.path.abspath(source)).is_relative_to(out):
@@ -174,6 +178,19 @@ def _load_config(path: Path, role: str):
             f"({type(exc).__name__}: {str(exc)[:200]}); repair it or save the model again with "
             "`save_pretrained`"
         ) from exc
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:  # transformers would need the quantiser's package, then fail or mis-export
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ExportError(
+            f"{role} checkpoint {str(path)!r} is quantized ({method}); export the unquantized "
+            "model (specrt quantizes the draft's engine itself: --draft-precision)"
+        )
+    heads = [a for a in config.architectures or [] if a.endswith(LANGUAGE_MODEL_CLASSES)]
+    if config.architectures and not heads:
+        raise ExportError(
+            f"{role} checkpoint {str(path)!r} is a {config.architectures[0]}, not a language "
+            "model with its output layer; export the checkpoint saved from its ...ForCausalLM"
+        )
     if text_config(config).model_type not in SUPPORTED_MODEL_TYPES:
         raise ExportError(
             f"{role} model type {config.model_type!r} is not supported yet; supported: "
@@ -191,6 +208,9 @@ def _load_config(path: Path, role: str):
 
 # How a Hugging Face checkpoint's weights are named (one file, or shards and their index).
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+# Classes (config.architectures) that end in a vocabulary's logits; a base model, classifier
+# or reward model saved from the same family would get a random output layer at load.
+LANGUAGE_MODEL_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
 def _export_checked(
@@ -208,9 +228,17 @@ def _export_checked(
 
     from specrt.export.numeric_check import max_logit_difference
 
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch.float32, local_files_only=True
-    ).eval()
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch.float32, local_files_only=True, output_loading_info=True
+    )
+    model.eval()
+    if loading["missing_keys"]:  # transformers fills them with random values
+        missing = sorted(loading["missing_keys"])
+        raise ExportError(
+            f"{role} checkpoint {str(source)!r} lacks weights the model needs "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): they would be "
+            "random; export the checkpoint saved whole from its ...ForCausalLM model"
+        )
     if not options.portable:
         return _engines_only(
             model, config, bundle_root, role, tokenizer_hash, token_range, options, log, source
