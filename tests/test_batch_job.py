@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
@@ -320,10 +323,50 @@ def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_for
 
     row = row_from_item({"id": 1, "prompt": "a", "temperature": None, "seed": 3}, "line 1")
     assert row.error is None and row.options == {"seed": 3}
-    line = {"custom_id": "c", "body": {"prompt": "a", "messages": [], "max_tokens": 2}}
+    line = {"custom_id": "c", "body": {"prompt": "a", "logprobs": 2, "max_tokens": 2}}
     row = row_from_item(line, "line 2")
-    assert "unknown field(s) ['messages']" in row.error and "max_tokens" in row.error
+    assert "unknown field(s) ['logprobs']" in row.error and "max_tokens" in row.error
     assert "max_new_tokens" not in row.error
+
+
+def test_chat_lines_are_rendered_with_the_bundles_chat_template(llama_bundle, tmp_path):
+    """OpenAI batch lines for /v1/chat/completions (vLLM's run-batch takes them) and our own
+    lines with "messages": rendered as `specrt serve` renders them, the same tokens as the
+    rendered prompt decoded alone (they were refused as unknown fields); a bundle without a
+    template, and malformed messages, give the row an error."""
+    bundle = tmp_path / "chat"
+    shutil.copytree(llama_bundle, bundle)
+    config_path = bundle / "tokenizer" / "tokenizer_config.json"
+    settings = json.loads(config_path.read_text())
+    settings["chat_template"] = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    config_path.write_text(json.dumps(settings))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f"}]
+    lines = [
+        {"custom_id": "oai", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "x", "messages": messages, "max_completion_tokens": 7}},
+        {"id": "own", "messages": messages, "max_new_tokens": 7},
+        {"id": "parts", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"id": "both", "prompt": "a", "messages": messages},
+    ]  # fmt: skip
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run(command(bundle, path, tmp_path / "out.jsonl"))
+    assert done.returncode == 1, done.stderr  # the two bad rows
+    got = results(tmp_path / "out.jsonl")
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    rendered = "<system>be brief\n<user>def f\n<assistant>"
+    ids = generator.tokenizer.encode(rendered, add_special_tokens=False)
+    config = GenerationConfig(max_new_tokens=7, num_draft_tokens=0, ignore_eos=True)
+    [alone] = generator.generate([ids], config)
+    assert got["oai"]["token_ids"] == got["own"]["token_ids"] == alone.token_ids
+    assert "only text parts are supported" in got["parts"]["error"]["message"]
+    assert 'a "prompt" or chat "messages", not both' in got["both"]["error"]["message"]
+    done = run(command(llama_bundle, path, tmp_path / "plain.jsonl"))
+    got = results(tmp_path / "plain.jsonl")
+    assert 'has no chat template: give a "prompt"' in got["own"]["error"]["message"]
 
 
 def test_resuming_reads_the_output_line_by_line(tmp_path):

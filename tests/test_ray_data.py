@@ -29,7 +29,7 @@ def test_the_datasets_own_columns_come_through(llama_bundle):
     assert out["error"] == [None, None] and [len(t) for t in out["token_ids"]] == [4, 4]
     assert list(out["source"]) == ["x.py", "y.py"] and list(out["label"]) == [1, 2]
     missing = predictor({"id": np.array(["c"]), "source": np.array(["z.py"])})
-    assert missing["error"] == ['a line needs a "prompt" string']
+    assert missing["error"] == ['a line needs a "prompt" string (or chat "messages")']
     with pytest.raises(InvalidInputError, match=r"column\(s\) \['text'\] would be overwritten"):
         predictor({**batch, "text": np.array(["t", "u"])})
 

@@ -3,7 +3,8 @@
 Input lines are ``{"id": ..., "prompt": "...", optional "max_new_tokens", "temperature",
 "top_k", "top_p", "seed", "num_draft_tokens", "stop"}``, or OpenAI batch-file lines
 (``custom_id``, ``body`` with ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-``stop``). The input is
+``stop``); ``messages`` (OpenAI's chat form) in place of ``prompt`` is rendered with the bundle's
+chat template. The input is
 streamed (bounded memory but for the set of ids); each finished row is written and flushed at
 once as ``{"id", "text", "token_ids", "finish_reason", "stats"}``, or ``{"id", "error"}`` for a
 row that cannot run (malformed, too long, a bad parameter): the job goes on.
@@ -18,6 +19,7 @@ are spooled to a temporary file first; an output that is a pipe or a device (std
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import json
 import os
@@ -48,6 +50,7 @@ ROW_OPTIONS = (
 )
 OPENAI_OPTIONS = {
     "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",  # chat's newer name
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
@@ -61,6 +64,7 @@ class Row:
     prompt: str | None = None
     options: dict = field(default_factory=dict)
     error: str | None = None  # why the line cannot run
+    messages: object = None  # a chat line's, in place of the prompt (checked when rendered)
 
 
 @dataclass
@@ -188,23 +192,32 @@ def row_from_item(item: object, fallback_id: str) -> Row:
         return Row(fallback_id, error="a line must be a JSON object")
     if "custom_id" in item:  # an OpenAI batch-file line
         body = item.get("body") if isinstance(item.get("body"), dict) else {}
-        row_id, prompt = item["custom_id"], body.get("prompt")
+        row_id, fields = item["custom_id"], body
         options = {ours: body[theirs] for theirs, ours in OPENAI_OPTIONS.items() if theirs in body}
-        extra = sorted(set(body) - set(OPENAI_OPTIONS) - {"prompt", "model"})
-        known = ", ".join(["prompt", *OPENAI_OPTIONS])
+        extra = sorted(set(body) - set(OPENAI_OPTIONS) - {"prompt", "messages", "model"})
+        known = ", ".join(["prompt", "messages", *OPENAI_OPTIONS])
+        lengths = {str(body[n]) for n in ("max_tokens", "max_completion_tokens") if n in body}
     else:
-        row_id, prompt = item.get("id"), item.get("prompt")
+        row_id, fields = item.get("id"), item
         options = {key: item[key] for key in ROW_OPTIONS if key in item}
-        extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt"})
-        known = ", ".join(ROW_OPTIONS)
+        extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt", "messages"})
+        known = ", ".join(["prompt", "messages", *ROW_OPTIONS])
+        lengths = set()
     options = {key: value for key, value in options.items() if value is not None}  # null: default
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         return Row(fallback_id, error='a line needs an "id" (a string or an integer)')
+    prompt, messages = fields.get("prompt"), fields.get("messages")
     row = Row(str(row_id), prompt if isinstance(prompt, str) else None, options)
     if extra:
         row.error = f"unknown field(s) {extra}; known: {known}"
+    elif len(lengths) > 1:
+        row.error = "max_tokens and max_completion_tokens differ: give one"
+    elif "prompt" in fields and "messages" in fields:
+        row.error = 'a line gives a "prompt" or chat "messages", not both'
+    elif "messages" in fields:
+        row.messages = messages
     elif not isinstance(prompt, str):
-        row.error = 'a line needs a "prompt" string'
+        row.error = 'a line needs a "prompt" string (or chat "messages")'
     return row
 
 
@@ -348,10 +361,42 @@ def make_request(generator: SpeculativeGenerator, row: Row, defaults: Generation
         config = replace(defaults, **row.options)
         if "seed" not in row.options and config.seed is not None:
             config = replace(config, seed=row_seed(config.seed, row.id))
-        [prompt] = generator.encode_prompts([row.prompt])
+        text = row.prompt if row.messages is None else chat_prompt(generator, row.messages)
+        [prompt] = generator.encode_prompts([text])
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
     return Request(row.id, prompt, config, row_rng(config, 0))
+
+
+def chat_prompt(generator: SpeculativeGenerator, messages: object) -> list[int]:
+    """A chat row's messages rendered by the bundle's chat template, as token ids (the
+    template writes the special tokens itself, as `specrt serve` reads them)."""
+    tokenizer = generator.tokenizer
+    template = _chat_template(tokenizer.directory) if tokenizer is not None else None
+    if template is None:
+        raise InvalidInputError(
+            'this bundle\'s tokenizer has no chat template: give a "prompt" instead of "messages"'
+        )
+    from specrt.chat import ChatTemplateError
+
+    try:
+        return tokenizer.encode(template.prompt(messages), add_special_tokens=False)
+    except ChatTemplateError as exc:
+        raise InvalidInputError(str(exc)) from exc
+
+
+@functools.cache
+def _chat_template(directory: Path):
+    """The bundle's chat template, read once per job (a broken one stops the job: every chat
+    row would fail the same way)."""
+    try:
+        from specrt.chat import ChatTemplate
+
+        return ChatTemplate.from_directory(directory)
+    except ImportError as exc:
+        raise InvalidInputError(
+            f"chat rows need jinja2 ({exc.name} is missing): pip install 'specrt[serve]'"
+        ) from exc
 
 
 def run_row(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig) -> dict:

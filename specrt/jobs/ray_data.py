@@ -38,7 +38,7 @@ from specrt.runtime.lookup import SuffixCache
 STATS = ("new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate")
 OUTPUT_COLUMNS = ("id", "text", "token_ids", "finish_reason", "error", *STATS)
 # The columns a row is read from (`row_from_item`); the others pass through.
-ROW_COLUMNS = {"id", "prompt", "custom_id", "body", *ROW_OPTIONS}
+ROW_COLUMNS = {"id", "prompt", "messages", "custom_id", "body", *ROW_OPTIONS}
 
 
 class SpecrtPredictor:

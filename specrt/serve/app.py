@@ -23,11 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specrt.chat import ChatTemplate, ChatTemplateError
 from specrt.errors import InvalidInputError, OverloadedError, PromptTooLongError, SpecrtError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.service import RequestHandle, Service
-from specrt.serve.chat import ChatTemplate, ChatTemplateError
 from specrt.serve.metrics import Metrics
 
 # OpenAI request fields -> GenerationConfig fields (top_k is an extension, as in vLLM).
@@ -316,35 +316,11 @@ def create_app(
     def chat_prompt(messages: object) -> list[int]:
         """The conversation rendered by the bundle's chat template, as token ids (the template
         writes the special tokens itself)."""
-        if isinstance(messages, list):
-            messages = [
-                {**m, "content": _text_of(m["content"])} if isinstance(m, dict) and "content" in m
-                else m
-                for m in messages
-            ]  # fmt: skip
-        if not (
-            isinstance(messages, list)
-            and messages
-            and all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
-            raise _HttpError(
-                400,
-                'messages must be a non-empty list of {"role": str, "content": str, or a list '
-                'of {"type": "text", "text": str} parts}',
-                "invalid_request_error",
-                "messages",
-            )
         try:
-            text = template.render(messages)
+            text = template.prompt(messages)
         except ChatTemplateError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", "messages") from exc
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return ids
+        return tokenizer.encode(text, add_special_tokens=False)
 
     routes = [
         Route("/health", health),
@@ -382,27 +358,6 @@ class BearerKey:
 
 
 _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's
-
-
-def _text_of(content: object) -> object:
-    """A message's content as text: a list of text parts (OpenAI's newer form) joined by
-    newlines, as vLLM does; anything else as it is (checked by the caller)."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _HttpError(
-                400,
-                f"message content part of type {kind!r}: only text parts are supported",
-                "invalid_request_error",
-                "messages",
-            )
-        if not isinstance(part.get("text"), str):
-            return None  # reported as a malformed message
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def usage(result: GenerationResult) -> dict:

@@ -1,5 +1,6 @@
 """Chat templates: the bundle tokenizer's Jinja template (as transformers renders it) turning
-OpenAI-style messages into the model's prompt text."""
+OpenAI-style messages into the model's prompt text, for `specrt serve`'s chat route and the
+chat rows of `specrt batch`. Needs jinja2 (the serve extra)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ class ChatTemplate:
                 f"{exc} ({where}); fix it, or remove it to serve /v1/completions alone"
             ) from exc
 
+    def prompt(self, messages: object) -> str:
+        """OpenAI-style ``messages`` (each content a string or a list of text parts), checked,
+        rendered as the prompt text (its special tokens written out)."""
+        return self.render(checked_messages(messages))
+
     def render(self, messages: list[dict]) -> str:
         from jinja2.exceptions import TemplateError
 
@@ -80,3 +86,45 @@ def _token(value: object) -> str:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else ""
+
+
+def checked_messages(messages: object) -> list[dict]:
+    """``messages`` with each content as text (a list of text parts joined by newlines, as
+    vLLM does); anything else is a `ChatTemplateError` saying what a message must be."""
+    if isinstance(messages, list):
+        messages = [
+            {**m, "content": _text_of(m["content"])} if isinstance(m, dict) and "content" in m
+            else m
+            for m in messages
+        ]  # fmt: skip
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise ChatTemplateError(
+            'messages must be a non-empty list of {"role": str, "content": str, or a list of '
+            '{"type": "text", "text": str} parts}'
+        )
+    return messages
+
+
+def _text_of(content: object) -> object:
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatTemplateError(
+                f"message content part of type {kind!r}: only text parts are supported"
+            )
+        if not isinstance(part.get("text"), str):
+            return None  # reported as a malformed message
+        texts.append(part["text"])
+    return "\n".join(texts)
