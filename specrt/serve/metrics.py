@@ -11,6 +11,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
@@ -28,6 +29,9 @@ class Metrics:
     output token and token counts."""
 
     def __init__(self, service: Service) -> None:
+        # No `*_created` series beside every counter and histogram (as vLLM): they double what
+        # a scrape stores and no dashboard reads them. Process-wide, as the server is.
+        disable_created_metrics()
         self.registry = registry = CollectorRegistry()
         running = Gauge("vllm:num_requests_running", "Requests in the batch", registry=registry)
         running.set_function(lambda: service.running)
