@@ -17,12 +17,16 @@ has_cuda() {
 }
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check: no NVIDIA GPU here (nvidia-smi sees none): run it on a machine with one" >&2
+  exit 2
+fi
 if ! has_cuda; then
   wheel=$(ls build/ortgpu/*.whl 2>/dev/null | head -n 1 || true)
   if [ -z "$wheel" ]; then
     first=$(ls build/ortgpu/*.whl.part-* 2>/dev/null | head -n 1 || true)
     if [ -z "$first" ]; then
-      echo "gpu_check: no onnxruntime-gpu here and no wheel in build/ortgpu/ (see shared GPU notes)" >&2
+      echo "gpu_check: no onnxruntime-gpu here and no wheel in build/ortgpu/: pip install onnxruntime-gpu, or put its wheel there (README: NVIDIA GPUs)" >&2
       exit 2
     fi
     wheel="/tmp/$(basename "${first%.part-*}")"

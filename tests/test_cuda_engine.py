@@ -8,14 +8,15 @@ import logging
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES
 from specrt.backends.device import DeviceDecoder
 from specrt.backends.device_rows import DeviceRowsDecoder, _identity_graph
 from specrt.backends.select import select_graph
+from specrt.backends.session import cuda_devices, usable_providers
 from specrt.bundle import read_manifest
+from specrt.errors import InvalidInputError
 from specrt.export.options import DEFAULT_FP16_ATOL
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
@@ -28,7 +29,7 @@ from tests.test_batching import (
     varied,
 )
 
-HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+HAS_CUDA = "CUDAExecutionProvider" in usable_providers()  # onnxruntime-gpu and a GPU
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 PROMPTS = ["Simple is", "def f", "for i in range(", "Flat is better than", "x = "]
 
@@ -275,10 +276,26 @@ def test_backend_choice_follows_the_providers(cuda_bundle, caplog):
         select_graph(spec, "target", "onnxruntime", CUDA)
     bare = spec.engine_view("onnxruntime")  # a model without engines
     with caplog.at_level(logging.WARNING, logger="specrt"):
-        assert select_graph(bare, "target", "auto", CUDA) is bare
-    assert "no cuda engine" in caplog.text and "--device cuda" in caplog.text
+        assert select_graph(bare, "target", "auto", CUDA, "b/x") is bare
+    assert "no cuda engine" in caplog.text and "--bundle b/x --device cuda" in caplog.text
     with pytest.raises(Exception, match="--device cuda"):
         select_graph(bare, "target", "cuda", cpu)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specrt"):  # said, not silently slow
+        select_graph(spec, "target", "cuda", cpu)
+    assert "the cuda engine runs on the CPU here" in caplog.text
+
+
+def test_gpu_providers_count_only_where_a_gpu_is_visible():
+    """onnxruntime-gpu lists CUDA on any machine; on one without a GPU a session asking for it
+    fell back to the CPU (a red error, and the portable graph instead of the CPU engine), and a
+    bundle with cuda engines ended in a traceback. The driver's own count decides."""
+    listed = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    usable = usable_providers(listed)
+    if cuda_devices():
+        assert usable == listed
+    else:
+        assert usable == ["CPUExecutionProvider"]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA provider here (onnxruntime-gpu and a GPU)")
@@ -294,7 +311,7 @@ def test_on_cuda(cuda_bundle):
     assert [r.token_ids for r in spec] == baseline
 
 
-def test_engines_only_bundle_needs_no_optimum(tmp_path, monkeypatch):
+def test_engines_only_bundle_needs_no_optimum(tmp_path, monkeypatch, caplog):
     """--no-portable: no optimum import (it is made to fail here), the model's graph is its
     cuda engine, and the bundle runs through the device backend."""
     import builtins
@@ -316,8 +333,12 @@ def test_engines_only_bundle_needs_no_optimum(tmp_path, monkeypatch):
     for spec in manifest.models.values():
         assert spec.path == spec.engines["cuda"].path and spec.dtype == "float16"
         assert list(spec.engines) == ["cuda"]
-    generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
+    with caplog.at_level(logging.WARNING, logger="specrt"):
+        generator = SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1)
     assert isinstance(generator.target, DeviceRowsDecoder)
+    assert "no onnxruntime engine for the CPU, so its cuda engine (float16" in caplog.text
+    with pytest.raises(InvalidInputError, match="has no portable graph .*--no-portable"):
+        SpeculativeGenerator.from_bundle(tmp_path / "b", threads=1, engine="portable")
     options = dict(max_new_tokens=16, ignore_eos=True)
     base = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=0, **options))
     spec = generator.generate(PROMPTS, GenerationConfig(num_draft_tokens=3, **options))

@@ -113,3 +113,23 @@ def test_engine_tensorrt_needs_plans_and_tensorrt(llama_bundle, tmp_path):
     assert "TensorRT is not installed" in result.output and "Traceback" not in result.output
     # the other engines of the same bundle still run
     assert CliRunner().invoke(main, [*args[:-1], "auto"]).exit_code == 0
+
+
+def test_a_gpu_that_nvidia_smi_cannot_see_is_one_line(tmp_path):
+    """A container with TensorRT installed but no driver: nvidia-smi is there and fails (a
+    CalledProcessError traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "tensorrt").mkdir()  # the package's presence is all that is asked of it here
+    (tmp_path / "tensorrt" / "__init__.py").write_text('__version__ = "10.13.0"\n')
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed: no driver' >&2\nexit 9\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}"}
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+    code = "from specrt.backends.tensorrt import gpu_identity; gpu_identity()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "CalledProcessError" not in done.stderr
+    assert "nvidia-smi finds no GPU here (NVIDIA-SMI has failed: no driver)" in done.stderr

@@ -48,8 +48,10 @@ def open_decoder(
 ) -> Decoder:
     """Open ``role``'s graph chosen by ``engine`` for ``providers`` and wrap it in its decoder
     (``max_batch``: rows a batched engine holds; other decoders run one row)."""
-    providers = list(providers or default_providers())
-    graph = select_graph(spec, role, engine, providers)
+    if not providers:  # the CPU engine asked for by name runs where it can: on the CPU
+        providers = [CPU] if engine == ONNXRUNTIME_ENGINE else default_providers()
+    providers = list(providers)
+    graph = select_graph(spec, role, engine, providers, str(bundle_root))
     if engine == TENSORRT_ENGINE:
         built_for = spec.engines[TENSORRT_ENGINE].built_for
         check_plan(built_for, gpu_identity(), role)
@@ -96,11 +98,15 @@ def make_decoder(
     return PortableDecoder(session, spec, vocab_size, role, max_length)
 
 
-def select_graph(spec: ModelSpec, role: str, engine: str, providers: list[str]) -> ModelSpec:
-    """The model as seen through the graph that runs: an engine or the portable graph."""
+def select_graph(
+    spec: ModelSpec, role: str, engine: str, providers: list[str], bundle: str = "DIR"
+) -> ModelSpec:
+    """The model as seen through the graph that runs: an engine or the portable graph
+    (``bundle``: its path, for the messages)."""
     if engine not in ENGINE_CHOICES:
         raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
     provider = providers[0]
+    portable = spec.cache == "concat"  # else a --no-portable bundle: its main graph is an engine
     if provider == TENSORRT_PROVIDER and engine in ("auto", "portable"):
         return spec  # what TensorRT compiles: standard ops only
     if engine == "auto":
@@ -110,18 +116,39 @@ def select_graph(spec: ModelSpec, role: str, engine: str, providers: list[str]) 
         if provider == CUDA:
             log.warning(
                 "%s: the bundle has no cuda engine, so the portable graph runs on CUDA (its KV "
-                "cache crosses PCIe every call); build one: specrt build --bundle DIR --device "
+                "cache crosses PCIe every call); build one: specrt build --bundle %s --device "
                 "cuda",
                 role,
+                bundle,
+            )
+        elif provider == CPU and spec.engines:  # built for a GPU, run here on the CPU
+            log.warning(
+                "%s: the bundle has no onnxruntime engine for the CPU, so %s runs here; build "
+                "one: specrt build --bundle %s --device cpu",
+                role,
+                "the portable graph" if portable else "its cuda engine (float16, slow on a CPU)",
+                bundle,
             )
         return spec
     if engine == "portable":
+        if not portable:
+            raise InvalidInputError(
+                f"the bundle's {role} has no portable graph (it was exported with "
+                f"--no-portable); use engine 'auto' or one of its engines: "
+                f"{', '.join(spec.engines)}"
+            )
         return spec
     if engine not in spec.engines:
         how = {CUDA_ENGINE: " --device cuda", TENSORRT_ENGINE: " --tensorrt"}.get(engine, "")
         raise InvalidInputError(
-            f"the bundle's {role} has no {engine} engine (`specrt build --bundle DIR{how}` "
+            f"the bundle's {role} has no {engine} engine (`specrt build --bundle {bundle}{how}` "
             "builds one); use engine 'auto' or 'portable'"
+        )
+    if engine == CUDA_ENGINE and provider == CPU:
+        log.warning(
+            "%s: the cuda engine runs on the CPU here (no CUDA provider): a check of the graph, "
+            "float16 and slow",
+            role,
         )
     if engine == ONNXRUNTIME_ENGINE and provider != CPU:
         # Its in-place cache lives in host memory: on a GPU every call would copy it across.

@@ -9,7 +9,10 @@ session in the process, so a library must not set it.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,12 +20,37 @@ import onnxruntime as ort
 
 from specrt.errors import BundleError
 
+GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
 
 def default_providers() -> list[str]:
-    """CUDA when onnxruntime-gpu sees a GPU, else CPU."""
-    available = ort.get_available_providers()
+    """CUDA where onnxruntime-gpu is installed and the machine has an NVIDIA GPU, else CPU."""
     preferred = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return [p for p in preferred if p in available] or ["CPUExecutionProvider"]
+    return [p for p in preferred if p in usable_providers()] or ["CPUExecutionProvider"]
+
+
+def usable_providers(available: Sequence[str] | None = None) -> list[str]:
+    """``available`` (default: this onnxruntime's) less the GPU providers where no GPU is
+    visible: onnxruntime-gpu lists them on any machine, and a session asking for them falls
+    back to the CPU with a red error and without the CPU engine."""
+    available = list(ort.get_available_providers() if available is None else available)
+    if cuda_devices():
+        return available
+    return [p for p in available if p not in GPU_PROVIDERS]
+
+
+@functools.cache
+def cuda_devices() -> int:
+    """NVIDIA GPUs the CUDA driver shows this process (``CUDA_VISIBLE_DEVICES`` applies), 0
+    where there is no driver."""
+    try:
+        driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def create_session(

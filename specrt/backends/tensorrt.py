@@ -104,9 +104,15 @@ def gpu_identity() -> dict[str, str]:
     if shutil.which("nvidia-smi") is None:
         raise InvalidInputError("nvidia-smi is not here: TensorRT plans need an NVIDIA GPU")
     query = ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader", "-i", "0"]
-    name, capability = (
-        subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()
-    ).split(", ")
+    done = subprocess.run(query, capture_output=True, text=True)
+    fields = done.stdout.strip().split(", ")
+    if done.returncode != 0 or len(fields) != 2:  # no driver, no device (a container without)
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise InvalidInputError(
+            f"nvidia-smi finds no GPU here ({said[0] if said else f'exit {done.returncode}'}): "
+            "TensorRT plans need an NVIDIA GPU and its driver"
+        )
+    name, capability = fields
     return {"tensorrt": tensorrt.__version__, "gpu": name, "compute_capability": capability}
 
 

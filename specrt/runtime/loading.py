@@ -11,6 +11,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, Decoder, open_decoder
+from specrt.backends.session import usable_providers
 from specrt.bundle import MANIFEST_NAME, Manifest, read_manifest, verify_checksums
 from specrt.errors import BundleError, InvalidInputError, PairMismatchError
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -134,6 +135,12 @@ def check_providers(providers: Sequence[str] | None) -> list[str] | None:
         raise InvalidInputError(
             f"provider(s) {unknown} are not available in this onnxruntime (it has "
             f"{', '.join(available)}); install onnxruntime-gpu for CUDA"
+        )
+    no_gpu = [p for p in providers if p not in usable_providers(available)]
+    if no_gpu:
+        raise InvalidInputError(
+            f"provider(s) {no_gpu}: no NVIDIA GPU is visible here (the CUDA driver shows none; "
+            "see CUDA_VISIBLE_DEVICES); use CPUExecutionProvider, or leave providers unset"
         )
     return list(providers)
 
