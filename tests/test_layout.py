@@ -19,6 +19,7 @@ BASE = {
     "specrt.staging",
     "specrt.validation",
     "specrt.checksums",
+    "specrt.chat",  # chat templates, for the server's chat route and batch jobs' chat lines
 }
 ALLOWED = {
     "base": BASE,
