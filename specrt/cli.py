@@ -348,6 +348,11 @@ def _require_export_extra(command: str) -> None:
 def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> None:
     """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
     if tensorrt:
+        if devices or cuda_attention:
+            raise click.UsageError(
+                "--tensorrt builds plans of the portable graphs: --device and --cuda-attention "
+                "are for the onnxruntime engines; give them in a build of their own"
+            )
         from specrt.export.tensorrt_plans import build_plans
 
         manifest = build_plans(bundle, log=lambda message: click.echo(message, err=True))

@@ -227,3 +227,18 @@ def test_proposers_from_the_command_line(llama_bundle, tmp_path):
         assert sum(e["proposed"] for e in report["proposers"].values()) == report["drafted_tokens"]
         texts = {json.loads(line)["text"] for line in out.read_text().splitlines()}
         assert len(texts) == 1  # the same prompt, the same greedy output, cache or not
+
+
+def test_engine_options_that_would_be_ignored_are_refused(llama_bundle):
+    """--cuda-attention without --device cuda, and engine options beside --tensorrt, did nothing
+    and said nothing."""
+    runner = CliRunner()
+    result = runner.invoke(
+        main, ["build", "--bundle", str(llama_bundle), "--cuda-attention", "group_query"]
+    )
+    assert result.exit_code == 1 and "shapes the cuda engines: add --device cuda" in result.output
+    args = ["build", "--bundle", str(llama_bundle), "--tensorrt", "--device", "cuda"]
+    result = runner.invoke(main, args)
+    assert (
+        result.exit_code == 2 and "--tensorrt builds plans of the portable graphs" in result.output
+    )

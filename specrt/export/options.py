@@ -96,6 +96,11 @@ class ExportOptions:
             raise ExportError(
                 f"cuda_attention={self.cuda_attention!r}: use one of {', '.join(CUDA_ATTENTIONS)}"
             )
+        if self.cuda_attention != "batched" and "cuda" not in self.devices:
+            raise ExportError(
+                f"cuda_attention={self.cuda_attention!r} shapes the cuda engines: add --device "
+                "cuda (devices: cuda), or leave it out"
+            )
         if self.draft_precision not in PRECISIONS:
             raise ExportError(
                 f"draft precision {self.draft_precision!r} is unknown; use one of "
@@ -107,13 +112,12 @@ class ExportOptions:
         """Options from mappings of option name to value (a recipe's, then the command line's):
         a later mapping wins, and a None value means "not given"."""
         names = {f.name for f in fields(cls)}
-        options = cls()
+        merged: dict[str, Any] = {}  # checked once, together (options depend on each other)
         for mapping in settings:
             unknown = set(mapping) - names
             if unknown:
                 raise ExportError(
                     f"unknown export option(s) {sorted(unknown)}; known: {sorted(names)}"
                 )
-            given = {key: value for key, value in mapping.items() if value is not None}
-            options = replace(options, **given)
-        return options
+            merged.update({key: value for key, value in mapping.items() if value is not None})
+        return replace(cls(), **merged)
