@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,31 @@ def test_measure_script_runs(demo_bundle, tmp_path):
     subprocess.run([*command, "--prompts", "2", "--max-new-tokens", "8"], check=True)
     report = json.loads(out.read_text())
     assert report["greedy"]["tokens_per_round"] >= 1 and 0 < report["draft_cost_ratio"] < 1
+
+
+def test_a_seeded_row_is_the_same_beside_any_neighbour_with_the_int8_draft(demo_bundle):
+    """The shipped pair's int8 draft: onnxruntime quantises a call's activations together, so
+    a row's draft distribution moved with what shared its call (up to 0.012 in its logits),
+    and a seeded row's tokens with its neighbours (`specrt batch --seed`: 2 rows of 200 differed
+    between --batch-size 1 and 16). Seeded rows now draft in calls of their own."""
+    from specrt.jobs.batch import Row, make_request
+
+    long_prompt = (
+        "        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS\n"
+        "    ) -> Forward:\n        tokens = np.asarray([tokens], dtype=np.int64)\n"
+        "        out = self._call(0, 1, tokens, keep_last or tokens.shape[1], len(tokens[0]), "
+        "need)\n        probabilities = None if out.probabilities is None else "
+        "out.probabilities[0]"
+    )
+    defaults = GenerationConfig(max_new_tokens=12, temperature=0.8, seed=3, num_draft_tokens=4)
+    defaults = replace(defaults, proposer="hybrid", draft_schedule="adaptive")
+    outputs = []
+    for batch, neighbours in ((1, 0), (2, 0), (2, 1), (4, 3)):
+        generator = SpeculativeGenerator.from_bundle(demo_bundle, max_batch=batch, threads=1)
+        rows = [Row("17", long_prompt), Row("99", "            )", {"max_new_tokens": 24})]
+        rows += [Row(f"n{i}", f"def f{i}(x):\n    return", {}) for i in range(2)]
+        requests = [make_request(generator, row, defaults) for row in rows]
+        mine, others = requests[0], requests[1 : 1 + neighbours]
+        results = dict(generator.run([*others, mine]))
+        outputs.append(results["17"].token_ids)
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3], outputs

@@ -184,7 +184,11 @@ class BatchRunner:
         self.target.prefill_rows(start, [whole_chunks(prompt) for prompt in prompts])
         if any(row.drafting for row in rows) and self._model_drafts(rows):
             drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
-            self.draft.prefill_rows(start, drafted)
+            if self._reproducible(rows):  # each as it would be alone (`draft_apart`)
+                for slot, prompt in enumerate(drafted, start):
+                    self.draft.prefill_rows(slot, [prompt])
+            else:
+                self.draft.prefill_rows(start, drafted)
         steps = first_tokens(self.target, [row.round for row in rows], start)
         done = []
         for slot, (row, step) in enumerate(zip(rows, steps), start):
@@ -300,11 +304,11 @@ class BatchRunner:
         if k:  # a draft behind after rounds without drafting: not a cost of this K
             started = time.perf_counter()
             self._window(rows, start)
-            fed = catch_up(self.draft, parts, start)
+            fed = catch_up(self.draft, parts, start, apart=reproducible)
             schedule.charge(time.perf_counter() - started, fed)
         lengths = [len(row.tokens) for row in rows]
         started = time.perf_counter()
-        steps = batched_round(self.target, self.draft, parts, k, start)
+        steps = batched_round(self.target, self.draft, parts, k, start, apart=reproducible)
         seconds = time.perf_counter() - started
         finished = []
         failed = any(step.error is not None for step in steps)

@@ -136,7 +136,12 @@ class RowRound:
 
 
 def batched_round(
-    target: RowsDecoder, draft: RowsDecoder, rows: list[RowRound], k: int, start: int = 0
+    target: RowsDecoder,
+    draft: RowsDecoder,
+    rows: list[RowRound],
+    k: int,
+    start: int = 0,
+    apart: bool = False,
 ) -> list[RoundResult]:
     """One round for rows ``start`` .. ``start + n - 1`` of both models' caches: K draft steps,
     each one draft call for every row (none when every row has a match), then ONE target call
@@ -145,12 +150,18 @@ def batched_round(
     A row uses its first ``row.k`` draft tokens or its match: it draws nothing past them (its
     random stream advances as if it were alone) and its later slots are filler. A row whose
     logits come out NaN/inf fails alone (its result's ``error``); the others go on as they
-    would have."""
+    would have. ``apart``: each row drafts in calls of its own (seeded rows: see
+    `draft_apart`)."""
     started = time.perf_counter()
     n = len(rows)
     k = k if any(row.model_k for row in rows) else 0
     failed: dict[int, str] = {}
-    drafts, q = draft_rows(draft, rows, k, failed, start) if k else (np.zeros((n, 0), np.int64), [])
+    if not k:
+        drafts, q = np.zeros((n, 0), np.int64), []
+    elif apart:
+        drafts, q = draft_apart(draft, rows, k, failed, start)
+    else:
+        drafts, q = draft_rows(draft, rows, k, failed, start)
     drafts_per_row = [row.match or own for row, own in zip(rows, drafts.tolist())]
     drafted_at = time.perf_counter()
 
@@ -281,6 +292,27 @@ def draft_rows(
     return drafts, q
 
 
+def draft_apart(
+    draft: RowsDecoder, rows: list[RowRound], k: int, failed: dict[int, str], start: int = 0
+) -> tuple[np.ndarray, list[np.ndarray | None]]:
+    """`draft_rows` one row at a time, each for its own share: an int8 draft's logits for a
+    row depend on what shares its call (onnxruntime quantises the activations of a call
+    together), so a seeded row, whose draws must not depend on its neighbours, drafts as it
+    would alone."""
+    drafts = np.zeros((len(rows), k), dtype=np.int64)
+    q: list[np.ndarray | None] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        if not row.model_k:
+            continue
+        own: dict[int, str] = {}
+        row_drafts, row_q = draft_rows(draft, [row], row.model_k, own, start + i)
+        drafts[i, : row_drafts.shape[1]] = row_drafts[0]
+        q[i] = row_q[0]
+        if own:
+            failed[i] = own[0]
+    return drafts, q
+
+
 def _draft_token(row: RowRound, i: int, step: int, picked: Forward, q) -> int:
     """Row ``i``'s draft token at ``step`` (sampled rows: its distribution into ``q[i]``)."""
     s = row.sampling
@@ -316,11 +348,14 @@ def _flat(out: Forward) -> Forward:
     )
 
 
-def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> int:
+def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0, apart: bool = False) -> int:
     """Feed the draft all but the newest of the tokens it has not seen, where it is more than
     one behind (after rounds without drafting, or a prompt it skipped), so that a round's first
     draft call feeds each row one or two tokens (rows in slots ``start ..``); the tokens fed.
-    Rows far behind are fed apart from the others (`prefill_rows`)."""
+    Rows far behind are fed apart from the others (`prefill_rows`); ``apart``: every row in
+    calls of its own (`draft_apart`)."""
+    if apart:
+        return sum(catch_up(draft, [row], start + i) for i, row in enumerate(rows))
     lengths = draft.lengths[start : start + len(rows)].tolist()
     unseen = [row.tokens[row.offset + length : -1] for row, length in zip(rows, lengths)]
     if max(map(len, unseen)) <= 1:
