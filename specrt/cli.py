@@ -568,6 +568,15 @@ def batch(
             "lines to run them again",
             err=True,
         )
+    if result.other_record_count:  # rows are matched by id alone
+        shown = ", ".join(repr(i) for i in result.other_records)
+        more = ", ..." if result.other_record_count > len(result.other_records) else ""
+        click.echo(
+            f"note: {output_path} also holds {result.other_record_count} record(s) of ids not "
+            f"in {input_path} ({shown}{more}): a line since mended, or rows removed; they are "
+            "left as they are",
+            err=True,
+        )
     if not result.all_ok:
         sys.exit(1)
 

@@ -26,7 +26,9 @@ def _kind(value: object) -> str:
     if isinstance(value, str):
         return "a string"
     if isinstance(value, numbers.Real):
-        return "a number with a fraction" if isinstance(value, float) else "a number"
+        if isinstance(value, float):  # 3.0 too: JSON and Python tell it from 3
+            return "a decimal number" if math.isfinite(value) else "not a finite number"
+        return "a number"
     return f"a {type(value).__name__}"
 
 

@@ -394,3 +394,51 @@ def test_resuming_reads_the_output_line_by_line(tmp_path):
     )
     count, grown_mib = map(int, done.stdout.split())
     assert count == 50_000 and grown_mib < 30, (count, grown_mib, output.stat().st_size >> 20)
+
+
+def test_lines_an_operator_writes_are_read_as_written(llama_bundle, tmp_path):
+    """From an audit: integer ids came back as strings; 1 and "1" were refused as one id
+    without saying why, and so was a real id equal to a broken line's placeholder; a gzip file
+    was read as lines of bad bytes; a line cut short blamed column 1; a repeated key, a line
+    of both forms and a body that is not an object were read silently or misnamed; records of
+    ids no longer in the input went unmentioned."""
+    import gzip
+
+    path = tmp_path / "in.jsonl"
+    path.write_text(
+        '{"id": 1, "prompt": "a", "max_new_tokens": 2}\n'
+        '{"id": "b", "prompt": "b", "prompt": "c"}\n'
+        '{"id": "c", "prompt": "a" \n'
+        '{"custom_id": "d", "id": "d", "body": {"prompt": "a"}}\n'
+        '{"custom_id": "e", "body": "a prompt"}\n'
+    )
+    output = tmp_path / "out.jsonl"
+    done = run(command(llama_bundle, path, output))
+    assert done.returncode == 1, done.stderr  # the bad rows
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    by_id = {r["id"]: r for r in records}
+    assert 1 in by_id and "text" in by_id[1]  # the id as the line gave it
+    assert by_id["b"]["error"]["message"] == "the key 'prompt' appears twice in the line"
+    assert "at column 27" in by_id["line 3"]["error"]["message"]  # its end, not 1
+    assert "not both" in by_id["line 4"]["error"]["message"]
+    assert '"body" must be an object' in by_id["line 5"]["error"]["message"]
+
+    path.write_text('{"id": 1, "prompt": "a"}\n')  # the broken lines mended away
+    done = run(command(llama_bundle, path, output))
+    assert done.returncode == 0, done.stderr
+    assert "also holds 4 record(s) of ids not in" in done.stderr and "'line 3'" in done.stderr
+
+    path.write_text('{"id": 1, "prompt": "a"}\n{"id": "1", "prompt": "b"}\n')
+    done = run(command(llama_bundle, path, tmp_path / "o2.jsonl"))
+    assert done.returncode == 1 and "ids are compared as text: 1 and '1' are one id" in done.stderr
+    path.write_text('not json\n{"id": "line 1", "prompt": "b"}\n')
+    done = run(command(llama_bundle, path, tmp_path / "o3.jsonl"))
+    assert done.returncode == 1 and "too broken to read its id is named 'line 1'" in done.stderr
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"id": 1, "prompt": "a"}\n'))
+    done = run(command(llama_bundle, packed, tmp_path / "o4.jsonl"))
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"Error: {packed} is gzip-compressed; give the JSONL itself, e.g. `gunzip -c {packed} "
+        "| specrt batch --input - ...`"
+    ]
+    assert not (tmp_path / "o4.jsonl").exists()

@@ -456,7 +456,7 @@ def test_python_api_arguments_of_the_wrong_kind_are_refused_up_front(llama_bundl
 
     with pytest.raises(InvalidInputError, match="suffix_cache must be a SuffixCache or None"):
         SpeculativeGenerator.from_bundle(llama_bundle, "portable")
-    with pytest.raises(InvalidInputError, match="max_tokens=2.5 is a number with a fraction"):
+    with pytest.raises(InvalidInputError, match="max_tokens=2.5 is a decimal number"):
         SuffixCache(2.5)
     with pytest.raises(InvalidInputError, match="max_tokens=0 is out of range"):
         SuffixCache(0)

@@ -60,11 +60,12 @@ OPENAI_OPTIONS = {
 
 @dataclass
 class Row:
-    id: str
+    id: str | int  # as the line gives it (compared as text: 1 and "1" are one id)
     prompt: str | None = None
     options: dict = field(default_factory=dict)
     error: str | None = None  # why the line cannot run
     messages: object = None  # a chat line's, in place of the prompt (checked when rendered)
+    named: bool = True  # False: a line too broken to give its id, named "line N" instead
 
 
 @dataclass
@@ -84,6 +85,8 @@ class Summary:
     proposers: dict[str, dict] = field(default_factory=dict)  # as GenerationStats.proposers
     suffix_cache_tokens: int = 0  # kept by the suffix cache at the end (when on)
     suffix_cache_bytes: int = 0
+    other_record_count: int = 0  # records in the output of ids not in the input
+    other_records: list[str] = field(default_factory=list)  # the first few of those ids
 
     def add(self, record: dict) -> None:
         """Count a row written by this run."""
@@ -166,31 +169,71 @@ def read_rows(path: Path) -> Iterator[Row]:
                     raise InvalidInputError(
                         f"{path} is UTF-16 text; JSON Lines are UTF-8: save the file as UTF-8"
                     )
+                for magic, (kind, tool) in COMPRESSED.items():
+                    if data.startswith(magic):
+                        raise InvalidInputError(
+                            f"{path} is {kind}-compressed; give the JSONL itself, e.g. "
+                            f"`{tool} -c {path} | specrt batch --input - ...`"
+                        )
                 data = data.removeprefix(codecs.BOM_UTF8)
             try:
                 line = data.decode("utf-8")
             except UnicodeDecodeError as exc:
                 message = f"not UTF-8 text (byte {data[exc.start]:#04x} at column {exc.start + 1})"
-                yield Row(f"line {number}", error=f"{message}; save the file as UTF-8")
+                yield Row(f"line {number}", error=f"{message}; save the file as UTF-8", named=False)
                 continue
             if line.strip():
                 yield parse_row(line, f"line {number}")
 
 
+# Inputs that are archives, not text (their first bytes): named instead of read as bad lines.
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip"), b"BZh": ("bzip2", "bunzip2"),
+              b"\xfd7zXZ": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}  # fmt: skip
+
+
 def parse_row(line: str, fallback_id: str) -> Row:
     """One input line as a `Row`; a line that cannot run keeps an id and says why."""
     try:
-        item = json.loads(line)
+        # Without its line break: an error at the line's end is placed there, not on a next line
+        item = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
-        return Row(fallback_id, error=f"not JSON ({exc.msg} at column {exc.colno})")
+        return Row(fallback_id, error=f"not JSON ({exc.msg} at column {exc.colno})", named=False)
+    except _DuplicateKey as exc:
+        key, message = exc.args[0], f"the key {exc.args[0]!r} appears twice in the line"
+        row = row_from_item(json.loads(line), fallback_id)  # its id, where that is not the key
+        if key in ("id", "custom_id") or not row.named:
+            return Row(fallback_id, error=message, named=False)
+        return Row(row.id, error=message)
     return row_from_item(item, fallback_id)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's keys, each once (json keeps the last of a repeated key silently)."""
+    item = dict(pairs)
+    if len(item) < len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return item
 
 
 def row_from_item(item: object, fallback_id: str) -> Row:
     """A parsed input object (a JSON line, a dataset row) as a `Row`."""
     if not isinstance(item, dict):
-        return Row(fallback_id, error="a line must be a JSON object")
+        return Row(fallback_id, error="a line must be a JSON object", named=False)
+    if "custom_id" in item and {"id", "prompt", "messages"} & set(item):
+        return Row(
+            fallback_id,
+            error='a line is ours ("id", "prompt") or an OpenAI batch line ("custom_id", '
+            '"body"), not both',
+            named=False,
+        )
     if "custom_id" in item:  # an OpenAI batch-file line
+        if not isinstance(item.get("body", {}), dict):
+            return Row(fallback_id, error='"body" must be an object (the request)', named=False)
         body = item.get("body") if isinstance(item.get("body"), dict) else {}
         row_id, fields = item["custom_id"], body
         options = {ours: body[theirs] for theirs, ours in OPENAI_OPTIONS.items() if theirs in body}
@@ -205,9 +248,9 @@ def row_from_item(item: object, fallback_id: str) -> Row:
         lengths = set()
     options = {key: value for key, value in options.items() if value is not None}  # null: default
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
-        return Row(fallback_id, error='a line needs an "id" (a string or an integer)')
+        return Row(fallback_id, error='a line needs an "id" (a string or an integer)', named=False)
     prompt, messages = fields.get("prompt"), fields.get("messages")
-    row = Row(str(row_id), prompt if isinstance(prompt, str) else None, options)
+    row = Row(row_id, prompt if isinstance(prompt, str) else None, options)
     if extra:
         row.error = f"unknown field(s) {extra}; known: {known}"
     elif len(lengths) > 1:
@@ -221,17 +264,21 @@ def row_from_item(item: object, fallback_id: str) -> Row:
     return row
 
 
-def check_ids(path: Path) -> int:
-    """Refuse duplicate ids before any work; return the number of rows."""
-    seen: set[str] = set()
+def check_ids(path: Path) -> set[str]:
+    """Refuse duplicate ids before any work; the ids (as text)."""
+    seen: dict[str, Row] = {}
     for row in read_rows(path):
-        if row.id in seen:
-            raise InvalidInputError(
-                f"{path}: id {row.id!r} appears twice; every row needs its own id (results are "
-                "matched and resumed by id)"
-            )
-        seen.add(row.id)
-    return len(seen)
+        key = str(row.id)
+        if key in seen:
+            first = seen[key]
+            why = "every row needs its own id (results are matched and resumed by id)"
+            if not (row.named and first.named):
+                why = f"a line too broken to read its id is named {key!r}; give the row another id"
+            elif type(row.id) is not type(first.id):
+                why = f"ids are compared as text: {first.id!r} and {row.id!r} are one id"
+            raise InvalidInputError(f"{path}: id {row.id!r} appears twice; {why}")
+        seen[key] = row
+    return set(seen)
 
 
 def done_ids(output: Path) -> dict[str, bool]:
@@ -310,9 +357,13 @@ def run_batch(
         )
     if output_path.is_dir():
         raise InvalidInputError(f"the output {output_path} is a directory; give a file")
-    total = check_ids(input_path)
+    ids = check_ids(input_path)
+    total = len(ids)
     finished = done_ids(output_path)
     summary = Summary(rows=total, batch_size=generator.max_batch)
+    # Records of ids the input no longer has (a broken line since mended, rows removed)
+    summary.other_records = sorted(set(finished) - ids)[:3]
+    summary.other_record_count = len(set(finished) - ids)
     started = time.perf_counter()
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with open(output_path, "a", encoding="utf-8") as out:
@@ -327,9 +378,9 @@ def run_batch(
         def requests() -> Iterator[Request]:
             """The rows to run, read as slots free up; the others are settled on the way."""
             for row in read_rows(input_path):
-                if row.id in finished:
+                if str(row.id) in finished:
                     summary.skipped += 1
-                    summary.skipped_errors += finished[row.id]
+                    summary.skipped_errors += finished[str(row.id)]
                     progress(summary, total)
                     continue
                 request = make_request(generator, row, defaults)

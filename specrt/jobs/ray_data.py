@@ -99,7 +99,7 @@ class SpecrtPredictor:
         for index, row in enumerate(rows):
             record = records[index]
             stats = record.get("stats", {})
-            out["id"].append(row.id)
+            out["id"].append(str(row.id))  # one type for the column, whatever the lines
             out["text"].append(record.get("text", ""))
             out["token_ids"].append(record.get("token_ids", []))
             out["finish_reason"].append(record.get("finish_reason", "error"))

@@ -125,10 +125,11 @@ class GenerationConfig:
 
 def stop_strings(stop: object) -> tuple[str, ...]:
     """``stop`` as a tuple of non-empty strings (one string is one stop string)."""
+    given = stop
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidInputError(
-            f"stop={stop!r} is not a stop string: use a string or a list of non-empty strings"
+            f"stop={given!r} is not a stop string: use a string or a list of non-empty strings"
         )
     return tuple(stop)
