@@ -268,6 +268,21 @@ def greedy_verify(drafted: list[int], logits: np.ndarray) -> tuple[int, int]:
     return verify(drafted, None, Forward(logits), GREEDY, np.random.default_rng(0))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_huge_temperature_with_a_masked_token_is_uniform_not_nan(dtype):
+    """Any finite temperature is accepted: past ~1e45 its inverse underflowed to 0 in float32
+    (the loop's dtype), -inf * 0 made every probability NaN, and the masked token was emitted
+    every time (an audit's finding). The limit is uniform over the tokens that can be drawn."""
+    logits = np.array([0.5, 0.0, 1.0, -np.inf], dtype=np.float32)
+    for temperature in (1e30, 1e46, 1e300):
+        probs = warp(logits, temperature, model="target", dtype=dtype)
+        np.testing.assert_allclose(probs, [1 / 3, 1 / 3, 1 / 3, 0.0], atol=1e-6)
+    sampling = SamplingParams(temperature=1e46)
+    rng = np.random.default_rng(0)
+    emitted = [verify([], None, Forward(logits[None]), sampling, rng)[1] for _ in range(300)]
+    assert 3 not in emitted and set(emitted) == {0, 1, 2}
+
+
 def test_greedy_verify():
     logits = np.full((4, 5), -1.0)
     logits[[0, 1, 2, 3], [2, 4, 1, 3]] = 5.0  # target argmax per position: 2, 4, 1, 3

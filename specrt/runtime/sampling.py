@@ -95,15 +95,18 @@ def warp(
     it is NaN or +inf if any logit is, and -inf only if all are). No setting makes NaN: logits
     are shifted by their max before they are scaled, so at any temperature the best token scores
     0 and the others at most that (a tiny temperature sends them to -inf, not to inf - inf), and
-    top-p always keeps the most likely token. The loop warps in float32, half the time of
-    float64 over a vocabulary (probabilities within ~1e-8 of float64's, far below what sampling
-    can resolve); float64 is the default elsewhere.
+    top-p always keeps the most likely token; a huge temperature scales by at least the dtype's
+    smallest normal number (1/T underflowing to 0 made -inf * 0 = NaN). The loop warps in
+    float32, half the time of float64 over a vocabulary: probabilities within ~1e-7 of
+    float64's, except where float32 rounding ties two logits at the top-k cut or moves a top-p
+    boundary; the draft, the verifier and plain target steps all warp alike, so the output
+    follows this float32 warp exactly. float64 is the default elsewhere.
     """
     top = logits.max(axis=-1, keepdims=True)
     if model is not None and not np.isfinite(top).all():
         raise_not_finite(logits, model)
     probs = np.subtract(logits, top, dtype=dtype)  # one new array
-    scale = 1.0 / temperature
+    scale = max(1.0 / temperature, float(np.finfo(dtype).tiny))
     if scale < 1e30:
         probs *= scale
     else:  # the other tokens' scores overflow to -inf, as they should

@@ -21,8 +21,8 @@ Greedy decoding is the temperature-0 limit: accept while :math:`x_i = \arg\max p
 recovered or bonus token is :math:`\arg\max p_i`.
 
 Guards: :math:`q_i(x_i) = 0` rejects (no division by zero); a residual that sums to zero (only
-possible when p == q up to rounding, where rejection has probability 0) falls back to
-:math:`p_i`; NaN/inf logits raise `NumericalError`, never become a token.
+possible when p == q up to rounding, where rejection has a probability of rounding size) falls
+back to :math:`p_i`; NaN/inf logits raise `NumericalError`, never become a token.
 """
 
 from __future__ import annotations
