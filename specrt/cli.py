@@ -452,8 +452,9 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
     "input_path",
     required=True,
     type=click.Path(path_type=Path),
-    help='JSONL: {"id", "prompt", optional "max_new_tokens", "temperature", "top_k", "top_p", '
-    '"seed", "num_draft_tokens", "stop", "proposer"}, or OpenAI batch-file lines ("-": stdin).',
+    help='JSONL: {"id", "prompt" (or chat "messages"), optional "max_new_tokens", "temperature", '
+    '"top_k", "top_p", "seed", "num_draft_tokens", "stop", "proposer"}, or OpenAI batch-file '
+    'lines ("-": stdin).',
 )
 @click.option(
     "--output",
