@@ -161,7 +161,7 @@ def test_unsupported_or_missing_checkpoints(tmp_path):
         export_bundle(target, tmp_path / "src" / "draft", tmp_path / "out")
 
 
-def test_checkpoints_without_an_output_layer_or_quantized_are_refused(tmp_path):
+def test_checkpoints_without_an_output_layer_or_quantized_are_refused(tmp_path, capfd, caplog):
     """A base model or classifier of a supported family loaded as a causal LM gets a random
     output layer (an export check failure, or with --atol raised a bundle of random heads); a
     quantized checkpoint ended in the quantiser's ImportError traceback. One line each, before
@@ -190,8 +190,11 @@ def test_checkpoints_without_an_output_layer_or_quantized_are_refused(tmp_path):
     from safetensors.torch import save_file
 
     save_file(weights, tmp_path / "headless" / "model.safetensors", metadata={"format": "pt"})
+    capfd.readouterr()
     with pytest.raises(ExportError, match=r"lacks weights the model needs \(lm_head.weight\)"):
         export_bundle(target, tmp_path / "headless", tmp_path / "out", portable=False)
+    said = capfd.readouterr().err + caplog.text
+    assert "newly initialized" not in said  # the one line says it all
     assert not (tmp_path / "out").exists()
 
     (tmp_path / "a-file").write_text("")

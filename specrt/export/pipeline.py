@@ -225,12 +225,18 @@ def _export_checked(
 ) -> ModelSpec:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from specrt.export.numeric_check import max_logit_difference
 
-    model, loading = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch.float32, local_files_only=True, output_loading_info=True
-    )
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # missing weights are reported below, in a line
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch.float32, local_files_only=True, output_loading_info=True
+        )
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     model.eval()
     if loading["missing_keys"]:  # transformers fills them with random values
         missing = sorted(loading["missing_keys"])
