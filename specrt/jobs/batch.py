@@ -215,8 +215,8 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     """A JSON object's keys, each once (json keeps the last of a repeated key silently)."""
     item = dict(pairs)
     if len(item) < len(pairs):
-        seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        keys = [key for key, _ in pairs]
+        raise _DuplicateKey(next(key for key in keys if keys.count(key) > 1))
     return item
 
 
