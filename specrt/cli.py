@@ -464,6 +464,15 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
     help='JSONL results, one per row as it finishes; rerun to resume after a crash ("-": '
     "stdout, which cannot be resumed).",
 )
+@click.option(
+    "--output-format",
+    type=click.Choice(["auto", "specrt", "openai"]),
+    default="auto",
+    show_default=True,
+    help="specrt: our records (id, text, token_ids, finish_reason, stats); openai: OpenAI's batch "
+    "output lines (custom_id, response.body a completion); auto: openai when every input line is "
+    "an OpenAI batch-file line.",
+)
 @click.option("--summary", type=click.Path(path_type=Path), help="Write the summary as JSON.")
 @click.option("--progress/--no-progress", default=None, help="A progress bar [on a terminal].")
 @click.option(
@@ -482,6 +491,7 @@ def batch(
     bundle,
     input_path,
     output_path,
+    output_format,
     summary,
     progress,
     batch_size,
@@ -531,7 +541,15 @@ def batch(
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
         previous = signal.signal(signal.SIGTERM, _terminate)  # what systemd, k8s, timeout send
         try:
-            result = run_batch(generator, rows, output_path, defaults, progress_bar(progress))
+            result = run_batch(
+                generator,
+                rows,
+                output_path,
+                defaults,
+                progress_bar(progress),
+                output_format,
+                model=Path(bundle).resolve().name,  # as `specrt serve` names it
+            )
         except (KeyboardInterrupt, _Terminated) as exc:
             click.echo(
                 f"\ninterrupted: the rows finished so far are in {output_path}; run the same "
@@ -553,6 +571,7 @@ def batch(
         f"{result.cache_bytes / 2**20:.1f} MiB "
         f"({result.cache_bytes_per_row / 2**20:.1f} MiB per row at most)"
         + _proposer_line(result.proposers)
+        + ("; written as OpenAI batch output" if result.output_format == "openai" else "")
         + (
             f"; suffix cache {result.suffix_cache_tokens} tokens, "
             f"{result.suffix_cache_bytes / 2**20:.1f} MiB"

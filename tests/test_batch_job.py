@@ -329,11 +329,8 @@ def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_for
     assert "max_new_tokens" not in row.error
 
 
-def test_chat_lines_are_rendered_with_the_bundles_chat_template(llama_bundle, tmp_path):
-    """OpenAI batch lines for /v1/chat/completions (vLLM's run-batch takes them) and our own
-    lines with "messages": rendered as `specrt serve` renders them, the same tokens as the
-    rendered prompt decoded alone (they were refused as unknown fields); a bundle without a
-    template, and malformed messages, give the row an error."""
+def chat_bundle(llama_bundle: Path, tmp_path: Path) -> Path:
+    """A copy of the bundle whose tokenizer has a chat template."""
     bundle = tmp_path / "chat"
     shutil.copytree(llama_bundle, bundle)
     config_path = bundle / "tokenizer" / "tokenizer_config.json"
@@ -343,6 +340,15 @@ def test_chat_lines_are_rendered_with_the_bundles_chat_template(llama_bundle, tm
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     config_path.write_text(json.dumps(settings))
+    return bundle
+
+
+def test_chat_lines_are_rendered_with_the_bundles_chat_template(llama_bundle, tmp_path):
+    """OpenAI batch lines for /v1/chat/completions (vLLM's run-batch takes them) and our own
+    lines with "messages": rendered as `specrt serve` renders them, the same tokens as the
+    rendered prompt decoded alone (they were refused as unknown fields); a bundle without a
+    template, and malformed messages, give the row an error."""
+    bundle = chat_bundle(llama_bundle, tmp_path)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f"}]
     lines = [
         {"custom_id": "oai", "method": "POST", "url": "/v1/chat/completions",
@@ -367,6 +373,75 @@ def test_chat_lines_are_rendered_with_the_bundles_chat_template(llama_bundle, tm
     done = run(command(llama_bundle, path, tmp_path / "plain.jsonl"))
     got = results(tmp_path / "plain.jsonl")
     assert 'has no chat template: give a "prompt"' in got["own"]["error"]["message"]
+
+
+def test_openai_batch_files_get_openai_batch_output(llama_bundle, tmp_path):
+    """An input of OpenAI batch-file lines gets OpenAI's batch output lines (custom_id,
+    response.status_code, response.body a completion or chat completion the official client
+    parses; a bad row's error in the body and in "error"), with the tokens our own records
+    give; a torn last line is redone on a rerun, and records of the other format are refused
+    with the option to use. An input that mixes in our lines keeps our records."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    bundle = chat_bundle(llama_bundle, tmp_path)
+    messages = [{"role": "user", "content": "def f"}]
+    lines = [
+        {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "x", "prompt": "for i in", "max_tokens": 6}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "x", "messages": messages, "max_completion_tokens": 7}},
+        {"custom_id": "bad", "body": {"prompt": "a", "max_tokens": -1}},
+        {"custom_id": "last", "body": {"prompt": "Simple is", "max_tokens": 5}},
+    ]  # fmt: skip
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ours = tmp_path / "ours.jsonl"
+    assert run(command(bundle, path, ours, "--output-format", "specrt")).returncode == 1
+    expected = results(ours)
+    output = tmp_path / "out.jsonl"
+    done = run(command(bundle, path, output))
+    assert done.returncode == 1 and "written as OpenAI batch output" in done.stderr, done.stderr
+    records = {r["custom_id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    assert sorted(records) == ["bad", "chat", "last", "text"]
+    for name in ("text", "last"):
+        response = records[name]["response"]
+        assert records[name]["error"] is None and response["status_code"] == 200
+        body = Completion.model_validate(response["body"])
+        assert body.model == "chat" and body.choices[0].text == expected[name]["text"]
+        assert body.choices[0].finish_reason == expected[name]["finish_reason"] == "length"
+        assert body.usage.completion_tokens == len(expected[name]["token_ids"])
+    chat = ChatCompletion.model_validate(records["chat"]["response"]["body"])
+    assert chat.choices[0].message.content == expected["chat"]["text"]
+    assert chat.choices[0].message.role == "assistant"
+    bad = records["bad"]
+    assert bad["response"]["status_code"] == 400
+    assert bad["error"]["message"] == bad["response"]["body"]["error"]["message"]
+    assert "max_new_tokens=-1 is out of range" in bad["error"]["message"]
+
+    # A crash mid-write: the torn line's row runs again, the others are not written twice
+    data = output.read_bytes()
+    output.write_bytes(data[: data.rindex(b"\n", 0, len(data) - 1) + 30])
+    torn = json.loads(data.splitlines()[-1])["custom_id"]
+    done = run(command(bundle, path, output))
+    assert done.returncode == 1 and "3 already done" in done.stderr, done.stderr
+    again = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in again) == ["bad", "chat", "last", "text"]
+    assert again[-1]["custom_id"] == torn
+    before = output.read_bytes()
+    refused = run(command(bundle, path, output, "--output-format", "specrt"))
+    assert refused.returncode == 1 and output.read_bytes() == before
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"Error: {output} holds records of --output-format openai (line 1), not specrt: rerun "
+        "with --output-format openai to go on with it, or give another --output"
+    )
+    refused = run(command(bundle, path, ours, "--output-format", "openai"))
+    assert "holds records of --output-format specrt" in refused.stderr
+
+    path.write_text(path.read_text() + json.dumps({"id": "own", "prompt": "a"}) + "\n")
+    mixed = tmp_path / "mixed.jsonl"
+    run(command(bundle, path, mixed))
+    assert results(mixed)["text"]["text"] == expected["text"]["text"]
 
 
 def test_resuming_reads_the_output_line_by_line(tmp_path):

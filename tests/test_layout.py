@@ -20,6 +20,7 @@ BASE = {
     "specrt.validation",
     "specrt.checksums",
     "specrt.chat",  # chat templates, for the server's chat route and batch jobs' chat lines
+    "specrt.openai_shapes",  # OpenAI's bodies, for the server and batch jobs' OpenAI output
 }
 ALLOWED = {
     "base": BASE,

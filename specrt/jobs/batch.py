@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specrt.errors import InvalidInputError
+from specrt.jobs import openai_batch
 from specrt.runtime.batching import Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator, row_rng
@@ -66,6 +67,7 @@ class Row:
     error: str | None = None  # why the line cannot run
     messages: object = None  # a chat line's, in place of the prompt (checked when rendered)
     named: bool = True  # False: a line too broken to give its id, named "line N" instead
+    openai: bool = False  # an OpenAI batch-file line ("custom_id", "body")
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Summary:
     suffix_cache_bytes: int = 0
     other_record_count: int = 0  # records in the output of ids not in the input
     other_records: list[str] = field(default_factory=list)  # the first few of those ids
+    output_format: str = "specrt"  # of the records: "specrt" or "openai"
 
     def add(self, record: dict) -> None:
         """Count a row written by this run."""
@@ -251,6 +254,7 @@ def row_from_item(item: object, fallback_id: str) -> Row:
         return Row(fallback_id, error='a line needs an "id" (a string or an integer)', named=False)
     prompt, messages = fields.get("prompt"), fields.get("messages")
     row = Row(row_id, prompt if isinstance(prompt, str) else None, options)
+    row.openai = "custom_id" in item
     if extra:
         row.error = f"unknown field(s) {extra}; known: {known}"
     elif len(lengths) > 1:
@@ -264,9 +268,11 @@ def row_from_item(item: object, fallback_id: str) -> Row:
     return row
 
 
-def check_ids(path: Path) -> set[str]:
-    """Refuse duplicate ids before any work; the ids (as text)."""
+def check_ids(path: Path) -> tuple[set[str], bool]:
+    """Refuse duplicate ids before any work; the ids (as text), and whether the rows are all
+    OpenAI batch-file lines (lines too broken to tell aside)."""
     seen: dict[str, Row] = {}
+    forms = set()
     for row in read_rows(path):
         key = str(row.id)
         if key in seen:
@@ -278,16 +284,18 @@ def check_ids(path: Path) -> set[str]:
                 why = f"ids are compared as text: {first.id!r} and {row.id!r} are one id"
             raise InvalidInputError(f"{path}: id {row.id!r} appears twice; {why}")
         seen[key] = row
-    return set(seen)
+        if row.named:
+            forms.add(row.openai)
+    return set(seen), forms == {True}
 
 
-def done_ids(output: Path) -> dict[str, bool]:
+def done_ids(output: Path, output_format: str = "specrt") -> dict[str, bool]:
     """Ids already in ``output``, each with whether its record is an error, read line by line
     (a million-row job's output need not fit in memory). A last line without its newline that
     begins as every record does (a crash mid-write) is cut off, and its row runs again. Any
     other line that is not a result record means the file is not ours: it is refused and
-    left as it is. A pipe or a device (stdout, /dev/null) cannot be read back: nothing is
-    done."""
+    left as it is, as is a file of records in the other ``output_format``. A pipe or a
+    device (stdout, /dev/null) cannot be read back: nothing is done."""
     if not output.is_file():
         return {}
     ids, kept, torn = {}, 0, False
@@ -302,9 +310,14 @@ def done_ids(output: Path) -> dict[str, bool]:
                 record = json.loads(line)
             except ValueError:
                 record = None
-            if not is_result(record):
+            if is_result(record) and output_format == "specrt":
+                ids[str(record["id"])] = "error" in record
+            elif openai_batch.is_record(record) and output_format == "openai":
+                ids[str(record["custom_id"])] = openai_batch.failed(record)
+            elif is_result(record) or openai_batch.is_record(record):
+                raise _other_format(output, number, output_format)
+            else:
                 raise _not_ours(output, number)
-            ids[str(record["id"])] = "error" in record
             kept += len(line)
     if torn:
         with open(output, "r+b") as handle:
@@ -326,6 +339,15 @@ def is_result(record: object) -> bool:
     return RESULT_KEYS <= set(record)
 
 
+def _other_format(output: Path, line: int, output_format: str) -> InvalidInputError:
+    other = "specrt" if output_format == "openai" else "openai"
+    name = "standard output (--output -)" if str(output) == "/dev/stdout" else str(output)
+    return InvalidInputError(
+        f"{name} holds records of --output-format {other} (line {line}), not {output_format}: "
+        f"rerun with --output-format {other} to go on with it, or give another --output"
+    )
+
+
 def _not_ours(output: Path, line: int) -> InvalidInputError:
     if str(output) == "/dev/stdout":  # --output - into a file (`>> out.jsonl`): resumed too
         return InvalidInputError(
@@ -344,10 +366,19 @@ def run_batch(
     output_path: str | Path,
     defaults: GenerationConfig | None = None,
     progress: Callable[[Summary, int], None] = lambda summary, total: None,
+    output_format: str = "auto",
+    model: str = "specrt",
 ) -> Summary:
     """Run every row of ``input_path`` not yet in ``output_path``, appending its result as it
     finishes (rows share model calls when the generator was loaded with ``max_batch`` > 1, so
-    they finish out of input order)."""
+    they finish out of input order). ``output_format``: "specrt" (our records), "openai"
+    (OpenAI's batch output lines, ``model`` named in their bodies) or "auto" (openai when every
+    row is an OpenAI batch-file line)."""
+    if output_format not in openai_batch.OUTPUT_FORMATS:
+        raise InvalidInputError(
+            f"output_format must be one of {', '.join(openai_batch.OUTPUT_FORMATS)}, not "
+            f"{output_format!r}"
+        )
     input_path, output_path = Path(input_path), Path(output_path)
     if defaults is None:
         defaults = GenerationConfig()
@@ -357,10 +388,13 @@ def run_batch(
         )
     if output_path.is_dir():
         raise InvalidInputError(f"the output {output_path} is a directory; give a file")
-    ids = check_ids(input_path)
+    ids, openai_lines = check_ids(input_path)
+    if output_format == "auto":
+        output_format = "openai" if openai_lines else "specrt"
     total = len(ids)
-    finished = done_ids(output_path)
-    summary = Summary(rows=total, batch_size=generator.max_batch)
+    finished = done_ids(output_path, output_format)
+    summary = Summary(rows=total, batch_size=generator.max_batch, output_format=output_format)
+    chats: set[str] = set()  # rows in flight that are chat lines (their answers are chat's)
     # Records of ids the input no longer has (a broken line since mended, rows removed)
     summary.other_records = sorted(set(finished) - ids)[:3]
     summary.other_record_count = len(set(finished) - ids)
@@ -368,8 +402,13 @@ def run_batch(
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with open(output_path, "a", encoding="utf-8") as out:
 
-        def write(record: dict) -> None:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        def write(record: dict, status: int = 200) -> None:
+            line = record
+            if output_format == "openai":
+                chat = str(record["id"]) in chats
+                line = openai_batch.record(record["id"], record, chat, model, status)
+            chats.discard(str(record["id"]))
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()  # a row is done once it is in the file: a kill -9 cannot lose it
             summary.add(record)
             summary.wall_time_s = time.perf_counter() - started
@@ -383,14 +422,16 @@ def run_batch(
                     summary.skipped_errors += finished[str(row.id)]
                     progress(summary, total)
                     continue
+                if row.messages is not None:
+                    chats.add(str(row.id))
                 request = make_request(generator, row, defaults)
                 if isinstance(request, dict):
-                    write(request)
+                    write(request, 400)
                 else:
                     yield request
 
         for key, result in generator.run(requests()):
-            write({"id": key, **result.to_dict()})
+            write({"id": key, **result.to_dict()}, 500 if result.error else 200)
         if output_path.is_file():  # pipes and devices have nothing to sync
             os.fsync(out.fileno())
     summary.wall_time_s = time.perf_counter() - started

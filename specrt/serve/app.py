@@ -13,7 +13,6 @@ import asyncio
 import hmac
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -23,8 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specrt import openai_shapes as shapes
 from specrt.chat import ChatTemplate, ChatTemplateError
 from specrt.errors import InvalidInputError, OverloadedError, PromptTooLongError, SpecrtError
+from specrt.openai_shapes import CHAT, COMPLETION, completion, error_body, new_id
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.service import RequestHandle, Service
@@ -43,7 +44,6 @@ FIELDS = {
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
 BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
-COMPLETION, CHAT = "completion", "chat"
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
 # LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
 # or structured output.
@@ -145,7 +145,7 @@ def create_app(
             return error(429, str(exc), "overloaded_error")
         except InvalidInputError as exc:
             return error(400, str(exc), "invalid_request_error")
-        ident = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        ident = new_id(kind)
         if stream:
             return StreamingResponse(events(handle, ident, kind), media_type="text/event-stream")
         try:
@@ -292,26 +292,7 @@ def create_app(
     def chunk(
         ident: str, kind: str, text: str | None, finish_reason: str | None, final: bool = False
     ) -> dict:
-        """A completion (``final``: the whole answer) or one streamed chunk of ``kind``;
-        ``text`` None: the chat stream's opening chunk (the role alone)."""
-        if kind == COMPLETION:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            name = "text_completion"
-        elif final:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "finish_reason": finish_reason}
-            name = "chat.completion"
-        else:
-            delta = {"role": "assistant"} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-            name = "chat.completion.chunk"
-        return {
-            "id": ident,
-            "object": name,
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [choice],
-        }
+        return completion(ident, kind, model_name, text, finish_reason, final)
 
     def chat_prompt(messages: object) -> list[int]:
         """The conversation rendered by the bundle's chat template, as token ids (the template
@@ -361,20 +342,11 @@ _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  #
 
 
 def usage(result: GenerationResult) -> dict:
-    prompt, new = result.stats.prompt_tokens, len(result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+    return shapes.usage(result.stats.prompt_tokens, len(result.token_ids))
 
 
 def spec_stats(result: GenerationResult) -> dict:
-    s = result.stats
-    return {
-        "rounds": s.rounds,
-        "draft_tokens": s.drafted_tokens,
-        "accepted_tokens": s.accepted_tokens,
-        "acceptance_rate": s.acceptance_rate,
-        "accepted_per_position": s.accepted_per_position,
-        "proposers": s.proposers,
-    }
+    return shapes.spec_stats(result.stats.to_dict())
 
 
 def sse(payload: dict) -> str:
@@ -382,10 +354,7 @@ def sse(payload: dict) -> str:
 
 
 def error(status: int, message: str, kind: str, param: str | None = None) -> Response:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": None}},
-        status_code=status,
-    )
+    return JSONResponse(error_body(message, kind, param), status_code=status)
 
 
 class _HttpError(Exception):

@@ -1,0 +1,45 @@
+"""`specrt batch`'s OpenAI output: one line per row as OpenAI's batch output file has it
+(``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, the body
+a completion or chat completion as `specrt serve` answers), for tools that read those files."""
+
+from __future__ import annotations
+
+import uuid
+
+from specrt.openai_shapes import CHAT, COMPLETION, completion, error_body, new_id, spec_stats, usage
+
+OUTPUT_FORMATS = ("auto", "specrt", "openai")  # auto: openai for an input of OpenAI lines only
+KEYS = {"id", "custom_id", "response", "error"}
+
+
+def record(row_id: str | int, result: dict, chat: bool, model: str, status: int = 200) -> dict:
+    """A row's line from its `specrt batch` record (``result``: a result or ``{"error"}``);
+    ``status``: 400 for a row that could not run, 500 for a row the model failed."""
+    line: dict = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row_id}
+    response = {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}"}
+    if "error" in result:
+        message = result["error"]["message"]
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        # The error in both places: tools check either the status or "error"
+        response["body"] = error_body(message, kind)
+        return {**line, "response": response, "error": {"code": kind, "message": message}}
+    kind = CHAT if chat else COMPLETION
+    body = completion(new_id(kind), kind, model, result["text"], result["finish_reason"], True)
+    body["usage"] = usage(result["stats"]["prompt_tokens"], len(result["token_ids"]))
+    body["speculative_decoding"] = spec_stats(result["stats"])
+    response["body"] = body
+    return {**line, "response": response, "error": None}
+
+
+def is_record(line: object) -> bool:
+    """Whether ``line`` is one `record` writes."""
+    return (
+        isinstance(line, dict)
+        and set(line) == KEYS
+        and isinstance(line["response"], dict)
+        and isinstance(line["response"].get("status_code"), int)
+    )
+
+
+def failed(line: dict) -> bool:
+    return line["error"] is not None or line["response"]["status_code"] != 200
