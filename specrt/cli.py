@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import sys
 from dataclasses import fields
@@ -533,8 +534,8 @@ def batch(
         click.echo(
             f"note: the {engine} graphs run one row per call (the TensorRT engines, Gemma 2's "
             "cuda engine, Gemma 2 and 3's portable graphs, and onnxruntime or cuda engines built "
-            "by earlier versions of specrt: rebuild those with `specrt build --bundle DIR "
-            f"[--device cuda]`); --batch-size "
+            "by earlier versions of specrt: rebuild those with `specrt build --bundle "
+            f"{shlex.quote(str(bundle))} [--device cuda]`); --batch-size "
             f"{batch_size} has no effect",
             err=True,
         )

@@ -111,7 +111,8 @@ def test_engine_from_an_earlier_specrt_asks_for_a_rebuild(bundle_copy):
 
     edit_manifest(bundle_copy, edit)
     result = generate(bundle_copy, "--prompt", "a")
-    assert result.exit_code == 1 and "specrt build --bundle" in result.output
+    # The command to run, with this bundle's path in it (it said "--bundle DIR")
+    assert result.exit_code == 1 and f"specrt build --bundle {bundle_copy}`" in result.output
     assert generate(bundle_copy, "--prompt", "a", "--engine", "portable").exit_code == 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,16 @@ def load_pair(
         max_length=max_length,
         max_batch=max_batch,
     )
+    try:
+        return _load_once_more(root, options)
+    except BundleError as exc:  # the engines' rebuild commands name this bundle
+        if "--bundle DIR" not in str(exc):
+            raise
+        named = str(exc).replace("--bundle DIR", f"--bundle {shlex.quote(str(root))}")
+        raise type(exc)(named) from exc
+
+
+def _load_once_more(root: Path, options: dict) -> ModelPair:
     before = _manifest_bytes(root)
     try:
         return _load(root, **options)
