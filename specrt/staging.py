@@ -1,12 +1,14 @@
 """Writing a bundle without ever losing one: build it in a staging directory next to it, then swap.
 
-* `staging(out, kind)`: a fresh ``.NAME.KIND-XXXX`` directory beside ``out``, removed when done;
-  it holds a marker with the writer's process id, so the leftovers of a killed run (and only
-  those: no live writer, our naming) are removed by the next export or build of that bundle.
+* `staging(out, kind)`: a fresh ``.NAME.KIND-PID-XXXX`` directory beside ``out``, removed when
+  done; the writer's process id is in its name, so the leftovers of a killed run (and only
+  those: our naming, a writer that is gone) are removed by the next export or build of that
+  bundle. A folder of the user's that merely looks alike is never touched.
 * `publish(staged, out)`: put the staged bundle at ``out``. On Linux the two directories are
   exchanged in one atomic rename (``renameat2(RENAME_EXCHANGE)``): ``out`` holds the old bundle
-  or the new one at every instant. Elsewhere the old one is parked at ``.NAME.old`` for the two
-  renames; if the process dies between them, `recover` moves it back on the next load or write.
+  or the new one at every instant. Elsewhere the old one is parked at ``.NAME.specrt-old``
+  (marked as parked first) for the two renames; if the process dies between them, `recover`
+  moves it back on the next load or write.
 * Directories and files follow the umask, as any other tool's output would (a temporary
   directory is private by default, and a service account must be able to read the bundle).
 """
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 OWNER_FILE = ".specrt-writer"  # in a staging directory: the pid of the process writing it
+PARKED_FILE = ".specrt-parked"  # in a bundle parked by `publish`: it is ours to move or remove
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -34,14 +37,21 @@ def through_links(out: Path) -> Path:
 
 
 def parked(out: Path) -> Path:
-    return out.parent / f".{out.name}.old"
+    return out.parent / f".{out.name}.specrt-old"
+
+
+def _is_parked(old: Path) -> bool:
+    """Whether ``old`` is a bundle `publish` parked (a folder of that name without its mark is
+    the user's, and stays)."""
+    return old.is_dir() and not old.is_symlink() and (old / PARKED_FILE).is_file()
 
 
 def recover(out: Path) -> bool:
     """Move a bundle parked by an interrupted `publish` back to ``out``; True if it did."""
     old = parked(out)
-    if not os.path.lexists(out) and (old / "manifest.json").is_file():
+    if not os.path.lexists(out) and _is_parked(old) and (old / "manifest.json").is_file():
         os.replace(old, out)
+        (out / PARKED_FILE).unlink(missing_ok=True)
         return True
     return False
 
@@ -53,7 +63,8 @@ def staging(out: Path, kind: str) -> Iterator[Path]:
     out = through_links(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
-    directory = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-", dir=out.parent))
+    prefix = f".{out.name}.{kind}-{os.getpid()}-"  # the writer in the name: no unmarked instant
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     try:
         (directory / OWNER_FILE).write_text(str(os.getpid()))
         yield directory
@@ -63,26 +74,37 @@ def staging(out: Path, kind: str) -> Iterator[Path]:
 
 def remove_stale(out: Path) -> list[Path]:
     """Remove staging directories of ``out`` whose writer is gone, and an old bundle parked by
-    a swap that was killed after it had put the new one in place; return them."""
+    a swap that was killed after it had put the new one in place; return them. Only what
+    specrt made: a staging directory by its name (the writer's pid in it) or, from earlier
+    versions, by its writer's marker; a parked bundle by its mark."""
     removed = []
     recover(out)
     old = parked(out)
-    if os.path.lexists(out) and old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(out) and (_is_parked(old) or _empty_directory(old)):
+        _remove_parked(old)  # (empty: killed between the mark's removal and its own)
         removed.append(old)
     for kind in ("partial", "build"):
         for candidate in out.parent.glob(f".{out.name}.{kind}-*"):
-            if candidate.is_dir() and not candidate.is_symlink() and not _writer_alive(candidate):
-                shutil.rmtree(candidate, ignore_errors=True)
-                removed.append(candidate)
+            if candidate.is_dir() and not candidate.is_symlink():
+                writer = _writer(candidate, f".{out.name}.{kind}-")
+                if writer is not None and not _alive(writer):
+                    shutil.rmtree(candidate, ignore_errors=True)
+                    removed.append(candidate)
     return removed
 
 
-def _writer_alive(directory: Path) -> bool:
-    try:
-        pid = int((directory / OWNER_FILE).read_text())
+def _writer(directory: Path, prefix: str) -> int | None:
+    """The process id of the writer of a staging directory; None: not one of ours."""
+    pid, _, rest = directory.name.removeprefix(prefix).partition("-")
+    if pid.isdigit() and rest:
+        return int(pid)
+    try:  # made by an earlier version: the marker inside
+        return int((directory / OWNER_FILE).read_text())
     except (OSError, ValueError):
-        return False  # no marker: made by a writer that never got to write one, long gone
+        return None
+
+
+def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
     try:
@@ -106,13 +128,34 @@ def publish(staged: Path, out: Path) -> None:
         shutil.rmtree(staged, ignore_errors=True)  # it now holds the old bundle
         return
     old = parked(out)
-    shutil.rmtree(old, ignore_errors=True)
+    if _is_parked(old):
+        _remove_parked(old)
+    elif os.path.lexists(old):
+        raise FileExistsError(errno.EEXIST, "in the way of replacing the bundle; move it", str(old))
+    (out / PARKED_FILE).write_text(str(os.getpid()))  # before the move: never parked unmarked
     os.replace(out, old)
     try:
         os.replace(staged, out)
     except BaseException:
         os.replace(old, out)  # interrupted or failed: the old bundle stays where it was
+        (out / PARKED_FILE).unlink(missing_ok=True)
         raise
+    _remove_parked(old)
+
+
+def _empty_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+def _remove_parked(old: Path) -> None:
+    """Remove a parked bundle, its mark last: one killed halfway is still known as ours."""
+    for entry in old.iterdir():
+        if entry.name == PARKED_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
     shutil.rmtree(old, ignore_errors=True)
 
 

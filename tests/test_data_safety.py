@@ -130,7 +130,7 @@ SWAPPER = textwrap.dedent(
 
         def replace(a, b):
             real_replace(a, b)
-            if Path(b).name.endswith(".old"):
+            if Path(b).name.endswith(".specrt-old"):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         os.replace = replace
@@ -185,9 +185,10 @@ def test_killed_between_the_two_renames_is_recovered_on_load(tmp_path, llama_bun
     process = run_swapper(out, "die-between-renames")
     process.wait()
     assert process.returncode == -signal.SIGKILL
-    assert not out.exists() and (tmp_path / ".bundle.old").is_dir()
+    assert not out.exists() and (tmp_path / ".bundle.specrt-old").is_dir()
     assert read_manifest(out).models["target"].num_layers == 2  # recovered
-    assert not (tmp_path / ".bundle.old").exists()
+    assert not (tmp_path / ".bundle.specrt-old").exists()
+    assert not (out / ".specrt-parked").exists()
     leftovers = list(tmp_path.glob(".bundle.partial-*"))
     assert len(leftovers) == 1
     with staging(out, "build"):
@@ -215,26 +216,42 @@ def test_interrupt_between_the_two_renames_keeps_the_old_bundle(tmp_path, monkey
 
 
 def test_only_dead_writers_leftovers_are_removed(tmp_path):
-    out = tmp_path / "b"
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    """Staging directories of writers that are gone (the pid in the name, or an earlier
+    version's marker) and a bundle parked with its mark are removed; a user's folders that
+    merely look alike (a backup named .b.old, .b.build-userdata) are not: they were deleted."""
+    out = fake_bundle(tmp_path / "b", "current")
+    dead = (
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+        .stdout.decode()
+        .strip()
     )
     leftovers = {
-        "dead": (tmp_path / ".b.partial-dead", dead.stdout.decode().strip()),
-        "no marker": (tmp_path / ".b.build-nomarker", None),
-        "live": (tmp_path / ".b.partial-live", str(os.getpid())),
+        "dead": (tmp_path / f".b.build-{dead}-x1y2", None),
+        "dead, earlier version": (tmp_path / ".b.partial-dead", dead),
+        "no marker": (tmp_path / ".b.build-userdata", None),
+        "live": (tmp_path / f".b.partial-{os.getpid()}-abc", None),
+        "live, earlier version": (tmp_path / ".b.partial-live", str(os.getpid())),
     }
     for path, pid in leftovers.values():
         path.mkdir()
+        (path / "precious.txt").write_text("mine")
         if pid is not None:
             (path / OWNER_FILE).write_text(pid)
     other = tmp_path / ".b.partial.txt"
     other.write_text("not ours")
     mine = tmp_path / ".c.partial-x"
     mine.mkdir()
+    backup = fake_bundle(tmp_path / ".b.old", "backup")
+    parked_unmarked = fake_bundle(tmp_path / ".b.specrt-old", "the user's")
     removed = remove_stale(out)
-    assert sorted(p.name for p in removed) == [".b.build-nomarker", ".b.partial-dead"]
-    assert leftovers["live"][0].is_dir() and other.is_file() and mine.is_dir()
+    assert sorted(p.name for p in removed) == [f".b.build-{dead}-x1y2", ".b.partial-dead"]
+    kept = [leftovers[name][0] for name in ("no marker", "live", "live, earlier version")]
+    assert all(path.is_dir() for path in kept) and other.is_file() and mine.is_dir()
+    assert tag(backup) == "backup" and tag(parked_unmarked) == "the user's"
+    shutil.rmtree(out)  # a user's look-alike is not taken for a parked bundle either
+    assert not recover(out) and not out.exists()
+    (parked_unmarked / ".specrt-parked").write_text(dead)  # one parked by a killed writer
+    assert recover(out) and tag(out) == "the user's" and not (out / ".specrt-parked").exists()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
