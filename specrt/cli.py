@@ -13,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
@@ -41,16 +42,35 @@ EXPORT_EXTRA = "pip install torch==2.13.0 && pip install 'specrt[export]'"
 EXPORT_MODULES = ("torch", "transformers", "optimum", "onnx", "onnxslim", "onnx_ir")
 
 
+class _Terminated(BaseException):
+    """SIGTERM (what systemd, k8s and timeout send): stop as Ctrl-C does, cleaning up on the
+    way (a build's staging directory, a batch job's copy of stdin). A BaseException, as
+    KeyboardInterrupt is: no `except Exception` may swallow it."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _friendly_errors(command):
     """Turn specrt's own errors and the machine's (disk full, read-only, permissions) into a
     one-line message and exit status 1; anything else is a bug and keeps its traceback. Where
     the program reading the output stops (`| head`), stop quietly with status 1, as Unix
-    tools do."""
+    tools do. Ctrl-C and SIGTERM stop with one line and 130 / 143, as a shell reports them."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous == signal.SIG_DFL:  # `serve` hands SIGTERM to uvicorn once it runs
+            signal.signal(signal.SIGTERM, _terminate)
         try:
             return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted (Ctrl-C)", err=True)
+            sys.exit(130)
+        except _Terminated:
+            click.echo("\nterminated (SIGTERM)", err=True)
+            sys.exit(143)
         except BrokenPipeError:
             # Python flushes stdout again at exit, which would fail and print; send it nowhere
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -59,6 +79,9 @@ def _friendly_errors(command):
             raise click.ClickException(str(exc)) from exc
         except OSError as exc:
             raise click.ClickException(describe_os_error(exc)) from exc
+        finally:
+            if previous == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 
@@ -210,8 +233,8 @@ def _threads(ctx: click.Context, param: click.Parameter, value: int | None) -> i
     cpus = os.cpu_count() or 1
     if value is not None and value > MAX_THREADS_PER_CPU * cpus:
         raise click.BadParameter(
-            f"{value} is far more than this machine's {cpus} CPUs can run; give at most {cpus} "
-            "(more only slows onnxruntime down)"
+            f"{value} is far more than this machine's {cpus} CPUs can run: give at most "
+            f"{MAX_THREADS_PER_CPU * cpus} ({cpus}, one a CPU, is usually fastest)"
         )
     return value
 
@@ -243,6 +266,22 @@ load_options = _stack(
         "remembered, so only a first load of a bundle pays for it).",
     ),
 )
+
+
+def _generation_config(params: dict) -> GenerationConfig:
+    """The generation options as a config; a bad value is a usage error (status 2), as
+    click's own range checks are, and so are options that contradict each other."""
+    ctx = click.get_current_context()
+    schedule = params.get("draft_schedule")
+    given = ctx.get_parameter_source("draft_schedule") == ParameterSource.COMMANDLINE
+    if params.get("adaptive_draft") and given and schedule != "adaptive":
+        raise click.UsageError(
+            f"--adaptive-draft and --draft-schedule {schedule} contradict each other: give one"
+        )
+    try:
+        return GenerationConfig(**params)
+    except InvalidInputError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 def _prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
@@ -412,7 +451,7 @@ def generate(
     from specrt.runtime.comparison import compare_with_target_only
 
     texts = _prompts(prompts, prompt_file)
-    config = GenerationConfig(**params)
+    config = _generation_config(params)
     generator = _load(bundle, threads, engine, max_length, skip_checksums)
     if compare:
         outputs = compare_with_target_only(generator, texts, config)
@@ -525,7 +564,7 @@ def batch(
         if _same_file(summary, input_path) or _same_file(summary, output_path):
             raise click.UsageError("--summary must not be the --input or the --output file")
         _check_writable(summary, "--summary")
-    defaults = GenerationConfig(**params)
+    defaults = _generation_config(params)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     generator = _load(
         bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
@@ -600,14 +639,6 @@ def batch(
         )
     if not result.all_ok:
         sys.exit(1)
-
-
-class _Terminated(Exception):
-    """SIGTERM during a batch job: stop as Ctrl-C does (the temporary copy of stdin removed)."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -734,8 +765,8 @@ def serve(
     generator = _load(
         bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
     )
-    defaults = GenerationConfig(
-        num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule, proposer=proposer
+    defaults = _generation_config(
+        dict(num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule, proposer=proposer)
     )
     name = model_name or Path(bundle).resolve().name
     decoders = (generator.target, getattr(generator.drafter, "decoder", None))
@@ -807,13 +838,14 @@ def bench(
 ) -> None:
     """Benchmark specrt (target only, K = 1..N, adaptive, heuristic) against transformers and
     onnxruntime-genai, interleaved."""
+    from specrt.bench.report import check_plot_path, table
     from specrt.bench.report import plot as draw
-    from specrt.bench.report import table
     from specrt.bench.runner import run_benchmark
 
     texts = _prompts(prompts, prompt_file)[:num_prompts]
     if plot:  # found now, not after the whole benchmark
         _check_writable(Path(plot), "--plot")
+        check_plot_path(Path(plot))
     report = run_benchmark(
         bundle,
         texts,

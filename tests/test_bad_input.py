@@ -153,6 +153,21 @@ def test_per_row_settings_in_a_prompt_file_are_refused_not_ignored(llama_bundle,
 def test_threads_beyond_the_machine_are_refused(llama_bundle):
     result = generate(llama_bundle, "--prompt", "a", "--threads", "100000")
     assert result.exit_code == 2 and "100000 is far more than this machine's" in result.output
+    cpus = os.cpu_count()  # the most it takes, as it says (it said "at most" the CPUs)
+    assert f"give at most {4 * cpus} ({cpus}, one a CPU, is usually fastest)" in result.output
+    assert generate(llama_bundle, "--prompt", "a", "--threads", 4 * cpus).exit_code == 0
+    assert generate(llama_bundle, "--prompt", "a", "--threads", 4 * cpus + 1).exit_code == 2
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic"])
+def test_contradicting_draft_schedules_are_refused(llama_bundle, schedule):
+    """--adaptive-draft beside another --draft-schedule: one of them was silently dropped."""
+    flags = ("--adaptive-draft", "--draft-schedule", schedule)
+    result = generate(llama_bundle, "--prompt", "a", *flags)
+    assert result.exit_code == 2 and (
+        f"--adaptive-draft and --draft-schedule {schedule} contradict each other" in result.output
+    )
+    assert generate(llama_bundle, "--prompt", "a", "--adaptive-draft").exit_code == 0
 
 
 def unprivileged() -> list[str]:
@@ -220,7 +235,7 @@ def test_max_length_caps_the_sequence(llama_bundle, engine):
 )
 def test_out_of_range_parameters(llama_bundle, option, value, message):
     result = cli("generate", "--bundle", llama_bundle, "--prompt", "a", option, value)
-    assert result.exit_code == 1 and message in result.output
+    assert result.exit_code == 2 and message in result.output  # a usage error, as click's own
 
 
 def test_non_numeric_parameter(llama_bundle):
@@ -281,3 +296,7 @@ def test_a_bench_plot_that_cannot_be_written_is_found_before_the_benchmark(llama
     )
     assert result.exit_code == 2 and "is a file, not a folder" in result.output
     assert "tokens/s" not in result.output  # nothing ran
+    # a format matplotlib cannot write: a traceback after the whole benchmark, before
+    result = cli("bench", "--bundle", llama_bundle, "--prompt", "a", "--plot", tmp_path / "p.xyz")
+    assert result.exit_code == 1 and "matplotlib writes no .xyz files" in result.output
+    assert "tokens/s" not in result.output and ".png" in result.output

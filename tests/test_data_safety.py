@@ -308,3 +308,36 @@ def test_a_bundle_behind_a_symbolic_link_is_replaced_where_it_is(tmp_path):
     assert link.is_symlink() and (real / "manifest.json").read_text() == "new"
     assert sorted(p.name for p in link.parent.iterdir()) == ["demo"]
     assert sorted(p.name for p in real.parent.iterdir()) == ["bundle"]
+
+
+@pytest.mark.parametrize(
+    "signum, status, line",
+    [(signal.SIGINT, 130, "interrupted (Ctrl-C)"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+)
+def test_a_build_stopped_by_ctrl_c_or_sigterm_says_so_and_leaves_nothing(
+    llama_bundle, tmp_path, signum, status, line
+):
+    """Ctrl-C mid-build ended in click's "Aborted!" and status 1; SIGTERM (systemd, k8s,
+    timeout) killed it silently and left its 36 MB staging directory. Now either is one line,
+    130 / 143 as a shell reports them, the bundle as it was and nothing left beside it."""
+    bundle = tmp_path / "b"
+    shutil.copytree(llama_bundle, bundle)
+    before = (bundle / "manifest.json").read_bytes()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specrt.cli", "build", "--bundle", str(bundle)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while process.poll() is None and not list(tmp_path.glob(".b.build-*")):
+        assert time.monotonic() < deadline, "the build never started"
+        time.sleep(0.01)
+    assert process.poll() is None, "the build ended before it could be stopped"
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == status, stderr
+    assert stderr.strip().splitlines()[-1] == line and "Traceback" not in stderr, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert (bundle / "manifest.json").read_bytes() == before

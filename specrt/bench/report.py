@@ -48,11 +48,24 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
+def check_plot_path(path: Path) -> None:
+    """Refuse a plot matplotlib could not write, before the benchmark runs."""
     try:
-        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError as exc:
         raise SpecrtError("--plot needs matplotlib: pip install 'specrt[bench]'") from exc
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = Path(path).suffix.removeprefix(".").lower()
+    if suffix and suffix not in formats:
+        raise SpecrtError(
+            f"--plot {path}: matplotlib writes no .{suffix} files; end the name in one of "
+            + ", ".join(f".{name}" for name in sorted(formats))
+        )
+
+
+def plot(report: dict, path: Path) -> None:
+    check_plot_path(path)
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
