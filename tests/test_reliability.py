@@ -271,7 +271,9 @@ def test_graph_wider_than_the_manifest_says(llama_bundle, tmp_path):
         ([[3, 4.5]], "token id 4.5 that is not an integer"),
         ([[True, 4]], "token id True that is not an integer"),
         ([["3"]], "token id '3' that is not an integer"),
-        ([[3], None], "prompt 1 is NoneType"),
+        ([[3], None], "prompt 2 of 2 is NoneType"),
+        (["a", ""], "prompt 2 of 2 is empty"),  # which of them (it said "the prompt")
+        (["a", "\ud800", "b"], "prompt 2 of 3 '.+' is not valid UTF-8"),
         ([{"a": 1}], "the prompt is dict"),
         ([[]], "the prompt is empty"),
         ([[-1]], "outside the vocabulary"),
@@ -351,6 +353,9 @@ def test_a_wrong_type_is_told_apart_from_a_value_out_of_range(options, message):
         ({"engine": "vulkan"}, "engine='vulkan'"),
         ({"max_length": 1}, "max_length=1 is out of range"),
         ({"check_files": "no"}, "check_files='no' is a string, not a boolean"),
+        ({"max_bach": 4}, r"from_bundle got unknown option\(s\) \['max_bach'\]; it takes"),
+        # more rows than memory could hold: the kernel killed the process without a word
+        ({"max_batch": 10**9}, r"max_batch=1000000000: that many rows' KV caches grow to"),
     ],
 )
 def test_load_options_of_the_wrong_type(llama_bundle, options, message):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from pathlib import Path
 
@@ -383,6 +384,30 @@ def test_the_caches_are_the_services_while_it_runs_requests(llama_bundle, serial
         )
 
 
+def test_close_from_a_done_callback_hands_the_generator_back(llama_bundle, serial):
+    """Done callbacks run on the service's thread: close() there failed ("cannot join current
+    thread") and left the service half closed, its generator refused to every later call."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    service = Service(generator)
+    closed = threading.Event()
+
+    def close(handle):
+        service.close()
+        closed.set()
+
+    first = service.submit(PROMPTS[0], config)
+    second = service.submit(PROMPTS[1], config)  # running when the first one's callback closes
+    first.add_done_callback(close)
+    assert closed.wait(60) and second.result(timeout=60).token_ids == serial[PROMPTS[1]].token_ids
+    deadline = time.monotonic() + 60
+    while service._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert generator.generate([PROMPTS[2]], config)[0].token_ids == serial[PROMPTS[2]].token_ids
+    with pytest.raises(OverloadedError, match="shutting down"):
+        service.submit(PROMPTS[3], config)
+
+
 def test_a_stream_left_open_is_named_not_waited_for(llama_bundle, serial):
     """A partly read batched stream holds its rows: a call from the same thread could only
     wait for itself (it hung); it is refused, as is a Service on that generator, and both
@@ -430,6 +455,7 @@ def test_a_consumer_whose_event_loop_closed_costs_only_its_own_request(llama_bun
         (lambda g: Service(g, max_waiting=-1), "max_waiting=-1"),
         (lambda g: Service(g, max_waiting="8"), "max_waiting='8'"),
         (lambda g: Service(g).submit("Simple", {}), "config must be a GenerationConfig"),
+        (lambda g: Service(g).submit(["a", "b"]), "submit takes one prompt"),
         (
             lambda g: Service(SpeculativeGenerator.from_bundle(g.bundle, engine="portable")),
             r"load it with max_batch >= 2 \(specrt serve --batch-size 2 or more\)",

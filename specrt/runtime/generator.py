@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import numbers
 import threading
 import time
@@ -74,6 +75,13 @@ class SpeculativeGenerator:
         cls, bundle_dir: str | Path, suffix_cache: SuffixCache | None = None, **options: Any
     ) -> SpeculativeGenerator:
         """Load a bundle (``options``: those of `specrt.runtime.loading.load_pair`)."""
+        known = list(inspect.signature(load_pair).parameters)[1:]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise InvalidInputError(
+                f"from_bundle got unknown option(s) {unknown}; it takes suffix_cache, "
+                + ", ".join(known)
+            )
         return cls.from_pair(load_pair(bundle_dir, **options), suffix_cache)
 
     @classmethod
@@ -108,7 +116,7 @@ class SpeculativeGenerator:
             raise InvalidInputError("no prompts given")
         encoded = []
         for index, prompt in enumerate(prompts):
-            name = "the prompt" if len(prompts) == 1 else f"prompt {index}"
+            name = "the prompt" if len(prompts) == 1 else f"prompt {index + 1} of {len(prompts)}"
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise InvalidInputError("this generator has no tokenizer; pass token ids")
@@ -118,7 +126,14 @@ class SpeculativeGenerator:
                         f"{self.target.max_positions} positions hold (a token stands for at "
                         f"most {self.tokenizer.max_token_chars} characters here); shorten it"
                     )
-                ids = self.tokenizer.encode(prompt)
+                try:
+                    ids = self.tokenizer.encode(prompt)
+                except InvalidInputError as exc:  # which of many prompts it is
+                    if len(prompts) == 1:
+                        raise
+                    message = str(exc).replace("the prompt", name, 1)
+                    named = message if name in message else f"{name}: {exc}"
+                    raise InvalidInputError(named) from exc
             else:
                 ids = self._token_ids(name, prompt)
             if len(ids) >= self.target.max_positions:
@@ -172,13 +187,17 @@ class SpeculativeGenerator:
     def generate(
         self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
     ) -> list[GenerationResult]:
-        """Generate for each prompt (a string or token ids). Rows run one after another."""
+        """Generate for each prompt (a string or token ids), results in the prompts' order.
+        With ``max_batch`` > 1 the rows share every model call (up to that many at a time);
+        else they run one after another."""
         return list(self.stream(prompts, config))
 
     def stream(
         self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
     ) -> Iterator[GenerationResult]:
-        """Like `generate`, yielding each row's result as soon as it is done."""
+        """Like `generate`, yielding each row's result in order as soon as it is done. With
+        ``max_batch`` > 1 a stream holds the generator (its rows are in the caches) until it
+        is read to the end or closed: other threads' calls wait for it meanwhile."""
         if config is None:
             config = GenerationConfig()
         elif not isinstance(config, GenerationConfig):
@@ -298,8 +317,8 @@ class SpeculativeGenerator:
                 )
             if self._holder is not None:
                 raise InvalidInputError(
-                    "this generator is in a call (a stream() or run() not read to the end): "
-                    "finish it before starting a Service on it"
+                    "this generator is in a call (another thread's, or a stream() or run() "
+                    "not read to the end): finish it before starting a Service on it"
                 )
         self._service = None if service is None else weakref.ref(service)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, Decoder, open_decoder
-from specrt.backends.session import usable_providers
+from specrt.backends.session import GPU_PROVIDERS, default_providers, usable_providers
 from specrt.bundle import MANIFEST_NAME, Manifest, read_manifest, verify_checksums
 from specrt.errors import BundleError, InvalidInputError, PairMismatchError
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -106,6 +106,7 @@ def _load(
     if check_files:
         verify_checksums(manifest, root)
     check_pair(manifest)
+    check_memory(manifest, max_length, max_batch, select.get("providers"))
     decoders = {
         role: open_decoder(
             root,
@@ -123,6 +124,27 @@ def _load(
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
     )
+
+
+def check_memory(
+    manifest: Manifest, max_length: int | None, max_batch: int, providers: Sequence[str] | None
+) -> None:
+    """Refuse a ``max_batch`` whose rows' KV caches (float32, on the CPU) could grow past this
+    machine's memory: the kernel would kill the process without a word, at load or later."""
+    if set(providers or default_providers()) & set(GPU_PROVIDERS):
+        return  # the caches live on the GPU
+    per_row = 0
+    for spec in manifest.models.values():
+        positions = min(max_length or spec.max_positions, spec.max_positions)
+        per_row += 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * positions * 4
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if max_batch * per_row > memory:
+        raise InvalidInputError(
+            f"max_batch={max_batch}: that many rows' KV caches grow to "
+            f"{max_batch * per_row / 2**30:.1f} GiB ({per_row / 2**20:.1f} MiB a row at "
+            f"{positions} positions), more than this machine's {memory / 2**30:.1f} GiB; "
+            f"give at most {memory // per_row} rows, or a shorter max_length"
+        )
 
 
 def _manifest_bytes(root: Path) -> bytes | None:

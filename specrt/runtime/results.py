@@ -84,8 +84,12 @@ def add_proposer_round(table: dict[str, dict], source: str, drafted: int, accept
 @dataclass
 class GenerationResult:
     text: str
-    token_ids: list[int]  # the new tokens only
-    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens or the model's max positions)
+    # The new tokens only; with a stop string, every token generated up to the one that
+    # completed it (the text ends before the string, which may start inside a token), as vLLM's
+    token_ids: list[int]
+    # "stop" (EOS or a stop string), "length" (max_new_tokens or the model's max positions);
+    # also "cancelled" (a Service request cancelled) and "error" (see below)
+    finish_reason: str
     stats: GenerationStats
     # `SpeculativeGenerator.run` only: why this row failed alone (finish reason "error": its
     # logits came out NaN/inf) while the rows beside it went on.

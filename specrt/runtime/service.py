@@ -7,6 +7,8 @@ admits waiting requests into the batch between rounds (continuous batching over
 ``async for delta in handle``, which never blocks the event loop), waited on for the result,
 or cancelled: explicitly, or by dropping its iterator; its slot is freed at the next round
 boundary. When the batch and the waiting queue are full, `submit` raises `OverloadedError`.
+A service holds its generator until `close` (or the end of its ``with`` block): its thread
+keeps it, so a service dropped unclosed keeps both.
 
     with Service(SpeculativeGenerator.from_bundle("engines/demo", max_batch=8)) as service:
         handle = service.submit("def fibonacci(n):", GenerationConfig(max_new_tokens=64))
@@ -274,6 +276,11 @@ class Service:
             raise InvalidInputError(
                 f"config must be a GenerationConfig, not {type(config).__name__}"
             )
+        if isinstance(prompt, (list, tuple)) and any(isinstance(p, str) for p in prompt):
+            raise InvalidInputError(
+                "submit takes one prompt (a string, or a list of token ids), not a list of "
+                "strings: submit each"
+            )
         [ids] = self.generator.encode_prompts([prompt])
         if config.stop and self.generator.tokenizer is None:
             raise InvalidInputError("stop strings need the bundle's tokenizer")
@@ -304,11 +311,15 @@ class Service:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop admitting; let running and waiting requests finish (within ``timeout``
-        seconds, after which they are cancelled), then stop the thread."""
+        seconds, after which they are cancelled), then stop the thread. From a done callback
+        (the service's own thread) it returns at once: the thread stops, and lets go of the
+        generator, once the requests left are done."""
         with self._wake:
             self._closing = True
             self._wake.notify()
         thread = self._thread
+        if thread is threading.current_thread():  # it cannot wait for itself
+            return
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
@@ -325,7 +336,8 @@ class Service:
             with self._wake:
                 self._wake.wait_for(lambda: self._waiting or self._running or self._closing)
                 if not (self._waiting or self._running):
-                    return  # closing, nothing left
+                    self.generator._serve(None)  # closing, nothing left: the generator is free
+                    return
                 admitted = self._take()
             try:
                 with self.generator._lock:

@@ -30,7 +30,7 @@ class BundleTokenizer:
         output)."""
         if not isinstance(text, str):
             raise InvalidInputError(f"a prompt must be a string, got {type(text).__name__}")
-        if not text.strip():
+        if not text:  # (whitespace is text: a newline or an indent is a fair prompt for code)
             raise InvalidInputError("the prompt is empty; give some text to continue")
         try:
             text.encode("utf-8")
