@@ -172,7 +172,8 @@ generation_options = _stack(
         type=int,
         default=DEFAULTS["num_draft_tokens"],
         show_default=True,
-        help="K; 0 = target only.",
+        help="K, the draft model's tokens a round (prompt lookup's too; the hybrid's matches "
+        "may run to 24); 0 = target only.",
     ),
     click.option(
         "--temperature",
@@ -713,7 +714,7 @@ def _proposer_line(proposers: dict[str, dict]) -> str:
     type=click.IntRange(0, MAX_DRAFT_TOKENS),
     default=DEFAULTS["num_draft_tokens"],
     show_default=True,
-    help="K at most; 0 = target only.",
+    help="K at most, the draft model's (the hybrid's matches may run to 24); 0 = target only.",
 )
 @click.option(
     "--draft-schedule",

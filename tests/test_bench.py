@@ -39,6 +39,10 @@ def test_bench_reports_every_contender(llama_bundle, tmp_path):
     for key in [*keys, "predicted_speedup_measured_verify"]:
         assert key in k2
     assert 0 <= k2["overhead_fraction"] < 1 and 0 <= k2["alpha"] <= 1
+    # Matches have no K (the hybrid's run to 24): an alpha over its first K positions was
+    # shown beside an acceptance rate it contradicted
+    hybrid = report["results"]["greedy"]["specrt hybrid adaptive K<=2"]
+    assert "alpha" not in hybrid and 0 <= hybrid["acceptance_rate"] <= 1
     assert report["costs"]["cost_ratio"] > 0
     assert report["results"]["greedy"]["specrt target only"]["speedup"] == 1.0
     assert (tmp_path / "bench.png").stat().st_size > 10_000

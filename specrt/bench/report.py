@@ -38,7 +38,9 @@ def table(report: dict) -> str:
         f"{report['max_new_tokens']} new tokens, {report['threads']} threads, engine "
         f"{report.get('engine', 'auto')}; medians over prompts; alpha, predicted and overhead "
         "for the first column; predicted = (1 - alpha^(K+1)) / ((1 - alpha)(1 + K c)), 'with v_K'"
-        " puts the measured cost of verifying K+1 tokens (v_K target steps) in place of the 1"
+        " puts the measured cost of verifying K+1 tokens (v_K target steps) in place of the 1; "
+        "alpha for the draft model alone (a hybrid's K is its model's: its matches run to 24); "
+        "overhead = the share of the time spent outside onnxruntime"
     )
     verify = costs.get("verify_cost_ratio", {})
     if verify:

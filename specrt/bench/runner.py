@@ -139,7 +139,7 @@ def _summarise(runs: dict[str, list[Run]], costs: dict, contenders) -> dict:
             total = sum(r.seconds for r in rows)
             entry["overhead_fraction"] = (total - sum(r.model_seconds for r in rows)) / total
         if isinstance(contender, SpecrtContender) and contender.k:
-            entry.update(_acceptance(rows, contender.k))
+            entry.update(_acceptance(rows, contender.k, contender.proposer == "model"))
             if contender.schedule == "fixed" and contender.proposer == "model":
                 alpha, k, c = entry["alpha"], contender.k, costs["cost_ratio"]
                 entry["predicted_speedup"] = predicted_speedup(alpha, k, c)
@@ -149,17 +149,24 @@ def _summarise(runs: dict[str, list[Run]], costs: dict, contenders) -> dict:
     return summary
 
 
-def _acceptance(rows: list[Run], k: int) -> dict:
+def _acceptance(rows: list[Run], k: int, capped: bool) -> dict:
+    """``capped``: every round proposes K tokens at most (the draft model); then alpha, the
+    per-token acceptance of the i.i.d. model behind the predicted speedup, is its MLE. Matches
+    (lookup rounds shorter than K, the hybrid's up to 24) have no such K: no alpha for them."""
     drafted = sum(r.stats["drafted_tokens"] for r in rows)
     accepted = sum(r.stats["accepted_tokens"] for r in rows)
     rounds = sum(r.stats["rounds"] for r in rows)
-    per_position = [sum(r.stats["accepted_per_position"][i] for r in rows) for i in range(k)]
-    full_rounds = per_position[-1]
-    rejections = rounds - full_rounds
-    return {
+    per_position = [0] * max(len(r.stats["accepted_per_position"]) for r in rows)
+    for run in rows:
+        for i, count in enumerate(run.stats["accepted_per_position"]):
+            per_position[i] += count
+    entry = {
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        # per-token acceptance probability (MLE under the i.i.d. model behind the formula)
-        "alpha": accepted / (accepted + rejections) if accepted + rejections else 0.0,
         "tokens_per_round": sum(r.new_tokens for r in rows) / rounds,
         "accepted_per_position_rate": [count / rounds for count in per_position],
     }
+    if capped:
+        rejections = rounds - (per_position[k - 1] if k <= len(per_position) else 0)
+        total = accepted + rejections
+        entry["alpha"] = accepted / total if total else 0.0
+    return entry
