@@ -72,7 +72,8 @@ def collect_prompts(
     if prompt_file is not None:
         from_file = read_prompt_file(prompt_file)
         if not from_file:
-            raise InvalidInputError(f"prompt file {prompt_file} holds no prompts")
+            where = "standard input" if str(prompt_file) == STDIN else f"prompt file {prompt_file}"
+            raise InvalidInputError(f"{where} holds no prompts")
         collected += from_file
     if not collected:
         raise InvalidInputError("give a prompt with --prompt TEXT or --prompt-file FILE")
@@ -105,12 +106,19 @@ def _decode(data: bytes, name: str) -> str:
         except UnicodeDecodeError as exc:
             raise InvalidInputError(f"{name} is not valid UTF-16 text ({exc.reason})") from exc
     try:
-        return data.decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise InvalidInputError(
             f"{name}:{line} is not UTF-8 text (byte {data[exc.start]:#04x}); save the file as UTF-8"
         ) from exc
+    if "\x00" in text:  # text has no NUL: UTF-16 without its mark, or not text at all
+        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
+        raise InvalidInputError(
+            f"{name}:{line} holds a NUL byte: not text, or UTF-16 without a byte-order mark; "
+            "save the file as UTF-8"
+        )
+    return text
 
 
 def _json_kind(value: object) -> str:

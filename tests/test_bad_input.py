@@ -140,6 +140,10 @@ def test_no_prompt_and_empty_prompt_file(llama_bundle, tmp_path):
     assert result.exit_code == 2 and "empty.txt holds no prompts" in result.output
     result = generate(llama_bundle, "--prompt-file", tmp_path / "missing.txt")
     assert result.exit_code == 2 and "does not exist" in result.output
+    result = CliRunner().invoke(  # (it said "prompt file - holds no prompts")
+        main, ["generate", "--bundle", str(llama_bundle), "--prompt-file", "-"], input="\n"
+    )
+    assert result.exit_code == 2 and "Error: standard input holds no prompts" in result.output
 
 
 def test_per_row_settings_in_a_prompt_file_are_refused_not_ignored(llama_bundle, tmp_path):

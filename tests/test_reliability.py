@@ -53,6 +53,8 @@ def generate(bundle, *args, **kwargs):
         ("list.jsonl", b"[1, 2]\n", "not an array"),
         ("broken.jsonl", b'{"prompt": \n', "broken.jsonl:1 is not JSON"),
         ("bad16.txt", codecs.BOM_UTF16_LE + b"\x00\xd8", "is not valid UTF-16"),
+        # read as UTF-8, a prompt of NULs was run
+        ("nobom16.txt", "Simple is\n".encode("utf-16-le"), "nobom16.txt:1 holds a NUL byte"),
     ],
 )
 def test_bad_prompt_files_name_the_file_and_line(llama_bundle, tmp_path, name, content, message):
