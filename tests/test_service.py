@@ -456,6 +456,7 @@ def test_a_consumer_whose_event_loop_closed_costs_only_its_own_request(llama_bun
         (lambda g: Service(g, max_waiting="8"), "max_waiting='8'"),
         (lambda g: Service(g).submit("Simple", {}), "config must be a GenerationConfig"),
         (lambda g: Service(g).submit(["a", "b"]), "submit takes one prompt"),
+        (lambda g: Service(g).submit("a", per_token=1), "per_token=1 is"),
         (
             lambda g: Service(SpeculativeGenerator.from_bundle(g.bundle, engine="portable")),
             r"load it with max_batch >= 2 \(specrt serve --batch-size 2 or more\)",

@@ -37,7 +37,7 @@ from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import Prompt, SpeculativeGenerator
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.streaming import TextDeltas
-from specrt.validation import integer
+from specrt.validation import flag, integer
 
 log = logging.getLogger("specrt")
 DEFAULT_MAX_WAITING = 64
@@ -86,7 +86,8 @@ class RequestHandle:
         self._cancelled = True
 
     def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait for the request to finish; its result (finish reason "cancelled" if it was)."""
+        """Wait for the request to finish; its result (finish reason "cancelled" if it was).
+        A ``timeout`` that passes raises `TimeoutError` and leaves the request running."""
         with self._changed:
             if not self._changed.wait_for(lambda: self.done, timeout):
                 raise TimeoutError(f"request {self.key} still running after {timeout} s")
@@ -141,7 +142,9 @@ class RequestHandle:
                 self._waiters = [(lp, w) for lp, w in self._waiters if w is not waiter]
 
     async def wait(self) -> GenerationResult:
-        """The result, awaited without blocking the event loop."""
+        """The result, awaited without blocking the event loop. Cancelling the awaiting task
+        (``asyncio.wait_for`` timing out included) cancels the request, as dropping an
+        iterator does; ``asyncio.shield`` keeps it running."""
         async for _ in self:
             pass
         return self.result()
@@ -282,6 +285,7 @@ class Service:
                 "strings: submit each"
             )
         [ids] = self.generator.encode_prompts([prompt])
+        per_token = flag("per_token", per_token)
         if config.stop and self.generator.tokenizer is None:
             raise InvalidInputError("stop strings need the bundle's tokenizer")
         rng = np.random.default_rng(None if config.seed is None else [config.seed, 0])
