@@ -408,6 +408,21 @@ def test_close_from_a_done_callback_hands_the_generator_back(llama_bundle, seria
         service.submit(PROMPTS[3], config)
 
 
+def test_a_service_dropped_without_close_lets_go_of_its_generator(llama_bundle, serial):
+    """Its thread held it for good (the generator refused every later call, a thread leaked
+    per service); now the thread holds it only while it works."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
+    service = Service(generator)
+    assert service.submit(PROMPTS[0], config).result(timeout=60).text == serial[PROMPTS[0]].text
+    thread = service._thread
+    del service
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert generator.generate([PROMPTS[1]], config)[0].token_ids == serial[PROMPTS[1]].token_ids
+
+
 def test_a_stream_left_open_is_named_not_waited_for(llama_bundle, serial):
     """A partly read batched stream holds its rows: a call from the same thread could only
     wait for itself (it hung); it is refused, as is a Service on that generator, and both

@@ -7,8 +7,8 @@ admits waiting requests into the batch between rounds (continuous batching over
 ``async for delta in handle``, which never blocks the event loop), waited on for the result,
 or cancelled: explicitly, or by dropping its iterator; its slot is freed at the next round
 boundary. When the batch and the waiting queue are full, `submit` raises `OverloadedError`.
-A service holds its generator until `close` (or the end of its ``with`` block): its thread
-keeps it, so a service dropped unclosed keeps both.
+A service holds its generator until `close` (or the end of its ``with`` block); one dropped
+without either lets go of it, and its thread ends, within a second of going idle.
 
     with Service(SpeculativeGenerator.from_bundle("engines/demo", max_batch=8)) as service:
         handle = service.submit("def fibonacci(n):", GenerationConfig(max_new_tokens=64))
@@ -24,6 +24,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -40,6 +41,7 @@ from specrt.runtime.streaming import TextDeltas
 from specrt.validation import flag, integer
 
 log = logging.getLogger("specrt")
+IDLE_CHECK_S = 1.0  # how often an idle service thread looks whether its service was dropped
 DEFAULT_MAX_WAITING = 64
 
 
@@ -308,7 +310,10 @@ class Service:
             self._wake.notify()
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=self._loop, name="specrt-service", daemon=True
+                    target=_service_thread,
+                    args=(weakref.ref(self),),
+                    name="specrt-service",
+                    daemon=True,
                 )
                 self._thread.start()
         return handle
@@ -335,29 +340,36 @@ class Service:
         self.generator._serve(None)  # direct calls may use the caches again
 
     # The service thread ------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._waiting or self._running or self._closing)
-                if not (self._waiting or self._running):
-                    self.generator._serve(None)  # closing, nothing left: the generator is free
-                    return
-                admitted = self._take()
-            try:
-                with self.generator._lock:
-                    while admitted:  # those that came during an admission do not wait a round
-                        self._admit(admitted)
-                        with self._wake:
-                            admitted = self._take()
-                    self._drop_cancelled()
-                    if self._running:
-                        self._round()
-            except SpecrtError as exc:  # a model failure: fail what ran, keep serving
-                log.error("specrt service: %s", exc)
-                self._fail_running(exc)
-            except Exception as exc:  # a bug: its requests get an error, never a hang
-                log.exception("specrt service: a round failed")
-                self._fail_running(SpecrtError(f"internal error in the service: {exc!r}"))
+    def _pass(self) -> bool:
+        """One pass of the service thread (`_service_thread`): admit, then a round; False
+        once it is done (closing, nothing left)."""
+        with self._wake:
+            self._wake.wait_for(self._has_work, IDLE_CHECK_S)
+            if not (self._waiting or self._running):
+                if not self._closing:
+                    return True  # idle: the thread lets go of the service for a moment
+                self.generator._serve(None)  # closing, nothing left: the generator is free
+                return False
+            admitted = self._take()
+        try:
+            with self.generator._lock:
+                while admitted:  # those that came during an admission do not wait a round
+                    self._admit(admitted)
+                    with self._wake:
+                        admitted = self._take()
+                self._drop_cancelled()
+                if self._running:
+                    self._round()
+        except SpecrtError as exc:  # a model failure: fail what ran, keep serving
+            log.error("specrt service: %s", exc)
+            self._fail_running(exc)
+        except Exception as exc:  # a bug: its requests get an error, never a hang
+            log.exception("specrt service: a round failed")
+            self._fail_running(SpecrtError(f"internal error in the service: {exc!r}"))
+        return True
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._closing)
 
     def _take(self) -> list[RequestHandle]:
         """The waiting requests that fit in the free slots, out of the queue (under the lock)."""
@@ -410,6 +422,16 @@ class Service:
                 handle._finish(result)
         for request, new_ids in self._runner.active():
             self._running[request.key]._progress(new_ids)
+
+
+def _service_thread(service_ref: weakref.ref) -> None:
+    """The service's thread. It holds the service only while it works, so a service dropped
+    without `close` is collected once idle (its generator free again) and the thread ends."""
+    while True:
+        service = service_ref()
+        if service is None or not service._pass():
+            return
+        del service
 
 
 def _no_text(ids: list[int]) -> str:
