@@ -81,6 +81,27 @@ def test_a_reader_that_stops_early_stops_the_command_quietly(llama_bundle, tmp_p
     assert errors.decode().strip() == ""
 
 
+def test_ctrl_c_while_the_command_line_loads_is_one_line(tmp_path):
+    """Ctrl-C in the second or two `specrt` spends importing numpy and onnxruntime ended in a
+    KeyboardInterrupt traceback. The interrupt is raised where the import would run (a real
+    signal could land before Python handles it, or after the imports)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "class Interrupted:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'specrt.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupted())\n"
+        "from specrt.__main__ import main\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted (Ctrl-C)", done.stderr
+
+
 def test_runtime_imports_no_torch():
     import subprocess
     import sys

@@ -46,7 +46,7 @@ def stage(module: str) -> str:
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in ALLOWED:
         return parts[1]
-    return "cli" if module == "specrt.cli" else "base"
+    return "cli" if module in ("specrt.cli", "specrt.__main__") else "base"
 
 
 def imports(path: Path) -> set[str]:
