@@ -269,20 +269,40 @@ load_options = _stack(
 )
 
 
-def _generation_config(params: dict) -> GenerationConfig:
+def _flags(names: list[str]) -> str:
+    """The options' flags, with the verb that follows them ("--seed changes")."""
+    flags = ", ".join("--" + name.replace("_", "-") for name in names)
+    return flags + (" change" if len(names) > 1 else " changes")
+
+
+def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
     """The generation options as a config; a bad value is a usage error (status 2), as
-    click's own range checks are, and so are options that contradict each other."""
+    click's own range checks are, and so are options that contradict each other. ``notes``:
+    say which options given change nothing in this run."""
     ctx = click.get_current_context()
     schedule = params.get("draft_schedule")
-    given = ctx.get_parameter_source("draft_schedule") == ParameterSource.COMMANDLINE
-    if params.get("adaptive_draft") and given and schedule != "adaptive":
+    chosen = ctx.get_parameter_source("draft_schedule") == ParameterSource.COMMANDLINE
+    if params.get("adaptive_draft") and chosen and schedule != "adaptive":
         raise click.UsageError(
             f"--adaptive-draft and --draft-schedule {schedule} contradict each other: give one"
         )
     try:
-        return GenerationConfig(**params)
+        config = GenerationConfig(**params)
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from exc
+    if notes:  # options the run cannot use (a batch row or a request may set what they need)
+        given = {n for n in params if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE}
+        sampling = [n for n in ("top_k", "top_p", "seed") if n in given]
+        if sampling and config.greedy:
+            click.echo(f"note: {_flags(sampling)} nothing at --temperature 0 (greedy)", err=True)
+        lookup = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if n in given]
+        if lookup and (config.proposer == "model" or not config.num_draft_tokens):
+            click.echo(
+                f"note: {_flags(lookup)} nothing without prompt lookup (--proposer "
+                "lookup or hybrid, and --num-draft-tokens above 0)",
+                err=True,
+            )
+    return config
 
 
 def _prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
@@ -452,7 +472,7 @@ def generate(
     from specrt.runtime.comparison import compare_with_target_only
 
     texts = _prompts(prompts, prompt_file)
-    config = _generation_config(params)
+    config = _generation_config(params, notes=True)
     generator = _load(bundle, threads, engine, max_length, skip_checksums)
     if compare:
         outputs = compare_with_target_only(generator, texts, config)
@@ -868,8 +888,10 @@ def _print_human(prompt: str, record: dict) -> None:
     click.echo(click.style(prompt, bold=True) + record["text"])
     line = (
         f"[{stats['new_tokens']} tokens, finish={record['finish_reason']}, "
-        f"{stats['tokens_per_second']:.1f} tokens/s, acceptance {stats['acceptance_rate']:.2f}, "
-        f"{stats['tokens_per_round']:.2f} tokens/round" + _proposer_line(stats.get("proposers", {}))
+        f"{stats['tokens_per_second']:.1f} tokens/s, "
+        + (f"acceptance {stats['acceptance_rate']:.2f}, " if stats["drafted_tokens"] else "")
+        + f"{stats['tokens_per_round']:.2f} tokens/round"
+        + _proposer_line(stats.get("proposers", {}))
     )
     if "comparison" in record:
         comparison = record["comparison"]

@@ -165,6 +165,23 @@ def test_threads_beyond_the_machine_are_refused(llama_bundle):
     assert generate(llama_bundle, "--prompt", "a", "--threads", 4 * cpus + 1).exit_code == 2
 
 
+def test_options_that_change_nothing_are_named(llama_bundle):
+    """Sampling options under greedy decoding, and prompt lookup's sizes without prompt
+    lookup, were accepted and ignored in silence."""
+    result = generate(llama_bundle, "--prompt", "a", "--top-k", "5", "--seed", "3")
+    assert result.exit_code == 0
+    assert "note: --top-k, --seed change nothing at --temperature 0 (greedy)" in result.output
+    result = generate(llama_bundle, "--prompt", "a", "--top-k", "5", "--temperature", "1")
+    assert result.exit_code == 0 and "note:" not in result.output
+    flags = ("--proposer", "model", "--prompt-lookup-max", "2")
+    result = generate(llama_bundle, "--prompt", "a", *flags)
+    assert "note: --prompt-lookup-max changes nothing without prompt lookup" in result.output
+    # and with nothing drafted, no acceptance rate (it printed 0.00)
+    result = generate(llama_bundle, "--prompt", "a", "--num-draft-tokens", "0")
+    assert result.exit_code == 0 and "acceptance" not in result.output
+    assert "acceptance" in generate(llama_bundle, "--prompt", "a", "--proposer", "model").output
+
+
 @pytest.mark.parametrize("schedule", ["fixed", "heuristic"])
 def test_contradicting_draft_schedules_are_refused(llama_bundle, schedule):
     """--adaptive-draft beside another --draft-schedule: one of them was silently dropped."""
