@@ -210,6 +210,40 @@ def test_ctrl_c_or_sigterm_stops_the_job_with_one_line_and_a_rerun_goes_on(
     assert results(output) == expected
 
 
+def test_a_second_job_on_the_same_output_is_refused_while_the_first_runs(llama_bundle, tmp_path):
+    """A rerun started while the first job still runs (two terminals, a restarted pod beside
+    the old one) read the same ids as done and ran the rest again: rows written twice. The
+    output is now the first job's until it ends (a kill -9 lets go of it too)."""
+    input_path, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": i, "prompt": WORDS[i % 10], "max_new_tokens": 100} for i in range(3000)]
+    input_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(
+        command(llama_bundle, input_path, output, "--batch-size", "1"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while first.poll() is None and not (output.exists() and output.read_text().count("\n")):
+        assert time.monotonic() < deadline, "the first job wrote nothing"
+        time.sleep(0.01)
+    second = run(command(llama_bundle, input_path, output))
+    assert first.poll() is None, "the first job ended before the second could be refused"
+    assert second.returncode == 1 and second.stderr.strip().splitlines()[-1] == (
+        f"Error: another specrt batch is writing {output}; wait for it to finish (or stop it), "
+        "then run this again to go on from where it is"
+    ), second.stderr
+    first.kill()  # however the holder ends, the output is free again
+    first.communicate(timeout=60)
+    few = tmp_path / "few.jsonl"  # (the 3000 rows' rest would take a while)
+    few.write_text("".join(json.dumps(row) + "\n" for row in rows[:40]))
+    done = run(command(llama_bundle, few, output))
+    assert done.returncode == 0, done.stderr
+    assert set(range(40)) <= set(results(output))  # and no id twice (`results` checks)
+
+
 def test_duplicate_ids_are_refused_before_any_work(llama_bundle, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text(

@@ -19,6 +19,7 @@ are spooled to a temporary file first; an output that is a pipe or a device (std
 from __future__ import annotations
 
 import codecs
+import fcntl
 import functools
 import hashlib
 import json
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import IO
 
 from specrt.errors import InvalidInputError
 from specrt.jobs import openai_batch
@@ -392,15 +394,16 @@ def run_batch(
     if output_format == "auto":
         output_format = "openai" if openai_lines else "specrt"
     total = len(ids)
-    finished = done_ids(output_path, output_format)
-    summary = Summary(rows=total, batch_size=generator.max_batch, output_format=output_format)
-    chats: set[str] = set()  # rows in flight that are chat lines (their answers are chat's)
-    # Records of ids the input no longer has (a broken line since mended, rows removed)
-    summary.other_records = sorted(set(finished) - ids)[:3]
-    summary.other_record_count = len(set(finished) - ids)
-    started = time.perf_counter()
     output_path.parent.mkdir(parents=True, exist_ok=True)
     with open(output_path, "a", encoding="utf-8") as out:
+        _lock(out, output_path)  # before reading what is done: two jobs would both do the rest
+        finished = done_ids(output_path, output_format)
+        summary = Summary(rows=total, batch_size=generator.max_batch, output_format=output_format)
+        chats: set[str] = set()  # rows in flight that are chat lines (their answers are chat's)
+        # Records of ids the input no longer has (a broken line since mended, rows removed)
+        summary.other_records = sorted(set(finished) - ids)[:3]
+        summary.other_record_count = len(set(finished) - ids)
+        started = time.perf_counter()
 
         def write(record: dict, status: int = 200) -> None:
             line = record
@@ -442,6 +445,22 @@ def run_batch(
         summary.suffix_cache_tokens = generator.suffix_cache.tokens
         summary.suffix_cache_bytes = generator.suffix_cache.memory_bytes()
     return summary
+
+
+def _lock(out: IO, output_path: Path) -> None:
+    """Hold the output for this job alone (the kernel lets go when the process ends, however
+    it ends): a second job on it, a rerun started while the first still runs, would run the
+    rows left again and write them twice."""
+    if not output_path.is_file():  # a pipe or a device: nothing to resume, nothing to share
+        return
+    try:
+        fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        name = "standard output" if str(output_path) == "/dev/stdout" else str(output_path)
+        raise InvalidInputError(
+            f"another specrt batch is writing {name}; wait for it to finish (or stop it), then "
+            "run this again to go on from where it is"
+        ) from exc
 
 
 def make_request(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig):
