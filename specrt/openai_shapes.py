@@ -1,12 +1,120 @@
-"""OpenAI API bodies (completions, chat completions, errors), shared by `specrt serve` and the
-OpenAI output of `specrt batch`: one shape wherever a client reads them. No HTTP here."""
+"""OpenAI API bodies (requests read, completions, chat completions and errors written), shared
+by `specrt serve` and `specrt batch`'s OpenAI lines: one reading and one shape wherever a
+client meets them. No HTTP here."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
+from specrt.errors import InvalidInputError
+
 COMPLETION, CHAT = "completion", "chat"
+# OpenAI request fields -> GenerationConfig fields (top_k is an extension, as in vLLM).
+FIELDS = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",  # chat's newer name
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+# Fields accepted only at values that ask for nothing specrt does not do (clients such as
+# LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
+# or structured output.
+OFF_VALUES = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),  # vLLM's extension
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+IGNORED = {
+    "model",
+    "prompt",
+    "messages",
+    "stream",
+    "n",
+    "user",
+    "stream_options",
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    *OFF_VALUES,
+}
+
+
+class RequestError(InvalidInputError):
+    """A request body specrt cannot answer as asked; ``param``: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
+    """An OpenAI request body of ``kind`` as (its prompt: a string or token ids for a
+    completion, the messages for a chat; `GenerationConfig` fields it sets). ``null`` takes
+    the default; fields for features specrt does not have are refused unless at their off
+    value; ``default_max_tokens`` None: no length unless the body gives one. Raises
+    `RequestError`."""
+    body = {key: value for key, value in body.items() if value is not None}  # null: default
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError("stream must be true or false", "stream")
+    if body.get("n", 1) != 1:
+        raise RequestError("only n = 1 is supported", "n")
+    unknown = sorted(set(body) - set(FIELDS) - IGNORED)
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}", unknown[0])
+    for field, off in OFF_VALUES.items():  # on, an answer without them would be wrong
+        if body.get(field) not in off:
+            shown = " or ".join(json.dumps(o) for o in off[1:])
+            raise RequestError(
+                f"{field} is not supported by specrt: leave it out (or {shown})", field
+            )
+    lengths = [body[f] for f in ("max_tokens", "max_completion_tokens") if f in body]
+    if len(lengths) == 2 and lengths[0] != lengths[1]:
+        raise RequestError(
+            "max_tokens and max_completion_tokens differ: give one", "max_completion_tokens"
+        )
+    if kind == CHAT:
+        if "prompt" in body:
+            raise RequestError("a chat request gives messages, not a prompt", "prompt")
+        prompt = body.get("messages")
+    else:
+        if "messages" in body:
+            raise RequestError("a completion request gives a prompt, not messages", "messages")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            raise RequestError(
+                f"prompt is a list of {len(prompt)} prompts: send one prompt per request", "prompt"
+            )
+        if not isinstance(prompt, (str, list)):
+            raise RequestError("prompt must be a string (or a list of token ids)", "prompt")
+    options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
+    if default_max_tokens is not None:
+        options.setdefault("max_new_tokens", default_max_tokens)
+    if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
+        options["top_k"] = 0  # vLLM's "no top-k filter", which its clients send
+    if "max_new_tokens" in options:
+        length = options["max_new_tokens"]
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
+            raise RequestError(f"{field}={json.dumps(length)}: use an integer >= 1", field)
+    return prompt, options
 
 
 def new_id(kind: str) -> str:

@@ -357,10 +357,66 @@ def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_for
 
     row = row_from_item({"id": 1, "prompt": "a", "temperature": None, "seed": 3}, "line 1")
     assert row.error is None and row.options == {"seed": 3}
-    line = {"custom_id": "c", "body": {"prompt": "a", "logprobs": 2, "max_tokens": 2}}
+    line = {"custom_id": "c", "body": {"prompt": "a", "colour": 2, "max_tokens": 2}}
     row = row_from_item(line, "line 2")
-    assert "unknown field(s) ['logprobs']" in row.error and "max_tokens" in row.error
-    assert "max_new_tokens" not in row.error
+    assert "unknown field(s) ['colour']" in row.error and "max_new_tokens" not in row.error
+    line = {"custom_id": "c", "body": {"prompt": "a", "max_tokens": 0}}
+    assert row_from_item(line, "line 3").error == "max_tokens=0: use an integer >= 1"
+
+
+@pytest.mark.parametrize(
+    "line, options, prompt",
+    [
+        # what clients send at their off values, as `specrt serve` takes them (were refused)
+        ({"prompt": "a", "n": 1, "user": "u", "stream": False, "logprobs": None, "echo": False,
+          "frequency_penalty": 0, "presence_penalty": 0.0, "best_of": 1, "suffix": None,
+          "response_format": {"type": "text"}, "store": False, "metadata": {"k": "v"}},
+         {}, "a"),
+        ({"prompt": "a", "top_k": 5, "max_tokens": 3}, {"top_k": 5, "max_new_tokens": 3}, "a"),
+        ({"prompt": ["a"]}, {}, "a"),  # one prompt in a list, as OpenAI takes it
+        ({"prompt": [5, 6, 7]}, {}, [5, 6, 7]),  # token ids
+    ],
+)  # fmt: skip
+def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
+    from specrt.jobs.batch import row_from_item
+
+    row = row_from_item({"custom_id": "c", "url": "/v1/completions", "body": line}, "line 1")
+    assert row.error is None and row.options == options and row.prompt == prompt
+    assert row.openai and row.id == "c"
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"url": "/v1/embeddings", "body": {"input": "a"}},
+         "url '/v1/embeddings': specrt batch answers /v1/completions and /v1/chat/completions"),
+        ({"method": "GET", "body": {"prompt": "a"}}, "method 'GET'"),
+        ({"body": {"prompt": "a", "stream": True}}, "a batch line cannot stream"),
+        ({"body": {"prompt": "a", "n": 2}}, "only n = 1 is supported"),
+        ({"body": {"prompt": "a", "logprobs": 2}}, "logprobs is not supported by specrt"),
+        ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts"),
+        # the url decides the kind of request (the body's keys decided, whatever the url)
+        ({"url": "/v1/chat/completions", "body": {"prompt": "a"}},
+         "a chat request gives messages, not a prompt"),
+        ({"url": "/v1/completions", "body": {"messages": []}},
+         "a completion request gives a prompt, not messages"),
+        ({"body": "{\"prompt\": \"a\"}"}, '"body" must be an object'),
+    ],
+)  # fmt: skip
+def test_openai_lines_specrt_cannot_answer_are_told_why_under_their_own_id(line, message):
+    from specrt.jobs.batch import row_from_item
+
+    row = row_from_item({"custom_id": "c", **line}, "line 9")
+    assert message in row.error and row.id == "c" and row.named and row.openai
+
+
+def test_a_repeated_key_keeps_an_openai_line_an_openai_line():
+    """One such line switched a whole OpenAI file's output to specrt's records."""
+    from specrt.jobs.batch import parse_row
+
+    line = '{"custom_id": "d", "body": {"prompt": "a", "max_tokens": 3, "max_tokens": 4}}'
+    row = parse_row(line, "line 1")
+    assert row.openai and row.id == "d" and "appears twice" in row.error
 
 
 def chat_bundle(llama_bundle: Path, tmp_path: Path) -> Path:
@@ -451,7 +507,7 @@ def test_openai_batch_files_get_openai_batch_output(llama_bundle, tmp_path):
     bad = records["bad"]
     assert bad["response"]["status_code"] == 400
     assert bad["error"]["message"] == bad["response"]["body"]["error"]["message"]
-    assert "max_new_tokens=-1 is out of range" in bad["error"]["message"]
+    assert bad["error"]["message"] == "max_tokens=-1: use an integer >= 1"  # its own name
 
     # A crash mid-write: the torn line's row runs again, the others are not written twice
     data = output.read_bytes()
@@ -530,12 +586,12 @@ def test_lines_an_operator_writes_are_read_as_written(llama_bundle, tmp_path):
     assert by_id["b"]["error"]["message"] == "the key 'prompt' appears twice in the line"
     assert "at column 27" in by_id["line 3"]["error"]["message"]  # its end, not 1
     assert "not both" in by_id["line 4"]["error"]["message"]
-    assert '"body" must be an object' in by_id["line 5"]["error"]["message"]
+    assert '"body" must be an object' in by_id["e"]["error"]["message"]  # under its own id
 
     path.write_text('{"id": 1, "prompt": "a"}\n')  # the broken lines mended away
     done = run(command(llama_bundle, path, output))
     assert done.returncode == 0, done.stderr
-    assert "also holds 4 record(s) of ids not in" in done.stderr and "'line 3'" in done.stderr
+    assert "also holds 4 record(s) of ids not in" in done.stderr and "'b'" in done.stderr
 
     path.write_text('{"id": 1, "prompt": "a"}\n{"id": "1", "prompt": "b"}\n')
     done = run(command(llama_bundle, path, tmp_path / "o2.jsonl"))

@@ -37,6 +37,7 @@ from typing import IO
 
 from specrt.errors import InvalidInputError
 from specrt.jobs import openai_batch
+from specrt.openai_shapes import CHAT, COMPLETION, RequestError, read_request
 from specrt.runtime.batching import Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator, row_rng
@@ -51,20 +52,13 @@ ROW_OPTIONS = (
     "stop",
     "proposer",
 )
-OPENAI_OPTIONS = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",  # chat's newer name
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "seed": "seed",
-    "stop": "stop",
-}
+OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 
 
 @dataclass
 class Row:
     id: str | int  # as the line gives it (compared as text: 1 and "1" are one id)
-    prompt: str | None = None
+    prompt: str | list[int] | None = None  # text, or token ids (an OpenAI completions body's)
     options: dict = field(default_factory=dict)
     error: str | None = None  # why the line cannot run
     messages: object = None  # a chat line's, in place of the prompt (checked when rendered)
@@ -208,7 +202,7 @@ def parse_row(line: str, fallback_id: str) -> Row:
         row = row_from_item(json.loads(line), fallback_id)  # its id, where that is not the key
         if key in ("id", "custom_id") or not row.named:
             return Row(fallback_id, error=message, named=False)
-        return Row(row.id, error=message)
+        return Row(row.id, error=message, openai=row.openai)
     return row_from_item(item, fallback_id)
 
 
@@ -237,36 +231,57 @@ def row_from_item(item: object, fallback_id: str) -> Row:
             named=False,
         )
     if "custom_id" in item:  # an OpenAI batch-file line
-        if not isinstance(item.get("body", {}), dict):
-            return Row(fallback_id, error='"body" must be an object (the request)', named=False)
-        body = item.get("body") if isinstance(item.get("body"), dict) else {}
-        row_id, fields = item["custom_id"], body
-        options = {ours: body[theirs] for theirs, ours in OPENAI_OPTIONS.items() if theirs in body}
-        extra = sorted(set(body) - set(OPENAI_OPTIONS) - {"prompt", "messages", "model"})
-        known = ", ".join(["prompt", "messages", *OPENAI_OPTIONS])
-        lengths = {str(body[n]) for n in ("max_tokens", "max_completion_tokens") if n in body}
-    else:
-        row_id, fields = item.get("id"), item
-        options = {key: item[key] for key in ROW_OPTIONS if key in item}
-        extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt", "messages"})
-        known = ", ".join(["prompt", "messages", *ROW_OPTIONS])
-        lengths = set()
-    options = {key: value for key, value in options.items() if value is not None}  # null: default
+        return openai_row(item, fallback_id)
+    row_id = item.get("id")
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         return Row(fallback_id, error='a line needs an "id" (a string or an integer)', named=False)
-    prompt, messages = fields.get("prompt"), fields.get("messages")
+    # null: the default
+    options = {key: item[key] for key in ROW_OPTIONS if item.get(key) is not None}
+    prompt = item.get("prompt")
     row = Row(row_id, prompt if isinstance(prompt, str) else None, options)
-    row.openai = "custom_id" in item
+    extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt", "messages"})
     if extra:
+        known = ", ".join(["prompt", "messages", *ROW_OPTIONS])
         row.error = f"unknown field(s) {extra}; known: {known}"
-    elif len(lengths) > 1:
-        row.error = "max_tokens and max_completion_tokens differ: give one"
-    elif "prompt" in fields and "messages" in fields:
+    elif "prompt" in item and "messages" in item:
         row.error = 'a line gives a "prompt" or chat "messages", not both'
-    elif "messages" in fields:
-        row.messages = messages
+    elif "messages" in item:
+        row.messages = item["messages"]
     elif not isinstance(prompt, str):
         row.error = 'a line needs a "prompt" string (or chat "messages")'
+    return row
+
+
+def openai_row(item: dict, fallback_id: str) -> Row:
+    """An OpenAI batch-file line (``custom_id``, ``method``, ``url``, ``body``) as a `Row`: its
+    body read as `specrt serve` reads a request to ``url`` (by the body's keys where the line
+    gives no url), but for the length, which the command line's defaults give."""
+    row_id, body, url = item["custom_id"], item.get("body"), item.get("url")
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        return Row(fallback_id, error='"custom_id" must be a string', named=False, openai=True)
+    row = Row(row_id, openai=True)
+    if item.get("method", "POST") != "POST":
+        row.error = f"method {item['method']!r}: the requests of a batch file are POSTs"
+    elif url is not None and url not in OPENAI_URLS:
+        row.error = f"url {url!r}: specrt batch answers {' and '.join(OPENAI_URLS)}"
+    elif not isinstance(body, dict):
+        row.error = '"body" must be an object (the request)'
+    if row.error is not None:
+        return row
+    kind = OPENAI_URLS.get(url) or (CHAT if "messages" in body else COMPLETION)
+    try:
+        prompt, row.options = read_request(body, kind, default_max_tokens=None)
+    except RequestError as exc:
+        row.error = str(exc)
+        return row
+    if body.get("stream"):
+        row.error = "a batch line cannot stream: leave stream out (or false)"
+    elif kind == CHAT and prompt is None:
+        row.error = 'a chat line needs "messages"'
+    elif kind == CHAT:
+        row.messages = prompt
+    else:
+        row.prompt = prompt
     return row
 
 

@@ -25,56 +25,22 @@ from starlette.routing import Route
 from specrt import openai_shapes as shapes
 from specrt.chat import ChatTemplate, ChatTemplateError
 from specrt.errors import InvalidInputError, OverloadedError, PromptTooLongError, SpecrtError
-from specrt.openai_shapes import CHAT, COMPLETION, completion, error_body, new_id
+from specrt.openai_shapes import (
+    CHAT,
+    COMPLETION,
+    RequestError,
+    completion,
+    error_body,
+    new_id,
+    read_request,
+)
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.service import RequestHandle, Service
 from specrt.serve.metrics import Metrics
 
-# OpenAI request fields -> GenerationConfig fields (top_k is an extension, as in vLLM).
-FIELDS = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",  # chat's newer name
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "stop": "stop",
-}
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
 BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
-# Fields accepted only at values that ask for nothing specrt does not do (clients such as
-# LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
-# or structured output.
-OFF_VALUES = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),  # vLLM's extension
-    "logit_bias": (None, {}),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-}
-IGNORED = {
-    "model",
-    "prompt",
-    "messages",
-    "stream",
-    "n",
-    "user",
-    "stream_options",
-    "store",
-    "metadata",
-    "service_tier",
-    "parallel_tool_calls",
-    *OFF_VALUES,
-}
 
 
 def create_app(
@@ -206,70 +172,16 @@ def create_app(
                 "not_found_error",
                 "model",
             )
-        body = {key: value for key, value in body.items() if value is not None}  # null: default
-        if not isinstance(body.get("stream", False), bool):
-            raise _HttpError(400, "stream must be true or false", "invalid_request_error", "stream")
-        if body.get("n", 1) != 1:
-            raise _HttpError(400, "only n = 1 is supported", "invalid_request_error", "n")
-        unknown = sorted(set(body) - set(FIELDS) - IGNORED)
-        if unknown:
-            raise _HttpError(
-                400, f"unknown field(s) {unknown}", "invalid_request_error", unknown[0]
-            )
-        for field, off in OFF_VALUES.items():  # on, an answer without them would be wrong
-            if body.get(field) not in off:
-                shown = " or ".join(json.dumps(o) for o in off[1:])
-                raise _HttpError(
-                    400,
-                    f"{field} is not supported by specrt serve: leave it out (or {shown})",
-                    "invalid_request_error",
-                    field,
-                )
-        lengths = [body[f] for f in ("max_tokens", "max_completion_tokens") if f in body]
-        if len(lengths) == 2 and lengths[0] != lengths[1]:
-            raise _HttpError(
-                400,
-                "max_tokens and max_completion_tokens differ: give one",
-                "invalid_request_error",
-                "max_completion_tokens",
-            )
+        try:
+            prompt, options = read_request(body, kind)
+        except RequestError as exc:
+            raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
         if kind == CHAT:
-            prompt = chat_prompt(body.get("messages"))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                raise _HttpError(
-                    400,
-                    f"prompt is a list of {len(prompt)} prompts: send one prompt per request",
-                    "invalid_request_error",
-                    "prompt",
-                )
-            if not isinstance(prompt, (str, list)):
-                raise _HttpError(
-                    400,
-                    "prompt must be a string (or a list of token ids)",
-                    "invalid_request_error",
-                    "prompt",
-                )
-        options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
-        options.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
-        if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
-            options["top_k"] = 0  # vLLM's "no top-k filter", which its clients send
-        length = options["max_new_tokens"]
-        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-            field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
-            raise _HttpError(
-                400,
-                f"{field}={json.dumps(length)}: use an integer >= 1",
-                "invalid_request_error",
-                field,
-            )
+            prompt = chat_prompt(prompt)
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         handle = service.submit(prompt, config)
         handle.add_done_callback(metrics.record)
-        return handle, body.get("stream", False)
+        return handle, bool(body.get("stream"))
 
     async def events(handle: RequestHandle, ident: str, kind: str) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta, a last one with the finish reason, usage and
