@@ -14,11 +14,12 @@ export PROMPT  # read by the recipe from its environment: quotes and % in it sta
 
 .PHONY: install test lint engines demo demo-models measure-demo bench bench-all gpu-check clean
 
-# torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build.
+# torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build
+# (TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU wheel, where pip has none at hand).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e '.[export,bench,dev,ray,serve]'
 	touch $@
 

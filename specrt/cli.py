@@ -172,8 +172,8 @@ generation_options = _stack(
         type=int,
         default=DEFAULTS["num_draft_tokens"],
         show_default=True,
-        help="K, the draft model's tokens a round (prompt lookup's too; the hybrid's matches "
-        "may run to 24); 0 = target only.",
+        help="K, the draft model's tokens a round (prompt lookup's too; in the one-row loop "
+        "the hybrid's matches may run to 24); 0 = target only.",
     ),
     click.option(
         "--temperature",
@@ -257,8 +257,8 @@ load_options = _stack(
         type=click.IntRange(min=2),
         default=DEFAULT_MAX_LENGTH,
         show_default=True,
-        help="Longest prompt + output the engines' preallocated KV caches hold (capped at the "
-        "model's max positions).",
+        help="Longest prompt + output a row's KV cache holds (capped at the model's max "
+        "positions); caches grow with the longest row up to it.",
     ),
     click.option(
         "--skip-checksums",
@@ -351,7 +351,7 @@ def main() -> None:
 @_friendly_errors
 def export(target, draft, out, recipe, force, **given) -> None:
     """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
-    _require_export_extra("export")
+    _require_export_extra("export", portable=False)  # the rest, once the options are known
     from specrt.export.options import ExportOptions
     from specrt.export.pipeline import export_bundle
     from specrt.export.recipes import resolve_recipe
@@ -366,6 +366,7 @@ def export(target, draft, out, recipe, force, **given) -> None:
     given["slim"] = given["slim"] or None  # an absent flag leaves the recipe's choice
     given["devices"] = given["devices"] or None
     options = ExportOptions.from_settings(recipe_options, given)
+    _require_export_extra("export", options.portable)
     log = lambda message: click.echo(message, err=True)  # noqa: E731
     manifest = export_bundle(target, draft, out, options, force=force, log=log)
     for role, spec in manifest.models.items():
@@ -380,9 +381,11 @@ def export(target, draft, out, recipe, force, **given) -> None:
     click.echo(f"bundle: {out}")
 
 
-def _require_export_extra(command: str) -> None:
-    """The export stack is imported only once a model is read: name what is missing first."""
-    missing = [name for name in EXPORT_MODULES if importlib.util.find_spec(name) is None]
+def _require_export_extra(command: str, portable: bool = True) -> None:
+    """The export stack is imported only once a model is read: name what is missing first
+    (optimum writes the portable graphs alone)."""
+    needed = [name for name in EXPORT_MODULES if portable or name != "optimum"]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise click.ClickException(
             f"specrt {command} needs the export extra ({', '.join(missing)} missing): "
@@ -422,7 +425,7 @@ def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> N
             click.echo(f"{role}: TensorRT plan for {built_for['gpu']}, {built_for['tensorrt']}")
         click.echo(f"bundle: {bundle}")
         return
-    _require_export_extra("build")
+    _require_export_extra("build", portable=False)
     from specrt.export.build import build_engines
     from specrt.export.options import ExportOptions
 
@@ -542,7 +545,8 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
     default=DEFAULT_BATCH_SIZE,
     show_default=True,
     help="Rows that share each model call (the onnxruntime and cuda engines and the portable "
-    "graph; the TensorRT engines and Gemma 2's cuda engine run one row).",
+    "graph; the TensorRT engines, Gemma 2's cuda engine and Gemma 2 and 3's portable graphs run "
+    "one row).",
 )
 @generation_options
 @suffix_cache_options(False, "Rows' text then informs other rows' proposals.")
@@ -734,7 +738,8 @@ def _proposer_line(proposers: dict[str, dict]) -> str:
     type=click.IntRange(0, MAX_DRAFT_TOKENS),
     default=DEFAULTS["num_draft_tokens"],
     show_default=True,
-    help="K at most, the draft model's (the hybrid's matches may run to 24); 0 = target only.",
+    help="K at most, the draft model's (and of matches, where requests share a call); 0 = "
+    "target only.",
 )
 @click.option(
     "--draft-schedule",

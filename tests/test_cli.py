@@ -134,6 +134,33 @@ def test_export_and_build_without_the_export_extra_say_what_to_install(llama_bun
     assert not (tmp_path / "b").exists()
 
 
+def test_export_without_the_portable_graph_needs_no_optimum(tmp_path):
+    """`--no-portable` (and `build`) write no portable graph, which is all optimum is for; the
+    export extra's check asked for it anyway. The portable export still names it."""
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "pair.json"
+    recipe.write_text(json.dumps({"tiny": {"arch": "llama", "seed": 3}}))
+    code = "import sys; sys.modules['optimum'] = None; from specrt.cli import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "export", "--recipe", str(recipe), "--no-portable"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "pair" / "target" / "model.onnx").exists()  # no portable graph
+    done = subprocess.run(
+        [sys.executable, "-c", code, "export", "--recipe", str(recipe), "--force"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "Error: specrt export needs the export extra (optimum missing): pip install"
+        " torch==2.13.0 && pip install 'specrt[export]'"
+    ]
+
+
 def test_export_engine_options(tmp_path):
     """--draft-precision float32 keeps the draft engine exact; --no-ort-engine builds none;
     an unknown precision is refused by the CLI before any work."""
