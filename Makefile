@@ -65,7 +65,7 @@ bench-all: engines
 	$(BENCH) --genai-python build/genai-venv/bin/python
 
 # On a machine with an NVIDIA GPU and onnxruntime-gpu: build, check and measure (README, GPU).
-gpu-check: install
+gpu-check:  # no install: the GPU machine has no network; the script finds what it needs
 	bash bench/gpu_check.sh
 
 clean:

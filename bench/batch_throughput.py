@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -112,7 +113,13 @@ def spawn(
         "--temperature",
         str(args.temperature),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    # The repository first (no install needed), then what the environment adds
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}
+    )
+    if done.returncode:
+        raise SystemExit(f"a contender failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

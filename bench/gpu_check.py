@@ -87,30 +87,57 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     pairs = {"demo": (REPO / "models" / "demo" / "target", REPO / "models" / "demo" / "draft")}
-    pairs["llama-1b-shaped"] = random_pair(args.work / "random", args.dry_run)
-    for name, (target, draft) in pairs.items():
+    pairs["llama-1b-shaped"] = (random_pair, args.work / "random", args.dry_run)
+    for name, source in pairs.items():
+        entry = report["pairs"][name] = {}
         if time.monotonic() - started > args.budget_s:
-            report["pairs"][name] = {"skipped": "out of time"}
+            entry["skipped"] = "out of time"
             continue
-        log(f"{name}: building cuda engines")
-        bundle = build(target, draft, args.work / f"{name}-bundle")
-        entry = report["pairs"][name] = {"build_s": round(time.monotonic() - started, 1)}
-        if not args.dry_run:
-            entry["every_node_on_cuda"] = placement(bundle)
-            log(f"{name}: every node on CUDA: {entry['every_node_on_cuda']}")
-        entry["batches"] = batches(bundle, name, args, started)
-        write(report, args.out)
-        measure(bundle, name, entry, args, started)
-        if name == "demo":
-            entry["group_query_one_row"] = group_query_one_row(target, draft, entry, args)
-        if not args.dry_run:
-            entry["cuda_graph_draft_step"] = cuda_graph_probe(bundle)
-            entry["transformers"] = transformers_assisted(target, draft, entry["prompt_ids"], args)
-        entry.pop("prompt_ids")
-        write(report, args.out)
+        check_pair(name, source, entry, report, args, started)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     write(report, args.out)
     print(table(report))
+
+
+def check_pair(name: str, source, entry: dict, report: dict, args, started: float) -> None:
+    """Every phase for one pair, each on its own: a failure is recorded in the report (written
+    after every phase) and the next phases still run: a GPU's first run may fail anywhere,
+    and minutes there are scarce."""
+
+    def step(label: str, work, *inputs) -> object:
+        try:
+            return work(*inputs)
+        except Exception as exc:  # noqa: BLE001 - recorded in the report, the run goes on
+            entry[f"{label}_failed"] = f"{type(exc).__name__}: {exc}"
+            log(f"{name}: {label} failed: {exc!r}")
+            return None
+        finally:
+            write(report, args.out)
+
+    log(f"{name}: building cuda engines")
+    pair = step("source", *source) if callable(source[0]) else source
+    bundle = pair and step("build", build, *pair, args.work / f"{name}-bundle")
+    if bundle is None:
+        return
+    target, draft = pair
+    entry["build_s"] = round(time.monotonic() - started, 1)
+    if not args.dry_run:
+        entry["every_node_on_cuda"] = step("placement", placement, bundle)
+        log(f"{name}: every node on CUDA: {entry['every_node_on_cuda']}")
+    entry["batches"] = step("batches", batches, bundle, name, args, started) or {}
+    step("measure", measure, bundle, name, entry, args, started)
+    if name == "demo" and "prompt_ids" in entry:
+        entry["group_query_one_row"] = step(
+            "group_query", group_query_one_row, target, draft, entry, args
+        )
+    if not args.dry_run:
+        entry["cuda_graph_draft_step"] = step("cuda_graph", cuda_graph_probe, bundle)
+        if "prompt_ids" in entry:
+            entry["transformers"] = step(
+                "transformers", transformers_assisted, target, draft, entry["prompt_ids"], args
+            )
+    entry.pop("prompt_ids", None)
+    write(report, args.out)
 
 
 def machine() -> dict:
@@ -449,7 +476,10 @@ def transformers_assisted(target: Path, draft: Path, prompts: list[list[int]], a
 def table(report: dict) -> str:
     lines = [f"machine: {report['machine']}  dry run: {report['dry_run']}"]
     for name, entry in report["pairs"].items():
-        if "results" not in entry:
+        failed = {key: value for key, value in entry.items() if key.endswith("_failed")}
+        if failed:
+            lines.append(f"{name}: {failed}")
+        if "results" not in entry or "verify_cost_ratio" not in entry:
             lines.append(f"{name}: {entry}")
             continue
         lines.append(
@@ -469,10 +499,10 @@ def table(report: dict) -> str:
                 f"{label:<22}{result['tokens_per_second']:>10.1f}{result['speedup']:>9.2f}x"
                 f"{result['outside_onnxruntime']:>12.1%}{result['bytes_to_host_per_round']:>17.0f}"
             )
-        for label, rate in entry.get("group_query_one_row", {}).items():
+        for label, rate in (entry.get("group_query_one_row") or {}).items():
             base = entry["results"]["target only"]["tokens_per_second"]
             lines.append(f"{'GQA graph ' + label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
-        for label, rate in entry.get("transformers", {}).items():
+        for label, rate in (entry.get("transformers") or {}).items():
             base = entry["results"]["target only"]["tokens_per_second"]
             lines.append(f"{label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
         verify = ", ".join(f"K={k} {v:.2f}" for k, v in entry["verify_cost_ratio"].items())
@@ -480,7 +510,7 @@ def table(report: dict) -> str:
         lines.append(
             f"{'batch size':<12}{'target only':>13}{'speculative':>13}{'ratio':>8}{'rows =':>9}"
         )
-        for batch, result in entry.get("batches", {}).items():
+        for batch, result in (entry.get("batches") or {}).items():
             if "speedup" not in result:
                 lines.append(f"{batch:<12}{'skipped':>13}")
                 continue

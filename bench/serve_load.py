@@ -41,9 +41,13 @@ def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "specrt.cli", "serve", "--bundle", args.bundle]
     cmd += ["--port", str(port), "--batch-size", str(args.batch_size), *extra]
-    process = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)})
+    # REPO first, before what the environment adds (onnxruntime-gpu installed to a --target)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    process = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": path})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
+        if process.poll() is not None:  # it died (its own error is above): no minute of polling
+            raise SystemExit(f"the server exited with status {process.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return process, url

@@ -286,6 +286,20 @@ def test_backend_choice_follows_the_providers(cuda_bundle, caplog):
     assert "the cuda engine runs on the CPU here" in caplog.text
 
 
+def test_a_gpu_provider_that_does_not_start_is_named_where_it_is_opened(cuda_bundle):
+    """onnxruntime opens a session asking for CUDA on the CPU when the provider's libraries do
+    not load (here: a CPU build that lacks it); the cuda engine then crashed far away, binding
+    device memory on a CPU session. The decoder's opening says what happened instead."""
+    if cuda_devices():
+        pytest.skip("a GPU is visible: CUDA starts here")
+    from specrt.backends.select import open_decoder
+
+    manifest = read_manifest(cuda_bundle)
+    spec = manifest.models["target"]
+    with pytest.raises(InvalidInputError, match="could not start CUDAExecutionProvider"):
+        open_decoder(cuda_bundle, spec, "target", manifest.vocab_size, "cuda", CUDA, threads=1)
+
+
 def test_gpu_providers_count_only_where_a_gpu_is_visible():
     """onnxruntime-gpu lists CUDA on any machine; on one without a GPU a session asking for it
     fell back to the CPU (a red error, and the portable graph instead of the CPU engine), and a

@@ -37,3 +37,20 @@ def test_gpu_check_dry_run(tmp_path):
                 assert result[mode]["rows_equal_one_row_target_only"] == result[mode]["rows"] == 5
     assert "greedy == target-only True" in done.stdout
     assert "group_query_one_row" in report["pairs"]["demo"]
+
+
+def test_a_failing_phase_costs_only_itself(tmp_path):
+    """A phase that raised (here the batches, asked for a batch of 0 rows) ended the whole run
+    with no report: on a GPU's first run, minutes of results lost. Now it is recorded and the
+    other phases run."""
+    out = tmp_path / "report.json"
+    command = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run"]
+    command += ["--prompts", "1", "--new-tokens", "4", "--max-k", "1"]
+    command += ["--batch-sizes", "0", "--batch-prompts", "2"]
+    command += ["--work", str(tmp_path / "work"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for entry in json.loads(out.read_text())["pairs"].values():
+        assert "max_batch=0" in entry["batches_failed"]
+        assert entry["greedy_equals_target_only"] is True  # the next phase ran
+    assert "batches_failed" in done.stdout

@@ -26,6 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.backends.base import (
+    NEED_ARGMAX,
     NEED_LOGITS,
     NUMPY_DTYPES,
     PREFILL_CHUNK,
@@ -174,7 +175,8 @@ class RowsDecoder(DecoderBase):
                     chunk = prompt[offset : offset + width]
                     tokens[row, : len(chunk)] = chunk
                     fed[row] = len(chunk)
-                self._call(start + first, len(run), tokens, 1, fed)
+                # the least to bring back (a device engine copies logits to the host)
+                self._call(start + first, len(run), tokens, 1, fed, NEED_ARGMAX)
 
     def forward_rows(
         self,

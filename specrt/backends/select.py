@@ -63,6 +63,15 @@ def open_decoder(
         providers = [(TENSORRT_PROVIDER, options), *providers[1:]]
         max_batch = 1  # its optimisation profiles are built for one row
     session = create_session(bundle_root / graph.path, threads=threads, providers=providers)
+    wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    if wanted in (CUDA, TENSORRT_PROVIDER) and session.get_providers()[0] != wanted:
+        # onnxruntime lists its GPU providers whether or not their libraries load, and falls
+        # back to the CPU with a warning: the device engines would then fail far from here
+        raise InvalidInputError(
+            f"{role}: onnxruntime could not start {wanted} (it runs on "
+            f"{session.get_providers()[0]}: the CUDA libraries it needs did not load; see its "
+            "message above, and LD_LIBRARY_PATH); fix them, or ask for CPUExecutionProvider"
+        )
     if graph.io.argmax:  # a device engine: its cache lives where the provider computes
         device = "cuda" if providers[0] == CUDA else "cpu"
         if graph.cache == "batched":

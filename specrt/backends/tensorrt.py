@@ -156,7 +156,9 @@ class PlanDecoder(DecoderBase):
         if engine is None:
             raise BundleError(f"{role}: TensorRT cannot load {plan}; rebuild it (specrt build)")
         self._engine, self._context = engine, engine.create_execution_context()
-        self._stream = cupy.cuda.Stream(non_blocking=True)
+        # Blocking: it waits for cupy's default stream, where the inputs, the mask and a
+        # rollback's repacking are written (a non-blocking one could read them half written)
+        self._stream = cupy.cuda.Stream(non_blocking=False)
         self._profile = -1
         shape = (spec.num_kv_heads, self.max_positions, spec.head_dim)
         layers = 2 * spec.num_layers
