@@ -307,6 +307,12 @@ def test_engine_on_a_gpu_provider_is_refused_with_the_way_out(llama_bundle):
     with pytest.raises(InvalidInputError, match="use engine 'cuda', 'portable' or 'auto' on GPU"):
         select_graph(spec, "target", "onnxruntime", gpu)
     assert select_graph(spec, "target", "auto", gpu) is spec  # auto: the portable graph
+    # TensorRT compiles the portable graph: a --no-portable bundle's engine graph (contrib
+    # ops, a batched cache) failed in its profiles instead
+    trt = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(InvalidInputError, match="what the TensorRT provider compiles"):
+        select_graph(spec.engine_view("onnxruntime"), "target", "auto", trt)
+    assert select_graph(spec, "target", "auto", trt) is spec
     # and this CPU build of onnxruntime refuses the GPU provider instead of falling back
     with pytest.raises(InvalidInputError, match="not available in this onnxruntime"):
         SpeculativeGenerator.from_bundle(llama_bundle, providers=gpu, engine="onnxruntime")

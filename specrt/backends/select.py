@@ -117,6 +117,12 @@ def select_graph(
     provider = providers[0]
     portable = spec.cache == "concat"  # else a --no-portable bundle: its main graph is an engine
     if provider == TENSORRT_PROVIDER and engine in ("auto", "portable"):
+        if not portable:  # its graph is an engine of contrib ops and a batched cache
+            raise InvalidInputError(
+                f"the bundle's {role} has no portable graph (exported with --no-portable), "
+                "which is what the TensorRT provider compiles: export it again without "
+                "--no-portable, or use the CUDA provider"
+            )
         return spec  # what TensorRT compiles: standard ops only
     if engine == "auto":
         wanted = {CPU: ONNXRUNTIME_ENGINE, CUDA: CUDA_ENGINE}.get(provider)

@@ -58,11 +58,14 @@ def create_session(
     threads: int | None = None,
     providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
 ) -> ort.InferenceSession:
-    """Open one ONNX graph. ``threads`` sets intra-op threads (default: all cores);
+    """Open one ONNX graph. ``threads`` sets intra-op threads (default: all cores; one where a
+    GPU provider runs the graph);
     ``providers``: names, or (name, provider options) pairs."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads or (os.cpu_count() or 1)
+    names = [p if isinstance(p, str) else p[0] for p in providers or default_providers()]
+    on_gpu = names[0] in GPU_PROVIDERS  # its threads only run what falls back to the CPU
+    options.intra_op_num_threads = threads or (1 if on_gpu else (os.cpu_count() or 1))
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
