@@ -2,12 +2,14 @@
 
 Input lines are ``{"id": ..., "prompt": "...", optional "max_new_tokens", "temperature",
 "top_k", "top_p", "seed", "num_draft_tokens", "stop"}``, or OpenAI batch-file lines
-(``custom_id``, ``body`` with ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-``stop``); ``messages`` (OpenAI's chat form) in place of ``prompt`` is rendered with the bundle's
+(``custom_id``, ``method``, ``url``, ``body``: the body read as `specrt serve` reads that
+request); ``messages`` (OpenAI's chat form) in place of ``prompt`` is rendered with the bundle's
 chat template. The input is
 streamed (bounded memory but for the set of ids); each finished row is written and flushed at
 once as ``{"id", "text", "token_ids", "finish_reason", "stats"}``, or ``{"id", "error"}`` for a
-row that cannot run (malformed, too long, a bad parameter): the job goes on.
+row that cannot run (malformed, too long, a bad parameter): the job goes on. An input of OpenAI
+lines alone gets OpenAI's batch output lines instead (`openai_batch`). While a job runs, its
+output is its own (a lock the kernel lets go of however the job ends).
 
 Crash-safe: rerunning the same command after a crash or ``kill -9`` skips the ids already in
 the output, so no row is lost or written twice; a last line torn by the crash is cut off and
