@@ -17,7 +17,7 @@ from click.core import ParameterSource
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
-from specrt.errors import InvalidInputError, SpecrtError, describe_os_error
+from specrt.errors import ExportError, InvalidInputError, SpecrtError, describe_os_error
 from specrt.export.options import (
     CUDA_ATTENTIONS,
     DEFAULT_ATOL,
@@ -429,12 +429,15 @@ def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> N
     from specrt.export.build import build_engines
     from specrt.export.options import ExportOptions
 
-    options = ExportOptions(
-        atol=atol,
-        draft_precision=draft_precision,
-        devices=devices or ("cpu",),
-        cuda_attention=cuda_attention or "batched",
-    )
+    try:  # every one of them from the command line: a bad one is a usage error
+        options = ExportOptions(
+            atol=atol,
+            draft_precision=draft_precision,
+            devices=devices or ("cpu",),
+            cuda_attention=cuda_attention or "batched",
+        )
+    except ExportError as exc:
+        raise click.UsageError(str(exc)) from exc
     manifest = build_engines(bundle, options, log=lambda message: click.echo(message, err=True))
     for role, spec in manifest.models.items():
         names = ", ".join(f"{n} ({e.precision})" for n, e in spec.engines.items()) or "none"
