@@ -20,13 +20,14 @@ FIELDS = {
     "top_k": "top_k",
     "seed": "seed",
     "stop": "stop",
+    "ignore_eos": "ignore_eos",  # vLLM's extension
 }
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
 # LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
 # or structured output.
 OFF_VALUES = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),  # (a completion's 0 asks for the chosen tokens': not off)
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "presence_penalty": (None, 0),
@@ -38,6 +39,15 @@ OFF_VALUES = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    # vLLM's extensions, which clients written for it send at these values
+    "min_p": (None, 0),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False),
+    "stop_token_ids": (None, []),
+    "add_generation_prompt": (None, True),
+    "chat_template_kwargs": (None, {}),
+    "modalities": (None, ["text"]),
 }
 IGNORED = {
     "model",
@@ -63,6 +73,13 @@ class RequestError(InvalidInputError):
         self.param = param
 
 
+def _same(value: object, off: object) -> bool:
+    """``value`` is the off value ``off``, a boolean only as a boolean (0 == False in Python)."""
+    if isinstance(value, bool) or isinstance(off, bool):
+        return value is off
+    return value == off
+
+
 def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
     """An OpenAI request body of ``kind`` as (its prompt: a string or token ids for a
     completion, the messages for a chat; `GenerationConfig` fields it sets). ``null`` takes
@@ -78,7 +95,7 @@ def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}", unknown[0])
     for field, off in OFF_VALUES.items():  # on, an answer without them would be wrong
-        if body.get(field) not in off:
+        if not any(_same(body.get(field), value) for value in off):
             shown = " or ".join(json.dumps(o) for o in off[1:])
             raise RequestError(
                 f"{field} is not supported by specrt: leave it out (or {shown})", field
@@ -96,8 +113,8 @@ def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT
         if "messages" in body:
             raise RequestError("a completion request gives a prompt, not messages", "messages")
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list: text, or token ids
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             raise RequestError(
                 f"prompt is a list of {len(prompt)} prompts: send one prompt per request", "prompt"
@@ -172,5 +189,5 @@ def spec_stats(stats: dict) -> dict:
     }
 
 
-def error_body(message: str, kind: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

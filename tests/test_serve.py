@@ -142,7 +142,9 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         (dict(top_p=2.0), openai.BadRequestError, "top_p"),
         (dict(temperature=-1), openai.BadRequestError, "temperature"),
         (dict(model="gpt-4"), openai.NotFoundError, "not served here"),
+        # too long: 400 with OpenAI's code, which clients catch to trim and retry (it was 413)
         (dict(prompt="Simple is better than complex. " * 30), None, "positions fit"),
+        (dict(logprobs=0), openai.BadRequestError, "logprobs is not"),  # 0 == False, but asks
         (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
         (dict(logprobs=2), openai.BadRequestError, "logprobs is not supported"),
         (dict(echo=True), openai.BadRequestError, "echo is not supported"),
@@ -161,16 +163,29 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
             client.completions.create(**request)
         assert kind is None or isinstance(caught.value, kind)
         if kind is None:
-            assert caught.value.status_code == 413
+            assert isinstance(caught.value, openai.BadRequestError)
+            assert caught.value.response.json()["error"]["code"] == "context_length_exceeded"
         assert words in caught.value.response.json()["error"]["message"]
     raw = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=10)
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
     nulls = dict.fromkeys(["temperature", "top_p", "seed", "stop", "n", "stream", "max_tokens"])
+    nulls["model"] = None  # (null was taken for a model's name: 404)
     raw = httpx.post(f"{url}/v1/completions", json={"prompt": "Simple is", **nulls}, timeout=30)
     assert raw.status_code == 200, raw.text  # null is the default, as OpenAI reads it
     assert raw.json()["usage"]["completion_tokens"] <= 16  # the default max_tokens
     vllm_off = {"prompt": "Simple is", "max_tokens": 4, "top_k": -1}  # vLLM's "no filter"
     assert httpx.post(f"{url}/v1/completions", json=vllm_off, timeout=30).status_code == 200
+    # what clients written for vLLM send at neutral values (refused as unknown fields before),
+    # and one prompt of token ids in a list
+    vllm_off = {"prompt": [[5, 6, 7]], "max_tokens": 4, "min_p": 0.0, "stop_token_ids": [],
+                "skip_special_tokens": True, "ignore_eos": True,
+                "modalities": ["text"]}  # fmt: skip
+    done = httpx.post(f"{url}/v1/completions", json=vllm_off, timeout=30)
+    assert done.status_code == 200 and done.json()["usage"]["prompt_tokens"] == 3, done.text
+    assert done.json()["usage"]["completion_tokens"] == 4  # ignore_eos taken
+    vllm_on = {**vllm_off, "min_p": 0.1}
+    done = httpx.post(f"{url}/v1/completions", json=vllm_on, timeout=30)
+    assert done.status_code == 400 and "min_p is not supported" in done.text
     raw = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": "4"}, timeout=10)
     assert raw.status_code == 400 and 'max_tokens="4"' in raw.json()["error"]["message"]
     chat = httpx.post(
@@ -201,7 +216,7 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
 def test_oversized_bodies_and_prompts_are_refused_before_they_are_read_whole(server, reference):
     """A body larger than any prompt of the model could need gets 413 whether its length is
     declared or not (chunked), and a prompt of more characters than its positions could
-    hold gets 413 without being tokenized; a non-boolean stream gets 400; the server goes on
+    hold gets 400 ("context_length_exceeded") without being tokenized; a non-boolean stream gets 400; the server goes on
     answering meanwhile."""
     url = server[0]
     generator, _ = reference
@@ -217,7 +232,8 @@ def test_oversized_bodies_and_prompts_are_refused_before_they_are_read_whole(ser
     long = {"prompt": "Simple is better. " * (chars // 18 + 1), "max_tokens": 2}
     started = time.monotonic()
     refused = httpx.post(f"{url}/v1/completions", json=long, timeout=60)
-    assert refused.status_code == 413, refused.text
+    assert refused.status_code == 400, refused.text  # a prompt too long, as OpenAI says it
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
     assert "characters, far more than 128 positions hold" in refused.json()["error"]["message"]
     assert time.monotonic() - started < 10
     streamed = {"prompt": "Simple is", "max_tokens": 2, "stream": "yes"}

@@ -4,7 +4,7 @@
 (rendered with the bundle's chat template; 400 without one), ``GET /v1/models`` (and
 ``/v1/models/{id}``), ``GET /health``,
 ``GET /metrics`` (Prometheus). Errors are OpenAI-style bodies: 400 bad request, 404 unknown
-model, 413 prompt too long, 429 overloaded.
+model, 400 prompt too long (code "context_length_exceeded"), 413 body too large, 429 overloaded.
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ def create_app(
             handle, stream = await run_in_threadpool(submit, body, kind)
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
-        except PromptTooLongError as exc:
-            return error(413, str(exc), "invalid_request_error", "prompt")
+        except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
+            param = "messages" if kind == CHAT else "prompt"
+            return error(400, str(exc), "invalid_request_error", param, "context_length_exceeded")
         except OverloadedError as exc:
             return error(429, str(exc), "overloaded_error")
         except InvalidInputError as exc:
@@ -165,10 +166,11 @@ def create_app(
         return bytes(data)
 
     def submit(body: dict, kind: str) -> tuple[RequestHandle, bool]:
-        if body.get("model", model_name) != model_name:
+        if body.get("model") not in (None, model_name):  # null, as any field: the default
             raise _HttpError(
                 404,
-                f"model {body.get('model')!r} is not served here (this is {model_name!r})",
+                f"model {json.dumps(body['model'])} is not served here (this is "
+                f"{json.dumps(model_name)})",
                 "not_found_error",
                 "model",
             )
@@ -265,8 +267,10 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def error(status: int, message: str, kind: str, param: str | None = None) -> Response:
-    return JSONResponse(error_body(message, kind, param), status_code=status)
+def error(
+    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+) -> Response:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
 class _HttpError(Exception):
