@@ -61,6 +61,7 @@ def one_request(
     http: httpx.Client, url: str, prompt: str, max_tokens: int, temperature: float = 0.0
 ) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": temperature}
+    body["stream_options"] = {"include_usage": True}  # the last chunk: the tokens it counts
     started = time.perf_counter()
     first, tokens = None, 0
     with http.stream("POST", f"{url}/v1/completions", json=body) as response:

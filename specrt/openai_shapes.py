@@ -89,6 +89,9 @@ def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT
     body = {key: value for key, value in body.items() if value is not None}  # null: default
     if not isinstance(body.get("stream", False), bool):
         raise RequestError("stream must be true or false", "stream")
+    if not isinstance(body.get("stream_options", {}), dict):
+        message = 'stream_options must be an object ({"include_usage": true})'
+        raise RequestError(message, "stream_options")
     if body.get("n", 1) != 1:
         raise RequestError("only n = 1 is supported", "n")
     unknown = sorted(set(body) - set(FIELDS) - IGNORED)

@@ -96,6 +96,18 @@ def test_completions_streamed_or_not_equal_generate(client, reference):
         )
         assert "".join(c.choices[0].text for c in chunks) == choice.text
         assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+        assert all(c.usage is None for c in chunks)  # usage only where asked, as OpenAI
+        # asked: one more chunk, no choices, the usage (clients read it where choices are empty;
+        # it rode on the finish chunk, asked or not)
+        chunks = list(
+            client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=24, stream=True,
+                stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+        assert chunks[-2].choices[0].finish_reason == choice.finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+        assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
@@ -216,8 +228,8 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
 def test_oversized_bodies_and_prompts_are_refused_before_they_are_read_whole(server, reference):
     """A body larger than any prompt of the model could need gets 413 whether its length is
     declared or not (chunked), and a prompt of more characters than its positions could
-    hold gets 400 ("context_length_exceeded") without being tokenized; a non-boolean stream gets 400; the server goes on
-    answering meanwhile."""
+    hold gets 400 ("context_length_exceeded") without being tokenized; a non-boolean stream
+    gets 400; the server goes on answering meanwhile."""
     url = server[0]
     generator, _ = reference
     chars = generator.max_prompt_chars

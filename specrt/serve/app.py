@@ -102,7 +102,7 @@ def create_app(
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object", "invalid_request_error")
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
-            handle, stream = await run_in_threadpool(submit, body, kind)
+            handle, stream, with_usage = await run_in_threadpool(submit, body, kind)
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -114,7 +114,9 @@ def create_app(
             return error(400, str(exc), "invalid_request_error")
         ident = new_id(kind)
         if stream:
-            return StreamingResponse(events(handle, ident, kind), media_type="text/event-stream")
+            return StreamingResponse(
+                events(handle, ident, kind, with_usage), media_type="text/event-stream"
+            )
         try:
             result = await until_disconnect(request, handle)
         except SpecrtError as exc:
@@ -165,7 +167,7 @@ def create_app(
                 raise too_big
         return bytes(data)
 
-    def submit(body: dict, kind: str) -> tuple[RequestHandle, bool]:
+    def submit(body: dict, kind: str) -> tuple[RequestHandle, bool, bool]:
         if body.get("model") not in (None, model_name):  # null, as any field: the default
             raise _HttpError(
                 404,
@@ -183,11 +185,16 @@ def create_app(
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         handle = service.submit(prompt, config)
         handle.add_done_callback(metrics.record)
-        return handle, bool(body.get("stream"))
+        options = body.get("stream_options") or {}
+        return handle, bool(body.get("stream")), bool(options.get("include_usage"))
 
-    async def events(handle: RequestHandle, ident: str, kind: str) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per delta, a last one with the finish reason, usage and
-        stats. A client that goes away cancels the request (the handle's iterator closes)."""
+    async def events(
+        handle: RequestHandle, ident: str, kind: str, with_usage: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per delta, a last one with the finish reason and the
+        speculative stats, and, where ``stream_options.include_usage`` asked, one with no
+        choices and the usage (as OpenAI sends it). A client that goes away cancels the
+        request (the handle's iterator closes)."""
         try:
             if kind == CHAT:  # the role comes first, as OpenAI sends it
                 yield sse(chunk(ident, kind, None, None))
@@ -198,9 +205,10 @@ def create_app(
             yield sse({"error": {"message": str(exc), "type": "server_error"}})
             return
         final = chunk(ident, kind, "", result.finish_reason)
-        final["usage"] = usage(result)
         final["speculative_decoding"] = spec_stats(result)
         yield sse(final)
+        if with_usage:
+            yield sse({**chunk(ident, kind, None, None), "choices": [], "usage": usage(result)})
         yield "data: [DONE]\n\n"
 
     def chunk(
