@@ -282,8 +282,8 @@ def test_disconnects_mid_stream_free_their_slots(server, client, reference):
     _, expected = reference
     reply = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=24)
     assert reply.choices[0].text == expected[PROMPTS[3]].text
-    metrics = httpx.get(f"{url}/metrics").text
-    assert 'vllm:request_success_total{finished_reason="cancelled"}' in metrics
+    metrics = scrape(httpx.get(f"{url}/metrics").text)
+    assert 'vllm:request_success_total{finished_reason="abort"}' in metrics  # vLLM's name
     assert "vllm:spec_decode_num_draft_tokens_total" in metrics
 
 
@@ -294,10 +294,8 @@ def test_a_client_gone_before_its_answer_cancels_it_streaming_or_not(server):
     port = int(url.rsplit(":", 1)[1])
 
     def cancelled() -> float:
-        for line in httpx.get(f"{url}/metrics").text.splitlines():
-            if line.startswith('vllm:request_success_total{finished_reason="cancelled"}'):
-                return float(line.split()[-1])
-        return 0.0
+        metrics = scrape(httpx.get(f"{url}/metrics").text)
+        return metrics.get('vllm:request_success_total{finished_reason="abort"}', 0.0)
 
     before = cancelled()
     body = json.dumps({"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 100}).encode()
@@ -328,14 +326,26 @@ def test_sixteen_concurrent_streams_equal_their_serial_output(client, reference)
     assert outputs == {p: expected[p].text for p in PROMPTS[:16]}
 
 
+def scrape(text: str) -> dict[str, float]:
+    """The samples of a /metrics page by name and labels, read with prometheus_client's own
+    parser; every one must carry ``model_name`` (vLLM's dashboards filter on it), left out of
+    the keys."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == "tiny", sample
+            shown = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+            values[sample.name + (f"{{{shown}}}" if shown else "")] = sample.value
+    return values
+
+
 def test_metrics_count_speculation(server):
     text = httpx.get(f"{server[0]}/metrics").text
     assert "_created" not in text  # no timestamp series beside each counter (as vLLM)
-    values = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#") and "{" not in line
-    }
+    values = scrape(text)
     assert values["vllm:generation_tokens_total"] > 0
     assert (
         values["vllm:spec_decode_num_accepted_tokens_total"]
@@ -344,10 +354,9 @@ def test_metrics_count_speculation(server):
     assert values["vllm:e2e_request_latency_seconds_count"] > 0
     # The same counts split by proposer (the server's default is the hybrid): they add up.
     by_proposer: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("specrt:proposer_num_draft_tokens_total{"):
-            name, value = line.rsplit(" ", 1)
-            by_proposer[name.split('proposer="')[1].split('"')[0]] = float(value)
+    for name, value in values.items():
+        if name.startswith("specrt:proposer_num_draft_tokens_total{"):
+            by_proposer[name.split('proposer="')[1].split('"')[0]] = value
     assert set(by_proposer) <= {"model", "lookup", "suffix"} and "lookup" in by_proposer
     assert sum(by_proposer.values()) == values["vllm:spec_decode_num_draft_tokens_total"]
     # Per-request histograms: their sums are the counters' totals.
@@ -373,8 +382,7 @@ def test_metrics_gauge_requests_running_and_waiting(server):
     client = httpx.Client(base_url=url, limits=limits, timeout=60)
 
     def gauges() -> tuple[float, float]:
-        lines = client.get("/metrics").text.splitlines()
-        value = {line.split(" ")[0]: float(line.split(" ")[1]) for line in lines if line[:1] != "#"}
+        value = scrape(client.get("/metrics").text)
         usage.append(value["vllm:kv_cache_usage_perc"])
         return value["vllm:num_requests_running"], value["vllm:num_requests_waiting"]
 

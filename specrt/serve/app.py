@@ -49,7 +49,7 @@ def create_app(
     """The app serving ``service`` as model ``model_name``; ``defaults``: the config a request
     starts from (its num_draft_tokens and draft schedule, above all). ``api_key``: the /v1
     routes answer only requests bearing it (`BearerKey`)."""
-    metrics = Metrics(service)
+    metrics = Metrics(service, model_name)
     created = int(time.time())
     # A character escaped in JSON takes at most 6 bytes (\\uXXXX); the rest of a body is small.
     max_body = 6 * service.generator.max_prompt_chars + BODY_SLACK

@@ -1,5 +1,6 @@
-"""Prometheus metrics, named as vLLM names its speculative-decoding and latency metrics, so
-existing dashboards read them."""
+"""Prometheus metrics, named and labelled as vLLM's speculative-decoding, scheduler and latency
+metrics (every series carries ``model_name``, which vLLM's dashboards filter on), so existing
+dashboards read them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ from specrt.runtime.service import RequestHandle, Service
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+FINISHED_REASONS = {"cancelled": "abort"}
+
+
+class _ForModel:
+    """A labelled metric's children for one model: ``labels(*others)``."""
+
+    def __init__(self, metric, model_name: str) -> None:
+        self.metric, self.model_name = metric, model_name
+
+    def labels(self, *values: str):
+        return self.metric.labels(self.model_name, *values)
 
 
 class Metrics:
@@ -28,75 +40,68 @@ class Metrics:
     histograms of each request's latency, time to first token, time in the queue, time per
     output token and token counts."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, model_name: str) -> None:
         # No `*_created` series beside every counter and histogram (as vLLM): they double what
         # a scrape stores and no dashboard reads them. Process-wide, as the server is.
         disable_created_metrics()
         self.registry = registry = CollectorRegistry()
-        running = Gauge("vllm:num_requests_running", "Requests in the batch", registry=registry)
-        running.set_function(lambda: service.running)
-        waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting for a slot", registry=registry
-        )
-        waiting.set_function(lambda: service.waiting)
-        usage = Gauge(
+
+        def counter(name: str, documentation: str, *labels: str):
+            """A counter of this model's (the child for its name, where no other label)."""
+            metric = Counter(name, documentation, ["model_name", *labels], registry=registry)
+            return metric.labels(model_name) if not labels else _ForModel(metric, model_name)
+
+        def gauge(name: str, documentation: str, read) -> None:
+            metric = Gauge(name, documentation, ["model_name"], registry=registry)
+            metric.labels(model_name).set_function(read)
+
+        def histogram(name: str, documentation: str, buckets: tuple):
+            labels = ["model_name"]
+            metric = Histogram(name, documentation, labels, buckets=buckets, registry=registry)
+            return metric.labels(model_name)
+
+        gauge("vllm:num_requests_running", "Requests in the batch", lambda: service.running)
+        gauge("vllm:num_requests_waiting", "Requests waiting for a slot", lambda: service.waiting)
+        gauge(
             "vllm:kv_cache_usage_perc",
             "Share of the KV cache positions the running requests hold (1: all)",
-            registry=registry,
+            lambda: service.cache_usage,
         )
-        usage.set_function(lambda: service.cache_usage)
-        self.requests = Counter(
-            "vllm:request_success", "Finished requests", ["finished_reason"], registry=registry
+        self.requests = counter("vllm:request_success", "Finished requests", "finished_reason")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        self.drafts = counter(
+            "vllm:spec_decode_num_drafts", "Verification passes that checked drafts"
         )
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", registry=registry)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Generated tokens", registry=registry
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted"
         )
-        self.drafts = Counter(
-            "vllm:spec_decode_num_drafts",
-            "Verification passes that checked drafts",
-            registry=registry,
-        )
-        self.draft_tokens = Counter(
-            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=registry
-        )
-        self.accepted_tokens = Counter(
-            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=registry
-        )
-        self.accepted_per_position = Counter(
+        self.accepted_per_position = counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft",
-            ["position"],
-            registry=registry,
+            "position",
         )
         # Ours (vLLM has one proposer per server): the same counts split by proposer.
-        self.proposer_drafts = Counter(
+        self.proposer_drafts = counter(
             "specrt:proposer_num_drafts",
             "Verification passes that checked drafts, by proposer",
-            ["proposer"],
-            registry=registry,
+            "proposer",
         )
-        self.proposer_draft_tokens = Counter(
+        self.proposer_draft_tokens = counter(
             "specrt:proposer_num_draft_tokens",
             "Draft tokens proposed, by proposer (model, lookup, suffix)",
-            ["proposer"],
-            registry=registry,
+            "proposer",
         )
-        self.proposer_accepted_tokens = Counter(
-            "specrt:proposer_num_accepted_tokens",
-            "Draft tokens accepted, by proposer",
-            ["proposer"],
-            registry=registry,
+        self.proposer_accepted_tokens = counter(
+            "specrt:proposer_num_accepted_tokens", "Draft tokens accepted, by proposer", "proposer"
         )
-        self.proposer_accepted_per_position = Counter(
+        self.proposer_accepted_per_position = counter(
             "specrt:proposer_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by proposer and position in the draft",
-            ["proposer", "position"],
-            registry=registry,
+            "proposer",
+            "position",
         )
-
-        def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
-            return Histogram(name, documentation, buckets=buckets, registry=registry)
 
         self.latency = histogram(
             "vllm:e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS
@@ -126,7 +131,8 @@ class Metrics:
             self.requests.labels("error").inc()
             return
         stats = result.stats
-        self.requests.labels(result.finish_reason).inc()
+        # vLLM's names for why a request ended ("abort": cancelled, or its client went away)
+        self.requests.labels(FINISHED_REASONS.get(result.finish_reason, result.finish_reason)).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         self.drafts.inc(stats.draft_rounds)
