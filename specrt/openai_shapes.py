@@ -122,7 +122,8 @@ def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT
             raise RequestError(
                 f"prompt is a list of {len(prompt)} prompts: send one prompt per request", "prompt"
             )
-        if not isinstance(prompt, (str, list)):
+        mixed = isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)
+        if not isinstance(prompt, (str, list)) or mixed:
             raise RequestError("prompt must be a string (or a list of token ids)", "prompt")
     options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
     if default_max_tokens is not None:

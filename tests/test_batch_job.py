@@ -395,6 +395,7 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
         ({"body": {"prompt": "a", "n": 2}}, "only n = 1 is supported"),
         ({"body": {"prompt": "a", "logprobs": 2}}, "logprobs is not supported by specrt"),
         ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts"),
+        ({"body": {"prompt": [1, "a"]}}, "prompt must be a string (or a list of token ids)"),
         # the url decides the kind of request (the body's keys decided, whatever the url)
         ({"url": "/v1/chat/completions", "body": {"prompt": "a"}},
          "a chat request gives messages, not a prompt"),
