@@ -607,8 +607,7 @@ def batch(
             err=True,
         )
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
-        previous = signal.signal(signal.SIGTERM, _terminate)  # what systemd, k8s, timeout send
-        try:
+        try:  # (SIGTERM arrives as _Terminated: `_friendly_errors`)
             result = run_batch(
                 generator,
                 rows,
@@ -625,8 +624,6 @@ def batch(
                 err=True,
             )
             sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 143)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
     report = result.to_dict()
     if summary is not None:
         summary.parent.mkdir(parents=True, exist_ok=True)
