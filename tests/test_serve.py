@@ -370,6 +370,62 @@ def test_metrics_count_speculation(server):
     assert 0 < values["vllm:request_time_per_output_token_seconds_count"]
 
 
+# The series vLLM's own Grafana dashboard (examples/online_serving/prometheus_grafana) reads,
+# beyond the cache gauge: a panel whose series is missing stays empty.
+DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
+
+
+def test_metrics_fill_every_panel_of_vllms_dashboard(server):
+    """The inter-token, prefill and decode series were missing: three of the dashboard's panels
+    stayed empty. One request's share of each, read as differences of two scrapes."""
+    url, _ = server
+    before = scrape(httpx.get(f"{url}/metrics").text)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "ignore_eos": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    after = scrape(httpx.get(f"{url}/metrics").text)
+    names = {name.split("{")[0] for name in after}
+    assert not [series for series in DASHBOARD_SERIES if series not in names]
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    tokens = reply["usage"]["completion_tokens"]
+    assert tokens == 12
+    assert grew("vllm:request_params_max_tokens_sum") == 12
+    assert grew("vllm:request_max_num_generation_tokens_sum") == tokens
+    # Its first token comes from the prompt's pass, the other 11 from 1 to 11 rounds
+    gaps = grew("vllm:inter_token_latency_seconds_count")
+    assert 1 <= gaps <= tokens - 1
+    assert grew("vllm:time_per_output_token_seconds_count") == gaps
+    assert grew("vllm:time_per_output_token_seconds_sum") == grew(
+        "vllm:inter_token_latency_seconds_sum"
+    )
+    prefill, decode = (
+        grew("vllm:request_prefill_time_seconds_sum"),
+        grew("vllm:request_decode_time_seconds_sum"),
+    )
+    assert prefill > 0 and decode > 0
+    assert grew("vllm:request_inference_time_seconds_sum") == pytest.approx(prefill + decode)
+    assert decode == pytest.approx(grew("vllm:inter_token_latency_seconds_sum"))
+    assert prefill + decode <= grew("vllm:e2e_request_latency_seconds_sum")
+
+
 def test_metrics_gauge_requests_running_and_waiting(server):
     """The scheduler's state, read at each scrape: sixteen streams at once on a server with
     four slots fill the batch and queue the rest, and hold part of the KV cache; afterwards

@@ -68,6 +68,10 @@ class RequestHandle:
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None  # when it left the queue for the batch
         self.first_text_at: float | None = None  # when its first text was handed out
+        # When rounds gave it tokens (the metrics' prefill, decode and inter-token times)
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.token_gaps: list[float] = []  # between rounds that gave it tokens
 
     # For the consumer --------------------------------------------------------------------
     @property
@@ -153,6 +157,8 @@ class RequestHandle:
 
     # For the service thread --------------------------------------------------------------
     def _progress(self, new_ids: list[int]) -> None:
+        if len(new_ids) > self._sent_tokens:
+            self._tokens_came()
         if self._per_token:
             counts = range(self._sent_tokens + 1, len(new_ids) + 1)
             pieces = [self._text.update(new_ids[:n]) for n in counts]
@@ -164,8 +170,18 @@ class RequestHandle:
     def _finish(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
         """The rest of the text (the last round's tokens, cut before a stop string) in one
         delta, and the result."""
+        if result is not None and len(result.token_ids) > self._sent_tokens:
+            self._tokens_came()
         tail = self._text.finish(result.text) if result is not None else ""
         self._publish([tail] if tail else [], result, error)
+
+    def _tokens_came(self) -> None:
+        now = time.perf_counter()
+        if self.last_token_at is None:
+            self.first_token_at = now
+        else:
+            self.token_gaps.append(now - self.last_token_at)
+        self.last_token_at = now
 
     def _publish(self, deltas: list[str], result=None, error=None) -> None:
         callbacks = []

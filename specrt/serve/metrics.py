@@ -117,6 +117,38 @@ class Metrics:
             "A request's mean time per output token after the first",
             TOKEN_TIME_BUCKETS,
         )
+        # vLLM's inter-token latency, under its current name and the one its Grafana dashboard
+        # reads: the time between the rounds that gave a request tokens (a round may give many)
+        self.inter_token = [
+            histogram(
+                name, "Time between the rounds that gave a request tokens", TOKEN_TIME_BUCKETS
+            )
+            for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+        ]
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "From leaving the queue to the request's first token",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "From the request's first token to its last",
+            LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "From leaving the queue to the request's last token",
+            LATENCY_BUCKETS,
+        )
+        self.max_tokens = histogram(
+            "vllm:request_params_max_tokens", "The max_tokens a request asked for",
+            TOKEN_COUNT_BUCKETS,
+        )  # fmt: skip
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Tokens a request generated (one sequence a request: as request_generation_tokens)",
+            TOKEN_COUNT_BUCKETS,
+        )
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens of a request", TOKEN_COUNT_BUCKETS
         )
@@ -156,6 +188,16 @@ class Metrics:
             self.time_per_token.observe((now - first) / (tokens - 1))
         self.request_prompt_tokens.observe(stats.prompt_tokens)
         self.request_generation_tokens.observe(tokens)
+        self.max_generation_tokens.observe(tokens)
+        self.max_tokens.observe(handle.request.config.max_new_tokens)
+        for gap in handle.token_gaps:
+            for metric in self.inter_token:
+                metric.observe(gap)
+        started, first, last = handle.admitted_at, handle.first_token_at, handle.last_token_at
+        if started is not None and first is not None:
+            self.prefill_time.observe(first - started)
+            self.decode_time.observe(last - first)
+            self.inference_time.observe(last - started)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
