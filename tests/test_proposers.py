@@ -12,7 +12,9 @@ import specrt.runtime.generator as generator_module
 from specrt.backends import Forward, base
 from specrt.export import SUPPORTED_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
-from specrt.runtime.lookup import NgramIndex, SuffixCache
+from specrt.runtime.batching import BatchRunner, Request
+from specrt.runtime.hybrid import NO_MATCH_YET, HybridDrafter, MatchAcceptance, outcome
+from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache
 from specrt.runtime.service import Service
 from specrt.runtime.verification import verify
 from tests.test_verification import PLAIN, Branches, V, _random, branches  # noqa: F401
@@ -330,3 +332,29 @@ def test_a_hybrids_model_reads_a_window_of_a_long_context(llama_bundle, monkeypa
     seeded = GenerationConfig(**hybrid_config, temperature=1.0, seed=3)
     generator.generate([prompt], seeded)
     assert max(fed) >= len(prompt) - 1  # the whole prompt at least
+
+
+def test_a_rows_first_match_is_learnt_apart_from_one_after_a_miss(llama_bundle):
+    """A row's first match (often its prompt's own repeat) is kept far more often than one
+    right after the target left a copy: learnt as one (both were history 0), the first ones
+    had the hybrid verify long matches again right after a miss (docs/performance.md, session
+    22). Both the one-row hybrid and a batched row start with no match yet."""
+    acceptance = MatchAcceptance()
+    found = Proposal(list(range(8)), 3, "lookup")
+    for _ in range(20):
+        acceptance.record(found, NO_MATCH_YET, 8, 8)  # first matches: all kept
+        acceptance.record(found, outcome(8, 0), 8, 0)  # after a miss: none
+    assert acceptance.expected_tokens(found, NO_MATCH_YET)[-1] > 7
+    assert acceptance.expected_tokens(found, outcome(8, 0))[-1] < 1.5
+    assert NO_MATCH_YET not in {outcome(8, accepted) for accepted in range(9)}
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(proposer="hybrid", max_new_tokens=4)
+    hybrid, _ = generator.one_row(config)
+    assert isinstance(hybrid, HybridDrafter)
+    hybrid.history = outcome(8, 0)
+    hybrid.reset()
+    assert hybrid.history == NO_MATCH_YET
+    runner = BatchRunner(generator.target, generator.drafter.decoder, None, frozenset())
+    request = Request(0, [5, 6, 7], config, np.random.default_rng(0))
+    assert runner._new_row(request).match_history == NO_MATCH_YET

@@ -22,7 +22,13 @@ from specrt.backends.base import whole_chunks
 from specrt.errors import InvalidInputError, NumericalError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter
-from specrt.runtime.hybrid import DRAFT_WINDOW, HybridDrafter, MatchAcceptance, outcome
+from specrt.runtime.hybrid import (
+    DRAFT_WINDOW,
+    NO_MATCH_YET,
+    HybridDrafter,
+    MatchAcceptance,
+    outcome,
+)
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import (
@@ -72,7 +78,7 @@ class _Row:
     started: float
     stopper: StopStrings | None = None
     index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
-    match_history: int = 0  # how its last match fared (`hybrid.outcome`)
+    match_history: int = NO_MATCH_YET  # how its last match fared (`hybrid.outcome`)
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")

@@ -5,17 +5,17 @@ A match proposes up to L tokens for free; the round then costs one verification 
 positions, :math:`T(L)`, a line fitted to the passes measured so far (on a CPU each position
 adds 10-20% to a pass of the demo target; on a GPU next to nothing). Its expected yield is
 :math:`E(L) = 1 + \sum_{j \le L} \prod_{i \le j} a_i`, where :math:`a_i` is the learned rate at
-which the token at position i of such a match is accepted when the ones before it were, kept
-per proposer, match length and how the row's previous match fared (none kept, some, all: a row
-that is copying keeps copying; decayed counts over a prior). The hybrid takes the L with the
-most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model rounds (the
+which the token at position i of such a match is accepted when the ones before it were, kept per
+proposer, match length and how the row's previous match fared (none kept, some, all, or none
+yet: a row that is copying keeps copying; decayed counts over a prior). The hybrid takes the L
+with the most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model rounds (the
 draft-length schedule's choices included), which it measures as they run; otherwise the model
 drafts as it would alone. Both rates are counted in tokens per one-position pass, :math:`T(0)`
 at the time, not per second: a pass costs more as the row grows, and a rate learned on short
 rows must still compare right on long ones. Timings are what the rounds took. Where a seeded
 row's draws must not depend on the machine or on its neighbours (``reproducible``), the rule is
-fixed instead: the match whenever there is one, at most the round's K tokens of it (the rule
-the batched runner applies to such rows, so the row gives the same tokens either way).
+fixed instead: the match whenever there is one, at most the round's K tokens of it (the rule the
+batched runner applies to such rows, so the row gives the same tokens either way).
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ MATCH_BINS = 4  # match lengths told apart: 1, 2, 3, 4 and more
 # of them: catching up a long prompt cost more than the model's rounds gained on such rows
 # (docs/performance.md, session 15). Only a proposer's context: the output stays the target's.
 DRAFT_WINDOW = 64
+# The history of a row that has had no match yet (`outcome` gives 0-2): a row's first match
+# (often its prompt's own repeat) fares unlike one after a failed match, and counted together
+# the first ones taught the row to verify long matches again right after the target had left a
+# copy (docs/performance.md, session 22).
+NO_MATCH_YET = 3
 
 
 class HybridDrafter:
@@ -82,14 +87,14 @@ class HybridDrafter:
         self._model_rounds = 0  # that drafted, ever
         self._warm = False
         self._last = NO_PROPOSAL  # the last match proposed
-        self.history = 0  # how the row's last match fared (`MatchAcceptance`)
+        self.history = NO_MATCH_YET  # how the row's last match fared (`outcome`)
 
     @property
     def run_time_s(self) -> float:
         return self.model.run_time_s
 
     def reset(self) -> None:
-        self.history = 0
+        self.history = NO_MATCH_YET
         self.model.reset()
         self.lookup.reset()
 
@@ -211,7 +216,7 @@ class MatchAcceptance:
     def expected_tokens(self, found: Proposal, history: int = 0) -> list[float]:
         """For L = 1 .. len(found.tokens): the tokens a round verifying the first L emits,
         on average (the accepted ones and the one after them). ``history``: `outcome` of the
-        row's previous match (0 where it had none)."""
+        row's previous match (`NO_MATCH_YET` where it had none)."""
         counts = self.counts.get(_key(found, history))
         expected, survival, out = 1.0, 1.0, []
         for position in range(len(found.tokens)):
