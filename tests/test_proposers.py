@@ -132,6 +132,32 @@ def test_ngram_index_matches_brute_force(min_n, max_n):
     assert NgramIndex(1, 3).propose([1, 2, 3], 3).tokens == []  # no token repeats
 
 
+def test_a_match_says_whether_it_continues_the_rows_own_output():
+    """A row repeating its own output goes on far more often than one following its prompt:
+    the hybrid learns the two apart (session 22), so a match says which it continues."""
+    prompt = [1, 2, 3, 4, 1, 2]  # its first match (at this length) continues the prompt
+    index = NgramIndex(1, 3)
+    found = index.propose(prompt, 2)
+    assert found.tokens == [3, 4] and not found.from_output
+    row = prompt + [9, 8, 7, 9, 8]  # then the row generates a loop of its own
+    found = index.propose(row, 2)
+    assert found.tokens == [7, 9] and found.from_output
+    index.reset()  # a new row: its prompt is what it has at its first match
+    assert not index.propose(row, 2).from_output
+    acceptance = MatchAcceptance()
+    own = Proposal([1, 2, 3, 4], 2, "lookup", from_output=True)
+    follows = Proposal([1, 2, 3, 4], 2, "lookup", from_output=False)
+    for _ in range(20):
+        acceptance.record(own, 2, 4, 4)
+        acceptance.record(follows, 2, 4, 0)
+    assert (
+        acceptance.expected_tokens(own, 2)[-1]
+        > 4
+        > 1.5
+        > acceptance.expected_tokens(follows, 2)[-1]
+    )
+
+
 def test_suffix_cache_proposes_the_most_frequent_continuation():
     cache = SuffixCache(max_tokens=1000, depth=3)
     for document in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 9], [7, 2, 3, 5]):

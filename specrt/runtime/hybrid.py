@@ -6,16 +6,17 @@ positions, :math:`T(L)`, a line fitted to the passes measured so far (on a CPU e
 adds 10-20% to a pass of the demo target; on a GPU next to nothing). Its expected yield is
 :math:`E(L) = 1 + \sum_{j \le L} \prod_{i \le j} a_i`, where :math:`a_i` is the learned rate at
 which the token at position i of such a match is accepted when the ones before it were, kept per
-proposer, match length and how the row's previous match fared (none kept, some, all, or none
-yet: a row that is copying keeps copying; decayed counts over a prior). The hybrid takes the L
-with the most :math:`E(L)/T(L)` and uses it when that beats the rate of recent model rounds (the
-draft-length schedule's choices included), which it measures as they run; otherwise the model
-drafts as it would alone. Both rates are counted in tokens per one-position pass, :math:`T(0)`
-at the time, not per second: a pass costs more as the row grows, and a rate learned on short
-rows must still compare right on long ones. Timings are what the rounds took. Where a seeded
-row's draws must not depend on the machine or on its neighbours (``reproducible``), the rule is
-fixed instead: the match whenever there is one, at most the round's K tokens of it (the rule the
-batched runner applies to such rows, so the row gives the same tokens either way).
+proposer, match length, how the row's previous match fared (none kept, some, all, or none yet: a
+row that is copying keeps copying) and whether the match continues the row's own output or its
+prompt (decayed counts over a prior). The hybrid takes the L with the most :math:`E(L)/T(L)` and
+uses it when that beats the rate of recent model rounds (the draft-length schedule's choices
+included), which it measures as they run; otherwise the model drafts as it would alone. Both
+rates are counted in tokens per one-position pass, :math:`T(0)` at the time, not per second: a
+pass costs more as the row grows, and a rate learned on short rows must still compare right on
+long ones. Timings are what the rounds took. Where a seeded row's draws must not depend on the
+machine or on its neighbours (``reproducible``), the rule is fixed instead: the match whenever
+there is one, at most the round's K tokens of it (the rule the batched runner applies to such
+rows, so the row gives the same tokens either way).
 """
 
 from __future__ import annotations
@@ -210,7 +211,8 @@ class MatchAcceptance:
     a match's first token is a coin flip, later ones likely, until seen)."""
 
     def __init__(self) -> None:
-        # (source, match bin, history) -> per position [reached, accepted]
+        # (source, match bin, history, from the row's output) -> per position [reached,
+        # accepted]
         self.counts: dict[tuple[str, int, int], list[list[float]]] = {}
 
     def expected_tokens(self, found: Proposal, history: int = 0) -> list[float]:
@@ -249,5 +251,5 @@ def outcome(drafted: int, accepted: int) -> int:
     return 0 if accepted == 0 else 2 if accepted >= drafted else 1
 
 
-def _key(found: Proposal, history: int) -> tuple[str, int, int]:
-    return found.source, min(found.match, MATCH_BINS), history
+def _key(found: Proposal, history: int) -> tuple[str, int, int, bool]:
+    return found.source, min(found.match, MATCH_BINS), history, found.from_output
