@@ -78,7 +78,7 @@ class _Row:
     started: float
     stopper: StopStrings | None = None
     index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
-    match_history: int = NO_MATCH_YET  # how its last match fared (`hybrid.outcome`)
+    match_history: int = NO_MATCH_YET  # how its last match fared (`hybrid.outcome`), if any
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")
@@ -266,6 +266,7 @@ class BatchRunner:
         row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            row.index.prompt_length = len(prompt)  # its first lookup may come rounds later
         if config.reproducible:  # its draws follow its own outcomes alone, whatever the batch
             drafts = k_max and config.proposer != "lookup"
             name = config.draft_schedule if drafts else "fixed"
@@ -381,7 +382,10 @@ class BatchRunner:
         config, tokens = row.request.config, row.tokens
         if row.alone is None:
             drafter, schedule = self.one_row(config)
-            row.alone = drafter, schedule, getattr(drafter, "lookup", None)
+            lookup = getattr(drafter, "lookup", None)
+            if lookup is not None and row.index is not None:  # the row's own index goes on
+                lookup.index = row.index
+            row.alone = drafter, schedule, lookup
         drafter, schedule, lookup = row.alone
         model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
         if isinstance(drafter, HybridDrafter):  # shared by rows: this row's index and history

@@ -206,16 +206,17 @@ class HybridDrafter:
 
 
 class MatchAcceptance:
-    """How often the tokens of matches are accepted: per proposer and match length, the rate
+    """How often the tokens of matches are accepted: per proposer, match length, the row's
+    previous match's outcome and whether the match continues the row's own output, the rate
     at which position i is accepted when the ones before it were (decayed counts over a prior:
     a match's first token is a coin flip, later ones likely, until seen)."""
 
     def __init__(self) -> None:
         # (source, match bin, history, from the row's output) -> per position [reached,
         # accepted]
-        self.counts: dict[tuple[str, int, int], list[list[float]]] = {}
+        self.counts: dict[tuple[str, int, int, bool], list[list[float]]] = {}
 
-    def expected_tokens(self, found: Proposal, history: int = 0) -> list[float]:
+    def expected_tokens(self, found: Proposal, history: int = NO_MATCH_YET) -> list[float]:
         """For L = 1 .. len(found.tokens): the tokens a round verifying the first L emits,
         on average (the accepted ones and the one after them). ``history``: `outcome` of the
         row's previous match (`NO_MATCH_YET` where it had none)."""

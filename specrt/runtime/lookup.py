@@ -34,9 +34,9 @@ class Proposal:
     tokens: list[int]
     match: int
     source: str = ""
-    # From text the row generated after its first match was looked for (not its prompt, not
-    # another request's): a row repeating itself goes on far more often than it follows its
-    # prompt (after a match kept whole: 0.90 of such tokens kept against 0.44; session 22).
+    # From text the row generated (not its prompt, not another request's): a row repeating
+    # itself goes on far more often than it follows its prompt (after a match kept whole: 0.90
+    # of such tokens kept against 0.44; docs/performance.md, session 22).
     from_output: bool = False
 
 
@@ -54,25 +54,27 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
         self._seen = 0  # tokens[:_seen] are indexed (each with its continuation)
-        self._given = None  # the row's length at its first match: its prompt, about
+        # Where the row's own output starts (its prompt's length); None: the row's length at
+        # its first lookup, which the one-row loop makes with the prompt alone
+        self.prompt_length: int | None = None
 
     def reset(self) -> None:
         self._next.clear()
         self._seen = 0
-        self._given = None
+        self.prompt_length = None
 
     def propose(self, tokens: Sequence[int], k: int) -> Proposal:
         """Up to ``k`` tokens continuing ``tokens`` (the same list, grown, at every call)."""
         self._index(tokens)
-        if self._given is None:
-            self._given = len(tokens)
+        if self.prompt_length is None:
+            self.prompt_length = len(tokens)
         if k <= 0:
             return NO_PROPOSAL
         end = len(tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             start = self._next.get(tuple(tokens[end - n :]))
             if start is not None:
-                own = start >= self._given
+                own = start >= self.prompt_length
                 return Proposal(_continued(tokens, start, k), n, "lookup", own)
         return NO_PROPOSAL
 

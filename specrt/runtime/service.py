@@ -156,9 +156,10 @@ class RequestHandle:
         return self.result()
 
     # For the service thread --------------------------------------------------------------
-    def _progress(self, new_ids: list[int]) -> None:
+    def _progress(self, new_ids: list[int], now: float | None = None) -> None:
+        """``now``: when the round that gave ``new_ids`` ended (one time for all its rows)."""
         if len(new_ids) > self._sent_tokens:
-            self._tokens_came()
+            self._tokens_came(now)
         if self._per_token:
             counts = range(self._sent_tokens + 1, len(new_ids) + 1)
             pieces = [self._text.update(new_ids[:n]) for n in counts]
@@ -167,16 +168,21 @@ class RequestHandle:
         self._sent_tokens = len(new_ids)
         self._publish([p for p in pieces if p])
 
-    def _finish(self, result: GenerationResult | None, error: BaseException | None = None) -> None:
+    def _finish(
+        self,
+        result: GenerationResult | None,
+        error: BaseException | None = None,
+        now: float | None = None,
+    ) -> None:
         """The rest of the text (the last round's tokens, cut before a stop string) in one
         delta, and the result."""
         if result is not None and len(result.token_ids) > self._sent_tokens:
-            self._tokens_came()
+            self._tokens_came(now)
         tail = self._text.finish(result.text) if result is not None else ""
         self._publish([tail] if tail else [], result, error)
 
-    def _tokens_came(self) -> None:
-        now = time.perf_counter()
+    def _tokens_came(self, now: float | None) -> None:
+        now = time.perf_counter() if now is None else now
         if self.last_token_at is None:
             self.first_token_at = now
         else:
@@ -430,14 +436,16 @@ class Service:
                 handle._finish(result)
 
     def _round(self) -> None:
-        for request, result in self._runner.step():
+        finished = self._runner.step()
+        now = time.perf_counter()  # when the round's tokens came, for every row alike
+        for request, result in finished:
             handle = self._running.pop(request.key)
             if result.error is not None:  # NaN/inf logits in this request's row alone
                 handle._finish(None, NumericalError(result.error))
             else:
-                handle._finish(result)
+                handle._finish(result, now=now)
         for request, new_ids in self._runner.active():
-            self._running[request.key]._progress(new_ids)
+            self._running[request.key]._progress(new_ids, now)
 
 
 def _service_thread(service_ref: weakref.ref) -> None:

@@ -20,6 +20,9 @@ from specrt.runtime.service import RequestHandle, Service
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+# A gap between rounds may hold a round of many tokens and other requests' prompts: up to
+# vLLM's 80 s
+GAP_BUCKETS = (*TOKEN_TIME_BUCKETS, 2.5, 5, 10, 20, 40, 80)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 FINISHED_REASONS = {"cancelled": "abort"}
 
@@ -120,9 +123,7 @@ class Metrics:
         # vLLM's inter-token latency, under its current name and the one its Grafana dashboard
         # reads: the time between the rounds that gave a request tokens (a round may give many)
         self.inter_token = [
-            histogram(
-                name, "Time between the rounds that gave a request tokens", TOKEN_TIME_BUCKETS
-            )
+            histogram(name, "Time between the rounds that gave a request tokens", GAP_BUCKETS)
             for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
         ]
         self.prefill_time = histogram(
