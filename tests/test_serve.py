@@ -342,10 +342,23 @@ def scrape(text: str) -> dict[str, float]:
     return values
 
 
+def scrape_counted(url: str, before: float) -> dict[str, float]:
+    """The metrics once more than ``before`` requests are counted: a reply may leave before
+    the service thread has counted its request."""
+    deadline = time.monotonic() + 10
+    while True:
+        values = scrape(httpx.get(f"{url}/metrics").text)
+        if values["vllm:e2e_request_latency_seconds_count"] > before:
+            return values
+        assert time.monotonic() < deadline, "the request was never counted"
+        time.sleep(0.01)
+
+
 def test_metrics_count_speculation(server):
-    text = httpx.get(f"{server[0]}/metrics").text
-    assert "_created" not in text  # no timestamp series beside each counter (as vLLM)
-    values = scrape(text)
+    body = {"model": "tiny", "prompt": PROMPTS[1] * 3, "max_tokens": 24, "ignore_eos": True}
+    httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)  # not only earlier tests'
+    assert "_created" not in httpx.get(f"{server[0]}/metrics").text  # none beside each counter
+    values = scrape_counted(server[0], 0)
     assert values["vllm:generation_tokens_total"] > 0
     assert (
         values["vllm:spec_decode_num_accepted_tokens_total"]
@@ -398,15 +411,7 @@ def test_metrics_fill_every_panel_of_vllms_dashboard(server):
     before = scrape(httpx.get(f"{url}/metrics").text)
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "ignore_eos": True}
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-    # The reply may leave before the service thread has counted the request: wait for it
-    deadline = time.monotonic() + 10
-    while True:
-        after = scrape(httpx.get(f"{url}/metrics").text)
-        counted = after["vllm:e2e_request_latency_seconds_count"]
-        if counted > before["vllm:e2e_request_latency_seconds_count"]:
-            break
-        assert time.monotonic() < deadline, "the request was never counted"
-        time.sleep(0.01)
+    after = scrape_counted(url, before["vllm:e2e_request_latency_seconds_count"])
     names = {name.split("{")[0] for name in after}
     assert not [series for series in DASHBOARD_SERIES if series not in names]
 
