@@ -173,6 +173,35 @@ def test_a_seeded_row_does_not_set_its_neighbours_draft_length(llama_bundle):
     assert [mixed[i].token_ids for i in (0, 2, 5)] == [plain_only[i].token_ids for i in (0, 2, 5)]
 
 
+def test_a_batched_match_may_run_past_k_where_its_width_is_priced(llama_bundle):
+    """Under the load schedule, a row's match is not cut at K (the model's draft length): the
+    schedule prices each width of the rows' matches and may verify more of them, as the
+    one-row hybrid does (here it always takes the widest); under the fixed schedule a match
+    stays within K. Every row's output is the target's alone either way."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    class Widest(LoadSchedule):
+        def match_option(self, rows, curves, probe=False):
+            return max(map(len, curves), default=0), 1e9  # beats any model draft
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    ids = generator.encode_prompts(PROMPTS)
+    base = GenerationConfig(max_new_tokens=40, ignore_eos=True, num_draft_tokens=0)
+    expected = [r.token_ids for r in generator.generate(PROMPTS, base)]
+    for schedule in ("adaptive", "fixed"):
+        runner = BatchRunner(
+            generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+        )
+        runner.schedules["load"] = Widest()
+        config = replace(base, num_draft_tokens=2, proposer="hybrid", draft_schedule=schedule)
+        reqs = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
+        results = dict(runner.run(reqs))
+        assert [results[i].token_ids for i in range(len(ids))] == expected
+        # how far into a match (or draft) any row's kept tokens reached
+        reached = max(len(r.stats.accepted_per_position) for r in results.values())
+        assert reached > 2 if schedule == "adaptive" else reached <= 2, schedule
+
+
 def test_the_load_schedule_measures_then_takes_the_best(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4, draft_schedule="adaptive")
@@ -257,6 +286,30 @@ def test_matches_widen_a_round_only_where_it_pays(cost_per_token, curve, expecte
     assert max(range(5), key=rates.__getitem__) == expected  # the scenario is what it says
     assert schedule.match_option(8, curves)[0] == expected
     assert LoadSchedule(adapt=False).match_option(8, curves)[0] == 4  # "fixed": every token
+
+
+def test_widths_past_the_measured_ones_are_priced_by_the_cost_of_one_more_token():
+    """The first token of the rows' matches costs more than each one after it (a round of
+    width w: 1.5 + 0.1 w target steps, w > 0): priced by the average cost of a measured
+    width's tokens, the next width would look dear and the round would stay at one token;
+    priced by the fitted cost of one more, it climbs to the widths that pay (6-8 here)."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    curve = list(np.cumsum([0.85**i for i in range(9)])[1:])  # each token kept with 0.85
+    schedule, curves = LoadSchedule(), [curve] * 6
+
+    def seconds(width: int) -> float:
+        return 1.0 + (0.5 + 0.1 * width if width else 0.0)
+
+    for _ in range(150):
+        width = schedule.match_option(8, curves)[0]
+        schedule.update(8, 0, None if width else seconds(width), [], [])
+        if width:
+            schedule.update_match_width(8, width, seconds(width))
+    rates = [(2 + 6 * curve[w - 1] if w else 8) / seconds(w) for w in range(9)]
+    good = [w for w in range(9) if rates[w] >= 0.97 * max(rates)]
+    assert good == [6, 7, 8]  # the scenario is what it says
+    assert sum(schedule.match_option(8, curves)[0] in good for _ in range(10)) >= 9
 
 
 def test_a_width_measured_on_slow_rounds_is_measured_again():

@@ -24,6 +24,7 @@ from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.hybrid import (
     DRAFT_WINDOW,
+    MAX_MATCH_TOKENS,
     NO_MATCH_YET,
     HybridDrafter,
     MatchAcceptance,
@@ -289,9 +290,13 @@ class BatchRunner:
         self._matchless -= skip
         self._look_again |= skip and not self._matchless
         caps = [self._cap(row, fits) for row in rows]
+        # Where the load schedule prices each width, a match may run past K, as in the
+        # one-row hybrid: rows that share a call only pay for it where it pays.
+        wide = schedule.adapt and not reproducible
         found: dict[int, Proposal] = {}  # by the row's index in ``rows``
         for i, (row, cap) in enumerate(zip(rows, caps)):
-            proposal = None if skip else self._find(row, cap)
+            reach = self._match_reach(row, cap, fits) if wide else cap
+            proposal = None if skip else self._find(row, reach)
             if proposal is not None:
                 found[i] = proposal
         probe = self._look_again and bool(found)
@@ -448,6 +453,12 @@ class BatchRunner:
             cap = row.schedule.start_round(max(0, cap))
             row.round.keep_drafting = row.schedule.keep_drafting
         return cap
+
+    def _match_reach(self, row: _Row, cap: int, fits: int) -> int:
+        """The most tokens of ``row``'s match a round may verify (its model cap ``cap`` > 0):
+        up to `MAX_MATCH_TOKENS`, within its length limit and the caches."""
+        room = row.limit - len(row.tokens) - 1
+        return max(cap, min(MAX_MATCH_TOKENS, room, fits)) if cap > 0 else 0
 
     def _find(self, row: _Row, cap: int) -> Proposal | None:
         """The row's match of up to ``cap`` tokens (its own text, else the suffix cache)."""

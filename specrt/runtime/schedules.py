@@ -317,6 +317,10 @@ LOAD_EXPLORE_SHARE = 0.02  # of the rounds' time, at most, spent re-measuring K
 # The cost of verifying one more token of matches in every row, as a share of a round without
 # them, assumed until rounds of that width are measured (low, so that they are tried).
 MATCH_PRIOR_COST = 0.25
+# The fitted cost of one more token of matches is taken as at least this share of the average
+# cost of a token of the widest measured width (a flat or noisy fit would make every wider one
+# look free).
+MATCH_MIN_SLOPE = 0.5
 
 
 class RoundTimes:
@@ -488,9 +492,10 @@ class LoadSchedule:
         ``curves``: for each row with a match, the tokens it is expected to emit when 1, 2, ...
         of them are verified (`MatchAcceptance.expected_tokens`); the other rows emit one.
         The width with the most expected tokens per second, by the measured times of rounds of
-        each width; a width not measured yet is priced at the cost per token of the
-        widest narrower one measured (before any: `MATCH_PRIOR_COST` of a round without
-        matches), so widths are tried one after another while they pay. A width is kept as
+        each width; a width not measured yet is priced on from the widest narrower one
+        measured at the cost of one more token fitted over the measured widths (with one
+        measured: its average cost per token; before any: `MATCH_PRIOR_COST` of a round
+        without matches), so widths are tried one after another while they pay. A width is kept as
         long as it is the best; a neighbour of it is measured again as K's are
         (`LOAD_EXPLORE_EVERY` rounds, half as often each time the best held): a width measured
         on a slow round would otherwise never be tried again (a server settled on 1 token of
@@ -502,15 +507,22 @@ class LoadSchedule:
             return 0, None  # rounds without matches first: what the widths are compared with
         plain = self.predicted_seconds(rows, 0)
         rates = [rows / plain]
-        per_token = MATCH_PRIOR_COST * plain
+        # Widths not measured: a line on from the widest measured one, by the cost of one
+        # more token fitted over the measured widths (the first token of a match costs more
+        # than the ones after it: a line from the round without matches overprices them).
+        line = LineFit(0.0)
+        last, last_seconds, per_token = 0, plain, MATCH_PRIOR_COST * plain
         for width in range(1, widest + 1):
             tokens = rows - len(curves) + sum(c[min(width, len(c)) - 1] for c in curves)
             measured = self.match_times.get(width)
             if measured is not None and len(measured) >= 2:
                 seconds = self._seconds(measured, rows, width + 1)
-                per_token = max(seconds - plain, 0.0) / width  # for the wider ones, unmeasured
+                line.add(width, seconds)
+                average = max(seconds - plain, 0.0) / width
+                per_token = max(line.slope or average, average * MATCH_MIN_SLOPE)
+                last, last_seconds = width, seconds
             else:
-                seconds = plain + per_token * width
+                seconds = last_seconds + per_token * (width - last)
             rates.append(tokens / seconds)
         best = 0
         for width, rate in enumerate(rates):
