@@ -202,6 +202,41 @@ def test_a_batched_match_may_run_past_k_where_its_width_is_priced(llama_bundle):
         assert reached > 2 if schedule == "adaptive" else reached <= 2, schedule
 
 
+def test_a_round_that_grew_a_cache_is_not_what_its_width_costs(llama_bundle, monkeypatch):
+    """A round whose call grew a cache paid for copying it (a wide round most often: its
+    positions pass the capacity first); the load schedule learns acceptance from it but not
+    its time, which would price that K or width far too high."""
+    import specrt.runtime.batching as batching
+    from specrt.runtime.schedules import LoadSchedule
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    runner = BatchRunner(
+        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+    )
+    grew: list[bool] = []  # per round, in order
+    timed: list[bool] = []  # per round: whether the schedule was given its time
+
+    def watched(target, draft, *args, **kwargs):
+        before = target.resizes + draft.resizes
+        steps = batched_round(target, draft, *args, **kwargs)
+        grew.append(target.resizes + draft.resizes != before)
+        return steps
+
+    class Recording(LoadSchedule):
+        def update(self, rows, k, seconds, parts, steps):
+            timed.append(seconds is not None)
+            super().update(rows, k, seconds, parts, steps)
+
+    batched_round = batching.batched_round
+    monkeypatch.setattr(batching, "batched_round", watched)
+    runner.schedules["load"] = Recording()
+    config = GenerationConfig(max_new_tokens=60, ignore_eos=True, draft_schedule="adaptive")
+    ids = generator.encode_prompts(PROMPTS[:8])
+    dict(runner.run([Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]))
+    assert len(grew) == len(timed) and any(grew) and any(timed)
+    assert not any(g and t for g, t in zip(grew, timed))
+
+
 def test_the_load_schedule_measures_then_takes_the_best(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4, draft_schedule="adaptive")

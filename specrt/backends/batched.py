@@ -109,6 +109,7 @@ class RowsDecoder(DecoderBase):
         self._dtype = NUMPY_DTYPES[spec.dtype]
         self._buffers: list[np.ndarray] = []
         self.capacity = 0
+        self.resizes = 0  # times the cache was reallocated (a round that did is not a typical one)
 
     @property
     def cache_bytes_per_row(self) -> int:
@@ -226,6 +227,7 @@ class RowsDecoder(DecoderBase):
         capacity = min(self.max_positions, -(-needed // step) * step)
         self._buffers = self._resized(capacity)
         self.capacity = capacity
+        self.resizes += 1
 
     def _capacity_step(self) -> int:
         """Positions the cache grows by at a time."""

@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 BINS = 10
 PRIOR_ACCEPTANCE = 0.6
 MAX_VERIFY_SLOPE = 0.1  # of a verification pass, per extra position
@@ -512,8 +514,10 @@ class LoadSchedule:
         # than the ones after it: a line from the round without matches overprices them).
         line = LineFit(0.0)
         last, last_seconds, per_token = 0, plain, MATCH_PRIOR_COST * plain
-        for width in range(1, widest + 1):
-            tokens = rows - len(curves) + sum(c[min(width, len(c)) - 1] for c in curves)
+        # the tokens of every width: a row's curve stays at its end past its match's length
+        padded = [c + c[-1:] * (widest - len(c)) for c in curves]
+        tokens_by_width = (rows - len(curves) + np.sum(padded, axis=0)).tolist() if curves else []
+        for width, tokens in enumerate(tokens_by_width, 1):
             measured = self.match_times.get(width)
             if measured is not None and len(measured) >= 2:
                 seconds = self._seconds(measured, rows, width + 1)
