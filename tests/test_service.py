@@ -298,6 +298,25 @@ def test_the_first_token_comes_at_admission(service, serial, llama_bundle):
     assert "".join(handle) == "" and handle.result().finish_reason == "stop"
 
 
+def test_inter_token_gaps_are_handed_out_as_they_come(service):
+    """A request's gaps between rounds that gave it tokens reach a gap callback while it runs
+    (what the server's inter-token histograms observe, as vLLM's do), each once: the ones
+    before the callback was added at once, the rest from the service's thread as they come."""
+    config = GenerationConfig(max_new_tokens=60, num_draft_tokens=0, ignore_eos=True)
+    handle = service.submit(PROMPTS[0], config)
+    seen: list[tuple[float, bool]] = []
+    handle.add_gap_callback(lambda gap: seen.append((gap, handle.done)))
+    result = handle.result()
+    assert len(result.token_ids) == 60
+    gaps = sorted(gap for gap, _ in seen)  # those passed at once may follow a newer one
+    assert gaps == sorted(handle.token_gaps) and len(gaps) == result.stats.rounds - 1
+    assert sum(not done for _, done in seen) > len(seen) // 2  # not at the request's end
+    assert sum(gaps) == pytest.approx(handle.last_token_at - handle.first_token_at)
+    late: list[float] = []
+    handle.add_gap_callback(late.append)  # after the end: all of them at once
+    assert late == handle.token_gaps
+
+
 def test_a_request_that_comes_during_an_admission_does_not_wait_a_round(llama_bundle, serial):
     """Requests arriving while others are prefilled are admitted before the batch's next round
     (else they would wait for the admission and then a whole round): here B is submitted from

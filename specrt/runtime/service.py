@@ -65,6 +65,7 @@ class RequestHandle:
         self._changed = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._callbacks: list[Callable[[RequestHandle], None]] = []
+        self._gap_callbacks: list[Callable[[float], None]] = []
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None  # when it left the queue for the batch
         self.first_text_at: float | None = None  # when its first text was handed out
@@ -86,6 +87,16 @@ class RequestHandle:
                 self._callbacks.append(callback)
                 return
         callback(self)
+
+    def add_gap_callback(self, callback: Callable[[float], None]) -> None:
+        """Call ``callback(seconds)`` for each gap between rounds that give the request
+        tokens, as it comes (from the service's thread), so a long request's inter-token
+        times are seen while it runs; the gaps before this call are passed at once."""
+        with self._changed:
+            self._gap_callbacks.append(callback)
+            past = list(self.token_gaps)
+        for gap in past:
+            callback(gap)
 
     def cancel(self) -> None:
         """Stop generating (at the next round boundary); the result keeps what was made."""
@@ -185,9 +196,15 @@ class RequestHandle:
         now = time.perf_counter() if now is None else now
         if self.last_token_at is None:
             self.first_token_at = now
-        else:
-            self.token_gaps.append(now - self.last_token_at)
+            self.last_token_at = now
+            return
+        gap = now - self.last_token_at
+        with self._changed:
+            self.token_gaps.append(gap)
+            callbacks = list(self._gap_callbacks)
         self.last_token_at = now
+        for callback in callbacks:
+            callback(gap)
 
     def _publish(self, deltas: list[str], result=None, error=None) -> None:
         callbacks = []

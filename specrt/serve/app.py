@@ -185,6 +185,7 @@ def create_app(
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         handle = service.submit(prompt, config)
         handle.add_done_callback(metrics.record)
+        handle.add_gap_callback(metrics.inter_token_gap)
         options = body.get("stream_options") or {}
         return handle, bool(body.get("stream")), bool(options.get("include_usage"))
 

@@ -157,6 +157,12 @@ class Metrics:
             "vllm:request_generation_tokens", "Tokens a request generated", TOKEN_COUNT_BUCKETS
         )
 
+    def inter_token_gap(self, seconds: float) -> None:
+        """Observe a gap between two rounds that gave a request tokens (a gap callback of its
+        handle: as vLLM does, each as it happens, not when the request ends)."""
+        for metric in self.inter_token:
+            metric.observe(seconds)
+
     def record(self, handle: RequestHandle) -> None:
         """Count a request that ended (a done callback of its handle)."""
         result = handle._result
@@ -191,9 +197,6 @@ class Metrics:
         self.request_generation_tokens.observe(tokens)
         self.max_generation_tokens.observe(tokens)
         self.max_tokens.observe(handle.request.config.max_new_tokens)
-        for gap in handle.token_gaps:
-            for metric in self.inter_token:
-                metric.observe(gap)
         started, first, last = handle.admitted_at, handle.first_token_at, handle.last_token_at
         if started is not None and first is not None:
             self.prefill_time.observe(first - started)
