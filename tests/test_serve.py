@@ -393,6 +393,7 @@ DASHBOARD_SERIES = (
     "vllm:inter_token_latency_seconds_bucket",
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
+    "vllm:gpu_cache_usage_perc",
     "vllm:time_to_first_token_seconds_bucket",
     "vllm:request_prompt_tokens_bucket",
     "vllm:request_generation_tokens_bucket",
@@ -444,7 +445,7 @@ def test_metrics_gauge_requests_running_and_waiting(server):
     four slots fill the batch and queue the rest, and hold part of the KV cache; afterwards
     all three are 0 again."""
     url, _ = server
-    usage = []
+    usage, older = [], []
     # One pooled client, connections opened up front: a new client per stream costs enough
     # (TLS context, thread start) on a slow machine that requests trickle in one at a time.
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
@@ -453,6 +454,7 @@ def test_metrics_gauge_requests_running_and_waiting(server):
     def gauges() -> tuple[float, float]:
         value = scrape(client.get("/metrics").text)
         usage.append(value["vllm:kv_cache_usage_perc"])
+        older.append(value["vllm:gpu_cache_usage_perc"])  # the dashboard's name for it
         return value["vllm:num_requests_running"], value["vllm:num_requests_waiting"]
 
     def stream(prompt: str) -> None:
@@ -474,8 +476,9 @@ def test_metrics_gauge_requests_running_and_waiting(server):
     deadline = time.monotonic() + 20
     while gauges() != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gauges() == (0, 0) and usage[-1] == 0
+    assert gauges() == (0, 0) and usage[-1] == older[-1] == 0
     assert 0 < max(usage) <= 1  # the running rows' positions, while they ran
+    assert 0 < max(older) <= 1
     client.close()
 
 

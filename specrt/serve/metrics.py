@@ -65,11 +65,10 @@ class Metrics:
 
         gauge("vllm:num_requests_running", "Requests in the batch", lambda: service.running)
         gauge("vllm:num_requests_waiting", "Requests waiting for a slot", lambda: service.waiting)
-        gauge(
-            "vllm:kv_cache_usage_perc",
-            "Share of the KV cache positions the running requests hold (1: all)",
-            lambda: service.cache_usage,
-        )
+        # vLLM's name, and the older one its Grafana dashboard's cache panel reads
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage = "Share of the KV cache positions the running requests hold (1: all)"
+            gauge(name, usage, lambda: service.cache_usage)
         self.requests = counter("vllm:request_success", "Finished requests", "finished_reason")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
