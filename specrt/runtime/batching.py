@@ -290,12 +290,13 @@ class BatchRunner:
         self._matchless -= skip
         self._look_again |= skip and not self._matchless
         caps = [self._cap(row, fits) for row in rows]
-        # Where the load schedule prices each width, a match may run past K, as in the
-        # one-row hybrid: rows that share a call only pay for it where it pays.
+        # Where the load schedule prices each width, a hybrid row's match may run past K, as
+        # in the one-row hybrid: rows that share a call only pay for it where it pays.
         wide = schedule.adapt and not reproducible
         found: dict[int, Proposal] = {}  # by the row's index in ``rows``
         for i, (row, cap) in enumerate(zip(rows, caps)):
-            reach = self._match_reach(row, cap, fits) if wide else cap
+            hybrid = row.request.config.proposer == "hybrid"
+            reach = self._match_reach(row, cap, fits) if wide and hybrid else cap
             proposal = None if skip else self._find(row, reach)
             if proposal is not None:
                 found[i] = proposal
@@ -448,8 +449,9 @@ class BatchRunner:
         self.draft.clear_stale()
 
     def _cap(self, row: _Row, fits: int) -> int:
-        """The most tokens ``row`` may have verified this round (a seeded row: by its own
-        schedule, which also stops its drafting)."""
+        """The most draft-model tokens ``row`` may have verified this round, and of its match
+        where widths are not priced (`_match_reach`) (a seeded row: by its own schedule, which
+        also stops its drafting)."""
         config = row.request.config
         room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
         cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0

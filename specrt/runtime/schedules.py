@@ -523,7 +523,8 @@ class LoadSchedule:
                 seconds = self._seconds(measured, rows, width + 1)
                 line.add(width, seconds)
                 average = max(seconds - plain, 0.0) / width
-                per_token = max(line.slope or average, average * MATCH_MIN_SLOPE)
+                slope = line.slope
+                per_token = max(average if slope is None else slope, average * MATCH_MIN_SLOPE)
                 last, last_seconds = width, seconds
             else:
                 seconds = last_seconds + per_token * (width - last)

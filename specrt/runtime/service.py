@@ -204,7 +204,10 @@ class RequestHandle:
             callbacks = list(self._gap_callbacks)
         self.last_token_at = now
         for callback in callbacks:
-            callback(gap)
+            try:
+                callback(gap)
+            except Exception:  # a caller's bug must not stop the service
+                log.exception("specrt service: a gap callback failed")
 
     def _publish(self, deltas: list[str], result=None, error=None) -> None:
         callbacks = []
