@@ -161,6 +161,22 @@ def test_a_match_says_whether_it_continues_the_rows_own_output():
     )
 
 
+def test_a_matchs_expected_tokens_follow_every_record_and_length():
+    """Curves are kept per key between records (a batch's rows ask every round): what is
+    asked after a record, or for a longer match, is what counts learnt afresh give."""
+    kept, fresh = MatchAcceptance(), MatchAcceptance()
+    short, long = Proposal([1, 2], 2, "lookup"), Proposal(list(range(12)), 2, "lookup")
+    for accepted in (2, 0, 1, 2):
+        assert kept.expected_tokens(short, 2) == fresh.expected_tokens(short, 2)
+        assert kept.expected_tokens(long, 2) == fresh.expected_tokens(long, 2)
+        assert len(kept.expected_tokens(long, 2)) == 12
+        for acceptance in (kept, fresh):
+            acceptance.record(short, 2, 2, accepted)
+        fresh = MatchAcceptance()  # the same counts, nothing asked of it yet
+        fresh.counts = {key: [list(c) for c in row] for key, row in kept.counts.items()}
+    assert kept.expected_tokens(short, 2) != MatchAcceptance().expected_tokens(short, 2)
+
+
 def test_suffix_cache_proposes_the_most_frequent_continuation():
     cache = SuffixCache(max_tokens=1000, depth=3)
     for document in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 9], [7, 2, 3, 5]):

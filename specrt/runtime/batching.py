@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -523,12 +523,12 @@ class BatchRunner:
                 return {}
             if not probe:  # a width that pays: the pauses start short again
                 self._matchless_next = MATCH_RECHECK_EVERY
-            return {i: replace(p, tokens=p.tokens[:width]) for i, p in found.items()}
+            return {i: p.first(width) for i, p in found.items()}
         verified = {}
         for i, proposal in found.items():
             row, config = rows[i], rows[i].request.config
             if adapts:
-                proposal = replace(proposal, tokens=proposal.tokens[:k])
+                proposal = proposal.first(k)
             if config.proposer == "lookup" or config.reproducible or not k:
                 verified[i] = proposal
             elif self._curve(row, proposal)[-1] >= schedule.expected_tokens(min(k, caps[i])):

@@ -215,14 +215,24 @@ class MatchAcceptance:
         # (source, match bin, history, from the row's output) -> per position [reached,
         # accepted]
         self.counts: dict[tuple[str, int, int, bool], list[list[float]]] = {}
+        # Each key's curve as far as asked, until a record changes its counts: a batch's rows
+        # share a few keys and ask every round.
+        self._curves: dict[tuple[str, int, int, bool], list[float]] = {}
 
     def expected_tokens(self, found: Proposal, history: int = NO_MATCH_YET) -> list[float]:
         """For L = 1 .. len(found.tokens): the tokens a round verifying the first L emits,
         on average (the accepted ones and the one after them). ``history``: `outcome` of the
         row's previous match (`NO_MATCH_YET` where it had none)."""
-        counts = self.counts.get(_key(found, history))
+        key, length = _key(found, history), len(found.tokens)
+        curve = self._curves.get(key)
+        if curve is None or len(curve) < length:
+            curve = self._curves[key] = self._curve(self.counts.get(key), length)
+        return curve[:length]
+
+    @staticmethod
+    def _curve(counts: list[list[float]] | None, length: int) -> list[float]:
         expected, survival, out = 1.0, 1.0, []
-        for position in range(len(found.tokens)):
+        for position in range(length):
             prior = FIRST_PRIOR if position == 0 else LATER_PRIOR
             if counts is None or position >= len(counts):
                 rate = prior
@@ -236,7 +246,9 @@ class MatchAcceptance:
 
     def record(self, found: Proposal, history: int, drafted: int, accepted: int) -> None:
         """``drafted`` of ``found``'s tokens were verified, the first ``accepted`` kept."""
-        counts = self.counts.setdefault(_key(found, history), [])
+        key = _key(found, history)
+        self._curves.pop(key, None)
+        counts = self.counts.setdefault(key, [])
         while len(counts) < drafted:
             counts.append([0.0, 0.0])
         for position, row in enumerate(counts):

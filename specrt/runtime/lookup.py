@@ -39,6 +39,10 @@ class Proposal:
     # of such tokens kept against 0.44; docs/performance.md, session 22).
     from_output: bool = False
 
+    def first(self, n: int) -> Proposal:
+        """The first ``n`` of its tokens, from the same match."""
+        return Proposal(self.tokens[:n], self.match, self.source, self.from_output)
+
 
 NO_PROPOSAL = Proposal([], 0)
 
