@@ -7,9 +7,10 @@ today's one-row-at-a-time speculative loop.
 Each contender is a fresh process (its peak RSS is its own) running the 64 held-out prompts
 (--num-prompts) x 128 new tokens (EOS ignored so every row is the same length; greedy unless
 --temperature) through `run_batch`, the code `specrt batch` runs, JSONL in and out. Contenders
-run one at a time; at each batch size the two modes run twice each, A B B A, and each mode's
-tokens/s is its total tokens over its total time; how far a mode's two runs differ is printed
-as the run's noise (a ratio nearer 1.0 than that is a tie). Prints a table (tokens/s, ratios,
+run one at a time; at each batch size the two modes run twice each, A B B A (``--repeats N``:
+N times over, for a noisy machine), and each mode's tokens/s is its total tokens over its total
+time; how far a mode's runs differ is printed as the run's noise (a ratio nearer 1.0 than that
+is a tie). Prints a table (tokens/s, ratios,
 peak RSS, KV cache reserved per slot) and writes it as JSON, with a plot of tokens/s against
 batch size (--plot, needs matplotlib: the bench extra).
 """
@@ -75,7 +76,7 @@ def contender(args: argparse.Namespace) -> dict:
 
 
 def mean_run(runs: list[dict]) -> dict:
-    """Two runs of one contender as one: total tokens over total time, the larger peak RSS."""
+    """A contender's runs as one: total tokens over total time, the larger peak RSS."""
     tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
     merged = {**runs[0], "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
     merged["runs_tokens_per_s"] = speeds = [r["tokens_per_s"] for r in runs]
@@ -133,6 +134,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="A B B A this many times at each batch size."
+    )
     parser.add_argument("--schedule", default="adaptive")
     # What `specrt batch` drafts with by default: matches from the row's own text, else the model
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
@@ -156,6 +160,7 @@ def main() -> None:
     for batch in args.batch_sizes:
         # A B B A: the VM's speed drifts; each mode's two runs straddle the other's.
         order = [(args.k, args.schedule), (0, "fixed"), (0, "fixed"), (args.k, args.schedule)]
+        order *= max(1, args.repeats)
         runs: dict[int, list[dict]] = {args.k: [], 0: []}
         for k, schedule in order:
             runs[k].append(spawn(args, batch, k, schedule))
