@@ -10,9 +10,9 @@ Each contender is a fresh process (its peak RSS is its own) running the 64 held-
 run one at a time; at each batch size the two modes run twice each, A B B A (``--repeats N``:
 N times over, for a noisy machine), and each mode's tokens/s is its total tokens over its total
 time; how far a mode's runs differ is printed as the run's noise (a ratio nearer 1.0 than that
-is a tie). Prints a table (tokens/s, ratios,
-peak RSS, KV cache reserved per slot) and writes it as JSON, with a plot of tokens/s against
-batch size (--plot, needs matplotlib: the bench extra).
+is a tie), and with repeats each pass's own ratio and their median. Prints a table (tokens/s,
+ratios, peak RSS, KV cache reserved per slot) and writes it as JSON, with a plot of tokens/s
+against batch size (--plot, needs matplotlib: the bench extra).
 """
 
 from __future__ import annotations
@@ -166,8 +166,20 @@ def main() -> None:
             runs[k].append(spawn(args, batch, k, schedule))
         spec, alone = (mean_run(runs[k]) for k in (args.k, 0))
         noise = max(spec["run_spread"], alone["run_spread"])
+        # Each A B B A pass's own ratio: a slow spell of the machine stays within one pass
+        passes = [
+            mean_run(runs[args.k][i : i + 2])["tokens_per_s"]
+            / mean_run(runs[0][i : i + 2])["tokens_per_s"]
+            for i in range(0, len(runs[0]), 2)
+        ]
         rows.append(
-            {"batch_size": batch, "speculative": spec, "target_only": alone, "noise": noise}
+            {
+                "batch_size": batch,
+                "speculative": spec,
+                "target_only": alone,
+                "noise": noise,
+                "pass_ratios": passes,
+            }
         )
         print(
             f"B={batch:2d}  speculative {spec['tokens_per_s']:7.0f} tok/s (acceptance "
@@ -177,7 +189,13 @@ def main() -> None:
             f"{100 * noise:.1f}%)  spec/one-row "
             f"{spec['tokens_per_s'] / one_row['tokens_per_s']:.2f}x  peak RSS "
             f"{spec['peak_rss_mib']:.0f} MiB  cache {spec['cache_mib_reserved']:.1f} MiB reserved, "
-            f"{spec['cache_mib_per_slot_at_max_length']:.1f} MiB per slot at max length",
+            f"{spec['cache_mib_per_slot_at_max_length']:.1f} MiB per slot at max length"
+            + (
+                f"  passes {' / '.join(f'{r:.2f}x' for r in passes)} (median "
+                f"{statistics.median(passes):.2f}x)"
+                if len(passes) > 1
+                else ""
+            ),
             flush=True,
         )
     best = max(rows, key=lambda r: r["speculative"]["tokens_per_s"])
