@@ -202,6 +202,38 @@ def test_a_batched_match_may_run_past_k_where_its_width_is_priced(llama_bundle):
         assert reached > 2 if schedule == "adaptive" else reached <= 2, schedule
 
 
+def test_matches_are_measured_before_a_model_draft_can_shut_them_out(llama_bundle):
+    """A match's acceptance is learnt only from verified matches: where the model's measured
+    draft beats what the prior says of them, the load schedule would never verify one (an
+    8-row job drafted with the model throughout, 1.3x slower than with matches). So rounds
+    without a model draft verify the rows' matches until a width is measured."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    class ModelFirst(LoadSchedule):  # the model's draft always looks best
+        def _choose(self, rows, k_max):
+            return k_max if self.measured_alone(rows) or not k_max else 0
+
+        def expected_tokens(self, k):
+            return k + 1.0
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    ids = generator.encode_prompts(PROMPTS)
+    config = GenerationConfig(
+        max_new_tokens=40, ignore_eos=True, proposer="hybrid", draft_schedule="adaptive"
+    )
+    expected = [
+        r.token_ids for r in generator.generate(PROMPTS, replace(config, num_draft_tokens=0))
+    ]
+    runner = BatchRunner(
+        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
+    )
+    schedule = runner.schedules["load"] = ModelFirst()
+    reqs = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
+    results = dict(runner.run(reqs))
+    assert [results[i].token_ids for i in range(len(ids))] == expected
+    assert schedule.matches_measured() and runner.matches[True].counts
+
+
 def test_a_round_that_grew_a_cache_is_not_what_its_width_costs(llama_bundle, monkeypatch):
     """A round whose call grew a cache paid for copying it (a wide round most often: its
     positions pass the capacity first); the load schedule learns acceptance from it but not
@@ -630,6 +662,9 @@ def test_the_round_after_a_pause_in_matching_verifies_a_width(llama_bundle):
         def match_option(self, rows: int, curves: list, probe: bool = False) -> tuple[int, float]:
             self.probes.append(probe)
             return (1, 1.0) if probe else (0, 1.0)
+
+        def matches_measured(self) -> bool:  # as if measured: no probes until a width is
+            return True
 
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     prompts = ["Simple is better " * 2, "def f(x): return x; def f"] * 2

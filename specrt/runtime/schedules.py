@@ -482,6 +482,11 @@ class LoadSchedule:
         plain = self.times.get(0)
         return plain is not None and len(plain) >= 2 and rows in plain.by_size
 
+    def matches_measured(self) -> bool:
+        """Whether rounds verifying matches (without a model draft) were measured, at some
+        width."""
+        return any(len(times) >= 2 for times in self.match_times.values())
+
     def rate(self, rows: int, k: int) -> float:
         """Expected tokens per second of a round of ``rows`` rows drafting ``k``."""
         return rows * self.expected_tokens(k) / self.predicted_seconds(rows, k)
