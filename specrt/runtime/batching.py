@@ -454,8 +454,8 @@ class BatchRunner:
 
     def _cap(self, row: _Row, fits: int) -> int:
         """The most draft-model tokens ``row`` may have verified this round, and of its match
-        where widths are not priced (`_match_reach`) (a seeded row: by its own schedule, which
-        also stops its drafting)."""
+        where widths are not priced or the row is not a hybrid one (`_match_reach`) (a seeded
+        row: by its own schedule, which also stops its drafting)."""
         config = row.request.config
         room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
         cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0

@@ -401,8 +401,9 @@ class LoadSchedule:
     .. math:: \\arg\\max_K \\frac{1 + \\sum_{j=1}^{K} \\prod_{i \\le j} a_i}{T(n, K)}
 
     K = 0 (the target alone) is one of the choices, so a batch where drafting does not pay
-    runs as fast as one without it. K = 0 (at each batch size) and 1 are measured first, then
-    K + 1 while the best K so far is the largest measured (rates are unimodal in K: each extra
+    runs as fast as one without it. K = 0 (at each batch size) is measured first, then, where
+    rows have matches, a width of them (`matches_measured`: the runner probes it), and K = 1,
+    then K + 1 while the best K so far is the largest measured (rates are unimodal in K: each extra
     token gains less and costs as much). Costs and acceptance drift, so a neighbour of the best
     (every third time the target alone, the rounds the others are priced against) is measured
     again after `LOAD_EXPLORE_EVERY` rounds, then half as often each time the best held, and only
