@@ -295,15 +295,17 @@ class BatchRunner:
         wide = schedule.adapt and not reproducible
         found: dict[int, Proposal] = {}  # by the row's index in ``rows``
         for i, (row, cap) in enumerate(zip(rows, caps)):
+            if skip:  # matching paused: nothing to look for
+                break
             hybrid = row.request.config.proposer == "hybrid"
             reach = self._match_reach(row, cap, fits) if wide and hybrid else cap
-            proposal = None if skip else self._find(row, reach)
+            proposal = self._find(row, reach)
             if proposal is not None:
                 found[i] = proposal
         # Matches are measured before the model may shut them out: their acceptance is learnt
         # only from verified ones, and a prior priced below a measured model draft would never
         # be (an 8-row job drafted with the model throughout, 1.3x slower than with matches).
-        unmeasured = wide and not schedule.matches_measured()
+        unmeasured = wide and bool(found) and not schedule.matches_measured()
         probe = (self._look_again or unmeasured) and bool(found)
         self._look_again &= not probe
         width, without_draft = self._match_option(rows, found, schedule, probe)
