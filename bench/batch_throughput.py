@@ -2,7 +2,7 @@
 today's one-row-at-a-time speculative loop.
 
     .venv/bin/python bench/batch_throughput.py [--bundle engines/demo] [--batch-sizes 1 2 4 8 16]
-        [--proposer hybrid|model|lookup] [--temperature 1]
+        [--proposer hybrid|model|lookup] [--temperature 1 [--seed 1]]
 
 Each contender is a fresh process (its peak RSS is its own) running the 64 held-out prompts
 (--num-prompts) x 128 new tokens (EOS ignored so every row is the same length; greedy unless
@@ -47,6 +47,7 @@ def contender(args: argparse.Namespace) -> dict:
         proposer=args.proposer if args.k else "model",
         ignore_eos=True,
         temperature=args.temperature,
+        seed=args.seed,
     )
     with tempfile.TemporaryDirectory() as scratch:
         rows = Path(scratch) / "in.jsonl"
@@ -113,6 +114,7 @@ def spawn(
         proposer or args.proposer,
         "--temperature",
         str(args.temperature),
+        *([] if args.seed is None else ["--seed", str(args.seed)]),
     ]
     # The repository first (no install needed), then what the environment adds
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -140,6 +142,9 @@ def main() -> None:
     parser.add_argument("--schedule", default="adaptive")
     # What `specrt batch` drafts with by default: matches from the row's own text, else the model
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="Sampled rows draw by position (seeded)."
+    )
     parser.add_argument("--proposer", default="hybrid", choices=["model", "lookup", "hybrid"])
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "batch_throughput.json"))
     parser.add_argument("--plot", default=None, help="Write the plot here (PNG).")

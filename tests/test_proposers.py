@@ -5,6 +5,8 @@ and architecture, one row and batched."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -347,8 +349,7 @@ def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, mon
 
 def test_a_hybrids_model_reads_a_window_of_a_long_context(llama_bundle, monkeypatch):
     """The hybrid's model, asked to draft after skipping a long prompt, reads only its last
-    `DRAFT_WINDOW` tokens (the output stays the target's); a seeded row's model reads it all
-    (its draws must be the batched runner's, which reads every row whole)."""
+    `DRAFT_WINDOW` tokens (the output stays the target's, a seeded row's too)."""
     import specrt.runtime.hybrid as hybrid
 
     window = 6
@@ -375,8 +376,10 @@ def test_a_hybrids_model_reads_a_window_of_a_long_context(llama_bundle, monkeypa
     assert draft.length < len(prompt)
     fed.clear()
     seeded = GenerationConfig(**hybrid_config, temperature=1.0, seed=3)
-    generator.generate([prompt], seeded)
-    assert max(fed) >= len(prompt) - 1  # the whole prompt at least
+    [result] = generator.generate([prompt], seeded)
+    assert max(fed) == window
+    target_alone = replace(seeded, num_draft_tokens=0, proposer="model")
+    assert result.token_ids == generator.generate([prompt], target_alone)[0].token_ids
 
 
 def test_a_rows_first_match_is_learnt_apart_from_one_after_a_miss(llama_bundle):

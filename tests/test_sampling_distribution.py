@@ -5,12 +5,15 @@ itself by enumerating every prefix (small vocabulary), and both the speculative 
 target-only sampling are checked against it with a chi-square test.
 
 The loop runs one row at a time and batched (8 rows per model call, rows accepting different
-numbers of draft tokens), each path tested on its own.
+numbers of draft tokens), each path tested on its own. Rows without a seed are verified by
+rejection sampling (each given its own stream here, so an outcome is reproducible); seeded rows
+by their keyed draws, whose tokens are then also checked to be the target alone's, one for one.
 
 False-alarm rate: each chi-square test rejects a correct sampler with probability ALPHA = 1e-4;
-there are 3 settings x 3 positions x 2 modes x 2 paths = 36 tests, and 2 settings x 3 positions x
-4 cases through prompt lookup and the hybrid = 24 more, so a correct implementation fails this
-module with probability at most 6e-3 (seeds are fixed, so a given outcome is reproducible).
+there are 3 settings x 3 positions x 2 modes x 2 paths = 36 tests without a seed, 3 settings x 3
+positions x 2 paths = 18 seeded, and 2 settings x 3 positions x 4 cases through prompt lookup and
+the hybrid = 24 more, so a correct implementation fails this module with probability at most
+8e-3 (seeds are fixed, so a given outcome is reproducible).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import pytest
 
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.batching import Request
 from specrt.runtime.sampling import warp
 from tests.conftest import build_bundle
 from tests.stats import chi_square_pvalue
@@ -87,6 +91,20 @@ def exact_marginals(reference, prompt: list[int], settings: dict) -> list[np.nda
     return [p1, p1 @ p2_given_1, m3]
 
 
+def sampled(generator, prompt: list[int], config: GenerationConfig, seed: int) -> list:
+    """``SAMPLES`` rows of ``prompt``, row i drawing from the stream (seed, i)."""
+    streams = [np.random.default_rng([seed, i]) for i in range(SAMPLES)]
+    results = dict(generator.run(Request(i, prompt, config, rng) for i, rng in enumerate(streams)))
+    return [results[i] for i in range(SAMPLES)]
+
+
+def assert_follows(samples: np.ndarray, expected: list[np.ndarray], label: object) -> None:
+    for position in range(3):
+        counts = np.bincount(samples[:, position], minlength=len(expected[position]))
+        pvalue = chi_square_pvalue(counts, expected[position])
+        assert pvalue > ALPHA, (label, position, pvalue)
+
+
 @pytest.mark.parametrize("path", ["one row", "batched"])
 @pytest.mark.parametrize("settings", SETTINGS)
 def test_sampled_tokens_follow_the_target(generators, reference, settings, path):
@@ -97,20 +115,40 @@ def test_sampled_tokens_follow_the_target(generators, reference, settings, path)
         assert np.isclose(marginal.sum(), 1.0)
         assert marginal.max() > 0.2  # peaked, not flat: the test has power
     for k in (0, 2):
-        config = GenerationConfig(
-            max_new_tokens=3, num_draft_tokens=k, seed=100 + k, ignore_eos=True, **settings
-        )
-        results = generator.generate([prompt] * SAMPLES, config)
+        config = GenerationConfig(max_new_tokens=3, num_draft_tokens=k, ignore_eos=True, **settings)
+        results = sampled(generator, prompt, config, 100 + k)
         samples = np.array([r.token_ids for r in results])
         assert samples.shape == (SAMPLES, 3)
         if k:
             drafted = sum(r.stats.drafted_tokens for r in results)
             accepted = sum(r.stats.accepted_tokens for r in results)
             assert 0.2 < accepted / drafted < 0.95  # both accept and reject paths are exercised
-        for position in range(3):
-            counts = np.bincount(samples[:, position], minlength=len(expected[position]))
-            pvalue = chi_square_pvalue(counts, expected[position])
-            assert pvalue > ALPHA, (k, position, pvalue)
+        assert_follows(samples, expected, k)
+
+
+@pytest.mark.parametrize("path", ["one row", "batched"])
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_seeded_tokens_follow_the_target_and_are_the_target_alones(
+    generators, reference, settings, path
+):
+    """Seeded rows (keyed draws): the target alone's tokens follow its law, and the
+    speculative loop's are those very tokens, row for row."""
+    generator = generators[path]
+    prompt = generator.encode_prompts(["Simple is"])[0]
+    expected = exact_marginals(reference, prompt, settings)
+    tokens = {}
+    for k in (0, 2):
+        config = GenerationConfig(
+            max_new_tokens=3, num_draft_tokens=k, seed=100, ignore_eos=True, **settings
+        )
+        results = generator.generate([prompt] * SAMPLES, config)
+        tokens[k] = np.array([r.token_ids for r in results])
+        if k:
+            drafted = sum(r.stats.drafted_tokens for r in results)
+            accepted = sum(r.stats.accepted_tokens for r in results)
+            assert 0.2 < accepted / drafted < 0.95  # drafts kept and drafts refused
+    assert_follows(tokens[0], expected, "seeded")
+    assert (tokens[2] == tokens[0]).all()
 
 
 def test_same_seed_same_output(generator):
@@ -133,28 +171,32 @@ MATCH_CASES = [
 @pytest.mark.parametrize(("path", "proposer"), MATCH_CASES)
 @pytest.mark.parametrize("settings", SETTINGS[:2])
 def test_sampled_tokens_follow_the_target_through_matches(
-    generators, reference, settings, path, proposer
+    generators, bundle, reference, settings, path, proposer
 ):
     """Prompt lookup and the hybrid propose point masses (the prompt repeats itself, so matches
-    fire from the first round on): the emitted tokens still follow the target exactly."""
+    fire from the first round on): the emitted tokens still follow the target exactly. (A
+    batched hybrid starts afresh: one that learnt here that sampled matches do not pay stops
+    verifying them.)"""
     generator = generators[path]
+    if (path, proposer) == ("batched", "hybrid"):
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=8)
     # "Simple is", the target's greedy continuation, "Simple is" again: the lookup proposes the
     # continuation, which the target (peaked) often but not always takes again.
     start = generator.encode_prompts(["Simple is"])[0]
     greedy = GenerationConfig(max_new_tokens=4, num_draft_tokens=0, ignore_eos=True)
     prompt = start + generator.generate([start], greedy)[0].token_ids + start
     expected = exact_marginals(reference, prompt, settings)
+    # The schedule `specrt batch` uses: a fixed K makes a hybrid row verify its match only
+    # where it is expected to keep more than K model tokens (here it never is)
+    schedule = "adaptive" if proposer == "hybrid" else "fixed"
     config = GenerationConfig(
-        max_new_tokens=3, num_draft_tokens=2, seed=7, ignore_eos=True, proposer=proposer, **settings
-    )
-    results = generator.generate([prompt] * SAMPLES, config)
+        max_new_tokens=3, num_draft_tokens=2, ignore_eos=True, proposer=proposer,
+        draft_schedule=schedule, **settings,
+    )  # fmt: skip
+    results = sampled(generator, prompt, config, 7)
     proposed = sum(e["proposed"] for r in results for e in r.stats.proposers.values())
     matched = sum(r.stats.proposers.get("lookup", {}).get("proposed", 0) for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
     assert matched > SAMPLES // 2  # the matches fired (the first token is the target's alone)
     assert 0.1 < accepted / proposed < 0.95  # both accept and reject paths are exercised
-    samples = np.array([r.token_ids for r in results])
-    for position in range(3):
-        counts = np.bincount(samples[:, position], minlength=len(expected[position]))
-        pvalue = chi_square_pvalue(counts, expected[position])
-        assert pvalue > ALPHA, (position, pvalue)
+    assert_follows(np.array([r.token_ids for r in results]), expected, proposer)

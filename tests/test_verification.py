@@ -12,7 +12,7 @@ from specrt.backends import Forward
 from specrt.errors import NumericalError
 from specrt.runtime import verification
 from specrt.runtime.config import SamplingParams
-from specrt.runtime.sampling import sample, warp
+from specrt.runtime.sampling import KeyedDraws, sample, warp
 from specrt.runtime.verification import acceptance_probability, residual_distribution, verify
 from tests.stats import chi_square_pvalue
 
@@ -386,3 +386,74 @@ def test_greedy_verify_with_the_backends_own_argmax():
         out.max_logit[1] = bad
         with pytest.raises(NumericalError, match="the target model produced NaN/inf"):
             verify([2, 4, 1], None, out, GREEDY, rng)
+
+
+# -- seeded rows: draws keyed by position ------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_keyed_verify_emits_the_targets_own_draws_whatever_was_drafted(name):
+    """Coupled verification, enumerated over every draft of K = 2 tokens (each of V^2): the
+    round emits the target's own draws at the row's positions (those of a target-only round,
+    `KeyedDraws.token`), kept draft tokens and all, up to and including the first position
+    whose draft differs from them; a draft equal to them is kept whole, then the bonus draw."""
+    p, q = _cases()[name]
+    p_rows = np.array([p, q, (p + q) / 2])  # three positions: two drafted, the bonus
+    logits = np.zeros_like(p_rows)
+    for seed in range(8):
+        reference = KeyedDraws(np.random.default_rng([seed, 1]))
+        own = [reference.token(p_rows[i], 40 + i) for i in range(3)]
+        for drafted in np.ndindex(V, V):
+            draws = KeyedDraws(np.random.default_rng([seed, 1]))
+            draws.token(q, 40)  # the draft drew with the same noise first (as in a round)
+            accepted, token = verify(list(drafted), None, Forward(logits, p_rows), PLAIN, draws, 40)
+            kept = 0
+            while kept < 2 and drafted[kept] == own[kept]:
+                kept += 1
+            assert (accepted, token) == (kept, own[kept]), (seed, drafted)
+
+
+def test_keyed_draws_follow_the_weights():
+    """`KeyedDraws.token` draws ``i`` with probability ``w_i`` (the exponential race), never a
+    zero weight; the position's noise is the same for the draft and the target, and the next
+    position's is new. Chi-square at false-alarm rate ALPHA per distribution."""
+    rng = np.random.default_rng(9)
+    for weights in (np.array([0.0, 0.25, 0.0, 0.75, 0.0]), rng.dirichlet(np.full(V, 0.5))):
+        weights = weights.astype(np.float32)
+        draws = KeyedDraws(np.random.default_rng(10))
+        picks = [draws.token(weights, position) for position in range(5000)]
+        counts = np.bincount(picks, minlength=len(weights))
+        assert counts[weights == 0].sum() == 0
+        assert chi_square_pvalue(counts, normalised(weights)) > ALPHA
+    assert draws.token(weights, 4999) == picks[-1]  # the same noise at the same position
+
+
+def normalised(weights: np.ndarray) -> np.ndarray:
+    weights = weights.astype(np.float64)
+    return weights / weights.sum()
+
+
+def test_keyed_draws_check_can_fail():
+    """The check above has power: uniform noise in place of exponential is caught."""
+
+    class UniformNoise:
+        def __init__(self) -> None:
+            self.rng = np.random.default_rng(11)
+
+        def standard_exponential(self, size: int, dtype: type) -> np.ndarray:
+            return self.rng.random(size).astype(dtype)
+
+    weights = np.array([0.1, 0.2, 0.7], np.float32)
+    draws = KeyedDraws(UniformNoise())
+    counts = np.bincount([draws.token(weights, i) for i in range(5000)], minlength=3)
+    assert chi_square_pvalue(counts, normalised(weights)) < ALPHA
+
+
+def test_keyed_noise_is_kept_only_ahead_of_the_row():
+    """Verification at a position releases the noise of the positions before it (a long row
+    keeps a few [V] blocks, not one per token); ahead of it, what a draft drew stays."""
+    draws = KeyedDraws(np.random.default_rng(0))
+    p = np.full(V, 1.0 / V)
+    for position in range(100):
+        for ahead in range(3):  # a draft of three tokens, then its verification
+            draws.token(p, position + ahead)
+        verify([], None, Forward(np.zeros((1, V)), p[None]), PLAIN, draws, position)
+    assert sorted(draws._noise) == [99, 100, 101]

@@ -3,10 +3,9 @@ that finishes frees its slot for the next request at the round boundary (continu
 
 Rows live in slots 0 .. n-1 of both models' caches (a call covers a contiguous block); when a
 row finishes, the last row moves into its slot. Each row samples from its own random stream and
-uses only its own share of the round's draft tokens. A seeded sampled row's share comes from
-its own schedule (as in the one-row loop), not from the load, so its tokens do not depend on
-which rows share its batch, nor on how many; such rows run apart, in the last slots (the
-newest lowest) and their own calls, and the others' draft length still follows the load.
+uses only its own share of the round's draft tokens. A seeded sampled row draws by position
+(`KeyedDraws`): its tokens are the target alone's under its seed whatever is drafted, so they
+do not depend on which rows share its batch, nor on how many, nor on the load schedule's K.
 """
 
 from __future__ import annotations
@@ -40,7 +39,8 @@ from specrt.runtime.round import (
     first_tokens,
     scheduled_round,
 )
-from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
+from specrt.runtime.sampling import row_draws
+from specrt.runtime.schedules import DraftSchedule, LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
@@ -85,12 +85,12 @@ class _Row:
     error: str | None = None  # why it failed (finish reason "error")
     # Its one-row drafter and schedule, and its own lookup (a hybrid is shared by rows)
     alone: tuple[Drafter, DraftSchedule, object] | None = None
-    schedule: DraftSchedule | None = None  # a seeded row's own, as in the one-row loop
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:
         sampling = self.request.config.sampling
-        self.round = RowRound(self.tokens, sampling, self.request.rng, 0)
+        rng = row_draws(self.request.config, self.request.rng)
+        self.round = RowRound(self.tokens, sampling, rng, 0)
 
 
 class BatchRunner:
@@ -118,7 +118,6 @@ class BatchRunner:
         # keeps a matched token only with probability p(x).
         self.matches = {True: MatchAcceptance(), False: MatchAcceptance()}
         self.rows: list[_Row] = []  # in slots 0 .. len - 1
-        self.seeded: list[_Row] = []  # seeded sampled rows: seeded[i] in slot max_batch - 1 - i
         self._matchless = 0  # rounds left that skip matching (`MATCH_RECHECK_EVERY`)
         self._matchless_next = MATCH_RECHECK_EVERY
         self._look_again = False  # a pause just ended: its first round verifies a width anyway
@@ -138,7 +137,7 @@ class BatchRunner:
                     admitted.append(request)
             for request, result in self.add(admitted):
                 yield request.key, result
-            if not self.rows and not self.seeded:
+            if not self.rows:
                 if not more:
                     return
                 continue
@@ -148,31 +147,23 @@ class BatchRunner:
     @property
     def free(self) -> int:
         """Slots without a row."""
-        return self.max_batch - len(self.rows) - len(self.seeded)
+        return self.max_batch - len(self.rows)
 
     def add(self, requests: list[Request]) -> list[tuple[Request, GenerationResult]]:
-        """Prefill ``requests`` into the next free slots (seeded sampled rows in their own) and
-        give each its first token (`active` has it); returns those finished at once (a prompt
-        that fills its length, a first token that ends it)."""
-        if not self.rows and not self.seeded:  # the caches give back all they grew
+        """Prefill ``requests`` into the next free slots and give each its first token
+        (`active` has it); returns those finished at once (a prompt that fills its length, a
+        first token that ends it)."""
+        if not self.rows:  # the caches give back all they grew
             self.target.shrink()
             self.draft.shrink()
         rows = [self._new_row(request) for request in requests]
         finished = [(row.request, self._result(row)) for row in rows if row.finish_reason]
         # By prompt length: neighbours of like length share prefill calls (`padded_runs`)
         rows = sorted((row for row in rows if not row.finish_reason), key=lambda r: len(r.tokens))
-        plain = [row for row in rows if not row.request.config.reproducible]
-        seeded = [row for row in rows if row.request.config.reproducible]
-        done = []
-        if plain:
+        if rows:
             start = len(self.rows)
-            self.rows.extend(plain)
-            done += self._admit(plain, start)
-        if seeded:  # in slot order: the newest nearest the plain rows
-            start = self.max_batch - len(self.seeded) - len(seeded)
-            self.seeded.extend(reversed(seeded))
-            done += self._admit(seeded, start)
-        finished += self._leave(done)
+            self.rows.extend(rows)
+            finished += self._leave(self._admit(rows, start))
         for cache in (self.target, self.draft):  # give back what rows that left had grown
             cache.shrink(SHRINK_HEADROOM)
         return finished
@@ -191,11 +182,7 @@ class BatchRunner:
         self.target.prefill_rows(start, [whole_chunks(prompt) for prompt in prompts])
         if any(row.drafting for row in rows) and self._model_drafts(rows):
             drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
-            if self._reproducible(rows):  # each as it would be alone (`draft_apart`)
-                for slot, prompt in enumerate(drafted, start):
-                    self.draft.prefill_rows(slot, [prompt])
-            else:
-                self.draft.prefill_rows(start, drafted)
+            self.draft.prefill_rows(start, drafted)
         steps = first_tokens(self.target, [row.round for row in rows], start)
         done = []
         for slot, (row, step) in enumerate(zip(rows, steps), start):
@@ -211,42 +198,28 @@ class BatchRunner:
         return done
 
     def step(self) -> list[tuple[Request, GenerationResult]]:
-        """One round over every row (the seeded ones in their own calls); the rows that
-        finished leave, freeing their slots."""
-        finished = self._round(self.rows, 0) if self.rows else []
-        if self.seeded:
-            start = self.max_batch - len(self.seeded)
-            finished += self._round(self.seeded[::-1], start)
-        return self._leave(finished)
+        """One round over every row; the rows that finished leave, freeing their slots."""
+        return self._leave(self._round(self.rows, 0) if self.rows else [])
 
     def _leave(self, slots: list[int]) -> list[tuple[Request, GenerationResult]]:
-        """The finished rows in ``slots`` leave (the row nearest the middle of the cache
-        first: `_free` moves that one into a freed slot); their results."""
-        boundary = self.max_batch - len(self.seeded)
-        plain = sorted((slot for slot in slots if slot < boundary), reverse=True)
+        """The finished rows in ``slots`` leave (the last slot first: `_free` moves the last
+        row into a freed slot); their results."""
         finished = []
-        for slot in plain + sorted(slot for slot in slots if slot >= boundary):
-            row = self._row(slot)
+        for slot in sorted(slots, reverse=True):
+            row = self.rows[slot]
             self._free(slot)
             finished.append((row.request, self._result(row)))
         return finished
 
-    def _row(self, slot: int) -> _Row:
-        if slot < len(self.rows):
-            return self.rows[slot]
-        return self.seeded[self.max_batch - 1 - slot]
-
     def active(self) -> Iterator[tuple[Request, list[int]]]:
         """Each running request and its new tokens so far (valid until the next step)."""
-        for row in self.rows + self.seeded:
+        for row in self.rows:
             yield row.request, row.tokens[len(row.request.prompt) :]
 
     def cancel(self, key: Hashable) -> GenerationResult | None:
         """Drop the running request ``key`` (its slot is free for the next); its result so
         far, with finish reason "cancelled" (None: no such request is running)."""
-        slots = [*range(len(self.rows)), *range(self.max_batch - len(self.seeded), self.max_batch)]
-        for slot in slots:
-            row = self._row(slot)
+        for slot, row in enumerate(self.rows):
             if row.request.key == key:
                 self._free(slot)
                 row.finish_reason = "cancelled"
@@ -268,10 +241,6 @@ class BatchRunner:
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             row.index.prompt_length = len(prompt)  # its first lookup may come rounds later
-        if config.reproducible:  # its draws follow its own outcomes alone, whatever the batch
-            drafts = k_max and config.proposer != "lookup"
-            name = config.draft_schedule if drafts else "fixed"
-            row.schedule = make_schedule(name, k_max, reproducible=True)
         if len(prompt) >= limit:
             row.finish_reason = "length"
         return row
@@ -283,16 +252,15 @@ class BatchRunner:
             return self._round_alone(rows[0])
         fits = self._fits(rows)
         schedule = self._schedule(rows)
-        reproducible = self._reproducible(rows)
         # The rows' matches come first: a round without a model draft verifies them, and the
         # model's draft must beat that round, not the target alone.
-        skip = not schedule.last_k and self._matchless > 0 and not reproducible
+        skip = not schedule.last_k and self._matchless > 0
         self._matchless -= skip
         self._look_again |= skip and not self._matchless
         caps = [self._cap(row, fits) for row in rows]
         # Where the load schedule prices each width, a hybrid row's match may run past K, as
         # in the one-row hybrid: rows that share a call only pay for it where it pays.
-        wide = schedule.adapt and not reproducible
+        wide = schedule.adapt
         found: dict[int, Proposal] = {}  # by the row's index in ``rows``
         for i, (row, cap) in enumerate(zip(rows, caps)):
             if skip:  # matching paused: nothing to look for
@@ -323,12 +291,12 @@ class BatchRunner:
         if k:  # a draft behind after rounds without drafting: not a cost of this K
             started = time.perf_counter()
             self._window(rows, start)
-            fed = catch_up(self.draft, parts, start, apart=reproducible)
+            fed = catch_up(self.draft, parts, start)
             schedule.charge(time.perf_counter() - started, fed)
         lengths = [len(row.tokens) for row in rows]
         resizes = self.target.resizes + self.draft.resizes
         started = time.perf_counter()
-        steps = batched_round(self.target, self.draft, parts, k, start, apart=reproducible)
+        steps = batched_round(self.target, self.draft, parts, k, start)
         seconds = time.perf_counter() - started
         # A round that grew a cache paid for copying it (1-7 ms on the demo pair, a wide round
         # most often, as its positions pass the capacity first): not what its width costs.
@@ -342,8 +310,6 @@ class BatchRunner:
                 finished.append(slot)
                 continue
             self.target.set_length(slot, len(row.tokens) + step.accepted)
-            if row.schedule is not None and step.source == "model":
-                row.schedule.update(step.drafted, step.accepted, step.draft_time_s, 0.0)
             self._settle(row, step)
             # The draft model saw the row up to the round's start; after it, its own tokens,
             # which stand only where they were the ones verified.
@@ -358,39 +324,38 @@ class BatchRunner:
                 finished.append(slot)
         if failed:
             self._clear_stale()
-        if not reproducible:  # what the load schedule chose, and how it went
-            model = [i for i in range(len(rows)) if i not in matched]
-            width = max(part.k for part in parts)  # matches may make the call wider
-            schedule.update(
-                len(rows), k, None if width > k or not typical else seconds,
-                [parts[i] for i in model], [steps[i] for i in model],
-            )  # fmt: skip
-            if k == 0 and width > 0 and typical:  # matches alone: its width is what it cost
-                schedule.update_match_width(len(rows), width, seconds)
+        # What the load schedule chose, and how it went
+        model = [i for i in range(len(rows)) if i not in matched]
+        width = max(part.k for part in parts)  # matches may make the call wider
+        schedule.update(
+            len(rows), k, None if width > k or not typical else seconds,
+            [parts[i] for i in model], [steps[i] for i in model],
+        )  # fmt: skip
+        if k == 0 and width > 0 and typical:  # matches alone: its width is what it cost
+            schedule.update_match_width(len(rows), width, seconds)
         return finished
 
     def _window(self, rows: list[_Row], start: int) -> None:
         """Where the draft is more than `DRAFT_WINDOW` tokens behind a row (rounds without
         drafting, a prompt it skipped), it starts over at the row's last tokens, as the
         one-row hybrid's does: catching up on a whole long row cost more than the rounds it
-        drafts for gain. Not under a seed: those rows are always read whole."""
+        drafts for gain."""
         for slot, row in enumerate(rows, start):
             behind = len(row.tokens) - 1 - row.round.offset - int(self.draft.lengths[slot])
-            if behind > DRAFT_WINDOW and not row.request.config.reproducible:
+            if behind > DRAFT_WINDOW:
                 row.round.offset = len(row.tokens) - 1 - DRAFT_WINDOW
                 self.draft.set_length(slot, 0)
 
     def _runs_alone(self, row: _Row) -> bool:
         """A row alone in the batch drafts as the one-row loop does (the adaptive schedule
         stops drafting token by token, where the load schedule decides per round), when it
-        asked for that schedule and its draws need not follow the batched rule (no seed)."""
+        asked for that schedule."""
         config = row.request.config
         return (
             self.one_row is not None
             and row.drafting
             and config.draft_schedule == "adaptive"
             and config.proposer in ("model", "hybrid")
-            and not config.reproducible
         )
 
     def _round_alone(self, row: _Row) -> list[int]:
@@ -408,7 +373,7 @@ class BatchRunner:
             drafter.lookup, drafter.history = lookup, row.match_history
         model.offset = row.round.offset  # and where the draft's cache starts in it
         room = min(row.limit - len(tokens) - 1, self.draft.max_positions - len(tokens))
-        sampling, rng = config.sampling, row.request.rng
+        sampling, rng = config.sampling, row.round.rng
         try:
             step = scheduled_round(
                 self.target, drafter, schedule, tokens, max(0, room), sampling, rng
@@ -456,15 +421,9 @@ class BatchRunner:
 
     def _cap(self, row: _Row, fits: int) -> int:
         """The most draft-model tokens ``row`` may have verified this round, and of its match
-        where widths are not priced or the row is not a hybrid one (`_match_reach`) (a seeded
-        row: by its own schedule, which also stops its drafting)."""
-        config = row.request.config
+        where widths are not priced or the row is not a hybrid one (`_match_reach`)."""
         room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
-        cap = min(room, config.num_draft_tokens, fits) if row.drafting else 0
-        if row.schedule is not None:
-            cap = row.schedule.start_round(max(0, cap))
-            row.round.keep_drafting = row.schedule.keep_drafting
-        return cap
+        return min(room, row.request.config.num_draft_tokens, fits) if row.drafting else 0
 
     def _match_reach(self, row: _Row, cap: int, fits: int) -> int:
         """The most tokens of ``row``'s match a round may verify (its model cap ``cap`` > 0):
@@ -491,7 +450,7 @@ class BatchRunner:
         expected tokens per second (None: not known), where the load schedule adapts;
         ``probe``: measure a width now (matches do not pay on what was learnt when they were
         last verified, and nothing is learnt while they are not)."""
-        if not found or not schedule.adapt or self._reproducible(rows):
+        if not found or not schedule.adapt:
             return 0, None
         curves = [self._curve(rows[i], proposal) for i, proposal in found.items()]
         return schedule.match_option(len(rows), curves, probe)
@@ -512,14 +471,13 @@ class BatchRunner:
         ``priced`` and none paid, matching then pauses for a while, `MATCH_RECHECK_EVERY`; a
         ``probe`` ending a pause does not make the next pause shorter): a match that is rarely
         kept (sampling, text that does not repeat) would make every row pay for a wider call.
-        Otherwise, always for "lookup" rows and under a seed (the choice must not depend on
-        other rows); for "hybrid" rows where a match is expected to keep more tokens than the
-        model's K (by what matches and model drafts kept so far). Where the load schedule
-        adapts, a match fills the round's width and never widens it (every row pays for the
-        widest)."""
+        Otherwise, always for "lookup" rows; for "hybrid" rows where a match is expected to
+        keep more tokens than the model's K (by what matches and model drafts kept so far).
+        Where the load schedule adapts, a match fills the round's width and never widens it
+        (every row pays for the widest)."""
         if not found:
             return {}
-        adapts = schedule.adapt and not self._reproducible(rows)
+        adapts = schedule.adapt
         if adapts and not k:
             if not width and not priced:  # the round measures the target alone
                 return {}
@@ -535,18 +493,16 @@ class BatchRunner:
             row, config = rows[i], rows[i].request.config
             if adapts:
                 proposal = proposal.first(k)
-            if config.proposer == "lookup" or config.reproducible or not k:
+            if config.proposer == "lookup" or not k:
                 verified[i] = proposal
             elif self._curve(row, proposal)[-1] >= schedule.expected_tokens(min(k, caps[i])):
                 verified[i] = proposal
         return verified
 
     def draft_length(self, rows: list[_Row], without_draft: float | None = None) -> int:
-        """The round's K for every row. For seeded sampled rows the most any may draft (each
-        row's own schedule takes its share: its draws must not depend on its neighbours or
-        the machine's speed). Otherwise the load schedule picks K for this many rows from
+        """The round's K for every row: the load schedule picks it for this many rows from
         measured round times and acceptance (K = 0 when drafting does not pay at this batch
-        size). K is capped so that every row's positions fit in both caches."""
+        size); capped so that every row's positions fit in both caches."""
         k_max = max(
             row.request.config.num_draft_tokens
             if row.drafting and row.request.config.proposer != "lookup"
@@ -554,9 +510,9 @@ class BatchRunner:
             for row in rows
         )
         k_max = max(0, min(k_max, self._fits(rows)))
-        if k_max == 0 or self._reproducible(rows):
+        if k_max == 0:
             return k_max
-        lengths = self.draft.lengths[: len(rows)].tolist()  # rows from slot 0 (not seeded)
+        lengths = self.draft.lengths[: len(rows)].tolist()
         backlog = sum(
             min(DRAFT_WINDOW, max(0, len(row.tokens) - 1 - row.round.offset - n))
             for row, n in zip(rows, lengths)
@@ -580,28 +536,17 @@ class BatchRunner:
         """Whether the draft model should read these admitted rows' prompts now: where K
         adapts to the load it may never draft for them, and the first round that drafts
         catches the draft up (`catch_up`, as after rounds without drafting), so a request's
-        first token waits for the target's prefill alone; not under a seed (a row's draws must
-        not depend on that) nor a fixed K."""
-        adapts = any(row.request.config.draft_schedule != "fixed" for row in rows)
-        return not adapts or self._reproducible(rows)
-
-    @staticmethod
-    def _reproducible(rows: list[_Row]) -> bool:
-        return any(row.request.config.reproducible for row in rows)
+        first token waits for the target's prefill alone; not for a fixed K."""
+        return all(row.request.config.draft_schedule == "fixed" for row in rows)
 
     def _free(self, slot: int) -> None:
-        """Drop the row in ``slot``; the row of its kind nearest the middle of the cache (the
-        last plain row, the newest seeded one) moves into it (each kind's slots stay packed)."""
-        if slot < len(self.rows):
-            group, index, edge = self.rows, slot, len(self.rows) - 1
-        else:
-            group, index = self.seeded, self.max_batch - 1 - slot
-            edge = self.max_batch - len(self.seeded)
+        """Drop the row in ``slot``; the last row moves into it (the slots stay packed)."""
+        edge = len(self.rows) - 1
         if slot != edge:
             self.target.move_row(edge, slot)
             self.draft.move_row(edge, slot)
-            group[index] = group[-1]
-        group.pop()
+            self.rows[slot] = self.rows[-1]
+        self.rows.pop()
         self.target.set_length(edge, 0)
         self.draft.set_length(edge, 0)
 

@@ -46,9 +46,10 @@ class GenerationConfig:
     ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0`` and
     ``top_p == 1`` switch those filters off. ``num_draft_tokens == 0`` runs the target alone: the
     baseline every comparison uses. ``seed`` makes sampling reproducible, bit for bit across calls
-    and processes for a given configuration; row ``i`` of a batch uses the stream ``(seed, i)``
-    (with a seed, the adaptive and heuristic schedules start afresh for each row, and the
-    adaptive one models its costs instead of timing them). ``stop``: strings (or one string)
+    and processes; row ``i`` of a batch uses the stream ``(seed, i)``, and a row's tokens are
+    those the target alone samples under that seed (its draws are keyed by position, whatever
+    is drafted: `sampling.KeyedDraws`), so the draft length, proposer and batch leave them as
+    they are. ``stop``: strings (or one string)
     that end a row where its new text first contains one; the text stops before it
     (`specrt.runtime.stopping`).
     ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
@@ -114,8 +115,8 @@ class GenerationConfig:
 
     @property
     def reproducible(self) -> bool:
-        """Sampling under a seed: the row's draws must not depend on timing or on other rows,
-        so every choice that shapes them (draft length, proposer) follows a fixed rule."""
+        """Sampling under a seed: the row draws by position (`sampling.KeyedDraws`), so its
+        tokens depend on the seed and the target alone."""
         return self.seed is not None and not self.greedy
 
     @property

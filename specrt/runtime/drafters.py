@@ -25,10 +25,11 @@ from specrt.runtime.config import SamplingParams
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
+    Draws,
     check_probabilities,
+    draw,
     greedy_tokens,
     rows_needed,
-    sample,
     top_probability,
     warp,
 )
@@ -61,7 +62,7 @@ class Drafter(Protocol):
         tokens: list[int],
         k: int,
         sampling: SamplingParams,
-        rng: np.random.Generator,
+        rng: Draws,
         keep_drafting: KeepGoing | None = None,
         limit: int | None = None,
     ) -> Draft: ...
@@ -130,7 +131,7 @@ class ModelDrafter:
         tokens: list[int],
         k: int,
         sampling: SamplingParams,
-        rng: np.random.Generator,
+        rng: Draws,
         keep_drafting: KeepGoing | None = None,
         limit: int | None = None,
     ) -> Draft:
@@ -166,7 +167,7 @@ class ModelDrafter:
                 else:
                     s = sampling
                     row[:] = warp(logits, s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
-                token = sample(row, rng)
+                token = draw(row, rng, len(tokens) + len(drafted))
                 # the probability of the token drawn, as greedy's is its argmax's
                 confidence = float(row[token]) if keep_drafting else 0.0
             drafted.append(token)
@@ -225,7 +226,7 @@ class LookupDrafter:
         tokens: list[int],
         k: int,
         sampling: SamplingParams,
-        rng: np.random.Generator,
+        rng: Draws,
         keep_drafting: KeepGoing | None = None,
         limit: int | None = None,
     ) -> Draft:

@@ -25,6 +25,7 @@ from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import first_round, scheduled_round
+from specrt.runtime.sampling import row_draws
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -342,13 +343,9 @@ class SpeculativeGenerator:
 
     def _schedule(self, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
-        draft's calibration, the machine's costs) holds for the pair, not for one prompt.
-        Except under a seed when sampling: the drafts decide which random draws the output
-        takes, so the schedule is new for each row and decides from that row alone."""
+        draft's calibration, the machine's costs) holds for the pair, not for one prompt."""
         drafts = config.num_draft_tokens and config.proposer != "lookup"  # a match has no cost
         name = config.draft_schedule if drafts else "fixed"
-        if name != "fixed" and config.reproducible:
-            return make_schedule(name, config.num_draft_tokens, reproducible=True)
         key = (name, config.num_draft_tokens, config.greedy)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)
@@ -361,15 +358,13 @@ class SpeculativeGenerator:
 
     def _drafter(self, config: GenerationConfig) -> Drafter:
         """The row's proposer (`GenerationConfig.proposer`). A hybrid is kept across rows like
-        a schedule (what it learns holds for the pair), except for seeded sampled rows."""
+        a schedule (what it learns holds for the pair)."""
         if config.proposer == "model":
             return self.drafter
         index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
         lookup = LookupDrafter(index, self.suffix_cache)
         if config.proposer == "lookup":
             return lookup
-        if config.reproducible:
-            return HybridDrafter(self.drafter, lookup, reproducible=True)
         key = (config.prompt_lookup_min, config.prompt_lookup_max, config.greedy)
         hybrid = self._hybrids.get(key)
         if hybrid is None:
@@ -381,6 +376,7 @@ class SpeculativeGenerator:
         self, prompt: list[int], config: GenerationConfig, rng: np.random.Generator
     ) -> GenerationResult:
         start = time.perf_counter()
+        rng = row_draws(config, rng)
         target, drafter = self.target, self._drafter(config)
         sampling, schedule = config.sampling, self._schedule(config)
         k_max = config.num_draft_tokens

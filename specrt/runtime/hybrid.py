@@ -13,10 +13,7 @@ uses it when that beats the rate of recent model rounds (the draft-length schedu
 included), which it measures as they run; otherwise the model drafts as it would alone. Both
 rates are counted in tokens per one-position pass, :math:`T(0)` at the time, not per second: a
 pass costs more as the row grows, and a rate learned on short rows must still compare right on
-long ones. Timings are what the rounds took. Where a seeded row's draws must not depend on the
-machine or on its neighbours (``reproducible``), the rule is fixed instead: the match whenever
-there is one, at most the round's K tokens of it (the rule the batched runner applies to such
-rows, so the row gives the same tokens either way).
+long ones. Timings are what the rounds took.
 """
 
 from __future__ import annotations
@@ -24,11 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Draft, LookupDrafter, ModelDrafter
 from specrt.runtime.lookup import NO_PROPOSAL, Proposal
+from specrt.runtime.sampling import Draws
 from specrt.runtime.schedules import KeepGoing, LineFit
 
 # Proposed from a match at most (loops and copies run long); the round verifies the length with
@@ -73,12 +69,10 @@ class HybridDrafter:
         model: ModelDrafter,
         lookup: LookupDrafter,
         max_match_tokens: int = MAX_MATCH_TOKENS,
-        reproducible: bool = False,
     ) -> None:
         self.model, self.lookup = model, lookup
         self.max_positions = model.max_positions
         self.max_match_tokens = max_match_tokens
-        self.reproducible = reproducible
         self.acceptance = MatchAcceptance()
         self.verify_time = LineFit(0.05)  # seconds of a verification pass vs positions fed
         tokens, passes = MODEL_PRIOR_RATE
@@ -115,15 +109,13 @@ class HybridDrafter:
         tokens: list[int],
         k: int,
         sampling: SamplingParams,
-        rng: np.random.Generator,
+        rng: Draws,
         keep_drafting: KeepGoing | None = None,
         limit: int | None = None,
     ) -> Draft:
         room = k if limit is None else limit
         found = self.lookup.find(tokens, min(room, self.max_match_tokens))
-        if self.reproducible:
-            length = min(len(found.tokens), k)
-        elif k and (self._model_rounds < FIRST_MODEL_ROUNDS or self._since_model >= EXPLORE_EVERY):
+        if k and (self._model_rounds < FIRST_MODEL_ROUNDS or self._since_model >= EXPLORE_EVERY):
             length = 0  # the model's turn, to measure it again
         else:
             length = self.match_length(found) if found.tokens else 0
@@ -140,10 +132,8 @@ class HybridDrafter:
 
     def _catch_up(self, tokens: list[int]) -> None:
         """Feed the model what it missed (the prompt, rounds of matches), at most the last
-        `DRAFT_WINDOW` (unless ``reproducible``: a seeded row's draws must be the batched
-        runner's, which reads rows whole): a cost of the matches, not of the model's round
-        (`Draft.catch_up_s`)."""
-        self.model.catch_up(tokens, None if self.reproducible else DRAFT_WINDOW)
+        `DRAFT_WINDOW`: a cost of the matches, not of the model's round (`Draft.catch_up_s`)."""
+        self.model.catch_up(tokens, DRAFT_WINDOW)
 
     def match_length(self, found: Proposal) -> int:
         """How many of the matched tokens to verify: the most tokens per second, or 0 where

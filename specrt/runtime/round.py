@@ -17,10 +17,11 @@ from specrt.runtime.config import SamplingParams
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
+    Draws,
     check_probabilities,
+    draw,
     greedy_tokens,
     rows_needed,
-    sample,
     warp,
 )
 from specrt.runtime.schedules import DraftSchedule, KeepGoing
@@ -44,7 +45,7 @@ def speculative_round(
     tokens: list[int],
     k: int,
     sampling: SamplingParams,
-    rng: np.random.Generator,
+    rng: Draws,
     keep_drafting: KeepGoing | None = None,
     limit: int | None = None,
 ) -> RoundResult:
@@ -61,7 +62,9 @@ def speculative_round(
 
     fed = tokens[target.length :] + draft.tokens
     out = target.forward(fed, keep_last=len(draft.tokens) + 1, need=rows_needed(sampling))
-    accepted, next_token = verify(draft.tokens, draft.probabilities, out, sampling, rng)
+    accepted, next_token = verify(
+        draft.tokens, draft.probabilities, out, sampling, rng, len(tokens)
+    )
     return RoundResult(
         drafted=len(draft.tokens),
         accepted=accepted,
@@ -78,7 +81,7 @@ def first_round(
     tokens: list[int],
     room: int,
     sampling: SamplingParams,
-    rng: np.random.Generator,
+    rng: Draws,
 ) -> RoundResult:
     """The first round after a prompt: one pass over what the target's cache lacks of it (at
     least the last token) and whatever the drafter proposes for free (a match: k = 0, so no
@@ -96,7 +99,7 @@ def scheduled_round(
     tokens: list[int],
     room: int,
     sampling: SamplingParams,
-    rng: np.random.Generator,
+    rng: Draws,
 ) -> RoundResult:
     """The one-row loop's round: ``schedule`` picks K (at most ``room``) and may stop the
     drafter early; it and the drafter then learn from how the round went."""
@@ -116,17 +119,15 @@ class RowRound:
     """One row's part in a batched round: its tokens (the target's cache holds all but the
     newest), how to sample, its own random stream, and how many draft tokens it verifies:
     the first ``k`` of the model's (fewer near its length limit), or ``match``, tokens proposed
-    by matching (`LookupDrafter`: point masses) in their place. ``keep_drafting``: the row's
-    own schedule may stop its share early, as in the one-row loop (seeded rows). ``offset``:
-    the row's first tokens the draft's cache leaves out (it reads a window of a long row)."""
+    by matching (`LookupDrafter`: point masses) in their place. ``offset``: the row's first
+    tokens the draft's cache leaves out (it reads a window of a long row)."""
 
     tokens: list[int]
     sampling: SamplingParams
-    rng: np.random.Generator
+    rng: Draws
     k: int
     match: list[int] | None = None
     source: str = "model"
-    keep_drafting: KeepGoing | None = None
     offset: int = 0
 
     @property
@@ -141,7 +142,6 @@ def batched_round(
     rows: list[RowRound],
     k: int,
     start: int = 0,
-    apart: bool = False,
 ) -> list[RoundResult]:
     """One round for rows ``start`` .. ``start + n - 1`` of both models' caches: K draft steps,
     each one draft call for every row (none when every row has a match), then ONE target call
@@ -150,16 +150,13 @@ def batched_round(
     A row uses its first ``row.k`` draft tokens or its match: it draws nothing past them (its
     random stream advances as if it were alone) and its later slots are filler. A row whose
     logits come out NaN/inf fails alone (its result's ``error``); the others go on as they
-    would have. ``apart``: each row drafts in calls of its own (seeded rows: see
-    `draft_apart`)."""
+    would have."""
     started = time.perf_counter()
     n = len(rows)
     k = k if any(row.model_k for row in rows) else 0
     failed: dict[int, str] = {}
     if not k:
         drafts, q = np.zeros((n, 0), np.int64), []
-    elif apart:
-        drafts, q = draft_apart(draft, rows, k, failed, start)
     else:
         drafts, q = draft_rows(draft, rows, k, failed, start)
     drafts_per_row = [row.match or own for row, own in zip(rows, drafts.tolist())]
@@ -191,7 +188,14 @@ def batched_round(
                 (0, 0)
                 if i in failed
                 else _row_verdict(
-                    failed, i, drafts_per_row[i][: row.k], row_q, row_out, row.sampling, row.rng
+                    failed,
+                    i,
+                    drafts_per_row[i][: row.k],
+                    row_q,
+                    row_out,
+                    row.sampling,
+                    row.rng,
+                    len(row.tokens),
                 )
             )
     verify_time = time.perf_counter() - drafted_at
@@ -222,7 +226,8 @@ def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> l
         need = NEED_ARGMAX if row.sampling.greedy else NEED_LOGITS
         out = target.forward_rows(fed, keep_last=1, start=slot, need=need)
         failed: dict[int, str] = {}
-        _, token = _row_verdict(failed, 0, [], None, _pick(out, 0), row.sampling, row.rng)
+        verdict = [], None, _pick(out, 0), row.sampling, row.rng, len(row.tokens)
+        _, token = _row_verdict(failed, 0, *verdict)
         seconds = time.perf_counter() - started
         tokens = [] if failed else [token]
         results.append(RoundResult(0, 0, tokens, 0.0, seconds, "model", failed.get(0)))
@@ -281,35 +286,9 @@ def draft_rows(
                 drafts[i, step] = drafts[i, step - 1] if step else 0
                 continue
             try:
-                drafts[i, step] = token = _draft_token(row, i, step, picked, q)
+                drafts[i, step] = _draft_token(row, i, step, picked, q)
             except NumericalError as exc:
                 failed[i] = str(exc)
-                continue
-            if row.keep_drafting is not None:  # its confidence: the probability drawn with
-                confidence = float(q[i][step][token]) if q[i] is not None else 0.0
-                if not row.keep_drafting(step + 1, confidence):
-                    row.k = step + 1
-    return drafts, q
-
-
-def draft_apart(
-    draft: RowsDecoder, rows: list[RowRound], k: int, failed: dict[int, str], start: int = 0
-) -> tuple[np.ndarray, list[np.ndarray | None]]:
-    """`draft_rows` one row at a time, each for its own share: an int8 draft's logits for a
-    row depend on what shares its call (onnxruntime quantises the activations of a call
-    together), so a seeded row, whose draws must not depend on its neighbours, drafts as it
-    would alone."""
-    drafts = np.zeros((len(rows), k), dtype=np.int64)
-    q: list[np.ndarray | None] = [None] * len(rows)
-    for i, row in enumerate(rows):
-        if not row.model_k:
-            continue
-        own: dict[int, str] = {}
-        row_drafts, row_q = draft_rows(draft, [row], row.model_k, own, start + i)
-        drafts[i, : row_drafts.shape[1]] = row_drafts[0]
-        q[i] = row_q[0]
-        if own:
-            failed[i] = own[0]
     return drafts, q
 
 
@@ -325,7 +304,7 @@ def _draft_token(row: RowRound, i: int, step: int, picked: Forward, q) -> int:
         check_probabilities(q[i][step], logits[i], "draft")
     else:
         q[i][step] = warp(logits[i], s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
-    return sample(q[i][step], row.rng)
+    return draw(q[i][step], row.rng, len(row.tokens) + step)
 
 
 def _pick(out: Forward, index) -> Forward:
@@ -348,14 +327,11 @@ def _flat(out: Forward) -> Forward:
     )
 
 
-def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0, apart: bool = False) -> int:
+def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> int:
     """Feed the draft all but the newest of the tokens it has not seen, where it is more than
     one behind (after rounds without drafting, or a prompt it skipped), so that a round's first
     draft call feeds each row one or two tokens (rows in slots ``start ..``); the tokens fed.
-    Rows far behind are fed apart from the others (`prefill_rows`); ``apart``: every row in
-    calls of its own (`draft_apart`)."""
-    if apart:
-        return sum(catch_up(draft, [row], start + i) for i, row in enumerate(rows))
+    Rows far behind are fed apart from the others (`prefill_rows`)."""
     lengths = draft.lengths[start : start + len(rows)].tolist()
     unseen = [row.tokens[row.offset + length : -1] for row, length in zip(rows, lengths)]
     if max(map(len, unseen)) <= 1:

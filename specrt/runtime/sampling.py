@@ -13,7 +13,7 @@ import numpy as np
 
 from specrt.backends import NEED_ARGMAX, NEED_LOGITS, NEED_PROBABILITIES, Forward
 from specrt.errors import NumericalError
-from specrt.runtime.config import SamplingParams
+from specrt.runtime.config import GenerationConfig, SamplingParams
 
 LOOP_DTYPE = np.float32  # what the generation loop warps and samples in (see `warp`)
 
@@ -131,6 +131,53 @@ def warp(
     return probs
 
 
+def draw(weights: np.ndarray, rng: np.random.Generator | KeyedDraws, position: int) -> int:
+    """A token from ``weights`` for the sequence's ``position``: by the row's keyed draws where
+    it has them (a seeded row), else `sample`."""
+    if isinstance(rng, KeyedDraws):
+        return rng.token(weights, position)
+    return sample(weights, rng)
+
+
+class KeyedDraws:
+    """A seeded row's sampling: its token at ``position`` is ``argmax_i w_i / E_i`` for the
+    warped distribution ``w`` and noise ``E_i ~ Exp(1)`` that belongs to the position: the
+    row's stream ``rng`` gives each position its ``[V]`` block in turn, from the first position
+    sampled on. That is a draw from ``w`` (the exponential race: ``E_i / w_i`` is an
+    exponential of rate ``w_i``, and the first to finish is ``i`` with probability ``w_i``).
+
+    The draft draws its proposal at a position with the same noise, and the target keeps it
+    only where it is the target's own draw there, so a seeded row's tokens are those of the
+    target alone under that seed, whatever was drafted: whatever K, proposer, batch, neighbours
+    or timing (the draft's acceptance, not the output, depends on them)."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+        self._noise: dict[int, np.ndarray] = {}  # positions not yet behind the row
+        self._next: int | None = None  # the next position to draw noise for
+
+    def token(self, weights: np.ndarray, position: int) -> int:
+        return int(np.argmax(weights / self.noise(position, weights.shape[-1])))
+
+    def noise(self, position: int, size: int) -> np.ndarray:
+        """The noise of ``position`` (drawn, with that of any position before it not yet
+        drawn, on first use); a position behind the row (`release`) has none."""
+        if self._next is None:
+            self._next = position
+        while self._next <= position:
+            noise = self._rng.standard_exponential(size, dtype=LOOP_DTYPE)
+            # A float32 exponential can round to 0: the smallest normal keeps w / E finite
+            np.maximum(noise, np.finfo(LOOP_DTYPE).tiny, out=noise)
+            self._noise[self._next] = noise
+            self._next += 1
+        return self._noise[position]
+
+    def release(self, position: int) -> None:
+        """The row's tokens before ``position`` stand: their noise is no longer needed."""
+        for behind in [p for p in self._noise if p < position]:
+            del self._noise[behind]
+
+
 def sample(weights: np.ndarray, rng: np.random.Generator) -> int:
     """Draw index ``i`` with probability ``weights[i] / weights.sum()`` (non-negative weights,
     not all zero); a zero-weight index is never drawn.
@@ -200,3 +247,12 @@ class WarpedRows:
                 )
             self._rows[index] = row
         return row
+
+
+Draws = np.random.Generator | KeyedDraws  # a row's random stream, or a seeded row's keyed draws
+
+
+def row_draws(config: GenerationConfig, rng: np.random.Generator) -> Draws:
+    """How a row samples: a seeded sampled row by draws keyed by position (`KeyedDraws`: its
+    tokens are the target alone's under the seed, whatever is drafted), others from ``rng``."""
+    return KeyedDraws(rng) if config.reproducible else rng

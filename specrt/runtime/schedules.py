@@ -60,33 +60,11 @@ class DraftSchedule(Protocol):
         ...
 
 
-# What a reproducible adaptive schedule assumes instead of timing the machine, in verification
-# passes: one draft step, and each further position a pass verifies.
-MODELLED_DRAFT_STEP = 0.1
-MODELLED_VERIFY_SLOPE = 0.05
-
-
-def make_schedule(name: str, k_max: int, reproducible: bool = False) -> DraftSchedule:
-    """The schedule ``name`` (one of `config.DRAFT_SCHEDULES`), drafting at most ``k_max``.
-
-    ``reproducible``: its decisions depend on what it is told of the rounds and nothing else
-    (the adaptive schedule then models the costs instead of timing them), so a new one per
-    request makes sampled output a function of the seed alone."""
+def make_schedule(name: str, k_max: int) -> DraftSchedule:
+    """The schedule ``name`` (one of `config.DRAFT_SCHEDULES`), drafting at most ``k_max``."""
     if name == "adaptive":
-        return AdaptiveSchedule(k_max, modelled_costs=reproducible)
+        return AdaptiveSchedule(k_max)
     return {"fixed": FixedSchedule, "heuristic": HeuristicSchedule}[name](k_max)
-
-
-class ModelledClock:
-    """Read once per drafted token: it advances by one modelled draft step per reading."""
-
-    def __init__(self, step: float) -> None:
-        self.step = step
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
 
 
 class FixedSchedule:
@@ -118,13 +96,9 @@ class AdaptiveSchedule:
         decay: float = 0.995,
         smoothing: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
-        modelled_costs: bool = False,
     ) -> None:
-        """``modelled_costs``: assume `MODELLED_DRAFT_STEP` and `MODELLED_VERIFY_SLOPE` instead
-        of timing the rounds (decisions then repeat exactly for the same outcomes)."""
         self.k_max = k_max
-        self.modelled_costs = modelled_costs
-        self.clock = ModelledClock(MODELLED_DRAFT_STEP) if modelled_costs else clock
+        self.clock = clock
         self.decay = decay
         self.smoothing = smoothing
         # Per confidence bin: decayed counts of reached tokens and of accepted ones, scaled by
@@ -215,9 +189,6 @@ class AdaptiveSchedule:
         self, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float
     ) -> None:
         """Record a round: ``drafted`` proposed, ``accepted`` kept, and what each part took."""
-        if self.modelled_costs:
-            draft_time_s = drafted * MODELLED_DRAFT_STEP
-            verify_time_s = 1.0 + MODELLED_VERIFY_SLOPE * (drafted + 1)
         if drafted:
             self._weight /= self.decay  # older counts weigh less: newer ones count more
             if self._weight > 1e6:

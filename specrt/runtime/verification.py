@@ -20,6 +20,13 @@ Such tokens come with ``None`` for their distribution (and need no ``[V]`` one-h
 Greedy decoding is the temperature-0 limit: accept while :math:`x_i = \arg\max p_i`; the
 recovered or bonus token is :math:`\arg\max p_i`.
 
+A seeded row (`KeyedDraws`) is verified by coupling instead: the target draws its own token at
+each position with the noise the draft drew with there, keeps the draft tokens while they are
+those draws and emits its draw after them. Every token is then the target's own draw (exact by
+construction, and the same as the target alone would draw under that seed); the draft only
+decides how many are kept per pass (on the demo pair per position 0.50 against rejection
+sampling's 0.55 at temperature 1, 0.62 against 0.63 at 0.7).
+
 Guards: :math:`q_i(x_i) = 0` rejects (no division by zero); a residual that sums to zero (only
 possible when p == q up to rounding, where rejection has a probability of rounding size) falls
 back to :math:`p_i`; NaN/inf logits raise `NumericalError`, never become a token.
@@ -33,7 +40,7 @@ import numpy as np
 
 from specrt.backends import Forward
 from specrt.runtime.config import SamplingParams
-from specrt.runtime.sampling import WarpedRows, greedy_tokens, sample
+from specrt.runtime.sampling import KeyedDraws, WarpedRows, greedy_tokens, sample
 
 
 def verify(
@@ -41,7 +48,8 @@ def verify(
     draft_probabilities: Sequence[np.ndarray | None] | None,
     target: Forward,
     sampling: SamplingParams,
-    rng: np.random.Generator,
+    rng: np.random.Generator | KeyedDraws,
+    position: int = 0,
 ) -> tuple[int, int]:
     """Return (how many of the K ``draft_tokens`` are accepted, the token emitted after them).
 
@@ -53,12 +61,19 @@ def verify(
     greedy). K may
     be 0 (a plain decoding step). Sampling draws one uniform per position tested, then one for
     the emitted token; the target's rows are warped only as far as the test reaches (most
-    rounds stop early).
+    rounds stop early). ``rng`` may be a seeded row's `KeyedDraws` instead (coupled
+    verification, see the module; ``position``: the sequence position of the first of the K+1).
     """
     if sampling.greedy:
         return accept_greedy(draft_tokens, greedy_tokens(target, "target"))
 
     p = WarpedRows(target.logits, sampling, "target", target.probabilities)
+    if isinstance(rng, KeyedDraws):
+        rng.release(position)
+        for i in range(len(draft_tokens) + 1):
+            token = rng.token(p[i], position + i)
+            if i == len(draft_tokens) or draft_tokens[i] != token:
+                return i, token
     for i, x in enumerate(draft_tokens):
         p_i = p[i]
         q_i = None if draft_probabilities is None else draft_probabilities[i]
