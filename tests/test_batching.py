@@ -145,6 +145,33 @@ def test_a_seeded_row_is_the_target_alones_whatever_shares_its_batch(
     assert 0 < accepted < drafted  # drafts were kept and drafts were refused
 
 
+def test_a_draft_equal_to_the_target_is_always_kept_under_a_seed(tmp_path_factory):
+    """A float32 draft with the target's own weights draws, with a position's noise, the
+    target's own draw there: every drafted token is kept, in the one-row loop, in batched
+    rounds and in a row running alone in a batch (a draft drawing with another position's
+    noise would be kept about as often as an independent draw, ~0.2-0.6 here)."""
+    from tests.conftest import build_bundle
+
+    root = tmp_path_factory.mktemp("twin")
+    bundle = build_bundle(
+        root, "twin", {"draft_precision": "float32"}, arch="llama", seed=3, draft_noise=0.0
+    )
+    config = GenerationConfig(
+        max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=4, ignore_eos=True
+    )
+    cases = [
+        (1, config, 6),  # the one-row loop
+        (4, config, 6),  # batched rounds (a fixed K never runs a row alone)
+        (4, replace(config, draft_schedule="adaptive"), 1),  # a row alone in the batch
+    ]
+    for batch, row_config, rows in cases:
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=batch)
+        results = generator.generate(PROMPTS[:rows], row_config)
+        drafted = sum(r.stats.drafted_tokens for r in results)
+        accepted = sum(r.stats.accepted_tokens for r in results)
+        assert drafted > 0 and accepted == drafted, (batch, row_config.draft_schedule)
+
+
 def test_seeded_rows_share_the_load_schedules_draft_length(llama_bundle):
     """Seeded sampled rows share every call with the others and draft what the load schedule
     chooses (here nothing, then always K = 2): their tokens stay the target alone's."""

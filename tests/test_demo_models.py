@@ -88,7 +88,9 @@ def test_a_seeded_row_is_the_same_beside_any_neighbour_with_the_int8_draft(demo_
     """The shipped pair's int8 draft: onnxruntime quantises a call's activations together, so
     a row's draft distribution moved with what shared its call (up to 0.012 in its logits),
     and a seeded row's tokens with its neighbours (`specrt batch --seed`: 2 rows of 200 differed
-    between --batch-size 1 and 16). Seeded rows now draft in calls of their own."""
+    between --batch-size 1 and 16 when such rows were verified by rejection sampling). Seeded
+    rows now draw by position: their tokens are the target alone's whatever the draft
+    proposed."""
     from specrt.jobs.batch import Row, make_request
 
     long_prompt = (
@@ -110,3 +112,7 @@ def test_a_seeded_row_is_the_same_beside_any_neighbour_with_the_int8_draft(demo_
         results = dict(generator.run([*others, mine]))
         outputs.append(results["17"].token_ids)
     assert outputs[0] == outputs[1] == outputs[2] == outputs[3], outputs
+    alone = SpeculativeGenerator.from_bundle(demo_bundle, threads=1)
+    target_only = replace(defaults, num_draft_tokens=0, proposer="model")
+    [(_, result)] = alone.run([make_request(alone, Row("17", long_prompt), target_only)])
+    assert result.token_ids == outputs[0]

@@ -137,18 +137,18 @@ def test_seeded_tokens_follow_the_target_and_are_the_target_alones(
     prompt = generator.encode_prompts(["Simple is"])[0]
     expected = exact_marginals(reference, prompt, settings)
     tokens = {}
-    for k in (0, 2):
+    for k, rows in ((0, SAMPLES), (2, SAMPLES // 4)):  # row i: the stream (100, i) either way
         config = GenerationConfig(
             max_new_tokens=3, num_draft_tokens=k, seed=100, ignore_eos=True, **settings
         )
-        results = generator.generate([prompt] * SAMPLES, config)
+        results = generator.generate([prompt] * rows, config)
         tokens[k] = np.array([r.token_ids for r in results])
         if k:
             drafted = sum(r.stats.drafted_tokens for r in results)
             accepted = sum(r.stats.accepted_tokens for r in results)
             assert 0.2 < accepted / drafted < 0.95  # drafts kept and drafts refused
     assert_follows(tokens[0], expected, "seeded")
-    assert (tokens[2] == tokens[0]).all()
+    assert (tokens[2] == tokens[0][: SAMPLES // 4]).all()
 
 
 def test_same_seed_same_output(generator):

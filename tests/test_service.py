@@ -111,9 +111,9 @@ def test_cancel_and_dropped_iterators_free_their_slots(service, serial):
 
 
 def test_seeded_requests_beside_greedy_ones(service, serial):
-    """Seeded sampled requests run in their own slots and calls: each gives what it gives
-    alone, the greedy ones beside them give their serial output, and cancelling a seeded one
-    in the middle frees its slot for the rest."""
+    """Seeded sampled requests share the calls of the others: each gives what it gives alone
+    (the target alone's tokens under its seed), the greedy ones beside them give their serial
+    output, and cancelling a seeded one in the middle frees its slot for the rest."""
     seeded = GenerationConfig(max_new_tokens=20, temperature=1.0, num_draft_tokens=3, seed=5)
     greedy = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
     alone = {p: service.submit(p, seeded).result(timeout=30).token_ids for p in PROMPTS[:4]}

@@ -457,3 +457,5 @@ def test_keyed_noise_is_kept_only_ahead_of_the_row():
             draws.token(p, position + ahead)
         verify([], None, Forward(np.zeros((1, V)), p[None]), PLAIN, draws, position)
     assert sorted(draws._noise) == [99, 100, 101]
+    with pytest.raises(ValueError, match="position 98 is behind"):
+        draws.token(p, 98)

@@ -346,7 +346,8 @@ class SpeculativeGenerator:
         draft's calibration, the machine's costs) holds for the pair, not for one prompt."""
         drafts = config.num_draft_tokens and config.proposer != "lookup"  # a match has no cost
         name = config.draft_schedule if drafts else "fixed"
-        key = (name, config.num_draft_tokens, config.greedy)
+        # Seeded rows' drafts are kept less often (`KeyedDraws`): learnt apart
+        key = (name, config.num_draft_tokens, config.greedy, config.reproducible)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)
         return self._schedules[key]
@@ -366,6 +367,7 @@ class SpeculativeGenerator:
         if config.proposer == "lookup":
             return lookup
         key = (config.prompt_lookup_min, config.prompt_lookup_max, config.greedy)
+        key += (config.reproducible,)
         hybrid = self._hybrids.get(key)
         if hybrid is None:
             hybrid = self._hybrids[key] = HybridDrafter(self.drafter, lookup)

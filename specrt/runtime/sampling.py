@@ -164,6 +164,8 @@ class KeyedDraws:
         drawn, on first use); a position behind the row (`release`) has none."""
         if self._next is None:
             self._next = position
+        if position < self._next and position not in self._noise:
+            raise ValueError(f"position {position} is behind this row's draws")
         while self._next <= position:
             noise = self._rng.standard_exponential(size, dtype=LOOP_DTYPE)
             # A float32 exponential can round to 0: the smallest normal keeps w / E finite
