@@ -58,9 +58,16 @@ def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess
 
 
 def one_request(
-    http: httpx.Client, url: str, prompt: str, max_tokens: int, temperature: float = 0.0
+    http: httpx.Client,
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
 ) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": temperature}
+    if seed is not None:
+        body["seed"] = seed
     body["stream_options"] = {"include_usage": True}  # the last chunk: the tokens it counts
     started = time.perf_counter()
     first, tokens = None, 0
@@ -77,11 +84,14 @@ def one_request(
 
 
 def run_load(
-    url: str, work_items: list[tuple[str, int]], concurrency: int, temperature: float = 0.0
+    url: str,
+    work_items: list[tuple[str, int, int | None]],
+    concurrency: int,
+    temperature: float = 0.0,
 ) -> dict:
-    """Every ``(prompt, max_tokens)`` once, from ``concurrency`` client threads; the requests'
-    measurements."""
-    work: queue.Queue[tuple[str, int]] = queue.Queue()
+    """Every ``(prompt, max_tokens, seed)`` once, from ``concurrency`` client threads; the
+    requests' measurements."""
+    work: queue.Queue[tuple[str, int, int | None]] = queue.Queue()
     for item in work_items:
         work.put(item)
     results: list[dict] = []
@@ -92,10 +102,10 @@ def run_load(
         with httpx.Client(timeout=300) as http:
             for turn in itertools.count():
                 try:
-                    prompt, max_tokens = work.get_nowait()
+                    prompt, max_tokens, seed = work.get_nowait()
                 except queue.Empty:
                     return
-                measured = one_request(http, url, prompt, max_tokens, temperature)
+                measured = one_request(http, url, prompt, max_tokens, temperature, seed)
                 results.append({**measured, "turn": turn})
 
     started = time.perf_counter()
@@ -157,6 +167,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="Mean max_tokens.")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
     parser.add_argument(
+        "--seed", type=int, default=None, help="Request i is sampled with seed SEED + i."
+    )
+    parser.add_argument(
         "--length-spread",
         type=float,
         default=0.5,
@@ -180,7 +193,8 @@ def main() -> None:
     lengths = random.Random(0).choices(
         range(args.max_tokens - spread, args.max_tokens + spread + 1), k=len(prompts)
     )
-    work_items = list(zip(prompts, lengths))
+    seeds = [None if args.seed is None else args.seed + i for i in range(len(prompts))]
+    work_items = list(zip(prompts, lengths, seeds))
     servers = {
         "speculative": start_server(args, []),
         "target_only": start_server(args, ["--num-draft-tokens", "0"]),
@@ -188,7 +202,7 @@ def main() -> None:
     rows = []
     try:
         for _, url in servers.values():  # warm up: shapes, caches, the schedule
-            run_load(url, [(prompt, 32) for prompt in prompts[:4]], 4)
+            run_load(url, [(prompt, 32, None) for prompt in prompts[:4]], 4)
         for concurrency in args.concurrency:
             row = {"concurrency": concurrency}
             runs: dict[str, list[dict]] = {name: [] for name in servers}
