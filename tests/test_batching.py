@@ -906,7 +906,7 @@ def test_a_row_alone_in_the_batch_drafts_as_the_one_row_loop(llama_bundle):
         [Request(0, generator.encode_prompts(PROMPTS[:1])[0], config, np.random.default_rng(0))]
     )
     assert result.token_ids == expected.token_ids
-    schedule = generator._schedules[("adaptive", config.num_draft_tokens, True)]
+    schedule = generator._schedules[("adaptive", config.num_draft_tokens, True, False)]
     # Every round after the first token's step (the target alone) was the one-row one
     assert len(schedule.verify_time) == result.stats.rounds - 1
     assert "load" not in generator._load_schedules  # and the load schedule never ran
