@@ -171,15 +171,25 @@ MATCH_CASES = [
 @pytest.mark.parametrize(("path", "proposer"), MATCH_CASES)
 @pytest.mark.parametrize("settings", SETTINGS[:2])
 def test_sampled_tokens_follow_the_target_through_matches(
-    generators, bundle, reference, settings, path, proposer
+    generators, bundle, reference, settings, path, proposer, monkeypatch
 ):
     """Prompt lookup and the hybrid propose point masses (the prompt repeats itself, so matches
-    fire from the first round on): the emitted tokens still follow the target exactly. (A
-    batched hybrid starts afresh: one that learnt here that sampled matches do not pay stops
-    verifying them.)"""
+    fire from the first round on): the emitted tokens still follow the target exactly. (The
+    hybrid, one row or batched, is told to verify every match whole: left to itself it
+    verifies them as often as its timings say they pay.)"""
+    from specrt.runtime.hybrid import HybridDrafter
+    from specrt.runtime.schedules import LoadSchedule
+
+    monkeypatch.setattr(HybridDrafter, "match_length", lambda self, found: len(found.tokens))
+
+    class EveryMatch(LoadSchedule):
+        def match_option(self, rows, curves, probe=False):
+            return max(map(len, curves), default=0), 1e9  # beats any model draft
+
     generator = generators[path]
     if (path, proposer) == ("batched", "hybrid"):
         generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=8)
+        generator._load_schedules["load"] = EveryMatch()
     # "Simple is", the target's greedy continuation, "Simple is" again: the lookup proposes the
     # continuation, which the target (peaked) often but not always takes again.
     start = generator.encode_prompts(["Simple is"])[0]
