@@ -193,7 +193,8 @@ generation_options = _stack(
         type=int,
         default=None,
         help="Seed for sampling: each row draws from its own stream, (seed, i) for generate's "
-        "row i, (seed, id) for a batch row.",
+        "row i, (seed, id) for a batch row; its tokens are those of --num-draft-tokens 0 "
+        "under the same seed.",
     ),
     click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
     click.option(
