@@ -366,8 +366,12 @@ class SpeculativeGenerator:
         lookup = LookupDrafter(index, self.suffix_cache)
         if config.proposer == "lookup":
             return lookup
-        key = (config.prompt_lookup_min, config.prompt_lookup_max, config.greedy)
-        key += (config.reproducible,)
+        key = (
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.greedy,
+            config.reproducible,
+        )
         hybrid = self._hybrids.get(key)
         if hybrid is None:
             hybrid = self._hybrids[key] = HybridDrafter(self.drafter, lookup)

@@ -16,6 +16,7 @@ from specrt.errors import NumericalError
 from specrt.runtime.config import GenerationConfig, SamplingParams
 
 LOOP_DTYPE = np.float32  # what the generation loop warps and samples in (see `warp`)
+_TINY = float(np.finfo(LOOP_DTYPE).tiny)
 
 
 def argmax_tokens(logits: np.ndarray, model: str) -> list[int]:
@@ -131,7 +132,7 @@ def warp(
     return probs
 
 
-def draw(weights: np.ndarray, rng: np.random.Generator | KeyedDraws, position: int) -> int:
+def draw(weights: np.ndarray, rng: Draws, position: int) -> int:
     """A token from ``weights`` for the sequence's ``position``: by the row's keyed draws where
     it has them (a seeded row), else `sample`."""
     if isinstance(rng, KeyedDraws):
@@ -169,7 +170,7 @@ class KeyedDraws:
         while self._next <= position:
             noise = self._rng.standard_exponential(size, dtype=LOOP_DTYPE)
             # A float32 exponential can round to 0: the smallest normal keeps w / E finite
-            np.maximum(noise, np.finfo(LOOP_DTYPE).tiny, out=noise)
+            np.maximum(noise, _TINY, out=noise)
             self._noise[self._next] = noise
             self._next += 1
         return self._noise[position]
