@@ -28,8 +28,9 @@ install: $(VENV)/.installed
 lint: install
 	$(BIN)/ruff check specrt tests models bench
 
+# One pytest worker per core, at most 4 (each builds the shared tiny bundles once).
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses 4
 
 # Every recipe engines/NAME.json builds the bundle engines/NAME/.
 engines: install $(BUNDLES)

@@ -64,7 +64,9 @@ def alone(bundles):
 @pytest.mark.parametrize("engine", ["onnxruntime", "portable"])
 @pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)
 def test_batched_greedy_equals_target_alone(bundles, alone, arch, engine):
-    for batch in (2, 4, 8):  # 20 prompts: rows are refilled as others finish
+    # 20 prompts: rows are refilled as others finish. The portable graph pads every batch
+    # size alike (mask and positions), so one size checks it.
+    for batch in (2, 4, 8) if engine == "onnxruntime" else (4,):
         generator = SpeculativeGenerator.from_bundle(
             bundles[arch], threads=1, max_batch=batch, engine=engine
         )

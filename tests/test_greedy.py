@@ -29,7 +29,11 @@ def test_speculative_greedy_equals_target_only(bundles, arch, engine):
     for ignore_eos in (False, True):
         baseline = run(generator, 0, ignore_eos=ignore_eos)
         assert all(r.stats.drafted_tokens == 0 for r in baseline)
-        schedules = [(k, "fixed") for k in (1, 2, 4, 8)] + [(8, "adaptive"), (8, "heuristic")]
+        # The schedules are the runtime's, not the graph's: the portable graph (rolled back
+        # through its mask and positions) is checked at a short and a long draft.
+        schedules = [(k, "fixed") for k in ((1, 4) if engine == "portable" else (1, 2, 4, 8))]
+        if engine != "portable":
+            schedules += [(8, "adaptive"), (8, "heuristic")]
         for k, schedule in schedules:
             # The adaptive controller persists per generator; on these tiny pairs the draft costs
             # as much as the target, so after its first rounds it rightly stops drafting. A
