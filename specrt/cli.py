@@ -584,6 +584,7 @@ def batch(
     elif _same_file(input_path, output_path):
         raise click.UsageError("--output must not be the --input file")
     else:
+        output_path = _through_link(output_path)
         _check_writable(output_path, "--output")
     if summary is not None and str(summary) == "-":
         if to_stdout:
@@ -592,6 +593,7 @@ def batch(
     elif summary is not None:  # found now, not after the whole job
         if _same_file(summary, input_path) or _same_file(summary, output_path):
             raise click.UsageError("--summary must not be the --input or the --output file")
+        summary = _through_link(summary)
         _check_writable(summary, "--summary")
     defaults = _generation_config(params)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
@@ -617,6 +619,7 @@ def batch(
                 progress_bar(progress),
                 output_format,
                 model=Path(bundle).resolve().name,  # as `specrt serve` names it
+                input_name=_spooled_name(input_path, rows),
             )
         except (KeyboardInterrupt, _Terminated) as exc:
             click.echo(
@@ -673,6 +676,22 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve() or os.path.samefile(a, b)
     except OSError:  # one of them does not exist (yet)
         return False
+
+
+def _spooled_name(input_path: Path, rows: Path) -> str | None:
+    """How errors name an input read through a spooled copy (stdin, a pipe); None: as is."""
+    if rows == input_path:
+        return None
+    return "standard input" if str(input_path) == "-" else str(input_path)
+
+
+def _through_link(path: Path) -> Path:
+    """Where a symbolic link points (missing folders on the way are made there, not beside the
+    link); any other path as it is."""
+    try:
+        return path.resolve() if path.is_symlink() else path
+    except (OSError, RuntimeError):  # a loop of links: opening it says so
+        return path
 
 
 def _check_writable(path: Path, option: str) -> None:

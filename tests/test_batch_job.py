@@ -288,6 +288,8 @@ def test_an_output_that_is_not_ours_is_left_alone(llama_bundle, tmp_path):
         '{"config": 1, "secret": "keep me"}',  # JSON, but not a record of ours
         '{"id": "p1", "text": "x"}\nmy notes',
         '{"id": "a", "prompt": "the input copied"}\n{"id": "b", "prompt": "b"}\n',
+        # Begins as a record does, but whole and not one: it used to be cut off as torn
+        '{"id": 7, "note": "my own data, not a result"}',
     ],
 )
 def test_an_output_of_other_lines_is_never_cut_or_taken_for_results(
@@ -608,3 +610,111 @@ def test_lines_an_operator_writes_are_read_as_written(llama_bundle, tmp_path):
         "| specrt batch --input - ...`"
     ]
     assert not (tmp_path / "o4.jsonl").exists()
+
+
+def test_a_whole_record_without_its_newline_is_kept_and_a_torn_one_redone(llama_bundle, tmp_path):
+    """From an audit: a last line without its newline was cut off whenever it began as a
+    record does, though whole (a record of an id no longer in the input was lost with it)."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "a"}\n{"id": "b", "prompt": "b"}\n')
+    output = tmp_path / "out.jsonl"
+    old = {"id": "old", "text": "x", "token_ids": [1], "finish_reason": "length", "stats": {}}
+    output.write_text(json.dumps(old))  # whole, without its newline
+    done = run(command(llama_bundle, path, output, "--max-new-tokens", "2"))
+    assert done.returncode == 0, done.stderr
+    assert "also holds 1 record(s) of ids not in" in done.stderr and "'old'" in done.stderr
+    lines = output.read_text().splitlines()
+    assert json.loads(lines[0]) == old and len(lines) == 3  # kept and ended; a and b after it
+    a_line = next(line for line in lines if json.loads(line)["id"] == "a")
+    kept = [line for line in lines if json.loads(line)["id"] != "a"]
+    output.write_text("\n".join(kept) + "\n" + a_line[:25])  # a's record torn mid-write
+    done = run(command(llama_bundle, path, output, "--max-new-tokens", "2"))
+    assert done.returncode == 0, done.stderr
+    assert "1 ok, 0 failed, 1 already done" in done.stderr  # a again, b skipped
+    assert sorted(json.loads(line)["id"] for line in output.read_text().splitlines()) == [
+        "a",
+        "b",
+        "old",
+    ]
+
+
+def test_json_beyond_what_python_reads_is_a_bad_row():
+    """From an audit: a 5,000-digit number or arrays nested 100,000 deep in one line, and an
+    OpenAI line whose url is a list, ended the whole job with a traceback."""
+    from specrt.jobs.batch import parse_row
+
+    long_number = parse_row('{"id": ' + "9" * 5001 + ', "prompt": "x"}', "line 1")
+    assert long_number.error == "JSON that cannot be read: a number too long"
+    assert long_number.id == "line 1" and not long_number.named
+    deep = parse_row('{"id": 2, "prompt": "y", "stop": ' + "[" * 100_000 + "]" * 100_000 + "}", "l")
+    assert deep.error == "JSON that cannot be read: nested too deeply"
+    twice = parse_row('{"id": 3, "s": {"k": 1, "k": 2}, "n": ' + "9" * 5001 + "}", "line 3")
+    assert twice.error == "the key 'k' appears twice in the line" and twice.id == "line 3"
+    url = parse_row('{"custom_id": "u", "url": ["x"], "body": {"prompt": "hi"}}', "line 4")
+    assert url.id == "u" and url.error.startswith("url ['x']: specrt batch answers")
+
+
+def test_an_id_json_escapes_as_a_lone_surrogate_is_written_and_resumed(llama_bundle, tmp_path):
+    """From an audit: such an id (JSON allows "\\ud800") cannot be written as UTF-8: the job
+    died at its record, and every rerun again. Its record is written escaped and read back."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "\\ud800", "prompt": "a"}\n{"id": "b", "prompt": "b"}\n')
+    output = tmp_path / "out.jsonl"
+    done = run(command(llama_bundle, path, output, "--max-new-tokens", "2"))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert '"id": "\\ud800"' in output.read_text()
+    assert {json.loads(line)["id"] for line in output.read_text().splitlines()} == {"\ud800", "b"}
+    done = run(command(llama_bundle, path, output, "--max-new-tokens", "2"))
+    assert done.returncode == 0 and "0 ok, 0 failed, 2 already done" in done.stderr
+
+
+def test_standard_input_is_named_as_such_and_its_copy_never_outlives_the_job(
+    llama_bundle, tmp_path
+):
+    """From an audit: errors about a piped input named the temporary copy (already removed),
+    and a job killed with -9 left that copy of its whole input behind."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}
+    cmd = command(llama_bundle, Path("-"), tmp_path / "out.jsonl")
+    packed = subprocess.run(
+        cmd, input=gzip_of(b'{"id": 1, "prompt": "a"}\n'), capture_output=True, env=env
+    )
+    assert packed.returncode == 1 and packed.stderr.decode().strip().splitlines() == [
+        "Error: standard input is gzip-compressed; give the JSONL itself, e.g. `gunzip -c FILE"
+        " | specrt batch --input - ...`"
+    ]
+    rows = "".join(json.dumps({"id": i, "prompt": WORDS[i % 10]}) + "\n" for i in range(400))
+    output = tmp_path / "killed.jsonl"
+    process = subprocess.Popen(
+        command(llama_bundle, Path("-"), output, "--max-new-tokens", "32"),
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    process.stdin.write(rows.encode())
+    process.stdin.close()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (output.exists() and output.read_text()):
+        time.sleep(0.01)
+    assert process.poll() is None  # killed while it runs
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert list(scratch.glob("specrt-input-*")) == []  # (onnxruntime leaves its .ses there)
+
+
+def gzip_of(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data)
+
+
+def test_a_summary_through_a_link_is_written_where_it_points(llama_bundle, tmp_path):
+    """From an audit: a --summary link to a folder not made yet passed the early check, and
+    the whole job ran before its summary failed; the folders are made where it points."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "a"}\n')
+    link = tmp_path / "summary.json"
+    link.symlink_to(tmp_path / "nope" / "deeper" / "s.json")
+    done = run(command(llama_bundle, path, tmp_path / "out.jsonl", "--summary", link))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "nope" / "deeper" / "s.json").read_text())["ok"] == 1
+    assert link.is_symlink()

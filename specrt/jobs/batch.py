@@ -145,36 +145,46 @@ def spooled(path: Path) -> Iterator[Path]:
             )
         source = open(path, "rb")  # noqa: SIM115 - closed below
     handle, name = tempfile.mkstemp(prefix="specrt-input-", suffix=".jsonl")
-    try:
-        with os.fdopen(handle, "wb") as spool, source:
-            shutil.copyfileobj(source, spool, 1 << 20)
-        yield Path(name)
-    finally:
+    # Where /proc reopens it, the copy has no name from the start: a job killed with -9
+    # leaves no copy of its input behind
+    reopened = Path(f"/proc/self/fd/{handle}")
+    unnamed = reopened.exists()
+    if unnamed:
         os.unlink(name)
+    try:
+        with os.fdopen(handle, "wb", closefd=False) as spool, source:
+            shutil.copyfileobj(source, spool, 1 << 20)
+        yield reopened if unnamed else Path(name)
+    finally:
+        os.close(handle)
+        if not unnamed:
+            os.unlink(name)
 
 
-def read_rows(path: Path) -> Iterator[Row]:
-    """The input's rows, one per non-blank line, parsed as they are read. A line that is not
-    UTF-8 is a bad row like a line that is not JSON (its own error record): one such line in
-    a large file must not stop the job."""
+def read_rows(path: Path, name: str | None = None) -> Iterator[Row]:
+    """The input's rows, one per non-blank line, parsed as they are read (``name``: the input
+    as errors name it, where ``path`` is a spooled copy). A line that is not UTF-8 is a bad row
+    like a line that is not JSON (its own error record): one such line in a large file must
+    not stop the job."""
+    label = name or str(path)
     try:
         handle = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError as exc:
-        raise InvalidInputError(f"input file {path} does not exist") from exc
+        raise InvalidInputError(f"input file {label} does not exist") from exc
     except IsADirectoryError as exc:
-        raise InvalidInputError(f"input file {path} is a directory; give a JSONL file") from exc
+        raise InvalidInputError(f"input file {label} is a directory; give a JSONL file") from exc
     with handle:
         for number, data in enumerate(handle, 1):
             if number == 1:
                 if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
                     raise InvalidInputError(
-                        f"{path} is UTF-16 text; JSON Lines are UTF-8: save the file as UTF-8"
+                        f"{label} is UTF-16 text; JSON Lines are UTF-8: save the file as UTF-8"
                     )
                 for magic, (kind, tool) in COMPRESSED.items():
                     if data.startswith(magic):
                         raise InvalidInputError(
-                            f"{path} is {kind}-compressed; give the JSONL itself, e.g. "
-                            f"`{tool} -c {path} | specrt batch --input - ...`"
+                            f"{label} is {kind}-compressed; give the JSONL itself, e.g. "
+                            f"`{tool} -c {'FILE' if name else path} | specrt batch --input - ...`"
                         )
                 data = data.removeprefix(codecs.BOM_UTF8)
             try:
@@ -201,11 +211,22 @@ def parse_row(line: str, fallback_id: str) -> Row:
         return Row(fallback_id, error=f"not JSON ({exc.msg} at column {exc.colno})", named=False)
     except _DuplicateKey as exc:
         key, message = exc.args[0], f"the key {exc.args[0]!r} appears twice in the line"
-        row = row_from_item(json.loads(line), fallback_id)  # its id, where that is not the key
+        try:  # its id, where that is not the key
+            row = row_from_item(json.loads(line), fallback_id)
+        except (ValueError, RecursionError):
+            row = Row(fallback_id, named=False)
         if key in ("id", "custom_id") or not row.named:
             return Row(fallback_id, error=message, named=False)
         return Row(row.id, error=message, openai=row.openai)
+    except (ValueError, RecursionError) as exc:  # JSON, but beyond what Python reads
+        return Row(fallback_id, error=f"JSON that cannot be read: {_beyond(exc)}", named=False)
     return row_from_item(item, fallback_id)
+
+
+def _beyond(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return "a number too long" if "digits" in str(exc) else str(exc)
 
 
 class _DuplicateKey(ValueError):
@@ -264,7 +285,7 @@ def openai_row(item: dict, fallback_id: str) -> Row:
     row = Row(row_id, openai=True)
     if item.get("method", "POST") != "POST":
         row.error = f"method {item['method']!r}: the requests of a batch file are POSTs"
-    elif url is not None and url not in OPENAI_URLS:
+    elif url is not None and (not isinstance(url, str) or url not in OPENAI_URLS):
         row.error = f"url {url!r}: specrt batch answers {' and '.join(OPENAI_URLS)}"
     elif not isinstance(body, dict):
         row.error = '"body" must be an object (the request)'
@@ -287,12 +308,12 @@ def openai_row(item: dict, fallback_id: str) -> Row:
     return row
 
 
-def check_ids(path: Path) -> tuple[set[str], bool]:
+def check_ids(path: Path, name: str | None = None) -> tuple[set[str], bool]:
     """Refuse duplicate ids before any work; the ids (as text), and whether the rows are all
     OpenAI batch-file lines (lines too broken to tell aside)."""
     seen: dict[str, Row] = {}
     forms = set()
-    for row in read_rows(path):
+    for row in read_rows(path, name):
         key = str(row.id)
         if key in seen:
             first = seen[key]
@@ -301,7 +322,7 @@ def check_ids(path: Path) -> tuple[set[str], bool]:
                 why = f"a line too broken to read its id is named {key!r}; give the row another id"
             elif type(row.id) is not type(first.id):
                 why = f"ids are compared as text: {first.id!r} and {row.id!r} are one id"
-            raise InvalidInputError(f"{path}: id {row.id!r} appears twice; {why}")
+            raise InvalidInputError(f"{name or path}: id {row.id!r} appears twice; {why}")
         seen[key] = row
         if row.named:
             forms.add(row.openai)
@@ -311,24 +332,27 @@ def check_ids(path: Path) -> tuple[set[str], bool]:
 def done_ids(output: Path, output_format: str = "specrt") -> dict[str, bool]:
     """Ids already in ``output``, each with whether its record is an error, read line by line
     (a million-row job's output need not fit in memory). A last line without its newline that
-    begins as every record does (a crash mid-write) is cut off, and its row runs again. Any
+    begins as every record does but is not one whole (a crash mid-write) is cut off, and its
+    row runs again; a whole record without its newline is kept and ended. Any
     other line that is not a result record means the file is not ours: it is refused and
     left as it is, as is a file of records in the other ``output_format``. A pipe or a
     device (stdout, /dev/null) cannot be read back: nothing is done."""
     if not output.is_file():
         return {}
-    ids, kept, torn = {}, 0, False
+    ids, kept, torn, unended = {}, 0, False, False
     with open(output, "rb") as handle:
         for number, line in enumerate(handle, 1):
-            if not line.endswith(b"\n"):  # the last line, without its newline
-                if not (line.startswith(RECORD_START) or RECORD_START.startswith(line)):
-                    raise _not_ours(output, number)
-                torn = True
-                break
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 record = None
+            if not line.endswith(b"\n"):  # the last line, without its newline
+                if record is None and (
+                    line.startswith(RECORD_START) or RECORD_START.startswith(line)
+                ):
+                    torn = True
+                    break
+                unended = True  # whole but for its newline (kept, ended), or not ours
             if is_result(record) and output_format == "specrt":
                 ids[str(record["id"])] = "error" in record
             elif openai_batch.is_record(record) and output_format == "openai":
@@ -341,6 +365,9 @@ def done_ids(output: Path, output_format: str = "specrt") -> dict[str, bool]:
     if torn:
         with open(output, "r+b") as handle:
             handle.truncate(kept)
+    elif unended:
+        with open(output, "ab") as handle:
+            handle.write(b"\n")
     return ids
 
 
@@ -387,12 +414,14 @@ def run_batch(
     progress: Callable[[Summary, int], None] = lambda summary, total: None,
     output_format: str = "auto",
     model: str = "specrt",
+    input_name: str | None = None,
 ) -> Summary:
     """Run every row of ``input_path`` not yet in ``output_path``, appending its result as it
     finishes (rows share model calls when the generator was loaded with ``max_batch`` > 1, so
     they finish out of input order). ``output_format``: "specrt" (our records), "openai"
     (OpenAI's batch output lines, ``model`` named in their bodies) or "auto" (openai when every
-    row is an OpenAI batch-file line)."""
+    row is an OpenAI batch-file line). ``input_name``: the input as errors name it (standard
+    input, spooled to a file)."""
     if output_format not in openai_batch.OUTPUT_FORMATS:
         raise InvalidInputError(
             f"output_format must be one of {', '.join(openai_batch.OUTPUT_FORMATS)}, not "
@@ -407,7 +436,7 @@ def run_batch(
         )
     if output_path.is_dir():
         raise InvalidInputError(f"the output {output_path} is a directory; give a file")
-    ids, openai_lines = check_ids(input_path)
+    ids, openai_lines = check_ids(input_path, input_name)
     if output_format == "auto":
         output_format = "openai" if openai_lines else "specrt"
     total = len(ids)
@@ -428,7 +457,13 @@ def run_batch(
                 chat = str(record["id"]) in chats
                 line = openai_batch.record(record["id"], record, chat, model, status)
             chats.discard(str(record["id"]))
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            text = json.dumps(line, ensure_ascii=False)
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate (JSON's "\\ud800"): kept escaped
+                    text = json.dumps(line)
+            out.write(text + "\n")
             out.flush()  # a row is done once it is in the file: a kill -9 cannot lose it
             summary.add(record)
             summary.wall_time_s = time.perf_counter() - started
@@ -436,7 +471,7 @@ def run_batch(
 
         def requests() -> Iterator[Request]:
             """The rows to run, read as slots free up; the others are settled on the way."""
-            for row in read_rows(input_path):
+            for row in read_rows(input_path, input_name):
                 if str(row.id) in finished:
                     summary.skipped += 1
                     summary.skipped_errors += finished[str(row.id)]

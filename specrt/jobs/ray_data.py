@@ -80,13 +80,10 @@ class SpecrtPredictor:
                 f"the dataset's column(s) {clash} would be overwritten by the results; rename "
                 "them (rows are read from id, prompt and the generation settings)"
             )
+        cells = {name: _cells(batch[name]) for name in columns if name in ROW_COLUMNS}
         rows, records, requests = [], {}, []
         for index in range(count):
-            item = {
-                name: _plain(values[index])
-                for name, values in columns.items()
-                if name in ROW_COLUMNS
-            }
+            item = {name: values[index] for name, values in cells.items()}
             item = {name: value for name, value in item.items() if value is not None}
             rows.append(row_from_item(item, f"row {index}"))
             request = make_request(self.generator, rows[-1], self.defaults)
@@ -109,6 +106,16 @@ class SpecrtPredictor:
         for name in kept:
             out[name] = columns[name]
         return out
+
+
+def _cells(values: Any) -> list:
+    """A column's cells as plain values. Ray hands an integer column with missing cells over
+    as floats (NaN where missing): its whole numbers are integers again, as the lines gave
+    them (ids, max_new_tokens)."""
+    cells = [_plain(value) for value in values]
+    if isinstance(values, np.ndarray) and values.dtype.kind == "f" and np.isnan(values).any():
+        cells = [int(c) if isinstance(c, float) and c.is_integer() else c for c in cells]
+    return cells
 
 
 def _plain(value: Any) -> Any:
