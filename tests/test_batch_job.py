@@ -718,3 +718,27 @@ def test_a_summary_through_a_link_is_written_where_it_points(llama_bundle, tmp_p
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "nope" / "deeper" / "s.json").read_text())["ok"] == 1
     assert link.is_symlink()
+
+
+def test_a_record_line_emptied_by_hand_runs_its_row_again(llama_bundle, tmp_path):
+    """From an audit: an output line emptied in an editor (rather than deleted) made the whole
+    output "not a result of specrt batch"."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(f'{{"id": "{i}", "prompt": "{i}"}}\n' for i in "abc"))
+    output = tmp_path / "out.jsonl"
+    assert run(command(llama_bundle, path, output, "--max-new-tokens", "2")).returncode == 0
+    lines = output.read_text().splitlines()
+    output.write_text("\n".join(lines[:1] + ["  "] + lines[2:]) + "\n")
+    done = run(command(llama_bundle, path, output, "--max-new-tokens", "2"))
+    assert done.returncode == 0 and "1 ok, 0 failed, 2 already done" in done.stderr, done.stderr
+    ids = [json.loads(line)["id"] for line in output.read_text().splitlines() if line.strip()]
+    assert sorted(ids) == ["a", "b", "c"]
+
+
+def test_null_messages_are_not_given():
+    from specrt.jobs.batch import row_from_item
+
+    row = row_from_item({"id": 1, "messages": None}, "line 1")
+    assert row.error == 'a line needs a "prompt" string (or chat "messages")'
+    row = row_from_item({"id": 1, "prompt": "a", "messages": None}, "line 1")
+    assert row.error is None and row.prompt == "a"

@@ -255,6 +255,8 @@ def row_from_item(item: object, fallback_id: str) -> Row:
         )
     if "custom_id" in item:  # an OpenAI batch-file line
         return openai_row(item, fallback_id)
+    if "messages" in item and item["messages"] is None:  # null: not given, as for settings
+        item = {key: value for key, value in item.items() if key != "messages"}
     row_id = item.get("id")
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         return Row(fallback_id, error='a line needs an "id" (a string or an integer)', named=False)
@@ -342,6 +344,9 @@ def done_ids(output: Path, output_format: str = "specrt") -> dict[str, bool]:
     ids, kept, torn, unended = {}, 0, False, False
     with open(output, "rb") as handle:
         for number, line in enumerate(handle, 1):
+            if not line.strip():  # a record's line emptied by hand: its row runs again
+                kept += len(line)
+                continue
             try:
                 record = json.loads(line)
             except (ValueError, RecursionError):
