@@ -576,7 +576,7 @@ def batch(
 
     Up to --batch-size rows share each model call; the draft length adapts to the load (K = 0
     where drafting does not pay) unless --draft-schedule fixed is given."""
-    from specrt.jobs.batch import progress_bar, run_batch, spooled
+    from specrt.jobs.batch import preflight, progress_bar, run_batch, spooled
 
     to_stdout = str(output_path) == "-"
     if to_stdout:
@@ -597,19 +597,21 @@ def batch(
         _check_writable(summary, "--summary")
     defaults = _generation_config(params)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
-    generator = _load(
-        bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
-    )
-    if generator.max_batch < batch_size:
-        click.echo(
-            f"note: the {engine} graphs run one row per call (the TensorRT engines, Gemma 2's "
-            "cuda engine, Gemma 2 and 3's portable graphs, and onnxruntime or cuda engines built "
-            "by earlier versions of specrt: rebuild those with `specrt build --bundle "
-            f"{shlex.quote(str(bundle))} [--device cuda]`); --batch-size "
-            f"{batch_size} has no effect",
-            err=True,
-        )
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
+        name = _spooled_name(input_path, rows)
+        preflight(rows, output_path, output_format, name)  # not after minutes of loading
+        generator = _load(
+            bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
+        )
+        if generator.max_batch < batch_size:
+            click.echo(
+                f"note: the {engine} graphs run one row per call (the TensorRT engines, Gemma "
+                "2's cuda engine, Gemma 2 and 3's portable graphs, and onnxruntime or cuda "
+                "engines built by earlier versions of specrt: rebuild those with `specrt build "
+                f"--bundle {shlex.quote(str(bundle))} [--device cuda]`); --batch-size "
+                f"{batch_size} has no effect",
+                err=True,
+            )
         try:  # (SIGTERM arrives as _Terminated: `_friendly_errors`)
             result = run_batch(
                 generator,
@@ -619,7 +621,7 @@ def batch(
                 progress_bar(progress),
                 output_format,
                 model=Path(bundle).resolve().name,  # as `specrt serve` names it
-                input_name=_spooled_name(input_path, rows),
+                input_name=name,
             )
         except (KeyboardInterrupt, _Terminated) as exc:
             click.echo(

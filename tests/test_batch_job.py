@@ -742,3 +742,22 @@ def test_null_messages_are_not_given():
     assert row.error == 'a line needs a "prompt" string (or chat "messages")'
     row = row_from_item({"id": 1, "prompt": "a", "messages": None}, "line 1")
     assert row.error is None and row.prompt == "a"
+
+
+def test_input_and_output_are_checked_before_the_model_loads(tmp_path):
+    """From an audit: duplicate ids, or an output that is not ours, were refused only once the
+    bundle had loaded (minutes for a large model). Here there is no bundle at all: the input's
+    and the output's errors come first."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
+    no_bundle = tmp_path / "no-bundle"
+    done = run(command(no_bundle, path, tmp_path / "out.jsonl"))
+    assert done.returncode == 1 and "id 1 appears twice" in done.stderr, done.stderr
+    path.write_text('{"id": 1, "prompt": "a"}\n')
+    output = tmp_path / "notes.txt"
+    output.write_text("my notes\n")
+    done = run(command(no_bundle, path, output))
+    assert done.returncode == 1 and "is not a result of specrt batch" in done.stderr, done.stderr
+    assert output.read_text() == "my notes\n"
+    done = run(command(no_bundle, path, tmp_path / "out.jsonl"))  # now the bundle's turn
+    assert done.returncode != 0 and "no-bundle" in done.stderr and "Traceback" not in done.stderr

@@ -331,14 +331,15 @@ def check_ids(path: Path, name: str | None = None) -> tuple[set[str], bool]:
     return set(seen), forms == {True}
 
 
-def done_ids(output: Path, output_format: str = "specrt") -> dict[str, bool]:
+def done_ids(output: Path, output_format: str = "specrt", mend: bool = True) -> dict[str, bool]:
     """Ids already in ``output``, each with whether its record is an error, read line by line
     (a million-row job's output need not fit in memory). A last line without its newline that
     begins as every record does but is not one whole (a crash mid-write) is cut off, and its
     row runs again; a whole record without its newline is kept and ended. Any
     other line that is not a result record means the file is not ours: it is refused and
     left as it is, as is a file of records in the other ``output_format``. A pipe or a
-    device (stdout, /dev/null) cannot be read back: nothing is done."""
+    device (stdout, /dev/null) cannot be read back: nothing is done. ``mend=False``: the
+    file is only read."""
     if not output.is_file():
         return {}
     ids, kept, torn, unended = {}, 0, False, False
@@ -367,10 +368,10 @@ def done_ids(output: Path, output_format: str = "specrt") -> dict[str, bool]:
             else:
                 raise _not_ours(output, number)
             kept += len(line)
-    if torn:
+    if torn and mend:
         with open(output, "r+b") as handle:
             handle.truncate(kept)
-    elif unended:
+    elif unended and mend:
         with open(output, "ab") as handle:
             handle.write(b"\n")
     return ids
@@ -409,6 +410,21 @@ def _not_ours(output: Path, line: int) -> InvalidInputError:
         f"{output} line {line} is not a result of specrt batch; give another --output (this "
         "one is left as it is)"
     )
+
+
+def preflight(
+    input_path: str | Path,
+    output_path: str | Path,
+    output_format: str = "auto",
+    input_name: str | None = None,
+) -> None:
+    """What `run_batch` refuses, found before a model is loaded for it (a large one takes
+    minutes): duplicate ids, an output that is not ours or holds the other format's records.
+    Reads both files, writes nothing."""
+    _, openai_lines = check_ids(Path(input_path), input_name)
+    if output_format == "auto":
+        output_format = "openai" if openai_lines else "specrt"
+    done_ids(Path(output_path), output_format, mend=False)
 
 
 def run_batch(
