@@ -688,12 +688,12 @@ def _spooled_name(input_path: Path, rows: Path) -> str | None:
 
 
 def _through_link(path: Path) -> Path:
-    """Where a symbolic link points (missing folders on the way are made there, not beside the
-    link); any other path as it is."""
-    try:
-        return path.resolve() if path.is_symlink() else path
-    except (OSError, RuntimeError):  # a loop of links: opening it says so
-        return path
+    """Where a symbolic link to nothing yet points (missing folders on the way are made there,
+    not beside the link); any other path as it is (opening it follows a live link, such as
+    /dev/stdout to a pipe, which has no path of its own)."""
+    if path.is_symlink() and not path.exists():
+        return Path(os.path.realpath(path))
+    return path
 
 
 def _check_writable(path: Path, option: str) -> None:

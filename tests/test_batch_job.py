@@ -718,6 +718,12 @@ def test_a_summary_through_a_link_is_written_where_it_points(llama_bundle, tmp_p
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "nope" / "deeper" / "s.json").read_text())["ok"] == 1
     assert link.is_symlink()
+    # Live links are opened as they are: /dev/stdout and /dev/stderr, links to pipes here,
+    # have no path of their own to follow to
+    cmd = command(llama_bundle, path, Path("/dev/stdout"), "--summary", "/dev/stderr")
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["id"] == "a" and '"ok": 1' in done.stderr
 
 
 def test_a_record_line_emptied_by_hand_runs_its_row_again(llama_bundle, tmp_path):
