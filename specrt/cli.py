@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import json
@@ -584,7 +585,7 @@ def batch(
     elif _same_file(input_path, output_path):
         raise click.UsageError("--output must not be the --input file")
     else:
-        output_path = _through_link(output_path)
+        output_path = _through_link(output_path, "--output")
         _check_writable(output_path, "--output")
     if summary is not None and str(summary) == "-":
         if to_stdout:
@@ -593,7 +594,7 @@ def batch(
     elif summary is not None:  # found now, not after the whole job
         if _same_file(summary, input_path) or _same_file(summary, output_path):
             raise click.UsageError("--summary must not be the --input or the --output file")
-        summary = _through_link(summary)
+        summary = _through_link(summary, "--summary")
         _check_writable(summary, "--summary")
     defaults = _generation_config(params)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
@@ -676,7 +677,7 @@ def _same_file(a: Path, b: Path) -> bool:
     """Whether two paths name one file (the same path, a symbolic or a hard link)."""
     try:
         return a.resolve() == b.resolve() or os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet)
+    except (OSError, RuntimeError):  # one of them does not exist (yet), or loops
         return False
 
 
@@ -687,11 +688,16 @@ def _spooled_name(input_path: Path, rows: Path) -> str | None:
     return "standard input" if str(input_path) == "-" else str(input_path)
 
 
-def _through_link(path: Path) -> Path:
+def _through_link(path: Path, option: str) -> Path:
     """Where a symbolic link to nothing yet points (missing folders on the way are made there,
     not beside the link); any other path as it is (opening it follows a live link, such as
     /dev/stdout to a pipe, which has no path of its own)."""
     if path.is_symlink() and not path.exists():
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise click.UsageError(f"{option} {path} is a loop of symbolic links") from exc
         return Path(os.path.realpath(path))
     return path
 

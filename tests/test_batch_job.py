@@ -316,7 +316,10 @@ def test_the_summary_and_output_paths_are_checked_before_any_work(llama_bundle, 
     os.link(path, linked)  # a hard link: the same file under another name
     note = tmp_path / "note.txt"
     note.write_text("mine\n")
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
     cases = [
+        (command(llama_bundle, path, loop), "--output " + str(loop) + " is a loop of symbolic"),
         (command(llama_bundle, path, linked), "--output must not be the --input file"),
         (command(llama_bundle, path, output, "--summary", path), "--summary must not be"),
         (command(llama_bundle, path, output, "--summary", linked), "--summary must not be"),
