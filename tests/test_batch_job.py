@@ -229,7 +229,8 @@ def test_a_second_job_on_the_same_output_is_refused_while_the_first_runs(llama_b
     while first.poll() is None and not (output.exists() and output.read_text().count("\n")):
         assert time.monotonic() < deadline, "the first job wrote nothing"
         time.sleep(0.01)
-    second = run(command(llama_bundle, input_path, output))
+    # Refused before a model loads: here there is none to load
+    second = run(command(tmp_path / "no-bundle", input_path, output))
     assert first.poll() is None, "the first job ended before the second could be refused"
     assert second.returncode == 1 and second.stderr.strip().splitlines()[-1] == (
         f"Error: another specrt batch is writing {output}; wait for it to finish (or stop it), "

@@ -419,12 +419,16 @@ def preflight(
     input_name: str | None = None,
 ) -> None:
     """What `run_batch` refuses, found before a model is loaded for it (a large one takes
-    minutes): duplicate ids, an output that is not ours or holds the other format's records.
-    Reads both files, writes nothing."""
+    minutes): duplicate ids, an output that another job is writing, that is not ours or that
+    holds the other format's records. Reads both files, writes nothing."""
     _, openai_lines = check_ids(Path(input_path), input_name)
     if output_format == "auto":
         output_format = "openai" if openai_lines else "specrt"
-    done_ids(Path(output_path), output_format, mend=False)
+    output_path = Path(output_path)
+    if output_path.is_file():
+        with open(output_path, "rb") as handle:
+            _lock(handle, output_path)  # let go at once: `run_batch` takes it for the job
+    done_ids(output_path, output_format, mend=False)
 
 
 def run_batch(
