@@ -48,7 +48,10 @@ class ModelIO:
     seqlens_k: str | None = None
     total_length: str | None = None
     probabilities: str | None = None  # softmax of the logits, where the graph computes it
-    logits_to_keep: str | None = None  # how many trailing positions get logits, where it can
+    # The trailing positions that get logits, where the graph can keep fewer than all: their
+    # count n (engines of earlier releases), or -n, the start of their slice (engines now).
+    logits_to_keep: str | None = None
+    logits_start: str | None = None
     argmax: str | None = None  # each kept row's best token, where the graph computes it
     max_logit: str | None = None  # and that token's logit (NaN/inf checks without the logits)
     max_probability: str | None = None  # and its probability (the draft's confidence)

@@ -8,6 +8,7 @@ import pytest
 from specrt.export import SUPPORTED_MODEL_TYPES, export_bundle
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import SpeculativeGenerator
+from tests.cuda_rule import batched, cuda_on_cpu
 
 
 def build_bundle(root, name: str, export_options: dict | None = None, **pair_options):
@@ -65,3 +66,40 @@ def in_threads(work, items, timeout: float = 120) -> dict:
     if errors:
         raise errors[0]
     return results
+
+
+# The CUDA engines ------------------------------------------------------------------------------
+@pytest.fixture(
+    scope="session", params=[("llama", "batched"), ("gpt2", "batched"), ("llama", "group_query")]
+)
+def cuda_bundle(request, tmp_path_factory):
+    """The cuda engines of a tiny pair: the batched graph (the default), or the one-row
+    GroupQueryAttention graph (what Gemma 2 gets; `cuda_attention` to compare them on a GPU)."""
+    arch, attention = request.param
+    root = tmp_path_factory.mktemp(f"cuda-{arch}-{attention}")
+    target, draft = make_tiny_pair(arch, root / "src", seed=3, draft_noise=0.3)
+    export_bundle(target, draft, root / "bundle", devices=("cpu", "cuda"), cuda_attention=attention)
+    return root / "bundle"
+
+
+@pytest.fixture
+def batched_bundle(cuda_bundle):
+    if not batched(cuda_bundle):
+        pytest.skip("a one-row cuda engine (GroupQueryAttention)")
+    return cuda_bundle
+
+
+@pytest.fixture
+def cuda_rule(monkeypatch):
+    """Sessions asked for on CUDA bind as CUDA's do (`tests/cuda_rule.py`)."""
+    with cuda_on_cpu(monkeypatch):
+        yield
+
+
+@pytest.fixture
+def small_steps(monkeypatch):
+    """The cache grows 16 positions at a time (not 256): the tiny models' rows grow it often."""
+    from specrt.backends import batched, device_rows
+
+    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(device_rows, "DEVICE_CAPACITY_STEP", 16)

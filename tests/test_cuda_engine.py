@@ -1,6 +1,8 @@
 """The CUDA engines (float16, greedy outputs, many rows per call) and the device backend, tested
-on the CPU: the same binding code with CPU OrtValues, and the float16 graph on onnxruntime's CPU
-kernels. Where a GPU and onnxruntime-gpu are present `test_on_cuda` runs it on CUDA."""
+on the CPU under CUDA's rule for host inputs (`tests/cuda_rule.py`: a host input is copied when
+it is bound; "cuda" memory is CPU memory onnxruntime allocated), and the float16 graph on
+onnxruntime's CPU kernels. Where a GPU and onnxruntime-gpu are present `test_on_cuda` runs it on
+CUDA."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from specrt.errors import InvalidInputError
 from specrt.export.options import DEFAULT_FP16_ATOL
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.cuda_rule import batched
 from tests.test_batching import (
     POISONED_FROM,
     assert_row_0_failed_alone,
@@ -32,32 +35,6 @@ from tests.test_batching import (
 HAS_CUDA = "CUDAExecutionProvider" in usable_providers()  # onnxruntime-gpu and a GPU
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 PROMPTS = ["Simple is", "def f", "for i in range(", "Flat is better than", "x = "]
-
-
-@pytest.fixture(
-    scope="module", params=[("llama", "batched"), ("gpt2", "batched"), ("llama", "group_query")]
-)
-def cuda_bundle(request, tmp_path_factory):
-    """The cuda engines of a tiny pair: the batched graph (the default), or the one-row
-    GroupQueryAttention graph (what Gemma 2 gets; `cuda_attention` to compare them on a GPU)."""
-    from specrt.export import export_bundle
-
-    arch, attention = request.param
-    root = tmp_path_factory.mktemp(f"cuda-{arch}-{attention}")
-    target, draft = make_tiny_pair(arch, root / "src", seed=3, draft_noise=0.3)
-    export_bundle(target, draft, root / "bundle", devices=("cpu", "cuda"), cuda_attention=attention)
-    return root / "bundle"
-
-
-def batched(bundle) -> bool:
-    return read_manifest(bundle).models["target"].engines["cuda"].cache == "batched"
-
-
-@pytest.fixture
-def batched_bundle(cuda_bundle):
-    if not batched(cuda_bundle):
-        pytest.skip("a one-row cuda engine (GroupQueryAttention)")
-    return cuda_bundle
 
 
 def test_export_records_the_cuda_engines(cuda_bundle):
@@ -77,25 +54,18 @@ def test_export_records_the_cuda_engines(cuda_bundle):
 
 
 def cpu_twin(bundle, max_batch: int = 1) -> SpeculativeGenerator:
-    """The cuda engines through the device backend, with the cache in CPU OrtValues."""
+    """The cuda engines through the device backend, as on a GPU, under CUDA's rule (the test
+    uses the ``cuda_rule`` fixture)."""
     generator = SpeculativeGenerator.from_bundle(
-        bundle, threads=1, engine="cuda", max_batch=max_batch
+        bundle, threads=1, providers=CUDA, max_batch=max_batch
     )
     kind = DeviceRowsDecoder if batched(bundle) else DeviceDecoder
-    assert isinstance(generator.target, kind) and generator.target.device == "cpu"
+    assert isinstance(generator.target, kind) and generator.target.device == "cuda"
     assert generator.max_batch == max_batch
     return generator
 
 
-@pytest.fixture
-def small_steps(monkeypatch):
-    """The cache grows 16 positions at a time (not 256): the tiny models' rows grow it often."""
-    from specrt.backends import batched, device_rows
-
-    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
-    monkeypatch.setattr(device_rows, "DEVICE_CAPACITY_STEP", 16)
-
-
+@pytest.mark.usefixtures("cuda_rule")
 def test_speculative_greedy_equals_target_only_on_the_cuda_engine(cuda_bundle):
     generator = cpu_twin(cuda_bundle)
     options = dict(max_new_tokens=24, ignore_eos=True)
@@ -111,6 +81,7 @@ def test_speculative_greedy_equals_target_only_on_the_cuda_engine(cuda_bundle):
         assert 0 < accepted < sum(r.stats.drafted_tokens for r in results)
 
 
+@pytest.mark.usefixtures("cuda_rule")
 def test_only_what_is_needed_comes_back(cuda_bundle):
     decoder = cpu_twin(cuda_bundle).target
     prompt = [3, 4, 5, 6, 7, 8]
@@ -133,6 +104,7 @@ def test_only_what_is_needed_comes_back(cuda_bundle):
     )
 
 
+@pytest.mark.usefixtures("cuda_rule")
 def test_rollback_on_the_device_cache(cuda_bundle):
     """The cache is not replaced while it has room; rolled-back positions are overwritten."""
     decoder = cpu_twin(cuda_bundle).target
@@ -151,6 +123,7 @@ def test_rollback_on_the_device_cache(cuda_bundle):
     np.testing.assert_allclose(after, clean, atol=2e-2, rtol=0)  # float16 engine, other shapes
 
 
+@pytest.mark.usefixtures("cuda_rule")
 def test_rows_of_the_device_cache_move_and_grow_with_their_content(batched_bundle, small_steps):
     """Rows prefilled together, one freed and another moved into its slot (as the scheduler
     packs live rows), then fed together past the capacity (the buffers reallocated on the
@@ -174,6 +147,7 @@ def test_rows_of_the_device_cache_move_and_grow_with_their_content(batched_bundl
     assert picks.logits is None and picks.argmax.shape == (2, 1)
 
 
+@pytest.mark.usefixtures("cuda_rule")
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_row_with_nan_logits_fails_alone_on_the_cuda_engine(
     batched_bundle, tmp_path, temperature
@@ -182,12 +156,13 @@ def test_a_row_with_nan_logits_fails_alone_on_the_cuda_engine(
     only argmaxes come back) end that row alone; the others give their tokens."""
     if read_manifest(batched_bundle).models["target"].model_type != "llama":
         pytest.skip("the poison goes into the rotary table")
-    expected = run_with_a_long_row(batched_bundle, 4, temperature, engine="cuda")
+    expected = run_with_a_long_row(batched_bundle, 4, temperature, providers=CUDA)
     poisoned = poisoned_copy(batched_bundle, tmp_path, POISONED_FROM, engine="cuda")
-    results = run_with_a_long_row(poisoned, 4, temperature, engine="cuda")
+    results = run_with_a_long_row(poisoned, 4, temperature, providers=CUDA)
     assert_row_0_failed_alone(results, expected)
 
 
+@pytest.mark.usefixtures("cuda_rule")
 def test_clear_stale_zeroes_the_device_cache_past_each_row(batched_bundle):
     """After NaN logits the slots past every row's length are zeroed (masked slots still enter
     attention with weight 0, and 0 x NaN is NaN); the rows' own positions are kept."""
@@ -225,6 +200,7 @@ def test_the_copy_graph_is_the_model_onnx_would_write(dtype):
     assert written == expected
 
 
+@pytest.mark.usefixtures("cuda_rule")
 def test_batched_greedy_on_the_cuda_engine_equals_target_alone(batched_bundle, small_steps):
     """B rows per call on the device backend (rows of different lengths finishing at
     different rounds, refilled, moved, the cache growing): every row is the target alone's."""
@@ -248,6 +224,7 @@ def test_batched_greedy_on_the_cuda_engine_equals_target_alone(batched_bundle, s
         assert max(grown) > 16  # it grew (and shrank back once the batch was empty)
 
 
+@pytest.mark.usefixtures("cuda_rule")
 def test_a_seeded_row_is_the_same_whatever_the_batch_on_the_cuda_engine(batched_bundle):
     config = GenerationConfig(max_new_tokens=20, temperature=1.0, num_draft_tokens=3, seed=11)
     outputs = [
@@ -258,10 +235,13 @@ def test_a_seeded_row_is_the_same_whatever_the_batch_on_the_cuda_engine(batched_
     assert len({tuple(tokens) for tokens in outputs[0]}) > 1
 
 
+@pytest.mark.usefixtures("cuda_rule")
 def test_the_cuda_engine_is_close_to_the_float32_graph(cuda_bundle):
     ids = np.random.default_rng(1).integers(3, 40, 12).tolist()
     half = cpu_twin(cuda_bundle).target.forward(ids).logits.copy()
-    full = SpeculativeGenerator.from_bundle(cuda_bundle, threads=1, engine="portable")
+    full = SpeculativeGenerator.from_bundle(
+        cuda_bundle, threads=1, engine="portable", providers=["CPUExecutionProvider"]
+    )
     reference = full.target.forward(ids).logits
     assert np.abs(half - reference).max() < DEFAULT_FP16_ATOL
 

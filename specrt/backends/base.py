@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
-from specrt.bundle import ModelSpec
+from specrt.bundle import ModelIO, ModelSpec
 from specrt.errors import BundleError, InvalidInputError
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -148,6 +148,15 @@ class DecoderBase:
         return result
 
 
+def kept_rows_input(io: ModelIO) -> tuple[str | None, int]:
+    """The input that says how many trailing positions get logits, and the sign its value
+    takes: ``logits_start`` holds -n (engines now), ``logits_to_keep`` n (engines of earlier
+    releases); None where the graph keeps every position."""
+    if io.logits_start:
+        return io.logits_start, -1
+    return io.logits_to_keep, 1
+
+
 def shared_ortvalue(array: np.ndarray) -> ort.OrtValue:
     """An OrtValue over the array's own memory: writes to either are seen by both."""
     return ort.OrtValue.ortvalue_from_numpy(array)
@@ -165,6 +174,7 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
         io.seqlens_k,
         io.total_length,
         io.logits_to_keep,
+        io.logits_start,
         io.cache_indices,
         io.local_attention_mask,
     )

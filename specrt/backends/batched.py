@@ -32,8 +32,10 @@ from specrt.backends.base import (
     PREFILL_CHUNK,
     DecoderBase,
     Forward,
+    kept_rows_input,
     shared_ortvalue,
 )
+from specrt.backends.host_inputs import HostInputs
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
@@ -259,6 +261,8 @@ class RowsDecoder(DecoderBase):
 class BatchedDecoder(RowsDecoder):
     """Runs a batched-cache graph on ``[rows, tokens]`` after each row's cached prefix."""
 
+    device, device_id = "cpu", 0  # where the cache lives (`DeviceRowsDecoder`: on a GPU)
+
     def __init__(
         self,
         session: ort.InferenceSession,
@@ -269,7 +273,8 @@ class BatchedDecoder(RowsDecoder):
         max_batch: int = 1,
     ) -> None:
         io = spec.io
-        if not (io.position_ids and io.cache_indices and io.attention_mask and io.logits_to_keep):
+        kept, self._keep_sign = kept_rows_input(io)
+        if not (io.position_ids and io.cache_indices and io.attention_mask and kept):
             raise BundleError(
                 f"{role}: the batched engine lacks position_ids / cache_indices / attention_mask"
                 " inputs; rebuild the bundle's engines with `specrt build --bundle DIR`"
@@ -287,8 +292,9 @@ class BatchedDecoder(RowsDecoder):
         self._views: dict[tuple[int, int, int], list] = {}  # (start, n, width): cache values
         self._blocks: list[np.ndarray] = []  # the memory the buffers are views on (`_resized`)
         self._block_capacity = 0
-        self._logits_to_keep = np.ones(1, dtype=np.int64)
-        self._binding.bind_ortvalue_input(io.logits_to_keep, shared_ortvalue(self._logits_to_keep))
+        self._logits_to_keep = np.full(1, self._keep_sign, dtype=np.int64)
+        self._inputs = HostInputs(self._binding, self.device, self.device_id)
+        self._inputs.bind(kept, self._logits_to_keep, on_host=True)  # Slice's start, on CUDA
         self._grow(min(self.max_positions, CAPACITY_STEP))
 
     def forward(
@@ -473,16 +479,16 @@ class BatchedDecoder(RowsDecoder):
                 self._shapes[key] = arrays
         elif arrays.capacity != width:  # the cache or the row's view grew or shrank since
             arrays.fit(width)
-        io, binding = self.spec.io, self._binding
-        self._logits_to_keep[0] = key[2]
-        binding.bind_ortvalue_input(io.input_ids, arrays.values[0])
-        binding.bind_ortvalue_input(io.position_ids, arrays.values[1])
-        binding.bind_ortvalue_input(io.cache_indices, arrays.values[2])
-        binding.bind_ortvalue_input(io.attention_mask, arrays.values[3])
+        io, inputs = self.spec.io, self._inputs
+        self._logits_to_keep[0] = self._keep_sign * key[2]
+        inputs.bind(io.input_ids, arrays.ids, arrays.values[0])
+        inputs.bind(io.position_ids, arrays.positions, arrays.values[1])
+        inputs.bind(io.cache_indices, arrays.indices, arrays.values[2])
+        inputs.bind(io.attention_mask, arrays.mask, arrays.values[3])
         for name, value in arrays.outputs.items():
-            binding.bind_ortvalue_output(getattr(io, name), value)
+            self._binding.bind_ortvalue_output(getattr(io, name), value)
         if self._local:
-            binding.bind_ortvalue_input(io.local_attention_mask, arrays.local_value)
+            inputs.bind(io.local_attention_mask, arrays.local_mask, arrays.local_value)
         self._bound = arrays
         return arrays
 

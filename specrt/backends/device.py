@@ -2,8 +2,9 @@
 
 Each layer's cache is one ``OrtValue`` allocated once on the device and bound as both ``past``
 and ``present`` (GroupQueryAttention updates it in place), so the cache never crosses PCIe.
-Every input and output is bound once per call shape; a step writes only small host values
-(token ids, two lengths, how many rows to keep), which onnxruntime copies to the device.
+Every output is bound once per call shape; a step writes only small host values (token ids,
+two lengths, how many rows to keep) and pushes them to the device before it runs
+(`HostInputs`: onnxruntime copies a host input when it is bound, not when it runs).
 Of the outputs only what the loop needs comes back (`Forward`'s ``need``): for greedy decoding
 each row's argmax and its logit (computed in the graph: K+1 integers and floats), for
 temperature-1 sampling the softmax rows, else the logits rows; the rest stays on the device.
@@ -46,13 +47,14 @@ class DeviceDecoder(InPlaceBase):
         role: str,
         max_length: int | None = None,
         device: str = "cuda",
+        device_id: int = 0,
     ) -> None:
         if spec.vocab_size != vocab_size:
             raise BundleError(
                 f"{role}: the device engine's logits are {spec.vocab_size} wide, the bundle's "
                 f"vocabulary {vocab_size}; rebuild it: specrt build --bundle DIR --device cuda"
             )
-        super().__init__(session, spec, vocab_size, role, max_length, device)
+        super().__init__(session, spec, vocab_size, role, max_length, device, device_id)
         self._calls: dict[tuple[int, int, str], _DeviceCall] = {}
         self._bound: _DeviceCall | None = None
         self.calls = 0  # model calls, and the bytes their outputs brought back to the host
@@ -68,6 +70,7 @@ class DeviceDecoder(InPlaceBase):
         if call is None or call.key != key:
             call = self._bind(key)
         call.ids[0] = tokens
+        self._inputs.push()
         if self.device != "cpu":
             self._binding.synchronize_inputs()
         self._timed(self.session.run_with_iobinding, self._binding)
@@ -81,12 +84,12 @@ class DeviceDecoder(InPlaceBase):
     def _bind(self, key: tuple[int, int, str]) -> _DeviceCall:
         call = self._calls.get(key)
         if call is None:
-            call = _DeviceCall(key, self.spec, self.device)
+            call = _DeviceCall(key, self.spec, self.device, self.device_id)
             if len(self._calls) < MAX_KEPT_CALL_SHAPES:
                 self._calls[key] = call
         io, binding = self.spec.io, self._binding
-        self._logits_to_keep[0] = key[1]
-        binding.bind_ortvalue_input(io.input_ids, call.values["ids"])
+        self._logits_to_keep[0] = self._keep_sign * key[1]
+        self._inputs.bind(io.input_ids, call.ids)
         for name in OUTPUTS:
             binding.bind_ortvalue_output(getattr(io, name), call.values[name])
         self._bound = call
@@ -97,11 +100,13 @@ class _DeviceCall:
     """The values one call shape binds: token ids on the host; of the outputs, those ``need``
     names on the host (numpy arrays onnxruntime copies into), the others on the device."""
 
-    def __init__(self, key: tuple[int, int, str], spec: ModelSpec, device: str) -> None:
+    def __init__(
+        self, key: tuple[int, int, str], spec: ModelSpec, device: str, device_id: int
+    ) -> None:
         self.key = key
         count, keep, need = key
         self.ids = np.zeros((1, count), dtype=np.int64)
-        self.values = {"ids": ort.OrtValue.ortvalue_from_numpy(self.ids)}
+        self.values: dict[str, ort.OrtValue] = {}
         on_host = {
             NEED_LOGITS: {"logits"},
             NEED_PROBABILITIES: {"probabilities"},
@@ -121,7 +126,7 @@ class _DeviceCall:
                 self.values[name] = ort.OrtValue.ortvalue_from_numpy(self.host[name])
             else:
                 self.values[name] = ort.OrtValue.ortvalue_from_shape_and_type(
-                    shape, dtype, device, 0
+                    shape, dtype, device, device_id
                 )
 
         self.host_bytes = sum(array.nbytes for array in self.host.values())

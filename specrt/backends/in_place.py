@@ -7,10 +7,11 @@ binding binds both names to one OrtValue). The valid length is fed as two number
 allocates and copies no cache, and rolling back rejected tokens only lowers ``length``: the next
 call overwrites the stale positions.
 
-Every input and output is bound once to memory of ours and a call only writes new values into
-it (token ids, lengths); a call of another shape (tokens fed, logits kept) rebinds the arrays
-kept for that shape. A draft step is then one onnxruntime call and a few stores, which matters
-when the draft model's whole step takes ~50 us.
+On the CPU every input and output is bound once to memory of ours and a call only writes new
+values into it (token ids, lengths); a call of another shape (tokens fed, logits kept) rebinds
+the arrays kept for that shape. A draft step is then one onnxruntime call and a few stores,
+which matters when the draft model's whole step is a few dozen microseconds. A device engine
+pushes its host inputs before each run instead (`HostInputs`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from specrt.backends.base import (
     NUMPY_DTYPES,
     DecoderBase,
     Forward,
+    kept_rows_input,
     shared_ortvalue,
 )
+from specrt.backends.host_inputs import HostInputs
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
@@ -38,10 +41,11 @@ MAX_KEPT_CALL_TOKENS = 80
 class InPlaceBase(DecoderBase):
     """What the in-place decoders share: one cache buffer per layer and kind, zeroed once, bound
     as past and present, and the valid length as the cache's only state, fed as two numbers
-    (with ``logits_to_keep``) through host arrays bound once. ``device``: where the buffers
-    live ("cpu": numpy arrays, which are the OrtValues' own memory; "cuda": GPU memory)."""
+    (with the rows kept) through host arrays (`HostInputs`). ``device``, ``device_id``: where
+    the buffers live ("cpu": numpy arrays, which are the OrtValues' own memory; "cuda": GPU
+    memory)."""
 
-    needs: tuple[str, ...] = ("seqlens_k", "total_length", "logits_to_keep")
+    needs: tuple[str, ...] = ("seqlens_k", "total_length")
     rebuild_hint = ""
 
     def __init__(
@@ -52,14 +56,16 @@ class InPlaceBase(DecoderBase):
         role: str,
         max_length: int | None = None,
         device: str = "cpu",
+        device_id: int = 0,
     ) -> None:
         """``max_length`` caps the preallocated cache (and so the sequence length) below the
         model's max positions: a 128k-position model would otherwise reserve its whole cache."""
         io = spec.io
-        if not all(getattr(io, name) for name in self.needs):
+        kept, self._keep_sign = kept_rows_input(io)
+        if not kept or not all(getattr(io, name) for name in self.needs):
             raise BundleError(f"{role}: {self.rebuild_hint}")
         super().__init__(session, spec, vocab_size, role, max_length)
-        self.device = device
+        self.device, self.device_id = device, device_id
         self.length = 0
         binding = self._binding = session.io_binding()
         shape = (1, spec.num_kv_heads, self.max_positions, spec.head_dim)
@@ -70,7 +76,7 @@ class InPlaceBase(DecoderBase):
         self._cache: list[ort.OrtValue] = []
         for past, present in names:
             buffer = np.zeros(shape, NUMPY_DTYPES[spec.dtype])
-            value = ort.OrtValue.ortvalue_from_numpy(buffer, device, 0)
+            value = ort.OrtValue.ortvalue_from_numpy(buffer, device, device_id)
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
             self._cache.append(value)
@@ -78,13 +84,12 @@ class InPlaceBase(DecoderBase):
                 self._buffers.append(buffer)
         self._seqlens_k = np.zeros(1, dtype=np.int32)
         self._total_length = np.zeros((), dtype=np.int32)
-        self._logits_to_keep = np.ones(1, dtype=np.int64)
-        for name, array in (
-            (io.seqlens_k, self._seqlens_k),
-            (io.total_length, self._total_length),
-            (io.logits_to_keep, self._logits_to_keep),
-        ):
-            binding.bind_ortvalue_input(name, shared_ortvalue(array))
+        self._logits_to_keep = np.full(1, self._keep_sign, dtype=np.int64)
+        self._inputs = HostInputs(binding, device, device_id)
+        self._inputs.bind(io.seqlens_k, self._seqlens_k)
+        # Read on the host by CUDA's kernels (GroupQueryAttention's total, Slice's start).
+        self._inputs.bind(io.total_length, self._total_length, on_host=True)
+        self._inputs.bind(kept, self._logits_to_keep, on_host=True)
 
     def reset(self) -> None:
         self.length = 0
@@ -107,7 +112,7 @@ class InPlaceDecoder(InPlaceBase):
 
     rebuild_hint = (
         "this in-place cache engine has the inputs of engines built by earlier versions of "
-        "specrt (an attention mask, or no logits_to_keep); rebuild the bundle's engines with "
+        "specrt (an attention mask, or no rows kept); rebuild the bundle's engines with "
         "`specrt build --bundle DIR` (or run it with engine 'portable')"
     )
 
@@ -150,7 +155,7 @@ class InPlaceDecoder(InPlaceBase):
             if count <= MAX_KEPT_CALL_TOKENS:
                 self._shapes[arrays.shape] = arrays
         io, binding = self.spec.io, self._binding
-        self._logits_to_keep[0] = keep_last
+        self._logits_to_keep[0] = self._keep_sign * keep_last
         binding.bind_ortvalue_input(io.input_ids, arrays.values[0])
         binding.bind_ortvalue_output(io.logits, arrays.values[1])
         if self._with_probabilities:

@@ -14,7 +14,7 @@ from specrt.backends.device import DeviceDecoder
 from specrt.backends.device_rows import DeviceRowsDecoder
 from specrt.backends.in_place import InPlaceDecoder
 from specrt.backends.portable import PortableDecoder, PortableRowsDecoder
-from specrt.backends.session import create_session, default_providers
+from specrt.backends.session import create_session, default_providers, provider_names
 from specrt.backends.tensorrt import (
     TENSORRT_ENGINE,
     TENSORRT_PROVIDER,
@@ -41,7 +41,7 @@ def open_decoder(
     role: str,
     vocab_size: int,
     engine: str = "auto",
-    providers: Sequence[str] | None = None,
+    providers: Sequence[str | tuple[str, dict]] | None = None,
     threads: int | None = None,
     max_length: int | None = DEFAULT_MAX_LENGTH,
     max_batch: int = 1,
@@ -51,19 +51,21 @@ def open_decoder(
     if not providers:  # the CPU engine asked for by name runs where it can: on the CPU
         providers = [CPU] if engine == ONNXRUNTIME_ENGINE else default_providers()
     providers = list(providers)
-    graph = select_graph(spec, role, engine, providers, str(bundle_root))
+    names = provider_names(providers)
+    graph = select_graph(spec, role, engine, names, str(bundle_root))
     if engine == TENSORRT_ENGINE:
         built_for = spec.engines[TENSORRT_ENGINE].built_for
         check_plan(built_for, gpu_identity(), role)
         limit = int(built_for.get("max_length", spec.max_positions))  # the profiles' range
         length = min(max_length or limit, limit)
         return PlanDecoder(bundle_root / graph.path, graph, vocab_size, role, length)
-    if providers[0] == TENSORRT_PROVIDER:  # the portable graph, compiled by the provider
+    if names[0] == TENSORRT_PROVIDER:  # the portable graph, compiled by the provider
         options = ep_options(graph, bundle_root, role, max_length or spec.max_positions)
-        providers = [(TENSORRT_PROVIDER, options), *providers[1:]]
+        given = providers[0][1] if isinstance(providers[0], tuple) else {}
+        providers = [(TENSORRT_PROVIDER, {**options, **given}), *providers[1:]]
         max_batch = 1  # its optimisation profiles are built for one row
     session = create_session(bundle_root / graph.path, threads=threads, providers=providers)
-    wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    wanted = names[0]
     if wanted in (CUDA, TENSORRT_PROVIDER) and session.get_providers()[0] != wanted:
         # onnxruntime lists its GPU providers whether or not their libraries load, and falls
         # back to the CPU with a warning: the device engines would then fail far from here
@@ -73,13 +75,23 @@ def open_decoder(
             "message above, and LD_LIBRARY_PATH); fix them, or ask for CPUExecutionProvider"
         )
     if graph.io.argmax:  # a device engine: its cache lives where the provider computes
-        device = "cuda" if providers[0] == CUDA else "cpu"
+        device, device_id = engine_device(providers)
         if graph.cache == "batched":
             return DeviceRowsDecoder(
-                session, graph, vocab_size, role, max_length, max_batch, device
+                session, graph, vocab_size, role, max_length, max_batch, device, device_id
             )
-        return DeviceDecoder(session, graph, vocab_size, role, max_length, device)
+        return DeviceDecoder(session, graph, vocab_size, role, max_length, device, device_id)
     return make_decoder(session, graph, vocab_size, role, max_length, max_batch)
+
+
+def engine_device(providers: Sequence[str | tuple[str, dict]]) -> tuple[str, int]:
+    """Where a device engine's cache and outputs live for ``providers``: ("cuda", its
+    ``device_id`` option) on the CUDA provider, given by name or with options; else the CPU."""
+    first = providers[0]
+    name, options = (first, {}) if isinstance(first, str) else first
+    if name != CUDA:
+        return "cpu", 0
+    return "cuda", int(options.get("device_id", 0))
 
 
 # Portable graphs that do not mask a padded past exactly (optimum's Gemma 2 and Gemma 3 graphs:
@@ -114,7 +126,7 @@ def select_graph(
     (``bundle``: its path, for the messages)."""
     if engine not in ENGINE_CHOICES:
         raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
-    provider = providers[0]
+    provider = provider_names(providers)[0]
     portable = spec.cache == "concat"  # else a --no-portable bundle: its main graph is an engine
     if provider == TENSORRT_PROVIDER and engine in ("auto", "portable"):
         if not portable:  # its graph is an engine of contrib ops and a batched cache

@@ -29,6 +29,11 @@ def default_providers() -> list[str]:
     return [p for p in preferred if p in usable_providers()] or ["CPUExecutionProvider"]
 
 
+def provider_names(providers: Sequence[str | tuple[str, dict]]) -> list[str]:
+    """The providers' names, whether given as names or as (name, options) pairs."""
+    return [p if isinstance(p, str) else p[0] for p in providers]
+
+
 def usable_providers(available: Sequence[str] | None = None) -> list[str]:
     """``available`` (default: this onnxruntime's) less the GPU providers where no GPU is
     visible: onnxruntime-gpu lists them on any machine, and a session asking for them falls
@@ -63,7 +68,7 @@ def create_session(
     ``providers``: names, or (name, provider options) pairs."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    names = [p if isinstance(p, str) else p[0] for p in providers or default_providers()]
+    names = provider_names(providers or default_providers())
     on_gpu = names[0] in GPU_PROVIDERS  # its threads only run what falls back to the CPU
     options.intra_op_num_threads = threads or (1 if on_gpu else (os.cpu_count() or 1))
     options.inter_op_num_threads = 1

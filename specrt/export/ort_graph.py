@@ -12,8 +12,8 @@ positions, grouped-query attention, gated MLP (Gemma 2/3 add norms after each bl
 soft-capping and local layers with a window); GPT-2: LayerNorm, learned positions (computed
 in the graph from the lengths), multi-head attention, tanh GELU. Inputs
 ``input_ids [1, S]``, ``seqlens_k [1]``
-(int32: past + S - 1), ``total_sequence_length []`` (int32: past + S), ``logits_to_keep [1]``
-(int64 n: logits for the last n positions only),
+(int32: past + S - 1), ``total_sequence_length []`` (int32: past + S), ``logits_start [1]``
+(int64 -n: logits for the last n positions only),
 ``past_key_values.{i}.key/value``; outputs ``logits [1, n, vocab]``, ``probabilities`` (their
 softmax: the draft's confidence and temperature-1 sampling read it instead of a NumPy pass over
 the vocabulary, which runs cold right after a model call) and ``present.{i}.*``.
@@ -46,7 +46,10 @@ PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxrun
 ARGMAX = "argmax"  # int64 [1, n]: each kept row's best token (greedy_outputs)
 MAX_LOGIT = "max_logit"  # float32 [1, n]: its logit, so the host can refuse NaN/inf
 MAX_PROBABILITY = "max_probability"  # float32 [1, n]: its probability (the draft's confidence)
-LOGITS_TO_KEEP = "logits_to_keep"  # int64 [1]: logits for the last n positions fed (prefill: 1)
+# int64 [1]: -n, logits for the last n positions fed (prefill: -1). The Slice that keeps them
+# reads its start on the host on CUDA: fed as it is, no node computes it on the device (a
+# MemcpyToHost in every call, which also bars CUDA graphs).
+LOGITS_START = "logits_start"
 # The batched engine's inputs, computed by the host from each row's length:
 POSITION_IDS = "position_ids"  # int64 [B, S]: each new token's position
 CACHE_INDICES = "cache_indices"  # int64 [B, S, 2]: (row, position) its k and v are written at
@@ -347,13 +350,12 @@ def build_gpt2_graph(
 
 
 def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderShape) -> None:
-    """Logits ``[1, n, vocab]`` of the last n = ``logits_to_keep`` positions (``matrix``:
+    """Logits ``[1, n, vocab]`` of the last n = ``-logits_start`` positions (``matrix``:
     ``[hidden, vocab]``) and their softmax, in float32. A prompt needs none of its logits, and
     on a large vocabulary the head is a good part of a prefill's work."""
-    b.node("Neg", [LOGITS_TO_KEEP], ["keep_from"])
     b.constant("positions_end", np.array([2**62], dtype=np.int64))
     b.constant("positions_axis", np.array([1], dtype=np.int64))
-    b.node("Slice", [normed, "keep_from", "positions_end", "positions_axis"], ["head_in"])
+    b.node("Slice", [normed, LOGITS_START, "positions_end", "positions_axis"], ["head_in"])
     b.initializer("lm_head.MatMul", matrix)
     logits = "logits_uncapped" if shape.logit_softcap else "logits"
     if shape.dtype == "float32":
@@ -506,7 +508,7 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
         helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
-        helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]),
+        helper.make_tensor_value_info(LOGITS_START, TensorProto.INT64, [1]),
     ]
     if shape.attention == "batched":
         inputs[1:3] = [

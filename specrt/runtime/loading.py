@@ -12,7 +12,12 @@ from pathlib import Path
 import onnxruntime as ort
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, Decoder, open_decoder
-from specrt.backends.session import GPU_PROVIDERS, default_providers, usable_providers
+from specrt.backends.session import (
+    GPU_PROVIDERS,
+    default_providers,
+    provider_names,
+    usable_providers,
+)
 from specrt.bundle import MANIFEST_NAME, Manifest, read_manifest, verify_checksums
 from specrt.errors import BundleError, InvalidInputError, PairMismatchError
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -34,7 +39,7 @@ class ModelPair:
 def load_pair(
     bundle_dir: str | Path,
     threads: int | None = None,
-    providers: Sequence[str] | None = None,
+    providers: Sequence[str | tuple[str, dict]] | None = None,
     check_files: bool = True,
     draft_threads: int = 1,
     engine: str = "auto",
@@ -127,11 +132,14 @@ def _load(
 
 
 def check_memory(
-    manifest: Manifest, max_length: int | None, max_batch: int, providers: Sequence[str] | None
+    manifest: Manifest,
+    max_length: int | None,
+    max_batch: int,
+    providers: Sequence[str | tuple[str, dict]] | None,
 ) -> None:
     """Refuse a ``max_batch`` whose rows' KV caches (float32, on the CPU) could grow past this
     machine's memory: the kernel would kill the process without a word, at load or later."""
-    if set(providers or default_providers()) & set(GPU_PROVIDERS):
+    if set(provider_names(providers or default_providers())) & set(GPU_PROVIDERS):
         return  # the caches live on the GPU
     per_row = 0
     for spec in manifest.models.values():
@@ -154,28 +162,39 @@ def _manifest_bytes(root: Path) -> bytes | None:
         return None
 
 
-def check_providers(providers: Sequence[str] | None) -> list[str] | None:
-    """The onnxruntime providers asked for, each one this onnxruntime has."""
+def check_providers(providers: Sequence[str | tuple[str, dict]] | None) -> list | None:
+    """The onnxruntime providers asked for (names, or (name, options) pairs as onnxruntime
+    takes them), each one this onnxruntime has."""
     if providers is None:
         return None
-    if isinstance(providers, str) or not isinstance(providers, Sequence) or not providers:
+    listed = isinstance(providers, Sequence) and not isinstance(providers, str)
+    if not listed or not providers or not all(map(_is_provider, providers)):
         raise InvalidInputError(
             f'providers={providers!r}: give a list of provider names, e.g. ["CPUExecutionProvider"]'
+            " (or (name, options) pairs)"
         )
+    names = provider_names(providers)
     available = ort.get_available_providers()
-    unknown = [p for p in providers if p not in available]
+    unknown = [p for p in names if p not in available]
     if unknown:
         raise InvalidInputError(
             f"provider(s) {unknown} are not available in this onnxruntime (it has "
             f"{', '.join(available)}); install onnxruntime-gpu for CUDA"
         )
-    no_gpu = [p for p in providers if p not in usable_providers(available)]
+    no_gpu = [p for p in names if p not in usable_providers(available)]
     if no_gpu:
         raise InvalidInputError(
             f"provider(s) {no_gpu}: no NVIDIA GPU is visible here (the CUDA driver shows none; "
             "see CUDA_VISIBLE_DEVICES); use CPUExecutionProvider, or leave providers unset"
         )
     return list(providers)
+
+
+def _is_provider(entry: object) -> bool:
+    """A provider's name, or a (name, options) pair."""
+    if isinstance(entry, tuple) and len(entry) == 2:
+        return isinstance(entry[0], str) and isinstance(entry[1], dict)
+    return isinstance(entry, str)
 
 
 def check_pair(manifest: Manifest) -> None:
