@@ -5,16 +5,30 @@
 
 For the shipped demo pair and a random-weight pair at real shapes (a Llama-3.2-1B-shaped target,
 a ~0.1B draft, vocabulary 128256), through the project's own export path (float16 cuda engines,
-no portable graph: the GPU machine has no optimum): first batches (``--batch-sizes``: B rows per
-engine call through `run`, as `specrt batch` runs them, the target alone and speculative: total
-tokens/s, and how many rows equal the one-row target-only output); then one row: speculative
-greedy output must equal target-only output; target-only tokens/s, K = 1..8 and adaptive, the
-draft/target step cost c, the verify cost v_K, the time outside onnxruntime, the bytes each
-round brings back to the host, the demo pair's one-row GroupQueryAttention graph beside it
-(`cuda_attention`), whether the CUDA provider takes every node of each engine, the draft step
-with CUDA graphs, and transformers assisted generation on the same GPU. Writes one JSON report,
-prints a table. ``--dry-run`` shrinks the random pair and runs the cuda engines on
-CPU OrtValues (the same code); its numbers mean nothing, only that every step runs.
+no portable graph: the GPU machine has no optimum). Both pairs are built first (the demo pair
+twice: its batched graph and the one-row GroupQueryAttention graph), before any clock starts.
+Then each pair gets its own measuring budget (``--demo-budget-s``, ``--llama-budget-s``): first
+batches (``--batch-sizes``: B rows per engine call through `run`, as `specrt batch` runs them,
+the target alone and speculative: total tokens/s, and how many rows equal the one-row
+target-only output; no new batch size past BATCH_SHARE of the budget); then one row:
+speculative greedy output must equal target-only output; target-only tokens/s, K = 1..8 and
+adaptive (no new contender past CONTENDER_SHARE), the draft/target step cost c and the verify
+cost v_K (greedy steps: each row's argmax comes back, not its logits), the time outside
+onnxruntime, the bytes each round brings back to the host; then, while the budget lasts, the
+one-row target alone with host inputs re-bound each call and with device twins
+(`specrt.backends.host_inputs.TRANSFER` "rebind" / "update"), the demo pair's one-row
+GroupQueryAttention graph beside the batched one (`cuda_attention`), the draft step with CUDA
+graphs, and transformers assisted generation on the same GPU. Whether the CUDA provider takes
+every node of each engine is asked first. Writes one JSON report (after every phase), prints a
+table. ``--dry-run`` shrinks the random pair and runs the CUDA path on the CPU under CUDA's rule
+for host inputs (`tests/cuda_rule.py`: needs the dev extra's pytest); its numbers mean nothing,
+only that every step runs.
+
+Time on the GPU machine (16 cores, H200), which gpu_check.sh stops at 480 s: building the
+1B-shaped pair took ~150 s on our 2-core machine (46 s for the random checkpoints, 107 s for the
+engines, 14.7 GB RSS), so ~60-90 s there for both pairs (an estimate: not yet run on it); then
+60 + 180 s of measuring and ~30 s of loading and of phases that finish past their budget: ~5-6
+minutes, leaving room for a second run within the machine's 15 minutes.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from specrt.backends import host_inputs  # noqa: E402
 from specrt.bench.costs import step_seconds  # noqa: E402
 from specrt.bench.runner import predicted_speedup  # noqa: E402
 from specrt.prompts import read_prompt_file  # noqa: E402
@@ -38,6 +53,8 @@ from specrt.runtime import GenerationConfig, SpeculativeGenerator  # noqa: E402
 from specrt.runtime.loading import load_pair  # noqa: E402
 
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+BATCH_SHARE = 0.45  # of a pair's budget: no new batch size after it
+CONTENDER_SHARE = 0.8  # no new one-row contender after it; the rest for the probes after them
 LLAMA_1B = dict(  # Llama-3.2-1B's shape
     hidden_size=2048,
     intermediate_size=8192,
@@ -78,31 +95,55 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-k", type=int, default=8)
-    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--demo-budget-s", type=float, default=60.0, help="measuring, demo pair")
+    parser.add_argument(
+        "--llama-budget-s", type=float, default=180.0, help="measuring, the 1B-shaped pair"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 16, 64])
     parser.add_argument("--batch-prompts", type=int, default=64)
     args = parser.parse_args()
     started = time.monotonic()
+    if args.dry_run:  # the CUDA path on the CPU, under CUDA's rule for host inputs
+        from pytest import MonkeyPatch
+
+        from tests.cuda_rule import cuda_on_cpu
+
+        cuda_on_cpu(MonkeyPatch()).__enter__()
     report: dict = {"dry_run": args.dry_run, "machine": machine(), "pairs": {}}
     args.work.mkdir(parents=True, exist_ok=True)
 
-    pairs = {"demo": (REPO / "models" / "demo" / "target", REPO / "models" / "demo" / "draft")}
-    pairs["llama-1b-shaped"] = (random_pair, args.work / "random", args.dry_run)
-    for name, source in pairs.items():
+    demo = (REPO / "models" / "demo" / "target", REPO / "models" / "demo" / "draft")
+    sources = {"demo": demo, "llama-1b-shaped": (random_pair, args.work / "random", args.dry_run)}
+    budgets = {"demo": args.demo_budget_s, "llama-1b-shaped": args.llama_budget_s}
+    built = {}
+    for name, source in sources.items():  # both built before any clock starts
         entry = report["pairs"][name] = {}
-        if time.monotonic() - started > args.budget_s:
-            entry["skipped"] = "out of time"
-            continue
-        check_pair(name, source, entry, report, args, started)
+        built[name] = build_pair(name, source, phases(name, entry, report, args), args)
+    report["build_s"] = round(time.monotonic() - started, 1)
+    for name, pair in built.items():
+        if pair is not None:
+            entry = report["pairs"][name]
+            check_pair(name, pair, entry, phases(name, entry, report, args), args, budgets[name])
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     write(report, args.out)
     print(table(report))
 
 
-def check_pair(name: str, source, entry: dict, report: dict, args, started: float) -> None:
-    """Every phase for one pair, each on its own: a failure is recorded in the report (written
-    after every phase) and the next phases still run: a GPU's first run may fail anywhere,
-    and minutes there are scarce."""
+class Clock:
+    """A pair's measuring budget, started when its measuring starts."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.started = seconds, time.monotonic()
+
+    def within(self, share: float = 1.0) -> bool:
+        """Whether less than ``share`` of the budget is spent."""
+        return time.monotonic() - self.started < share * self.seconds
+
+
+def phases(name: str, entry: dict, report: dict, args):
+    """A runner of one pair's phases, each on its own: a failure is recorded in the report
+    (written after every phase) and the next phases still run: a GPU's first run may fail
+    anywhere, and minutes there are scarce."""
 
     def step(label: str, work, *inputs) -> object:
         try:
@@ -114,30 +155,50 @@ def check_pair(name: str, source, entry: dict, report: dict, args, started: floa
         finally:
             write(report, args.out)
 
+    return step
+
+
+def build_pair(name: str, source, step, args) -> tuple[Path, Path, Path, Path | None] | None:
+    """The pair's checkpoints and cuda bundles (the demo pair's GroupQueryAttention one too):
+    (target, draft, bundle, group-query bundle or None), or None where a build failed."""
+    started = time.monotonic()
     log(f"{name}: building cuda engines")
     pair = step("source", *source) if callable(source[0]) else source
     bundle = pair and step("build", build, *pair, args.work / f"{name}-bundle")
     if bundle is None:
-        return
+        return None
     target, draft = pair
-    entry["build_s"] = round(time.monotonic() - started, 1)
+    one_row = None
+    if name == "demo":
+        one_row_dir = args.work / "demo-group-query-bundle"
+        one_row = step("group_query_build", build, target, draft, one_row_dir, "group_query")
+    log(f"{name}: built in {time.monotonic() - started:.1f} s")
+    return target, draft, bundle, one_row
+
+
+def check_pair(name: str, built: tuple, entry: dict, step, args, budget_s: float) -> None:
+    """Every measuring phase for one built pair, within its budget (the phases after the
+    one-row contenders start only while it lasts)."""
+    target, draft, bundle, one_row = built
+    clock = Clock(budget_s)
+    entry["budget_s"] = budget_s
     if not args.dry_run:
         entry["every_node_on_cuda"] = step("placement", placement, bundle)
         log(f"{name}: every node on CUDA: {entry['every_node_on_cuda']}")
-    entry["batches"] = step("batches", batches, bundle, name, args, started) or {}
-    step("measure", measure, bundle, name, entry, args, started)
-    if name == "demo" and "prompt_ids" in entry:
-        entry["group_query_one_row"] = step(
-            "group_query", group_query_one_row, target, draft, entry, args
-        )
+    entry["batches"] = step("batches", batches, bundle, name, args, clock) or {}
+    step("measure", measure, bundle, name, entry, args, clock)
+    probes = [("host_inputs", host_transfer, bundle, name, args)]  # (report key, work, inputs)
+    if one_row is not None and "prompt_ids" in entry:
+        probes.append(("group_query_one_row", group_query_one_row, one_row, entry, args))
     if not args.dry_run:
-        entry["cuda_graph_draft_step"] = step("cuda_graph", cuda_graph_probe, bundle)
+        probes.append(("cuda_graph_draft_step", cuda_graph_probe, bundle))
         if "prompt_ids" in entry:
-            entry["transformers"] = step(
-                "transformers", transformers_assisted, target, draft, entry["prompt_ids"], args
-            )
+            probes.append(("transformers", transformers_assisted, target, draft, entry, args))
+    for key, work, *inputs in probes:
+        within = clock.within()
+        entry[key] = step(key, work, *inputs) if within else {"skipped": "out of time"}
+    entry["measure_s"] = round(time.monotonic() - clock.started, 1)
     entry.pop("prompt_ids", None)
-    write(report, args.out)
 
 
 def machine() -> dict:
@@ -218,11 +279,10 @@ def placement(bundle: Path) -> dict:
     return out
 
 
-def group_query_one_row(target: Path, draft: Path, entry: dict, args) -> dict:
+def group_query_one_row(bundle: Path, entry: dict, args) -> dict:
     """One row on the cuda engine built as GroupQueryAttention (`cuda_attention`; what Gemma 2
     gets), the same prompts: target alone and K = 4, median tokens/s, to set beside the
     batched graph's `results`."""
-    bundle = build(target, draft, args.work / "demo-group-query-bundle", "group_query")
     generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run))
     out = {}
     for label, k in (("target only", 0), ("K=4", 4)):
@@ -240,8 +300,8 @@ def group_query_one_row(target: Path, draft: Path, entry: dict, args) -> dict:
 
 
 def generator_for(bundle: Path, dry_run: bool, max_batch: int = 1):
-    providers = ["CPUExecutionProvider"] if dry_run else CUDA  # dry run: CPU OrtValues
-    return load_pair(bundle, engine="cuda", providers=providers, max_batch=max_batch)
+    """The pair on CUDA (a dry run: on the CPU, as `tests/cuda_rule.py` emulates CUDA)."""
+    return load_pair(bundle, engine="cuda", providers=CUDA, max_batch=max_batch)
 
 
 def prompts_for(name: str, generator, count: int) -> list[list[int]]:
@@ -252,7 +312,7 @@ def prompts_for(name: str, generator, count: int) -> list[list[int]]:
     return [rng.integers(100, generator.target.vocab_size, 64).tolist() for _ in range(count)]
 
 
-def batches(bundle: Path, name: str, args, started: float) -> dict:
+def batches(bundle: Path, name: str, args, clock: Clock) -> dict:
     """Rows through `run` (what `specrt batch` runs) at each batch size, the target alone
     (K = 0) and speculative (the load schedule, K <= 4, model draft): total new tokens over
     wall time, and how many rows equal the one-row target-only output (float16 kernels may
@@ -262,7 +322,7 @@ def batches(bundle: Path, name: str, args, started: float) -> dict:
     out: dict = {}
     reference = None
     for batch in args.batch_sizes:
-        if time.monotonic() - started > args.budget_s / 2:
+        if not clock.within(BATCH_SHARE):
             out[str(batch)] = {"skipped": "out of time"}
             continue
         generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run, batch))
@@ -305,7 +365,7 @@ def batches(bundle: Path, name: str, args, started: float) -> dict:
     return out
 
 
-def measure(bundle: Path, name: str, entry: dict, args, started: float) -> None:
+def measure(bundle: Path, name: str, entry: dict, args, clock: Clock) -> None:
     pair = generator_for(bundle, args.dry_run)
     generator = SpeculativeGenerator.from_pair(pair)
     entry["device"] = pair.target.device
@@ -336,7 +396,7 @@ def measure(bundle: Path, name: str, entry: dict, args, started: float) -> None:
     contenders += [(f"adaptive K<={args.max_k}", config(args.max_k, "adaptive"))]
     results: dict[str, dict] = {}
     for label, cfg in contenders:
-        if time.monotonic() - started > args.budget_s:
+        if results and not clock.within(CONTENDER_SHARE):  # the target alone always: the base
             results[label] = {"skipped": "out of time"}
             continue
         rates, outside, rounds, accepted, drafted = [], 0.0, 0, 0, 0
@@ -368,6 +428,33 @@ def measure(bundle: Path, name: str, entry: dict, args, started: float) -> None:
     entry["predicted_at_alpha_0.7"] = {
         str(k): predicted_speedup(0.7, k, entry["cost_ratio"]) for k in range(1, args.max_k + 1)
     }
+
+
+def host_transfer(bundle: Path, name: str, args) -> dict:
+    """One row, the target alone, greedy, with each way host inputs reach the device
+    (`specrt.backends.host_inputs.TRANSFER`: "rebind", bound again after each write; "update",
+    device twins bound once and refreshed in place): median tokens/s of each, and whether both
+    chose the same tokens."""
+    before, out, tokens = host_inputs.TRANSFER, {}, {}
+    config = GenerationConfig(max_new_tokens=args.new_tokens, num_draft_tokens=0, ignore_eos=True)
+    try:
+        for mode in ("rebind", "update"):
+            host_inputs.TRANSFER = mode  # read when the decoders are opened
+            generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run))
+            prompts = prompts_for(name, generator, args.prompts)
+            generator.generate(prompts[:1], config)  # warm-up
+            rates, tokens[mode] = [], []
+            for prompt in prompts:
+                t0 = time.perf_counter()
+                [result] = generator.generate([prompt], config)
+                rates.append(len(result.token_ids) / (time.perf_counter() - t0))
+                tokens[mode].append(result.token_ids)
+            out[mode] = statistics.median(rates)
+    finally:
+        host_inputs.TRANSFER = before
+    out["same_tokens"] = tokens["rebind"] == tokens["update"]
+    log(f"{name}: host inputs: {out}")
+    return out
 
 
 def cuda_graph_probe(bundle: Path, steps: int = 64) -> dict:
@@ -415,8 +502,12 @@ def _draft_steps(bundle: Path, cuda_graph: bool, steps: int) -> dict:
         io.position_ids: on_device(np.array([[0]], np.int64)),
         io.cache_indices: on_device(np.zeros((1, 1, 2), np.int64)),
         io.attention_mask: on_device(mask),
-        io.logits_to_keep: on_device(np.array([1], np.int64)),
     }
+    # The last row's logits: engines now take the slice's start (-1), earlier ones the count
+    if getattr(io, "logits_start", None):
+        inputs[io.logits_start] = on_device(np.array([-1], np.int64))
+    else:
+        inputs[io.logits_to_keep] = on_device(np.array([1], np.int64))
     for name, value in inputs.items():
         binding.bind_ortvalue_input(name, value)
     best = ort.OrtValue.ortvalue_from_shape_and_type((1, 1), np.int64, "cuda", 0)
@@ -442,8 +533,9 @@ def _draft_steps(bundle: Path, cuda_graph: bool, steps: int) -> dict:
     return {"step_ms": statistics.median(times[2:]) * 1e3, "tokens": tokens}
 
 
-def transformers_assisted(target: Path, draft: Path, prompts: list[list[int]], args) -> dict:
-    """transformers' assisted generation on the same GPU, float16."""
+def transformers_assisted(target: Path, draft: Path, entry: dict, args) -> dict:
+    """transformers' assisted generation on the same GPU, float16, on the pair's prompts."""
+    prompts = entry["prompt_ids"]
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -475,6 +567,7 @@ def transformers_assisted(target: Path, draft: Path, prompts: list[list[int]], a
 
 def table(report: dict) -> str:
     lines = [f"machine: {report['machine']}  dry run: {report['dry_run']}"]
+    lines.append(f"built in {report.get('build_s')} s, all in {report.get('elapsed_s')} s")
     for name, entry in report["pairs"].items():
         failed = {key: value for key, value in entry.items() if key.endswith("_failed")}
         if failed:
@@ -485,7 +578,8 @@ def table(report: dict) -> str:
         lines.append(
             f"\n{name} on {entry['device']}: greedy == target-only "
             f"{entry['greedy_equals_target_only']}, c = {entry['cost_ratio']:.3f}, target step "
-            f"{entry['target_step_ms']:.2f} ms"
+            f"{entry['target_step_ms']:.2f} ms; measured {entry.get('measure_s')} s of "
+            f"{entry['budget_s']:.0f}"
         )
         lines.append(
             f"{'contender':<22}{'tokens/s':>10}{'x target':>10}{'outside ort':>13}"
@@ -500,11 +594,16 @@ def table(report: dict) -> str:
                 f"{result['outside_onnxruntime']:>12.1%}{result['bytes_to_host_per_round']:>17.0f}"
             )
         for label, rate in (entry.get("group_query_one_row") or {}).items():
+            if label == "skipped":
+                continue
             base = entry["results"]["target only"]["tokens_per_second"]
             lines.append(f"{'GQA graph ' + label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
         for label, rate in (entry.get("transformers") or {}).items():
+            if label == "skipped":
+                continue
             base = entry["results"]["target only"]["tokens_per_second"]
             lines.append(f"{label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
+        lines.append(f"host inputs, target alone: {host_line(entry.get('host_inputs'))}")
         verify = ", ".join(f"K={k} {v:.2f}" for k, v in entry["verify_cost_ratio"].items())
         lines.append(f"v_K: {verify}")
         lines.append(
@@ -520,6 +619,15 @@ def table(report: dict) -> str:
                 f"{result['speedup']:>7.2f}x{spec['rows_equal_one_row_target_only']:>5}/{spec['rows']}"
             )
     return "\n".join(lines)
+
+
+def host_line(result: dict | None) -> str:
+    if not result or "skipped" in result:
+        return (result or {}).get("skipped", "not run")
+    return (
+        f"rebind {result['rebind']:.1f} tokens/s, update {result['update']:.1f} tokens/s, "
+        f"same tokens {result['same_tokens']}"
+    )
 
 
 def write(report: dict, path: Path) -> None:

@@ -7,6 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from specrt.backends import NEED_ARGMAX, Forward
+from specrt.bench.costs import step_seconds
 from specrt.bench.runner import predicted_speedup
 from specrt.cli import main
 
@@ -16,6 +18,38 @@ def test_predicted_speedup_formula():
     assert predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     assert predicted_speedup(1.0, 3, 0.1) == pytest.approx(4 / 1.3)
     assert predicted_speedup(0.5, 2, 0.0, verify_cost_ratio=1.25) == pytest.approx(1.75 / 1.25)
+
+
+def test_step_costs_time_greedy_steps():
+    """c and v_K are the cost of greedy steps: the timed calls bring back each row's argmax.
+    They asked for the logits, and on a GPU a [tokens, 128256] float32 copy per step inflated
+    both; the history before them is a prefill."""
+
+    class Recorder:
+        vocab_size, max_positions, length = 100, 64, 0
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, int, str]] = []
+
+        def reset(self) -> None:
+            self.length = 0
+
+        def rollback(self, length: int) -> None:
+            self.length = length
+
+        def prefill(self, tokens) -> None:
+            self.calls.append(("prefill", len(tokens), ""))
+            self.length += len(tokens)
+
+        def forward(self, tokens, keep_last: int = 0, need: str = "logits") -> Forward:
+            self.calls.append(("forward", len(tokens), need))
+            self.length += len(tokens)
+            return Forward(None, argmax=[0] * len(tokens))
+
+    decoder = Recorder()
+    assert step_seconds(decoder, context=20, tokens=3, repeats=5) > 0
+    assert decoder.calls[0] == ("prefill", 20, "")
+    assert decoder.calls[1:] == [("forward", 3, NEED_ARGMAX)] * 8  # 3 warm-up calls + 5 timed
 
 
 def test_bench_reports_every_contender(llama_bundle, tmp_path):

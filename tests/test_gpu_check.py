@@ -1,5 +1,5 @@
-"""The device check runs end to end here as a dry run (tiny shapes, the cuda engines on CPU
-OrtValues): on the GPU machine the same script only changes device and sizes."""
+"""The device check runs end to end here as a dry run (tiny shapes, the CUDA path on the CPU
+under CUDA's rule for host inputs): on the GPU machine the same script only changes sizes."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(report["pairs"]) == {"demo", "llama-1b-shaped"}
     for entry in report["pairs"].values():
         assert entry["greedy_equals_target_only"] is True
-        assert entry["device"] == "cpu"
+        assert entry["device"] == "cuda"  # the CUDA path, under tests/cuda_rule.py
         assert {"target only", "K=1", "K=2", "adaptive K<=2"} <= set(entry["results"])
         assert entry["results"]["K=2"]["bytes_to_host_per_round"] < 1000  # argmax, not logits
         assert 0 < entry["cost_ratio"]
@@ -32,11 +32,39 @@ def test_gpu_check_dry_run(tmp_path):
             assert set(entry["group_query_one_row"]) == {"target only", "K=4"}
         for batch in ("1", "3"):  # rows per call on the device backend; the one-row reference
             result = entry["batches"][batch]
-            assert result["max_batch"] == int(batch) and result["device"] == "cpu"
+            assert result["max_batch"] == int(batch) and result["device"] == "cuda"
             for mode in ("target only", "speculative"):
                 assert result[mode]["rows_equal_one_row_target_only"] == result[mode]["rows"] == 5
     assert "greedy == target-only True" in done.stdout
     assert "group_query_one_row" in report["pairs"]["demo"]
+
+
+def test_pairs_are_built_before_their_budgets(tmp_path):
+    """Building the 1B-shaped pair (~150 s on 2 cores) came out of a budget shared with the
+    demo pair's measuring, and its table went missing. Now both are built first and each pair
+    measures within its own budget; past it the probes after the contenders say so. The host
+    inputs probe times the target alone with each `host_inputs.TRANSFER`."""
+    out = tmp_path / "report.json"
+    command = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run"]
+    command += ["--prompts", "1", "--new-tokens", "4", "--max-k", "1"]
+    command += ["--batch-sizes", "1", "--batch-prompts", "2"]
+    command += ["--demo-budget-s", "0", "--llama-budget-s", "600"]
+    command += ["--work", str(tmp_path / "work"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["build_s"] > 0
+    demo, llama = report["pairs"]["demo"], report["pairs"]["llama-1b-shaped"]
+    assert (demo["budget_s"], llama["budget_s"]) == (0, 600)
+    assert demo["batches"]["1"] == {"skipped": "out of time"}  # no time to measure: no runs
+    assert demo["host_inputs"] == demo["group_query_one_row"] == {"skipped": "out of time"}
+    assert demo["greedy_equals_target_only"] is True  # the exactness check runs all the same
+    assert set(demo["results"]["K=1"]) == {"skipped"}  # and the target alone, the base
+    assert "tokens_per_second" in demo["results"]["target only"]
+    assert not [key for entry in (demo, llama) for key in entry if key.endswith("_failed")]
+    assert llama["batches"]["1"]["target only"]["rows"] == 2  # the other pair's own budget
+    probe = llama["host_inputs"]
+    assert set(probe) == {"rebind", "update", "same_tokens"} and probe["same_tokens"] is True
 
 
 def test_a_failing_phase_costs_only_itself(tmp_path):

@@ -1,17 +1,28 @@
 """TensorRT without TensorRT: the provider options and profiles generated from the manifest, the
-refusal of a plan built elsewhere, and clear errors where tensorrt or a GPU is missing."""
+refusal of a plan built elsewhere, clear errors where tensorrt or a GPU is missing, and what the
+plan builder and the plan runner ask of TensorRT's Python API (a stand-in of that API records it:
+TensorRT cannot be installed here)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
+import types
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from specrt.backends.base import PREFILL_CHUNK
-from specrt.backends.tensorrt import MAX_NEW_POSITIONS, check_plan, ep_options, profiles
-from specrt.bundle import read_manifest
+from specrt.backends.tensorrt import (
+    MAX_NEW_POSITIONS,
+    PlanDecoder,
+    check_plan,
+    ep_options,
+    profiles,
+)
+from specrt.bundle import ModelIO, ModelSpec, read_manifest
 from specrt.cli import main
 from specrt.errors import BundleError
 
@@ -133,3 +144,163 @@ def test_a_gpu_that_nvidia_smi_cannot_see_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "CalledProcessError" not in done.stderr
     assert "nvidia-smi finds no GPU here (NVIDIA-SMI has failed: no driver)" in done.stderr
+
+
+def fake_tensorrt(calls: dict, shape_ok: bool = True) -> types.SimpleNamespace:
+    """TensorRT 11's Python API as far as specrt uses it, recording what it is asked: no
+    ``BuilderFlag.FP16`` (11 removed it), ``set_input_shape`` answering ``shape_ok``."""
+
+    def record(name, result=None):
+        return lambda *args: calls.setdefault(name, []).append(args) or result
+
+    def parse_from_file(path):
+        import onnx
+
+        calls["parsed"] = onnx.load(path)  # read now: the builder's copy is gone after the build
+        return True
+
+    builder = types.SimpleNamespace(
+        create_network=record("create_network"),
+        create_builder_config=lambda: types.SimpleNamespace(
+            set_flag=record("set_flag"), add_optimization_profile=record("profile")
+        ),
+        create_optimization_profile=lambda: types.SimpleNamespace(set_shape=record("set_shape")),
+        build_serialized_network=record("build", b"plan"),
+    )
+    context = types.SimpleNamespace(
+        set_optimization_profile_async=record("set_profile"),
+        set_input_shape=record("set_input_shape", shape_ok),
+        set_tensor_address=record("set_tensor_address"),
+        execute_async_v3=record("execute", True),
+    )
+    engine = types.SimpleNamespace(create_execution_context=lambda: context)
+
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, severity: int) -> None:
+            pass
+
+    return types.SimpleNamespace(
+        __version__="11.4.0.106",
+        Logger=Logger,
+        Builder=lambda logger: builder,
+        OnnxParser=lambda network, logger: types.SimpleNamespace(parse_from_file=parse_from_file),
+        NetworkDefinitionCreationFlag=types.SimpleNamespace(STRONGLY_TYPED=1),
+        BuilderFlag=types.SimpleNamespace(TF32=6),
+        Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda b: engine),
+    )
+
+
+def rms_norm_graph(path) -> None:
+    """A float32 graph with an RMSNorm (x**2, mean, + eps, sqrt, divide) and a matmul."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = numpy_helper.from_array(np.ones((4, 4), np.float32), "weight")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    eps = numpy_helper.from_array(np.array(1e-6, np.float32), "eps")
+    nodes = [
+        helper.make_node("Pow", ["x", "two"], ["squares"], name="norm/Pow"),
+        helper.make_node("ReduceMean", ["squares"], ["mean"], name="norm/ReduceMean", axes=[-1]),
+        helper.make_node("Add", ["mean", "eps"], ["var"], name="norm/Add"),
+        helper.make_node("Sqrt", ["var"], ["rms"], name="norm/Sqrt"),
+        helper.make_node("Div", ["x", "rms"], ["normed"], name="norm/Div"),
+        helper.make_node("MatMul", ["normed", "weight"], ["logits"], name="head/MatMul"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4])],
+        [weights, two, eps],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
+def test_plans_are_strongly_typed_float16_builds(tmp_path):
+    """TensorRT 11 has no FP16 builder flag (the build raised AttributeError): the plan is a
+    strongly typed network of a float16 copy of the graph, float32 at its inputs and outputs
+    and in the norm's mean of squares."""
+    pytest.importorskip("onnx")
+    from onnx import TensorProto
+
+    from specrt.export.tensorrt_plans import _build
+
+    rms_norm_graph(tmp_path / "model.onnx")
+    calls: dict = {}
+    shapes = [{"x": ((1, 4), (1, 4), (1, 4))}]
+    assert _build(fake_tensorrt(calls), tmp_path / "model.onnx", shapes) == b"plan"
+    assert calls["create_network"] == [(1 << 1,)]  # STRONGLY_TYPED
+    assert "set_flag" not in calls  # no precision flags: the graph's types decide
+    assert len(calls["profile"]) == 1 and calls["set_shape"] == [("x", (1, 4), (1, 4), (1, 4))]
+    graph = calls["parsed"].graph
+    types_of = {i.name: i.data_type for i in graph.initializer}
+    types_of.update({v.name: v.type.tensor_type.elem_type for v in graph.value_info})
+    types_of.update({v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]})
+    assert types_of["weight"] == TensorProto.FLOAT16
+    assert types_of["x"] == types_of["logits"] == TensorProto.FLOAT
+    by_name = {node.name: node for node in graph.node}
+    for name in ("norm/Pow", "norm/ReduceMean", "norm/Add", "norm/Sqrt"):
+        assert all(types_of.get(out) == TensorProto.FLOAT for out in by_name[name].output), name
+    assert types_of[by_name["head/MatMul"].output[0]] == TensorProto.FLOAT16
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # the copy is gone
+
+
+def fake_cupy() -> types.ModuleType:
+    """CuPy on the host: NumPy arrays with cupy's ``.data.ptr``."""
+
+    class DeviceArray(np.ndarray):
+        @property
+        def data(self):
+            return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def device(make):
+        return lambda *args, **kwargs: np.asarray(make(*args, **kwargs)).view(DeviceArray)
+
+    cupy = types.ModuleType("cupy")
+    cupy.asarray, cupy.zeros = device(np.asarray), device(np.zeros)
+    cupy.ones, cupy.empty = device(np.ones), device(np.zeros)
+    cupy.exp, cupy.asnumpy = np.exp, np.asarray
+    stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
+    cupy.cuda = types.SimpleNamespace(Stream=lambda non_blocking: stream)
+    return cupy
+
+
+def test_a_shape_outside_the_plan_is_a_clear_error(tmp_path, monkeypatch):
+    """set_input_shape answers False for a shape outside every profile (it raises nothing): the
+    plan then ran on stale shapes. Now it is refused, naming the input and its shape."""
+    calls: dict = {}
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt(calls, shape_ok=False))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    io = ModelIO(
+        input_ids="input_ids",
+        attention_mask="attention_mask",
+        position_ids="position_ids",
+        past_keys=["past.0.key"],
+        past_values=["past.0.value"],
+        logits="logits",
+        present_keys=["present.0.key"],
+        present_values=["present.0.value"],
+    )
+    spec = ModelSpec(
+        path="target/model.onnx",
+        files={},
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=4,
+        vocab_size=8,
+        max_positions=16,
+        dtype="float32",
+        io=io,
+    )
+    (tmp_path / "model.plan").write_bytes(b"plan")
+    decoder = PlanDecoder(tmp_path / "model.plan", spec, 8, "target", max_length=16)
+    with pytest.raises(BundleError, match=r"no input_ids of shape \(1, 2\)") as caught:
+        decoder.forward([3, 4])
+    assert "specrt build --bundle DIR --tensorrt" in str(caught.value)
+    assert "execute" not in calls  # nothing ran

@@ -209,7 +209,12 @@ class PlanDecoder(DecoderBase):
         for name, buffer in zip(names, reads):
             feeds[name] = buffer.ravel()[: heads * past * dim].reshape(1, heads, past, dim)
         for name, array in feeds.items():
-            ctx.set_input_shape(name, array.shape)
+            if not ctx.set_input_shape(name, array.shape):  # outside every profile: not raised
+                raise BundleError(
+                    f"{self.role}: the TensorRT plan takes no {name} of shape "
+                    f"{tuple(array.shape)} (profile {profile}); it was built for other lengths "
+                    "than the manifest says: rebuild it with `specrt build --bundle DIR --tensorrt`"
+                )
             ctx.set_tensor_address(name, array.data.ptr)
         total = past + count
         for name, buffer in zip(outputs, writes):

@@ -72,7 +72,8 @@ def build_ort_engine(
         dtype=dtype,
         greedy_outputs=device == "cuda",
         # Any rows and tokens per call (the Attention op); attention soft-capping (Gemma 2)
-        # keeps GroupQueryAttention on CUDA, whose Attention kernels refuse it: one row per call.
+        # keeps GroupQueryAttention on CUDA (one row per call) until a GPU has run the batched
+        # graph with it: CUDA's Attention kernels take softcap, but none has checked it yet.
         attention="group_query" if one_row else "batched",
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
