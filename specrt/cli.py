@@ -271,6 +271,28 @@ load_options = _stack(
 )
 
 
+KV_CACHE_OPTION = click.option(
+    "--kv-cache-memory",
+    default="auto",
+    show_default=True,
+    help="Memory for the KV cache (e.g. 4GiB): rows get --max-length positions each and are as "
+    "many as fit, at most --batch-size; auto: half the memory available at start on the CPU, "
+    "--batch-size x --max-length on a GPU.",
+)
+
+
+def _cache_plan(bundle, kv_cache_memory: str, batch_size: int, max_length: int, engine: str):
+    """Rows and positions of the KV cache for the budget (`specrt.runtime.memory`)."""
+    from specrt.bundle import read_manifest
+    from specrt.runtime.memory import parse_size, plan_cache
+
+    try:
+        budget = parse_size(kv_cache_memory)
+    except InvalidInputError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-cache-memory") from exc
+    return plan_cache(read_manifest(bundle), budget, batch_size, max_length, engine)
+
+
 def _flags(names: list[str]) -> str:
     """The options' flags, with the verb that follows them ("--seed changes")."""
     flags = ", ".join("--" + name.replace("_", "-") for name in names)
@@ -307,11 +329,37 @@ def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
     return config
 
 
-def _prompts(prompts: tuple[str, ...], prompt_file: Path | None) -> list[str]:
+def _prompts(prompts: tuple[str, ...], prompt_file: Path | None, chat: bool = False) -> list:
     try:
-        return collect_prompts(prompts, prompt_file)
+        return collect_prompts(prompts, prompt_file, chat)
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from exc
+
+
+def _chat_prompts(bundle: Path, items: list) -> list[str]:
+    """Each item (a user's message, or a conversation of OpenAI messages) rendered with the
+    bundle's chat template, as `specrt serve` renders a chat request."""
+    try:
+        from specrt.chat import ChatTemplate, ChatTemplateError
+    except ImportError as exc:
+        raise click.ClickException(
+            f"--chat needs jinja2 (the serve extra): pip install 'specrt[serve]' ({exc})"
+        ) from exc
+    template = ChatTemplate.from_directory(Path(bundle) / "tokenizer")
+    if template is None:
+        raise click.UsageError(
+            f"the bundle {bundle} has no chat template (tokenizer/chat_template.jinja, or "
+            "chat_template in tokenizer/tokenizer_config.json): export it from a chat model, or "
+            "leave out --chat"
+        )
+    rendered = []
+    for number, item in enumerate(items, 1):
+        messages = [{"role": "user", "content": item}] if isinstance(item, str) else item
+        try:
+            rendered.append(template.prompt(messages))
+        except ChatTemplateError as exc:
+            raise click.UsageError(f"prompt {number}: {exc}") from exc
+    return rendered
 
 
 @click.group()
@@ -455,7 +503,13 @@ def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> N
     "--prompt-file",
     type=click.Path(path_type=Path),
     help='Prompts, one per line; a .jsonl file holds {"prompt": ...} objects or JSON strings '
-    '(prompts of several lines); "-": stdin.',
+    '(prompts of several lines), with --chat also {"messages": [...]} conversations; "-": stdin.',
+)
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Render each prompt as a user's message (and each messages line as a conversation) "
+    "with the bundle's chat template, as `specrt serve`'s chat route does.",
 )
 @generation_options
 @load_options
@@ -468,6 +522,7 @@ def generate(
     bundle,
     prompts,
     prompt_file,
+    chat,
     as_json,
     threads,
     engine,
@@ -479,14 +534,19 @@ def generate(
     """Generate from a bundle with speculative decoding."""
     from specrt.runtime.comparison import compare_with_target_only
 
-    texts = _prompts(prompts, prompt_file)
+    texts = _prompts(prompts, prompt_file, chat)
+    if chat:
+        texts = _chat_prompts(bundle, texts)
     config = _generation_config(params, notes=True)
     generator = _load(bundle, threads, engine, max_length, skip_checksums)
+    inputs = texts
+    if chat:  # the template writes its special tokens out: none added (as the server does)
+        inputs = [generator.tokenizer.encode(text, add_special_tokens=False) for text in texts]
     if compare:
-        outputs = compare_with_target_only(generator, texts, config)
+        outputs = compare_with_target_only(generator, inputs, config)
     else:
-        generator.encode_prompts(texts)  # every prompt is checked before any work starts
-        outputs = ((result, None) for result in generator.stream(texts, config))
+        generator.encode_prompts(inputs)  # every prompt is checked before any work starts
+        outputs = ((result, None) for result in generator.stream(inputs, config))
     for text, (result, comparison) in zip(texts, outputs):
         record = result.to_dict()
         if comparison is not None:
@@ -553,6 +613,7 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
     "graph; the TensorRT engines, Gemma 2's cuda engine and Gemma 2 and 3's portable graphs run "
     "one row).",
 )
+@KV_CACHE_OPTION
 @generation_options
 @suffix_cache_options(False, "Rows' text then informs other rows' proposals.")
 @load_options
@@ -565,6 +626,7 @@ def batch(
     summary,
     progress,
     batch_size,
+    kv_cache_memory,
     suffix_cache,
     suffix_cache_tokens,
     threads,
@@ -601,16 +663,18 @@ def batch(
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
         name = _spooled_name(input_path, rows)
         preflight(rows, output_path, output_format, name)  # not after minutes of loading
+        plan = _cache_plan(bundle, kv_cache_memory, batch_size, max_length, engine)
+        click.echo(f"specrt batch: {plan.describe()}", err=True)
         generator = _load(
-            bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
+            bundle, threads, engine, plan.max_length, skip_checksums, plan.max_batch, suffix_tokens
         )
-        if generator.max_batch < batch_size:
+        if generator.max_batch < plan.max_batch:
             click.echo(
                 f"note: the {engine} graphs run one row per call (the TensorRT engines, Gemma "
                 "2's cuda engine, Gemma 2 and 3's portable graphs, and onnxruntime or cuda "
                 "engines built by earlier versions of specrt: rebuild those with `specrt build "
                 f"--bundle {shlex.quote(str(bundle))} [--device cuda]`); --batch-size "
-                f"{batch_size} has no effect",
+                f"{plan.max_batch} has no effect",
                 err=True,
             )
         try:  # (SIGTERM arrives as _Terminated: `_friendly_errors`)
@@ -776,6 +840,14 @@ def _proposer_line(proposers: dict[str, dict]) -> str:
     show_default=True,
     help="adaptive: K chosen for the load each round.",
 )
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    help="The log lines written to stdout (info: the start, and a line as each request comes "
+    "and ends); uvicorn's too.",
+)
 @PROPOSER_OPTION
 @suffix_cache_options(
     False, "Off by default: a request's text may then appear in another's proposals."
@@ -792,6 +864,7 @@ def serve(
     max_waiting,
     num_draft_tokens,
     draft_schedule,
+    log_level,
     proposer,
     suffix_cache,
     suffix_cache_tokens,
@@ -802,7 +875,7 @@ def serve(
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs the serve extra)."""
     try:
-        from specrt.serve.server import listen
+        from specrt.serve.server import configure_logging, listen
         from specrt.serve.server import serve as run_server
     except ImportError as exc:
         raise click.ClickException(
@@ -815,6 +888,7 @@ def serve(
             "without one"
         )
     sock = listen(host, port)  # a taken port fails now, not after the load
+    log = configure_logging(log_level)  # stdout, as vLLM's; errors that end it: stderr
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     generator = _load(
         bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
@@ -825,14 +899,14 @@ def serve(
     name = model_name or Path(bundle).resolve().name
     decoders = (generator.target, getattr(generator.drafter, "decoder", None))
     per_slot = sum(getattr(decoder, "cache_bytes_per_row", 0) for decoder in decoders)
-    click.echo(
-        f"specrt serve: {generator.max_batch} requests per model call, KV cache "
-        f"{per_slot / 2**20:.1f} MiB each, taken at start (--batch-size sets how many)",
-        err=True,
-    )
+    log.info(
+        "specrt serve: %d requests per model call, KV cache %.1f MiB each, taken at start "
+        "(--batch-size sets how many)",
+        generator.max_batch, per_slot / 2**20,
+    )  # fmt: skip
     run_server(
         generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock,
-        api_key=api_key,
+        api_key=api_key, log_level=log_level,
     )  # fmt: skip
 
 

@@ -1,7 +1,9 @@
 """Prompt files, read one way for the CLI, the benchmarks and the demo scripts.
 
 A ``.jsonl`` file (any case) holds one JSON value per line: ``{"prompt": "..."}`` or a JSON string
-(prompts that span lines); any other file holds one prompt per line. Blank lines are skipped.
+(prompts that span lines), or, for a chat, ``{"messages": [...]}`` (OpenAI's form, rendered with
+the bundle's chat template by the caller); any other file holds one prompt per line. Blank lines
+are skipped.
 Files are UTF-8 (a byte-order mark is dropped) or UTF-16 with a byte-order mark; ``-`` reads
 standard input, and pipes and process substitutions read like files.
 This module imports nothing beyond the standard library (the onnxruntime-genai benchmark reads
@@ -28,8 +30,10 @@ ROW_SETTINGS = {
 }  # fmt: skip
 
 
-def read_prompt_file(path: str | Path) -> list[str]:
-    """The prompts of ``path``; `InvalidInputError` naming the file and line for anything else."""
+def read_prompt_file(path: str | Path, chat: bool = False) -> list:
+    """The prompts of ``path``; `InvalidInputError` naming the file and line for anything else.
+    ``chat``: a line may hold ``{"messages": [...]}``, returned as that list (checked when the
+    chat template renders it)."""
     name = str(path)
     lines = _decode(_read_bytes(name), name).splitlines()
     if not name.lower().endswith(".jsonl"):
@@ -42,6 +46,20 @@ def read_prompt_file(path: str | Path) -> list[str]:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InvalidInputError(f"{name}:{number} is not JSON ({exc})") from exc
+        if isinstance(item, dict) and "messages" in item and "prompt" not in item:
+            if not chat:
+                raise InvalidInputError(
+                    f"{name}:{number} holds chat messages: add --chat to render them with the "
+                    "bundle's chat template"
+                )
+            item = item["messages"]
+            if not isinstance(item, list):
+                raise InvalidInputError(
+                    f'{name}:{number}: "messages" must be a list of {{"role", "content"}} '
+                    f"objects, not {_json_kind(item)}"
+                )
+            prompts.append(item)
+            continue
         if isinstance(item, dict):
             if "prompt" not in item:
                 raise InvalidInputError(
@@ -65,12 +83,13 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 
 def collect_prompts(
-    prompts: Sequence[str] = (), prompt_file: str | Path | None = None
-) -> list[str]:
-    """Prompts given one by one, then those of ``prompt_file``; at least one."""
+    prompts: Sequence[str] = (), prompt_file: str | Path | None = None, chat: bool = False
+) -> list:
+    """Prompts given one by one, then those of ``prompt_file``; at least one (``chat``: a
+    file's lines may be conversations, see `read_prompt_file`)."""
     collected = list(prompts)
     if prompt_file is not None:
-        from_file = read_prompt_file(prompt_file)
+        from_file = read_prompt_file(prompt_file, chat)
         if not from_file:
             where = "standard input" if str(prompt_file) == STDIN else f"prompt file {prompt_file}"
             raise InvalidInputError(f"{where} holds no prompts")

@@ -3,6 +3,8 @@ ONNX bundles by the real exporter, once per test session."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specrt.export import SUPPORTED_MODEL_TYPES, export_bundle
@@ -25,6 +27,17 @@ def bundles(tmp_path_factory):
         arch: build_bundle(root, arch, arch=arch, seed=index, draft_noise=0.3)
         for index, arch in enumerate(SUPPORTED_MODEL_TYPES)
     }
+
+
+@pytest.fixture(scope="session")
+def demo_bundle(tmp_path_factory):
+    """The shipped demo pair exported as `make engines` does (engines/demo.json), at a path
+    ending in engines/demo, as the README's examples have it."""
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    engines = tmp_path_factory.mktemp("demo") / "engines"
+    engines.mkdir()
+    export_bundle(demo / "target", demo / "draft", engines / "demo", slim=True)
+    return engines / "demo"
 
 
 @pytest.fixture(scope="session")

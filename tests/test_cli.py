@@ -296,3 +296,39 @@ def test_engine_options_that_would_be_ignored_are_refused(llama_bundle):
     assert (
         result.exit_code == 2 and "--tensorrt builds plans of the portable graphs" in result.output
     )
+
+
+def test_generate_renders_chats_with_the_bundles_template(llama_bundle, tmp_path):
+    """--chat: a --prompt is a user's message and a messages line a conversation, rendered with
+    the bundle's chat template and fed without added special tokens, as the server's chat route
+    does; a bundle without a template, or messages without --chat, say so in one line."""
+    import shutil
+
+    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+
+    bundle = tmp_path / "chat"
+    shutil.copytree(llama_bundle, bundle)
+    (bundle / "tokenizer" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    chats = tmp_path / "chats.jsonl"
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]
+    chats.write_text(json.dumps({"messages": conversation}) + "\n")
+    options = ["--max-new-tokens", "6", "--ignore-eos", "--json"]
+    args = ["generate", "--bundle", str(bundle), "--chat", "--prompt", "def f", *options]
+    result = CliRunner().invoke(main, [*args, "--prompt-file", str(chats)])
+    assert result.exit_code == 0, result.output
+    got = [json.loads(line)["token_ids"] for line in result.output.splitlines()]
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    rendered = ["<user>def f\n<assistant>", "<system>be brief\n<user>x\n<assistant>"]
+    ids = [generator.tokenizer.encode(text, add_special_tokens=False) for text in rendered]
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    assert got == [r.token_ids for r in generator.generate(ids, config)]
+
+    plain = CliRunner().invoke(main, ["generate", "--bundle", str(bundle), "--prompt-file",
+                                      str(chats), *options])  # fmt: skip
+    assert plain.exit_code == 2 and "holds chat messages: add --chat" in plain.output
+    bare = CliRunner().invoke(main, ["generate", "--bundle", str(llama_bundle), "--chat",
+                                     "--prompt", "hi", *options])  # fmt: skip
+    assert bare.exit_code == 2 and "has no chat template" in bare.output

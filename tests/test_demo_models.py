@@ -50,13 +50,6 @@ def test_training_script_smoke(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo_bundle(tmp_path_factory) -> Path:
-    bundle = tmp_path_factory.mktemp("demo") / "bundle"
-    export_bundle(DEMO / "target", DEMO / "draft", bundle, slim=True)  # as engines/demo.json
-    return bundle
-
-
-@pytest.fixture(scope="module")
 def demo_generator(demo_bundle):
     return SpeculativeGenerator.from_bundle(demo_bundle)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -86,12 +87,23 @@ def run_benchmark(
     runs: dict[float, dict[str, list[Run]]] = {
         t: {c.name: [] for c in contenders} for t in temperatures
     }
+    passes = len(temperatures) * len(prompt_ids)
+    log(
+        f"{len(contenders)} contenders x {len(prompt_ids)} prompts x {len(temperatures)} "
+        f"temperatures, {max_new_tokens} new tokens each: a line per prompt, with the time left"
+    )
+    started, done = time.perf_counter(), 0
     for temperature in temperatures:
         for index, prompt in enumerate(prompt_ids):
             for contender in contenders:
                 run = contender.run(prompt, temperature, max_new_tokens, seed + index)
                 runs[temperature][contender.name].append(run)
-            log(f"temperature {temperature}: prompt {index + 1}/{len(prompt_ids)} done")
+            done += 1
+            left = (time.perf_counter() - started) / done * (passes - done)
+            log(
+                f"temperature {temperature}: prompt {index + 1}/{len(prompt_ids)} done "
+                f"(about {left / 60:.1f} minutes left)"
+            )
 
     results = {_label(t): _summarise(runs[t], costs, contenders) for t in temperatures}
     if genai is not None:

@@ -1,0 +1,83 @@
+"""The KV cache's memory budget: rows and positions derived from it and the model's per-position
+size, as `specrt batch` and `specrt serve` take it (`--kv-cache-memory`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specrt.bundle import read_manifest
+from specrt.errors import InvalidInputError
+from specrt.runtime import SpeculativeGenerator
+from specrt.runtime.memory import available_memory, bytes_per_position, parse_size, plan_cache
+from tests.test_batch_job import command, run
+
+CPU = ["CPUExecutionProvider"]
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5g", 1_500_000_000),
+     ("1000", 1000), ("64kib", 65536), ("auto", None)],
+)  # fmt: skip
+def test_sizes_read_as_people_write_them(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "0", "4 parsecs", ""])
+def test_a_size_that_is_not_one_is_refused(text):
+    with pytest.raises(InvalidInputError, match="not a memory size"):
+        parse_size(text)
+
+
+def test_a_position_costs_what_the_loaded_caches_take(llama_bundle):
+    """The plan's per-position bytes are the decoders' own: one row at max_length positions."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_length=64)
+    per_row = generator.target.cache_bytes_per_row + generator.drafter.decoder.cache_bytes_per_row
+    assert bytes_per_position(read_manifest(llama_bundle), "auto", CPU) * 64 == per_row
+
+
+def test_rows_are_as_many_as_the_budget_holds(llama_bundle):
+    manifest = read_manifest(llama_bundle)
+    per = bytes_per_position(manifest, "auto", CPU)
+    plan = plan_cache(manifest, 3 * 100 * per, 16, 100, "auto", CPU)
+    assert (plan.max_batch, plan.max_length) == (3, 100) and plan.bytes <= 3 * 100 * per
+    roomy = plan_cache(manifest, 10**12, 16, 100, "auto", CPU)
+    assert (roomy.max_batch, roomy.max_length) == (16, 100)
+    short = plan_cache(manifest, 60 * per, 16, 100, "auto", CPU)  # not one whole row
+    assert (short.max_batch, short.max_length) == (1, 60)
+    capped = plan_cache(manifest, 10**12, 2, 10**9, "auto", CPU)  # the model's own limit
+    assert capped.max_length == manifest.models["target"].max_positions
+    with pytest.raises(InvalidInputError, match="holds 3 positions"):
+        plan_cache(manifest, 3 * per, 16, 100, "auto", CPU)
+
+
+def test_an_automatic_budget_is_half_the_memory_available(llama_bundle):
+    manifest = read_manifest(llama_bundle)
+    plan = plan_cache(manifest, None, 4, 100, "auto", CPU)
+    assert plan.budget <= available_memory() // 2 + 2**20 and "auto" in plan.source
+    gpu = plan_cache(manifest, None, 4, 100, "auto", ["CUDAExecutionProvider"])
+    assert (gpu.max_batch, gpu.max_length, gpu.budget) == (4, 100, None)
+
+
+def test_specrt_batch_keeps_its_cache_within_the_budget(llama_bundle, tmp_path):
+    """16 rows asked for, room for 3 of 40 positions: the job says so, runs 3 per call, and
+    its cache never grows past the budget."""
+    per = bytes_per_position(read_manifest(llama_bundle), "auto", CPU)
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": "def f"}) + "\n" for i in range(6)))
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    budget = str(3 * 40 * per)
+    done = run(
+        command(llama_bundle, rows, out, "--batch-size", "16", "--max-length", "40",
+                "--max-new-tokens", "8", "--kv-cache-memory", budget, "--summary", str(summary))
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "3 rows x 40 positions" in done.stderr and "--kv-cache-memory" in done.stderr
+    report = json.loads(summary.read_text())
+    assert report["batch_size"] == 3 and report["cache_bytes"] <= int(budget)
+    assert len(out.read_text().splitlines()) == 6
+    bad = run(command(llama_bundle, rows, out, "--kv-cache-memory", "lots"))
+    assert bad.returncode == 2 and "not a memory size" in bad.stderr
+    assert "Traceback" not in bad.stderr
