@@ -41,6 +41,8 @@ def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "specrt.cli", "serve", "--bundle", args.bundle]
     cmd += ["--port", str(port), "--batch-size", str(args.batch_size), *extra]
+    # Two lines per request at info would bury the results printed beside them
+    cmd += ["--log-level", "warning"]
     # REPO first, before what the environment adds (onnxruntime-gpu installed to a --target)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     process = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": path})

@@ -852,6 +852,7 @@ def _proposer_line(proposers: dict[str, dict]) -> str:
 @suffix_cache_options(
     False, "Off by default: a request's text may then appear in another's proposals."
 )
+@KV_CACHE_OPTION
 @load_options
 @_friendly_errors
 def serve(
@@ -868,6 +869,7 @@ def serve(
     proposer,
     suffix_cache,
     suffix_cache_tokens,
+    kv_cache_memory,
     threads,
     engine,
     max_length,
@@ -890,20 +892,16 @@ def serve(
     sock = listen(host, port)  # a taken port fails now, not after the load
     log = configure_logging(log_level)  # stdout, as vLLM's; errors that end it: stderr
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
+    plan = _cache_plan(bundle, kv_cache_memory, batch_size, max_length, engine)
+    # taken at start: no request waits for an allocation
+    log.info("specrt serve: %s, taken at start", plan.describe("requests"))
     generator = _load(
-        bundle, threads, engine, max_length, skip_checksums, batch_size, suffix_tokens
+        bundle, threads, engine, plan.max_length, skip_checksums, plan.max_batch, suffix_tokens
     )
     defaults = _generation_config(
         dict(num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule, proposer=proposer)
     )
     name = model_name or Path(bundle).resolve().name
-    decoders = (generator.target, getattr(generator.drafter, "decoder", None))
-    per_slot = sum(getattr(decoder, "cache_bytes_per_row", 0) for decoder in decoders)
-    log.info(
-        "specrt serve: %d requests per model call, KV cache %.1f MiB each, taken at start "
-        "(--batch-size sets how many)",
-        generator.max_batch, per_slot / 2**20,
-    )  # fmt: skip
     run_server(
         generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock,
         api_key=api_key, log_level=log_level,

@@ -5,6 +5,7 @@ client meets them. No HTTP here."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 
@@ -22,7 +23,9 @@ FIELDS = {
     "stop": "stop",
     "ignore_eos": "ignore_eos",  # vLLM's extension
 }
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+# OpenAI's max_tokens for a completion that gives none. Chat has no such default: it runs until
+# the model stops or the context ends (as OpenAI's and vLLM's), which only the caller knows.
+DEFAULT_MAX_TOKENS = 16
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
 # LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
 # or structured output.
@@ -80,12 +83,36 @@ def _same(value: object, off: object) -> bool:
     return value == off
 
 
+def read_json(data: bytes | str) -> object:
+    """A request body's JSON. Raises `RequestError` for text that is not JSON, and for JSON
+    Python cannot read (nested past its recursion limit, an integer past its digit limit),
+    which `json.loads` raises as RecursionError and ValueError."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise RequestError(
+            "the request body is nested too deeply to read: send a JSON object of the "
+            "request's fields"
+        ) from None
+    except ValueError as exc:
+        if "digits" not in str(exc):
+            raise RequestError(f"the request body is not valid JSON ({exc})") from None
+        limit = sys.get_int_max_str_digits()
+        raise RequestError(
+            f"the request body holds an integer of more than {limit} digits: no field takes "
+            "one; send a smaller number"
+        ) from None
+
+
 def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
     """An OpenAI request body of ``kind`` as (its prompt: a string or token ids for a
     completion, the messages for a chat; `GenerationConfig` fields it sets). ``null`` takes
     the default; fields for features specrt does not have are refused unless at their off
-    value; ``default_max_tokens`` None: no length unless the body gives one. Raises
-    `RequestError`."""
+    value; ``default_max_tokens``: a completion's length where the body gives none (None: no
+    length). A chat's length is never filled in: it runs to the end of the context, which the
+    caller knows. Raises `RequestError`."""
     body = {key: value for key, value in body.items() if value is not None}  # null: default
     if not isinstance(body.get("stream", False), bool):
         raise RequestError("stream must be true or false", "stream")
@@ -126,7 +153,7 @@ def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT
         if not isinstance(prompt, (str, list)) or mixed:
             raise RequestError("prompt must be a string (or a list of token ids)", "prompt")
     options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
-    if default_max_tokens is not None:
+    if default_max_tokens is not None and kind == COMPLETION:
         options.setdefault("max_new_tokens", default_max_tokens)
     if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
         options["top_k"] = 0  # vLLM's "no top-k filter", which its clients send

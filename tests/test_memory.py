@@ -4,6 +4,7 @@ size, as `specrt batch` and `specrt serve` take it (`--kv-cache-memory`)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -81,3 +82,33 @@ def test_specrt_batch_keeps_its_cache_within_the_budget(llama_bundle, tmp_path):
     bad = run(command(llama_bundle, rows, out, "--kv-cache-memory", "lots"))
     assert bad.returncode == 2 and "not a memory size" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_specrt_serve_takes_the_slots_its_budget_holds(llama_bundle, tmp_path):
+    """16 slots asked for, room for 3 of 40 positions: the start line says so, and 6 requests
+    at once are all answered (3 run, the others wait for a slot)."""
+    import httpx
+
+    from tests.test_serve import logged, running_server
+
+    per = bytes_per_position(read_manifest(llama_bundle), "auto", CPU)
+    log = tmp_path / "serve.log"
+    budget = ["--batch-size", "16", "--max-length", "40", "--kv-cache-memory", str(3 * 40 * per)]
+    with running_server(llama_bundle, *budget, log=log) as (url, _):
+        line = logged(log, "KV cache")
+        assert "3 requests x 40 positions" in line and "taken at start" in line
+        body = {"prompt": "Simple is", "max_tokens": 8, "ignore_eos": True}
+        with httpx.Client(timeout=60) as client:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(6) as pool:
+                answers = list(
+                    pool.map(lambda _: client.post(f"{url}/v1/completions", json=body), range(6))
+                )
+        assert [a.status_code for a in answers] == [200] * 6
+    refused = run(
+        [sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(llama_bundle),
+         "--port", "0", "--kv-cache-memory", "10"]
+    )  # fmt: skip
+    assert refused.returncode != 0 and "holds 0 positions" in refused.stderr
+    assert "Traceback" not in refused.stderr

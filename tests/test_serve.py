@@ -36,8 +36,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(bundle: Path, *extra: str):
-    """A real `specrt serve` process; on exit, SIGTERM, and it must exit 0."""
+def running_server(bundle: Path, *extra: str, log: Path | None = None):
+    """A real `specrt serve` process; on exit, SIGTERM, and it must exit 0. ``log``: the file
+    its output (stdout and stderr) goes to, for the test to read."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(bundle),
@@ -45,7 +46,15 @@ def running_server(bundle: Path, *extra: str):
         "--num-draft-tokens", str(K), "--model-name", "tiny", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    if log is None:
+        process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    else:
+        with log.open("w") as out:
+            process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def output() -> str:
+        return process.stderr.read() if log is None else log.read_text()
+
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -56,15 +65,33 @@ def running_server(bundle: Path, *extra: str):
             time.sleep(0.1)
     else:
         process.kill()
-        pytest.fail(f"the server did not come up: {process.stderr.read()}")
+        pytest.fail(f"the server did not come up: {output()}")
     yield url, process
     process.send_signal(signal.SIGTERM)  # graceful shutdown: exit 0
-    assert process.wait(timeout=60) == 0, process.stderr.read()
+    assert process.wait(timeout=60) == 0, output()
+
+
+def logged(log: Path, words: str, timeout: float = 10) -> str:
+    """The first line of a server's output holding ``words``, waited for: a reply may reach
+    its client before its request's last line is written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [line for line in log.read_text().splitlines() if words in line]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no line with {words!r} in {log.read_text()}"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
-def server(llama_bundle):
-    with running_server(llama_bundle) as running:
+def server_log(tmp_path_factory) -> Path:
+    """The output (stdout and stderr) of the module's server."""
+    return tmp_path_factory.mktemp("server") / "output.log"
+
+
+@pytest.fixture(scope="module")
+def server(llama_bundle, server_log):
+    with running_server(llama_bundle, log=server_log) as running:
         yield running
 
 
@@ -488,13 +515,18 @@ TEMPLATE = (
 )
 
 
-def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_path, reference):
-    bundle = tmp_path / "chat"
+def chat_bundle(llama_bundle: Path, bundle: Path) -> Path:
+    """A copy of the tiny bundle at ``bundle``, with `TEMPLATE` as its chat template."""
     shutil.copytree(llama_bundle, bundle)
     config_path = bundle / "tokenizer" / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = TEMPLATE
     config_path.write_text(json.dumps(config))
+    return bundle
+
+
+def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_path, reference):
+    bundle = chat_bundle(llama_bundle, tmp_path / "chat")
     generator, _ = reference
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f"}]
     rendered = "<system>be brief\n<user>def f\n<assistant>"
@@ -531,6 +563,96 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         body = {"messages": [{"role": "user", "content": image}]}
         bad = httpx.post(f"{url}/v1/chat/completions", json=body)
         assert bad.status_code == 400 and "only text parts" in bad.json()["error"]["message"]
+
+
+def test_chat_without_max_tokens_runs_until_the_model_stops_or_the_context_ends(
+    llama_bundle, tmp_path, reference
+):
+    """As OpenAI's and vLLM's chat: no max_tokens is no length (replies were cut at 16 tokens,
+    the legacy completions' default, which /v1/completions keeps)."""
+    bundle = chat_bundle(llama_bundle, tmp_path / "chat")
+    generator, _ = reference
+    messages = [{"role": "user", "content": "def f"}]
+    ids = generator.tokenizer.encode("<user>def f\n<assistant>", add_special_tokens=False)
+    context = generator.target.max_positions
+    config = GenerationConfig(max_new_tokens=context, num_draft_tokens=K)
+    [expected] = generator.generate([ids], config)
+    with running_server(bundle) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=messages)
+        assert reply.choices[0].message.content == expected.text
+        assert reply.usage.completion_tokens == len(expected.token_ids)
+        endless = client.chat.completions.create(
+            model="tiny", messages=messages, extra_body={"ignore_eos": True}
+        )
+        assert endless.choices[0].finish_reason == "length"
+        assert endless.usage.prompt_tokens == len(ids)
+        assert endless.usage.completion_tokens == context - len(ids) > 16
+        legacy = client.completions.create(
+            model="tiny", prompt="def f", extra_body={"ignore_eos": True}
+        )
+        assert legacy.usage.completion_tokens == 16  # OpenAI's default for completions
+
+
+def test_requests_are_logged_as_they_come_and_end_unless_the_level_is_above_info(
+    server, server_log, client, llama_bundle, tmp_path
+):
+    """At --log-level info (the default), a line on stdout as each request comes (its id,
+    route, prompt tokens, max_tokens, sampling, stream) and one as it ends (finish reason,
+    completion tokens, seconds), as vLLM logs them; at --log-level warning, neither."""
+    reply = client.completions.create(
+        model="tiny", prompt="Simple is", max_tokens=5, temperature=0.5, seed=3
+    )
+    received = logged(server_log, f"received request {reply.id}:")
+    tokens = reply.usage.prompt_tokens
+    assert received.startswith("INFO ") and "[specrt.serve]" in received
+    assert f"/v1/completions, {tokens} prompt tokens, max_tokens 5, temperature 0.5" in received
+    assert "seed 3, stream false" in received
+    finished = logged(server_log, f"finished request {reply.id}:")
+    choice, count = reply.choices[0], reply.usage.completion_tokens
+    assert f": {choice.finish_reason}, {count} completion tokens, " in finished
+    assert logged(server_log, "specrt serve: tiny on http://127.0.0.1:")  # the ready line
+    quiet = tmp_path / "quiet.log"
+    with running_server(llama_bundle, "--log-level", "warning", log=quiet) as (url, _):
+        body = {"prompt": "Simple is", "max_tokens": 5}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 200
+    output = quiet.read_text()  # whole: the server has exited
+    assert answer.json()["id"] not in output and "request" not in output, output
+    assert "INFO" not in output, output
+    assert "specrt serve: tiny on http://" in output  # the address, whatever the level
+
+
+def test_json_python_cannot_read_gets_400_and_the_server_goes_on(server, server_log, client):
+    """A body nested 100,000 deep, or with an integer of 5,000 digits in any field: JSON that
+    Python's reader refuses (RecursionError, ValueError), answered with OpenAI's 400 in one
+    line and no traceback (it was a plain-text 500)."""
+    url = server[0]
+    start = len(server_log.read_text())
+    deep = "[" * 100_000 + "]" * 100_000
+    digits = "7" * 5_000
+    cases = [
+        (deep, "nested too deeply"),
+        ('{"prompt": "Simple is", "stop": ' + deep + "}", "nested too deeply"),
+        ('{"prompt": "Simple is", "max_tokens": ' + digits + "}", "more than 4300 digits"),
+        ('{"prompt": "Simple is", "seed": ' + digits + "}", "more than 4300 digits"),
+    ]
+    for body, words in cases:
+        answer = httpx.post(
+            f"{url}/v1/completions",
+            content=body.encode(),
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert words in error["message"] and "\n" not in error["message"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] is None and error["code"] is None
+    reply = client.completions.create(model="tiny", prompt="Simple is", max_tokens=4)
+    assert reply.usage.completion_tokens >= 1
+    output = server_log.read_text()[start:]
+    assert not [word for word in ("Traceback", "RecursionError", "ValueError") if word in output]
 
 
 def test_an_api_key_guards_the_v1_routes(llama_bundle):
@@ -630,10 +752,10 @@ def test_sigterm_right_after_the_ready_line_exits_0(llama_bundle):
         "--port", "0", "--threads", "1", "--batch-size", "2",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     try:
-        for line in process.stderr:
-            if " on http://127.0.0.1:" in line:
+        for line in process.stdout:  # on stdout, as vLLM's log lines
+            if "specrt serve: " in line and " on http://127.0.0.1:" in line:
                 break
         else:
             pytest.fail("the server printed no address")

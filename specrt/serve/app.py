@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -32,6 +33,7 @@ from specrt.openai_shapes import (
     completion,
     error_body,
     new_id,
+    read_json,
     read_request,
 )
 from specrt.runtime.config import GenerationConfig
@@ -41,6 +43,9 @@ from specrt.serve.metrics import Metrics
 
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
 BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
+ROUTES = {COMPLETION: "/v1/completions", CHAT: "/v1/chat/completions"}
+
+log = logging.getLogger("specrt.serve")
 
 
 def create_app(
@@ -91,18 +96,19 @@ def create_app(
 
     async def answer(request: Request, kind: str) -> Response:
         try:
-            body = json.loads(await asyncio.wait_for(read_body(request), BODY_TIMEOUT_S))
+            body = read_json(await asyncio.wait_for(read_body(request), BODY_TIMEOUT_S))
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except asyncio.TimeoutError:  # a client that stalls must not hold a shutdown
             message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
             return error(408, message, "invalid_request_error")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error(400, "the request body is not valid JSON", "invalid_request_error")
+        except RequestError as exc:  # not JSON, or JSON Python cannot read (too deep, too long)
+            return error(400, str(exc), "invalid_request_error", exc.param)
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object", "invalid_request_error")
+        ident = new_id(kind)
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
-            handle, stream, with_usage = await run_in_threadpool(submit, body, kind)
+            handle, stream, with_usage = await run_in_threadpool(submit, body, kind, ident)
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -112,7 +118,6 @@ def create_app(
             return error(429, str(exc), "overloaded_error")
         except InvalidInputError as exc:
             return error(400, str(exc), "invalid_request_error")
-        ident = new_id(kind)
         if stream:
             return StreamingResponse(
                 events(handle, ident, kind, with_usage), media_type="text/event-stream"
@@ -167,7 +172,7 @@ def create_app(
                 raise too_big
         return bytes(data)
 
-    def submit(body: dict, kind: str) -> tuple[RequestHandle, bool, bool]:
+    def submit(body: dict, kind: str, ident: str) -> tuple[RequestHandle, bool, bool]:
         if body.get("model") not in (None, model_name):  # null, as any field: the default
             raise _HttpError(
                 404,
@@ -182,12 +187,19 @@ def create_app(
             raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
         if kind == CHAT:
             prompt = chat_prompt(prompt)
+            # No max_tokens: until the model stops or the context ends, as OpenAI's chat (at
+            # least 1, so that a prompt too long is refused as such by submit)
+            room = service.generator.target.max_positions - len(prompt)
+            options.setdefault("max_new_tokens", max(1, room))
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         handle = service.submit(prompt, config)
         handle.add_done_callback(metrics.record)
         handle.add_gap_callback(metrics.inter_token_gap)
+        stream = bool(body.get("stream"))
+        log_received(ident, kind, handle, stream)
+        handle.add_done_callback(lambda done: log_finished(ident, done))
         options = body.get("stream_options") or {}
-        return handle, bool(body.get("stream")), bool(options.get("include_usage"))
+        return handle, stream, bool(options.get("include_usage"))
 
     async def events(
         handle: RequestHandle, ident: str, kind: str, with_usage: bool
@@ -262,6 +274,31 @@ class BearerKey:
 
 
 _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's
+
+
+def log_received(ident: str, kind: str, handle: RequestHandle, stream: bool) -> None:
+    """A request's line as it is queued, as vLLM logs it (its prompt's text left out: it may
+    be private)."""
+    config = handle.request.config
+    log.info(
+        "received request %s: %s, %d prompt tokens, max_tokens %d, temperature %g, top_p %g, "
+        "top_k %d, seed %s, stream %s",
+        ident, ROUTES[kind], len(handle.request.prompt), config.max_new_tokens,
+        config.temperature, config.top_p, config.top_k, config.seed, str(stream).lower(),
+    )  # fmt: skip
+
+
+def log_finished(ident: str, handle: RequestHandle) -> None:
+    """A request's line as it ends (a done callback, from the service's thread)."""
+    seconds = time.perf_counter() - handle.submitted_at
+    result = handle._result
+    if result is None:  # failed: the service has logged why
+        log.warning("request %s failed after %.2f s", ident, seconds)
+        return
+    log.info(
+        "finished request %s: %s, %d completion tokens, %.2f s",
+        ident, result.finish_reason, len(result.token_ids), seconds,
+    )  # fmt: skip
 
 
 def usage(result: GenerationResult) -> dict:

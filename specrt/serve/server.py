@@ -4,11 +4,14 @@ lets in-flight requests finish within the deadline, cancels the rest, exits 0.""
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import logging
 import socket
+import sys
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
@@ -16,7 +19,30 @@ from specrt.runtime.generator import SpeculativeGenerator
 from specrt.runtime.service import Service
 from specrt.serve.app import create_app
 
-log = logging.getLogger("specrt")
+log = logging.getLogger("specrt.serve")
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+
+
+def configure_logging(level: str = "info") -> logging.Logger:
+    """specrt's log lines (the start, a line per request) to stdout at ``level``
+    and above, as vLLM writes its own (the ready line with the address is printed whatever the
+    level); errors that end the process stay on stderr (the command's). Returns the server's
+    logger."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%m-%d %H:%M:%S"))
+    root = logging.getLogger("specrt")
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False  # not twice where the root logger has a handler too
+    return log
+
+
+def _uvicorn_logging() -> dict:
+    """uvicorn's own logging, its lines on stdout beside specrt's (it writes all but the
+    access lines to stderr)."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["default"]["stream"] = "ext://sys.stdout"
+    return config
 
 
 _BIND_ADVICE = {
@@ -61,9 +87,11 @@ def serve(
     shutdown_s: float = 30.0,
     sock: socket.socket | None = None,
     api_key: str | None = None,
+    log_level: str = "info",
 ) -> None:
     """Serve ``generator`` until SIGTERM / SIGINT, on ``sock`` (from `listen`) or on a socket
-    bound to ``host:port`` now; with ``api_key``, the /v1 routes want it as a bearer token."""
+    bound to ``host:port`` now; with ``api_key``, the /v1 routes want it as a bearer token.
+    ``log_level``: uvicorn's (`configure_logging` sets specrt's)."""
     sock = sock or listen(host, port)
     service = Service(generator, max_waiting=max_waiting)
     app = create_app(service, model_name, defaults, api_key)
@@ -78,7 +106,8 @@ def serve(
         app,
         host=host,
         port=port,
-        log_level="warning",
+        log_level=log_level,
+        log_config=_uvicorn_logging(),
         timeout_graceful_shutdown=int(shutdown_s),
     )
     server = _Server(config)
@@ -94,8 +123,8 @@ class _Server(uvicorn.Server):
         # Said once the socket listens and SIGTERM is ours (a supervisor that reads the line
         # and stops the server at once must see a clean exit, not a signal's death).
         await super().startup(sockets)
-        if self.started:
-            log.warning("%s", self.ready_line)
+        if self.started:  # whatever the log level: a client of --port 0 needs the address
+            print(self.ready_line, flush=True)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
