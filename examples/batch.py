@@ -5,7 +5,7 @@ python examples/batch.py engines/demo
 
 import sys
 
-from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt import GenerationConfig, SpeculativeGenerator
 
 generator = SpeculativeGenerator.from_bundle(sys.argv[1], max_batch=4)
 prompts = ["def fibonacci(n):", "class Stack:", "import os\n", "for i in range(10):"]

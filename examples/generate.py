@@ -5,7 +5,7 @@ python examples/generate.py engines/demo 'def fibonacci(n):'
 
 import sys
 
-from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt import GenerationConfig, SpeculativeGenerator
 
 bundle, prompt = sys.argv[1], sys.argv[2]
 generator = SpeculativeGenerator.from_bundle(bundle)

@@ -204,7 +204,9 @@ generation_options = _stack(
         help="Stop where the new text first contains this string (repeatable; not output).",
     ),
     click.option(
-        "--adaptive-draft", is_flag=True, help="Same as --draft-schedule adaptive (the default)."
+        "--adaptive-draft",
+        is_flag=True,
+        help="Deprecated: the same as --draft-schedule adaptive (the default).",
     ),
     click.option(
         "--draft-schedule",
@@ -310,6 +312,8 @@ def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
         raise click.UsageError(
             f"--adaptive-draft and --draft-schedule {schedule} contradict each other: give one"
         )
+    if params.pop("adaptive_draft", False):  # the deprecated flag: the same schedule
+        params["draft_schedule"] = "adaptive"
     try:
         config = GenerationConfig(**params)
     except InvalidInputError as exc:

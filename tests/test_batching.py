@@ -1295,3 +1295,18 @@ def test_a_batched_row_far_ahead_of_the_draft_is_read_from_a_window(llama_bundle
     alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
     expected = alone.generate(PROMPTS[:3], replace(config, num_draft_tokens=0))
     assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]
+
+
+def test_a_request_takes_text_and_its_seed_gives_its_stream(llama_bundle):
+    """`Request(key, text, config)`: the prompt encoded as `generate` encodes it, the random
+    stream keyed by the config's seed (no numpy Generator to build): the tokens are those of
+    `generate` under the seed, and unseeded rows each draw their own."""
+    from specrt import Request
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
+    config = GenerationConfig(max_new_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    [expected] = generator.generate(["Simple is"], config)
+    [ids] = generator.encode_prompts(["Simple is"])
+    got = dict(generator.run([Request("text", "Simple is", config), Request("ids", ids, config)]))
+    assert got["text"].token_ids == got["ids"].token_ids == expected.token_ids
+    assert Request("x", "a").config == GenerationConfig()

@@ -125,7 +125,8 @@ def test_fixed_schedule_drafts_k_where_it_fits():
 
 
 def test_schedule_names():
-    assert GenerationConfig(adaptive_draft=True).draft_schedule == "adaptive"
+    with pytest.warns(DeprecationWarning, match="adaptive_draft=True.* is deprecated"):
+        assert GenerationConfig(adaptive_draft=True).draft_schedule == "adaptive"
     assert GenerationConfig(draft_schedule="heuristic").draft_schedule == "heuristic"
     with pytest.raises(InvalidInputError, match="draft_schedule='sometimes' is out of range"):
         GenerationConfig(draft_schedule="sometimes")

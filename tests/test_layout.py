@@ -108,3 +108,25 @@ def test_the_checks_see_a_violation(tmp_path):
     assert "specrt.export.pipeline" in imports(source)
     assert stage("specrt.runtime.generator") == "runtime"
     assert "export" not in ALLOWED["runtime"]
+
+
+def test_the_public_api_is_at_the_package_root():
+    """`from specrt import ...` for what a user needs, each name its module's own object, and
+    `import specrt` alone loads none of it (no onnxruntime for the export commands' start)."""
+    import subprocess
+    import sys
+
+    import specrt
+    from specrt.runtime.batching import Request
+    from specrt.runtime.generator import SpeculativeGenerator
+
+    wanted = {"SpeculativeGenerator", "GenerationConfig", "Request", "Service", "run_batch"}
+    assert wanted <= set(specrt.__all__)
+    for name in specrt.__all__:
+        assert getattr(specrt, name) is not None, name
+    assert specrt.SpeculativeGenerator is SpeculativeGenerator and specrt.Request is Request
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        specrt.nothing  # noqa: B018
+    probe = "import specrt, sys; print('onnxruntime' in sys.modules, 'numpy' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.split() == ["False", "False"], done.stderr

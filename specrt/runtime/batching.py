@@ -60,13 +60,20 @@ SHRINK_HEADROOM = 32
 
 @dataclass
 class Request:
-    """One sequence to generate: ``key`` names it in the results, ``prompt`` its token ids
-    (checked: see `SpeculativeGenerator.encode_prompts`)."""
+    """One sequence to generate: ``key`` names it in the results, ``prompt`` is its text or its
+    token ids (checked: see `SpeculativeGenerator.encode_prompts`), ``config`` its settings.
+    ``rng``: its random stream, by default its own, keyed by ``config.seed`` where it has one
+    (a seeded row's tokens are the target alone's under that seed)."""
 
     key: Hashable
-    prompt: list[int]
-    config: GenerationConfig
-    rng: np.random.Generator
+    prompt: str | list[int]
+    config: GenerationConfig = field(default_factory=GenerationConfig)
+    rng: np.random.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.rng is None and isinstance(self.config, GenerationConfig):
+            seed = self.config.seed
+            self.rng = np.random.default_rng(None if seed is None else [seed, 0])
 
 
 @dataclass

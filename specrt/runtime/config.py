@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from specrt.errors import InvalidInputError
@@ -42,7 +43,7 @@ class GenerationConfig:
     confidence, the acceptance seen so far and the measured costs); ``"heuristic"`` is the
     classic +2 after a fully accepted round, -1 otherwise (transformers' schedule). Both are
     capped at ``num_draft_tokens``; the output is the same either way. ``adaptive_draft=True``
-    is shorthand for ``draft_schedule="adaptive"``.
+    (deprecated, with a warning) sets ``draft_schedule="adaptive"``.
     ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0`` and
     ``top_p == 1`` switch those filters off. ``num_draft_tokens == 0`` runs the target alone: the
     baseline every comparison uses. ``seed`` makes sampling reproducible, bit for bit across calls
@@ -97,8 +98,16 @@ class GenerationConfig:
             raise out_of_range(
                 "draft_schedule", self.draft_schedule, f"use one of {DRAFT_SCHEDULES}"
             )
-        if self.adaptive_draft and self.draft_schedule == "fixed":
-            set("draft_schedule", "adaptive")
+        if self.adaptive_draft:
+            warnings.warn(
+                "GenerationConfig(adaptive_draft=True) is deprecated: it is "
+                'draft_schedule="adaptive", which it sets: give that instead',
+                DeprecationWarning,
+                stacklevel=3,  # the caller of GenerationConfig(...)
+            )
+            if self.draft_schedule == "fixed":
+                set("draft_schedule", "adaptive")
+            set("adaptive_draft", False)  # said once: copies (`replace`) do not say it again
         set("stop", stop_strings(self.stop))
         if self.proposer not in PROPOSERS:
             raise out_of_range("proposer", self.proposer, f"use one of {PROPOSERS}")

@@ -9,6 +9,7 @@ import threading
 import time
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,9 @@ class SpeculativeGenerator:
             raise InvalidInputError(f"{name}: config must be a GenerationConfig")
         if not isinstance(request.rng, np.random.Generator):
             raise InvalidInputError(f"{name}: rng must be a numpy Generator (row_rng)")
+        if isinstance(request.prompt, str):
+            [tokens] = self.encode_prompts([request.prompt])
+            request = replace(request, prompt=tokens)
         ids = np.asarray(request.prompt)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
             raise InvalidInputError(f"{name}: its prompt must be a non-empty list of token ids")
