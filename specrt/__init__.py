@@ -25,7 +25,7 @@ _API = {
     "Request": "specrt.runtime.batching",
     "SuffixCache": "specrt.runtime.lookup",
     "Service": "specrt.runtime.service",
-    "RequestHandle": "specrt.runtime.service",
+    "RequestHandle": "specrt.runtime.handles",
     "plan_cache": "specrt.runtime.memory",
     "run_batch": "specrt.jobs.batch",
     "SpecrtPredictor": "specrt.jobs.ray_data",

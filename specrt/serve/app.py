@@ -37,8 +37,9 @@ from specrt.openai_shapes import (
     read_request,
 )
 from specrt.runtime.config import GenerationConfig
+from specrt.runtime.handles import RequestHandle
 from specrt.runtime.results import GenerationResult
-from specrt.runtime.service import RequestHandle, Service
+from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
 
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)

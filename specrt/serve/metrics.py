@@ -16,7 +16,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from specrt.runtime.service import RequestHandle, Service
+from specrt.runtime.handles import RequestHandle
+from specrt.runtime.service import Service
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)

@@ -1,0 +1,212 @@
+"""A request submitted to a `Service`: its text deltas as they come (from a thread, or with
+``async for`` from asyncio, never blocking the event loop), its result, its cancellation, and
+callbacks for when it is done and for each gap between its tokens (the server's metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from specrt.runtime.batching import Request
+from specrt.runtime.results import GenerationResult
+from specrt.runtime.streaming import TextDeltas
+
+log = logging.getLogger("specrt")
+
+
+class RequestHandle:
+    """One submitted request: its text deltas as they come, its result, its cancellation.
+
+    Deltas concatenate to the result's text exactly. Iterate it once (from a thread, or with
+    ``async for`` from asyncio); ``per_token=True`` at submit hands out one delta per token
+    instead of one per round."""
+
+    def __init__(self, key: int, request: Request, deltas: TextDeltas, per_token: bool) -> None:
+        self.key = key
+        self.request = request
+        self._text = deltas
+        self._per_token = per_token
+        self._sent_tokens = 0
+        self._deltas: list[str] = []
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._changed = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._callbacks: list[Callable[[RequestHandle], None]] = []
+        self._gap_callbacks: list[Callable[[float], None]] = []
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None  # when it left the queue for the batch
+        self.first_text_at: float | None = None  # when its first text was handed out
+        # When rounds gave it tokens (the metrics' prefill, decode and inter-token times)
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.token_gaps: list[float] = []  # between rounds that gave it tokens
+
+    # For the consumer --------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def add_done_callback(self, callback: Callable[[RequestHandle], None]) -> None:
+        """Call ``callback(handle)`` when the request ends (finished, cancelled or failed), from
+        the service's thread; at once if it has ended."""
+        with self._changed:
+            if not self.done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def add_gap_callback(self, callback: Callable[[float], None]) -> None:
+        """Call ``callback(seconds)`` for each gap between rounds that give the request
+        tokens, as it comes (from the service's thread), so a long request's inter-token
+        times are seen while it runs; the gaps before this call are passed at once."""
+        with self._changed:
+            self._gap_callbacks.append(callback)
+            past = list(self.token_gaps)
+        for gap in past:
+            callback(gap)
+
+    def cancel(self) -> None:
+        """Stop generating (at the next round boundary); the result keeps what was made."""
+        self._cancelled = True
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the request to finish; its result (finish reason "cancelled" if it was).
+        A ``timeout`` that passes raises `TimeoutError` and leaves the request running."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.key} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def __iter__(self) -> Iterator[str]:
+        seen = 0
+        try:
+            while True:
+                with self._changed:
+                    while len(self._deltas) <= seen and not self.done:
+                        self._changed.wait()
+                    fresh, finished = self._deltas[seen:], self.done
+                seen += len(fresh)
+                yield from fresh
+                if finished and seen == len(self._deltas):
+                    break
+            if self._error is not None:
+                raise self._error
+        finally:
+            if not self.done:  # the consumer stopped early: free the slot
+                self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        seen = 0
+        waiter = None
+        try:
+            while True:
+                with self._changed:
+                    fresh, finished = self._deltas[seen:], self.done
+                    waiter = None
+                    if not fresh and not finished:
+                        waiter = loop.create_future()
+                        self._waiters.append((loop, waiter))
+                if waiter is not None:
+                    await waiter
+                    continue
+                seen += len(fresh)
+                for delta in fresh:
+                    yield delta
+                if finished and seen == len(self._deltas):
+                    break
+            if self._error is not None:
+                raise self._error
+        finally:
+            if not self.done:
+                self.cancel()
+            with self._changed:  # a consumer gone (its task cancelled, its loop closed)
+                self._waiters = [(lp, w) for lp, w in self._waiters if w is not waiter]
+
+    async def wait(self) -> GenerationResult:
+        """The result, awaited without blocking the event loop. Cancelling the awaiting task
+        (``asyncio.wait_for`` timing out included) cancels the request, as dropping an
+        iterator does; ``asyncio.shield`` keeps it running."""
+        async for _ in self:
+            pass
+        return self.result()
+
+    # For the service thread --------------------------------------------------------------
+    def _progress(self, new_ids: list[int], now: float | None = None) -> None:
+        """``now``: when the round that gave ``new_ids`` ended (one time for all its rows)."""
+        if len(new_ids) > self._sent_tokens:
+            self._tokens_came(now)
+        if self._per_token:
+            counts = range(self._sent_tokens + 1, len(new_ids) + 1)
+            pieces = [self._text.update(new_ids[:n]) for n in counts]
+        else:
+            pieces = [self._text.update(new_ids)]
+        self._sent_tokens = len(new_ids)
+        self._publish([p for p in pieces if p])
+
+    def _finish(
+        self,
+        result: GenerationResult | None,
+        error: BaseException | None = None,
+        now: float | None = None,
+    ) -> None:
+        """The rest of the text (the last round's tokens, cut before a stop string) in one
+        delta, and the result."""
+        if result is not None and len(result.token_ids) > self._sent_tokens:
+            self._tokens_came(now)
+        tail = self._text.finish(result.text) if result is not None else ""
+        self._publish([tail] if tail else [], result, error)
+
+    def _tokens_came(self, now: float | None) -> None:
+        now = time.perf_counter() if now is None else now
+        if self.last_token_at is None:
+            self.first_token_at = now
+            self.last_token_at = now
+            return
+        gap = now - self.last_token_at
+        with self._changed:
+            self.token_gaps.append(gap)
+            callbacks = list(self._gap_callbacks)
+        self.last_token_at = now
+        for callback in callbacks:
+            try:
+                callback(gap)
+            except Exception:  # a caller's bug must not stop the service
+                log.exception("specrt service: a gap callback failed")
+
+    def _publish(self, deltas: list[str], result=None, error=None) -> None:
+        callbacks = []
+        with self._changed:
+            if deltas and self.first_text_at is None:
+                self.first_text_at = time.perf_counter()
+            self._deltas.extend(deltas)
+            if result is not None:
+                self._result = result
+            if error is not None:
+                self._error = error
+            if self.done:
+                callbacks, self._callbacks = self._callbacks, []
+            self._changed.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, waiter in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # its event loop is closed: nobody is waiting there
+                pass
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a caller's bug must not stop the service
+                log.exception("specrt service: a done callback failed")
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
