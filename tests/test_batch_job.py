@@ -115,9 +115,10 @@ def test_stdin_to_stdout_and_devices(llama_bundle, reference, tmp_path):
     assert results(streamed) == expected
     assert "33 rows: 29 ok, 4 failed" in done.stderr and "4 rows per call" in done.stderr
     full = run(command(llama_bundle, root / "in.jsonl", Path("/dev/full")))
-    assert full.returncode == 1 and full.stderr.strip().splitlines() == [
-        "Error: No space left on device (free some space, or write somewhere else)"
-    ], full.stderr
+    lines = full.stderr.strip().splitlines()  # the cache's size, said first, then the error
+    assert full.returncode == 1 and lines[0].startswith("specrt batch: KV cache"), full.stderr
+    full_disk = "Error: No space left on device (free some space, or write somewhere else)"
+    assert lines[1:] == [full_disk], full.stderr
     summary = run(
         command(llama_bundle, root / "in.jsonl", tmp_path / "out.jsonl", "--summary", tmp_path)
     )
