@@ -18,7 +18,13 @@ from click.core import ParameterSource
 
 from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
-from specrt.errors import ExportError, InvalidInputError, SpecrtError, describe_os_error
+from specrt.errors import (
+    ExportError,
+    InvalidInputError,
+    SpecrtError,
+    describe_os_error,
+    unwritable_reason,
+)
 from specrt.export.options import (
     CUDA_ATTENTIONS,
     DEFAULT_ATOL,
@@ -777,7 +783,8 @@ def _check_writable(path: Path, option: str) -> None:
         raise click.UsageError(f"{option} {path} is a directory; give a file")
     if path.exists():
         if not os.access(path, os.W_OK):
-            raise click.UsageError(f"{option} {path} cannot be written (permission denied)")
+            why = unwritable_reason(path)
+            raise click.UsageError(f"{option} {path} cannot be written ({why})")
         return
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
@@ -785,7 +792,8 @@ def _check_writable(path: Path, option: str) -> None:
     if not folder.is_dir():
         raise click.UsageError(f"{option} {path}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise click.UsageError(f"{option} {path}: cannot write in {folder} (permission denied)")
+        why = unwritable_reason(folder)
+        raise click.UsageError(f"{option} {path}: cannot write in {folder} ({why})")
 
 
 def _count(number: int, noun: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 
 
@@ -58,3 +59,15 @@ def describe_os_error(exc: OSError) -> str:
     where = f": {exc.filename}" if exc.filename else ""
     advice = _OS_ADVICE.get(exc.errno)
     return f"{exc.strerror or exc}{where}" + (f" ({advice})" if advice else "")
+
+
+def unwritable_reason(path: str | os.PathLike) -> str:
+    """Why ``path`` (a file or folder there is, that `os.access` says cannot be written) cannot
+    be: a read-only file system told apart from permissions, which `os.access` does not."""
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return "read-only file system: write somewhere else"
+    return "permission denied"

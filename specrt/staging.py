@@ -21,7 +21,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 OWNER_FILE = ".specrt-writer"  # in a staging directory: the pid of the process writing it
@@ -116,11 +116,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def publish(staged: Path, out: Path) -> None:
-    """Make ``staged`` the bundle at ``out``; the old bundle, if any, is removed after."""
+def publish(staged: Path, out: Path, kept: Collection[Path] = ()) -> None:
+    """Make ``staged`` the bundle at ``out``; the old bundle, if any, is removed after.
+    ``kept``: files in ``staged`` (relative) that are the user's, carried over from the old
+    bundle (`keep_others`): their modes stay theirs."""
     out = through_links(out)
     (staged / OWNER_FILE).unlink(missing_ok=True)
-    follow_umask(staged)
+    follow_umask(staged, kept)
     if not os.path.lexists(out):
         os.replace(staged, out)
         return
@@ -159,15 +161,59 @@ def _remove_parked(old: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def follow_umask(root: Path) -> None:
-    """Give ``root`` and everything in it the modes the umask gives new files and directories."""
+def follow_umask(root: Path, kept: Collection[Path] = ()) -> None:
+    """Give ``root`` and everything in it the modes the umask gives new files and directories,
+    but for the files ``kept`` (relative to ``root``: the user's, whose modes are theirs)."""
     umask = current_umask()
+    theirs = {os.path.join(root, rel) for rel in kept}
     for directory, _, files in os.walk(root):
         os.chmod(directory, 0o777 & ~umask)
         for name in files:
             path = os.path.join(directory, name)
-            if not os.path.islink(path):
+            if not os.path.islink(path) and path not in theirs:
                 os.chmod(path, 0o666 & ~umask)
+
+
+def keep_others(old: Path, staged: Path, ours: Callable[[Path], bool]) -> list[Path]:
+    """Carry into ``staged`` every file (or symbolic link) of the bundle ``old`` that
+    ``ours`` says specrt did not write, at the same place: replacing a bundle replaces what
+    specrt wrote, never what a user put in it. Hard links where the file system allows (no
+    copy of a large file, its mode and owner kept), copies elsewhere. Returns the paths kept,
+    relative; raises FileExistsError where the new bundle has a file at one of them."""
+    kept = []
+    for directory, folders, files in os.walk(old):
+        links = [name for name in folders if os.path.islink(os.path.join(directory, name))]
+        for name in sorted(files + links):
+            rel = Path(directory, name).relative_to(old)
+            if ours(rel):
+                continue
+            target = staged / rel
+            if os.path.lexists(target) or _a_file_above(target, staged):
+                raise FileExistsError(errno.EEXIST, "the new bundle writes a file there", str(rel))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(old / rel, target)
+            kept.append(rel)
+    return kept
+
+
+def _a_file_above(path: Path, root: Path) -> bool:
+    """Whether a folder that ``path`` needs below ``root`` is a file (or a link) there."""
+    above = path.parent
+    while above != root:
+        if os.path.lexists(above) and (above.is_symlink() or not above.is_dir()):
+            return True
+        above = above.parent
+    return False
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    if source.is_symlink():  # the link itself, pointing where it pointed
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(source, target)
 
 
 def current_umask() -> int:

@@ -11,11 +11,20 @@ from specrt.errors import InvalidInputError
 
 
 def out_of_range(name: str, value: object, rule: str) -> InvalidInputError:
-    return InvalidInputError(f"{name}={value!r} is out of range: {rule}")
+    return InvalidInputError(f"{name}={_shown(value)} is out of range: {rule}")
 
 
 def wrong_type(name: str, value: object, wanted: str, rule: str) -> InvalidInputError:
-    return InvalidInputError(f"{name}={value!r} is {_kind(value)}, not {wanted}: {rule}")
+    return InvalidInputError(f"{name}={_shown(value)} is {_kind(value)}, not {wanted}: {rule}")
+
+
+def _shown(value: object) -> str:
+    """``value`` as a message shows it: an integer of hundreds of digits by its length (one
+    line stays one line, and past 4,300 digits Python refuses to print it at all)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if abs(int(value)) >= 10**20:
+            return f"<an integer of {math.floor(math.log10(abs(int(value)))) + 1} digits>"
+    return repr(value)
 
 
 def _kind(value: object) -> str:
@@ -46,7 +55,10 @@ def number(name: str, value: object, rule: str, check) -> float:
     """``value`` as a finite float passing ``check``; bools and non-numbers refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise wrong_type(name, value, "a number", rule)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float (10**400)
+        raise out_of_range(name, value, rule) from None
     if not (math.isfinite(value) and check(value)):
         raise out_of_range(name, value, rule)
     return value

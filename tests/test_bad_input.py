@@ -98,6 +98,25 @@ def test_graph_that_does_not_match_manifest(bundle_copy, engine):
     assert result.exit_code == 1 and "lacks ['past.0.k'" in result.output
 
 
+@pytest.mark.parametrize("engine", ["portable", "onnxruntime"])
+def test_a_manifest_dtype_the_graph_does_not_have_is_refused_at_load(bundle_copy, engine):
+    """A manifest saying float16 over a float32 graph ended in onnxruntime's InvalidArgument
+    traceback on the first call; now the load refuses it, naming the graph and both dtypes."""
+
+    def edit(manifest):
+        target = manifest["models"]["target"]
+        (target if engine == "portable" else target["engines"][engine])["dtype"] = "float16"
+
+    edit_manifest(bundle_copy, edit)
+    result = generate(bundle_copy, "--prompt", "a", "--engine", engine)
+    graph = "target/model.onnx" if engine == "portable" else "target/onnxruntime/model.onnx"
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)  # not escaped
+    assert f"target: the manifest says {graph} is float16" in result.output
+    assert "KV cache (past_key_values.0.key) is float32" in result.output
+    assert "re-export the bundle" in result.output and "Traceback" not in result.output
+
+
 def test_engine_from_an_earlier_specrt_asks_for_a_rebuild(bundle_copy):
     """In-place engines once took an attention mask, and batched ones need their position
     inputs; such manifest entries are refused with the fix."""

@@ -246,6 +246,44 @@ def test_a_second_job_on_the_same_output_is_refused_while_the_first_runs(llama_b
     assert set(range(40)) <= set(results(output))  # and no id twice (`results` checks)
 
 
+def test_rows_appended_while_a_job_runs_wait_for_the_next_run(llama_bundle, tmp_path):
+    """Rows appended to --input while the job ran were taken: an id already in the file was
+    written twice ("300 rows: 302 ok"). The job reads its input as it was when it started;
+    the rerun refuses the duplicate id, and once it is mended runs the appended row alone."""
+    input_path, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": i, "prompt": WORDS[i % 10], "max_new_tokens": 8} for i in range(6000)]
+    input_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    job = subprocess.Popen(
+        command(llama_bundle, input_path, output, "--batch-size", "1"),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while job.poll() is None and not (output.exists() and output.read_text().count("\n")):
+        assert time.monotonic() < deadline, "the job wrote nothing"
+        time.sleep(0.01)
+    appended = [{"id": 5, "prompt": "again"}, {"id": "new", "prompt": "Simple is"}]
+    with open(input_path, "a") as handle:
+        handle.write("".join(json.dumps(row) + "\n" for row in appended))
+    assert job.poll() is None, "the job ended before rows could be appended"
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr
+    assert "6000 rows: 6000 ok" in stderr
+    assert sorted(results(output)) == list(range(6000))  # each once (`results`), none more
+
+    rerun = run(command(llama_bundle, input_path, output))
+    assert rerun.returncode == 1 and "id 5 appears twice" in rerun.stderr
+    assert "Traceback" not in rerun.stderr
+    lines = input_path.read_text().splitlines(keepends=True)
+    input_path.write_text("".join(lines[:-2] + lines[-1:]))  # the duplicate removed
+    rerun = run(command(llama_bundle, input_path, output))
+    assert rerun.returncode == 0, rerun.stderr
+    assert "6001 rows: 1 ok, 0 failed, 6000 already done" in rerun.stderr
+    assert sorted(results(output), key=str) == sorted([*range(6000), "new"], key=str)
+
+
 def test_duplicate_ids_are_refused_before_any_work(llama_bundle, tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text(

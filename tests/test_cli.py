@@ -236,6 +236,36 @@ def test_build_engines_for_an_existing_bundle(tmp_path):
     assert (bundle / "manifest.json").read_text() == before
 
 
+def test_build_compares_what_a_config_says_not_its_layout(tmp_path):
+    """A source config.json only re-indented (or saved by another transformers) is the same
+    model: build went on to say it "is no longer the model in the bundle". A value changed is
+    still told; a bundle of an earlier version (its config's bytes hashed) still builds."""
+    from specrt.export import export_bundle
+    from specrt.export.pipeline import checkpoint_hashes
+
+    target, draft = make_tiny_pair("llama", tmp_path / "src", seed=8)
+    bundle = tmp_path / "bundle"
+    export_bundle(target, draft, bundle, ort_engine=False)
+    config_path = target / "config.json"
+    config = json.loads(config_path.read_text())
+    config["transformers_version"] = "9.9.9"
+    config_path.write_text(json.dumps(config, indent=7, sort_keys=True) + "\n\n")
+    build = ["build", "--bundle", str(bundle), "--draft-precision", "float32"]
+    result = CliRunner().invoke(main, build)
+    assert result.exit_code == 0, result.output
+    assert read_manifest(bundle).models["target"].engines
+
+    data = json.loads((bundle / "manifest.json").read_text())  # as an earlier version wrote it
+    data["models"]["target"]["source_sha256"] = checkpoint_hashes(target)[1]
+    (bundle / "manifest.json").write_text(json.dumps(data))
+    assert CliRunner().invoke(main, build).exit_code == 0
+
+    config["eos_token_id"] = 3  # what the model is: changed
+    config_path.write_text(json.dumps(config))
+    result = CliRunner().invoke(main, build)
+    assert result.exit_code == 1 and "changed since this bundle was exported" in result.output
+
+
 def test_proposers_from_the_command_line(llama_bundle, tmp_path):
     """The default (hybrid), prompt lookup and the model give the target's greedy output, with
     stats per proposer; `specrt batch --suffix-cache` reports the cache; bad n-gram sizes are

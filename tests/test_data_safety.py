@@ -106,6 +106,68 @@ def test_force_replaces_a_bundle_and_nothing_is_left_beside_it(sources, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
 
 
+def test_force_keeps_what_a_user_put_in_the_bundle(sources, tmp_path):
+    """`export --force` over a bundle deleted a file the user had put in it (exit 0, not a
+    word; `build` keeps it): what specrt did not write is carried into the new bundle, its mode
+    kept, and named; one the new bundle would overwrite is refused and the bundle left as it was."""
+    target, draft = sources
+    out = tmp_path / "bundle"
+    args = ["export", "--target", target, "--draft", draft, "--out", out, "--no-ort-engine"]
+    assert cli(*args).exit_code == 0
+    (out / "MY_NOTES.txt").write_text("notes\n")
+    (out / "MY_NOTES.txt").chmod(0o600)
+    (out / "target" / "mine").mkdir()
+    (out / "target" / "mine" / "eval.csv").write_text("a,b\n")
+    (out / "latest").symlink_to("MY_NOTES.txt")
+    mine = ["MY_NOTES.txt", "latest", "target/mine/eval.csv"]
+    result = cli(*args, "--force")
+    assert result.exit_code == 0, result.output
+    assert f"kept 3 file(s) in {out} that specrt did not write: {', '.join(mine)}" in result.output
+    assert (out / "MY_NOTES.txt").read_text() == "notes\n"
+    assert (out / "MY_NOTES.txt").stat().st_mode & 0o777 == 0o600
+    assert (out / "target" / "mine" / "eval.csv").read_text() == "a,b\n"
+    assert os.readlink(out / "latest") == "MY_NOTES.txt"
+    assert read_manifest(out).models["target"].num_layers == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+
+    # a file of the user's where the new bundle writes one of its own (its engines): refused
+    (out / "target" / "onnxruntime").mkdir()
+    (out / "target" / "onnxruntime" / "model.onnx").write_text("mine")
+    before = (out / "manifest.json").read_text()
+    result = cli(*args[:-1], "--force")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"{out}/target/onnxruntime/model.onnx is not part of the bundle" in result.output
+    assert (out / "target" / "onnxruntime" / "model.onnx").read_text() == "mine"
+    assert (out / "manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+
+
+def test_force_through_a_symbolic_link_replaces_the_bundle_it_points_to(sources, tmp_path):
+    """`export --force` to engines/demo -> a bundle kept elsewhere said "exists and is not a
+    directory"; the docs promise the link is followed and kept, as `build` does."""
+    target, draft = sources
+    real = tmp_path / "store" / "bundle"
+    args = ["export", "--target", target, "--draft", draft, "--no-ort-engine"]
+    assert cli(*args, "--out", real).exit_code == 0
+    before = read_manifest(real)
+    link = tmp_path / "engines" / "demo"
+    link.parent.mkdir()
+    link.symlink_to(Path("..") / "store" / "bundle")
+    result = cli(*args, "--out", link)
+    assert result.exit_code == 1 and "pass --force to replace it" in result.output
+    result = cli(*args, "--out", link, "--force")
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and os.readlink(link) == str(Path("..") / "store" / "bundle")
+    assert read_manifest(real).models["target"].files == before.models["target"].files
+    assert sorted(p.name for p in real.parent.iterdir()) == ["bundle"]
+    assert sorted(p.name for p in link.parent.iterdir()) == ["demo"]
+    (tmp_path / "elsewhere").write_text("a file")
+    (tmp_path / "engines" / "file").symlink_to(tmp_path / "elsewhere")
+    result = cli(*args, "--out", tmp_path / "engines" / "file", "--force")
+    assert result.exit_code == 1 and "exists and is not a directory" in result.output
+    assert (tmp_path / "elsewhere").read_text() == "a file"
+
+
 # -- the swap ------------------------------------------------------------------------------------
 def test_publish_replaces_and_removes_the_old(tmp_path):
     out = fake_bundle(tmp_path / "b", "old")

@@ -81,6 +81,52 @@ def test_a_file_changed_in_place_is_hashed_again(llama_bundle, tmp_path, hashing
         load_pair(bundle, threads=1)
 
 
+LOADED_WEIGHTS = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    import numpy as np
+    from specrt.errors import BundleError
+    from specrt.runtime import GenerationConfig, SpeculativeGenerator
+
+    bundle = Path(sys.argv[1])
+    weights = bundle / "target" / "onnxruntime" / "model.onnx.data"
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    outputs = [generator.generate(["Simple is"], config)[0].token_ids]
+    inode = weights.stat().st_ino
+    with open(weights, "r+b") as handle:  # in place: the same file, the same size
+        handle.write((-np.fromfile(weights, np.float32)).tobytes())
+    assert weights.stat().st_ino == inode
+    outputs.append(generator.generate(["Simple is"], config)[0].token_ids)
+    os.truncate(weights, 0)  # cut short: pages mapped beyond its end raised SIGBUS
+    outputs.append(generator.generate(["Simple is"], config)[0].token_ids)
+    try:
+        SpeculativeGenerator.from_bundle(bundle, threads=1)
+    except BundleError as exc:
+        outputs.append(str(exc))
+    print(json.dumps(outputs))
+    """
+)
+
+
+def test_weights_rewritten_under_a_loaded_model_change_nothing(llama_bundle, tmp_path):
+    """onnxruntime mapped a CPU graph's external weights and ran on the file's pages: the
+    target's weights rewritten in place (sign flipped) changed a running generator's output
+    silently, and the file cut short killed it with SIGBUS. A loaded model now holds its own
+    copy; a new load finds the change by its checksum (the change time tells)."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED_WEIGHTS, str(bundle)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    first, rewritten, truncated, reload = json.loads(done.stdout)
+    assert rewritten == first and truncated == first
+    assert "target/onnxruntime/model.onnx.data does not match its sha256" in reload
+
+
 def test_skip_checksums_from_the_cli(llama_bundle, tmp_path, hashing):
     from click.testing import CliRunner
 

@@ -154,6 +154,25 @@ def test_read_only_file_system(sources, mount, llama_bundle, tmp_path):
     assert "does not exist" in output
 
 
+def test_batch_on_a_read_only_file_system_says_so(mount, llama_bundle, tmp_path):
+    """`specrt batch` said "permission denied" for an --output or --summary on a read-only
+    file system (as export and build do not): a new file there, and one there already."""
+    disk = mount("ro", "size=1m")
+    (disk / "summary.json").write_text("{}")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"id": "a", "prompt": "a"}\n')
+    batch = ["batch", "--bundle", llama_bundle, "--input", rows]
+    for args, where in [
+        (["--output", disk / "new" / "out.jsonl"], f"cannot write in {disk}"),
+        (["--output", tmp_path / "out.jsonl", "--summary", disk / "summary.json"], "cannot be"),
+    ]:
+        output = one_clear_line(cli(*batch, *args), 2)
+        assert where in output and "(read-only file system: write somewhere else)" in output
+        assert "permission denied" not in output
+    assert (disk / "summary.json").read_text() == "{}" and not (tmp_path / "out.jsonl").exists()
+
+
 def test_broken_config_json(sources, tmp_path):
     target, draft = sources
     broken = tmp_path / "target"
@@ -341,6 +360,25 @@ def test_generation_config_types(field, value):
 def test_a_wrong_type_is_told_apart_from_a_value_out_of_range(options, message):
     with pytest.raises(InvalidInputError, match=re.escape(message)):
         GenerationConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "field, power, rule",
+    [
+        ("temperature", 400, "use a finite number >= 0"),
+        ("top_p", 400, "use a number in (0, 1]"),
+        ("top_p", 5000, "use a number in (0, 1]"),  # beyond what Python prints
+        ("num_draft_tokens", 5000, "use an integer in [0, 64]"),
+    ],
+)
+def test_an_integer_beyond_any_float_is_out_of_range(field, power, rule):
+    """10**400 as a temperature raised OverflowError (float() of it), not a SpecrtError; the
+    message names the value by its length, in one short line."""
+    with pytest.raises(InvalidInputError) as raised:
+        GenerationConfig(**{field: 10**power})
+    message = str(raised.value)
+    assert message.startswith(f"{field}=<an integer of {power + 1} digits> is out of range: {rule}")
+    assert len(message) < 200 and "\n" not in message
 
 
 @pytest.mark.parametrize(

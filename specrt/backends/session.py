@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import sys
 from collections.abc import Sequence
@@ -78,6 +79,7 @@ def create_session(
     for file in (path, *path.parent.glob(f"{path.name}.*")):  # the graph and its weights
         if file.is_file() and not os.access(file, os.R_OK):
             raise BundleError(f"cannot read {file} (permission denied); check its permissions")
+    weights = [] if on_gpu else weights_in_memory(options, path)
     try:
         return ort.InferenceSession(
             str(path), sess_options=options, providers=list(providers or default_providers())
@@ -87,3 +89,25 @@ def create_session(
             f"onnxruntime cannot load {path}: {exc}; the file is broken or incomplete, "
             "re-export the bundle"
         ) from exc
+    finally:
+        for weight in weights:
+            weight.close()
+
+
+def weights_in_memory(options: ort.SessionOptions, path: Path) -> list[mmap.mmap]:
+    """Give onnxruntime the graph's external weight files (``model.onnx.data``, optimum's
+    ``model.onnx_data``) from memory, which it copies. Otherwise, on the CPU, it maps the files
+    and runs on their pages: a file rewritten in place changes a loaded model's outputs, and
+    one cut short kills the process (SIGBUS). The maps returned are closed once the session is
+    made (a GPU provider copies the weights to the device anyway)."""
+    names, maps = [], []
+    for file in sorted(path.parent.glob(f"{path.name}?*")):
+        if file.is_file() and file.stat().st_size:
+            with open(file, "rb") as handle:
+                maps.append(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+            names.append(file.name)
+    if maps:
+        options.add_external_initializers_from_files_in_memory(
+            names, maps, [len(weights) for weights in maps]
+        )
+    return maps

@@ -23,7 +23,7 @@ from specrt.bundle import (
 from specrt.errors import ExportError
 from specrt.export.checkpoints import load_causal_lm, text_config
 from specrt.export.options import ExportOptions
-from specrt.export.pipeline import Log, add_ort_engine, checkpoint_sha256
+from specrt.export.pipeline import Log, add_ort_engine, checkpoint_hashes
 from specrt.staging import publish, staging
 
 
@@ -48,7 +48,7 @@ def build_engines(
             )
     for role, source in sources.items():
         recorded = manifest.models[role].source_sha256
-        if recorded and checkpoint_sha256(source) != recorded:
+        if recorded and not _same_checkpoint(source, recorded):
             raise ExportError(changed_message(role, source))
 
     with staging(root, "build") as scratch:
@@ -74,6 +74,12 @@ def build_engines(
         write_manifest(scratch, manifest)
         publish(scratch, root)
     return manifest
+
+
+def _same_checkpoint(source: Path, recorded: str) -> bool:
+    """Whether ``source`` is still the checkpoint whose hash the manifest recorded (by what its
+    config.json says; bundles of earlier versions recorded the file's bytes)."""
+    return recorded in checkpoint_hashes(source)
 
 
 def changed_message(role: str, source: Path) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from specrt import __version__
 from specrt.bundle import (
     CUDA_ENGINE,
+    MANIFEST_NAME,
     ONNXRUNTIME_ENGINE,
     Manifest,
     ModelIO,
@@ -37,7 +38,7 @@ from specrt.export.checkpoints import (
 )
 from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
-from specrt.staging import publish, recover, staging
+from specrt.staging import keep_others, publish, recover, staging, through_links
 
 Log = Callable[[str], None]
 
@@ -108,7 +109,8 @@ def export_bundle(
             specrt_version=__version__,
         )
         write_manifest(scratch, manifest)
-        publish(scratch, out)
+        kept = keep_users_files(out, scratch, log)
+        publish(scratch, out, kept)
     log(f"bundle written to {out}")
     return manifest
 
@@ -131,35 +133,93 @@ def _export_role(source: Path, config, bundle_root: Path, role: str, *rest) -> M
 def check_destination(out: Path, sources: list[Path], force: bool) -> None:
     """Refuse an ``out`` whose replacement could lose anything: only a specrt bundle may be
     replaced (with ``force``), and never one holding a source checkpoint or the working
-    directory."""
+    directory. A symbolic link to a bundle is followed: the bundle it points to is replaced,
+    and the link stays (`specrt.staging.through_links`)."""
     above = next((p for p in out.parents if os.path.lexists(p)), None)
     if above is not None and not above.is_dir():
         raise ExportError(f"--out {out}: {above} is a file, not a folder; choose another --out")
-    recover(out)
+    real = through_links(out)
+    recover(real)
     for source in sources:
-        if Path(os.path.abspath(source)).is_relative_to(out):
+        if _holds(out, source):
             raise ExportError(
                 f"--out {out} is or holds the source checkpoint {source}; writing the bundle "
                 "there would replace it: choose another --out"
             )
-    if Path.cwd().is_relative_to(out):
+    if _holds(out, Path.cwd()):
         raise ExportError(
             f"--out {out} is or holds the current directory; give the path of the bundle "
             "directory to write, e.g. engines/mypair"
         )
-    if not os.path.lexists(out):
+    if not os.path.lexists(real):
         return
-    if not out.is_dir() or out.is_symlink():
+    if not real.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory; choose another --out")
-    if not any(out.iterdir()):
+    if not any(real.iterdir()):
         return
-    if not is_bundle(out):
+    if not is_bundle(real):
         raise ExportError(
             f"--out {out} exists and is not a specrt bundle (no specrt manifest.json); specrt "
             "replaces only bundles it wrote: choose another --out or empty it yourself"
         )
     if not force:
         raise ExportError(f"{out} already exists and holds a bundle; pass --force to replace it")
+
+
+def _holds(out: Path, path: Path) -> bool:
+    """Whether ``path`` is ``out`` or inside it, as written or through symbolic links."""
+    paths = (os.path.abspath, os.path.realpath)
+    return any(Path(where(path)).is_relative_to(where(out)) for where in paths)
+
+
+def keep_users_files(out: Path, staged: Path, log: Log = lambda message: None) -> list[Path]:
+    """Carry into the ``staged`` bundle the files a user put in the bundle at ``out`` that it
+    replaces (notes, a licence): replacing a bundle replaces what specrt wrote, not theirs.
+    Returns them, relative; refuses, naming it, one the new bundle would overwrite."""
+    old = through_links(out)
+    if not is_bundle(old):
+        return []
+    ours = written_by_specrt(old)
+    try:
+        kept = keep_others(old, staged, lambda rel: rel in ours or _specrt_cache(rel))
+    except FileExistsError as exc:
+        raise ExportError(
+            f"{old / exc.filename} is not part of the bundle (its manifest does not name it) "
+            f"and the new bundle writes a file there: move it out of {out} and export again "
+            "(the bundle is left as it was)"
+        ) from exc
+    if kept:
+        shown = ", ".join(str(rel) for rel in kept[:3]) + (", ..." if len(kept) > 3 else "")
+        log(f"  kept {len(kept)} file(s) in {out} that specrt did not write: {shown}")
+    return kept
+
+
+def written_by_specrt(bundle: Path) -> set[Path]:
+    """The files of an existing bundle that specrt wrote: its manifest, every file it names
+    (graphs, weights, engines) and the tokenizer files taken from a checkpoint. The manifest
+    is read loosely: a bundle of any version is understood."""
+    data = json.loads((bundle / MANIFEST_NAME).read_text())
+    ours = {Path(MANIFEST_NAME)}
+    models = data.get("models")
+    for spec in models.values() if isinstance(models, dict) else ():
+        engines = spec.get("engines") if isinstance(spec, dict) else None
+        for graph in [spec, *(engines.values() if isinstance(engines, dict) else ())]:
+            files = graph.get("files") if isinstance(graph, dict) else None
+            if isinstance(files, dict):
+                ours.update(map(Path, files))
+    tokenizer = data.get("tokenizer")
+    folder = tokenizer.get("path") if isinstance(tokenizer, dict) else None
+    folder = folder if isinstance(folder, str) and folder else "tokenizer"
+    ours.update(Path(folder) / name for name in TOKENIZER_FILES)
+    return ours
+
+
+def _specrt_cache(rel: Path) -> bool:
+    """Whether ``rel`` is in what specrt keeps beside a model's graphs: the TensorRT
+    provider's engine cache (built for the old graphs, of no use to new ones)."""
+    from specrt.backends.tensorrt import EP_CACHE
+
+    return rel.parts[1:2] == (EP_CACHE,)
 
 
 def _load_config(path: Path, role: str):
@@ -372,16 +432,46 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 def checkpoint_sha256(checkpoint: Path) -> str:
     """One hash over a checkpoint's config and weight files (names and contents): what decides
-    the model an engine is built from."""
-    digest = hashlib.sha256()
+    the model an engine is built from. config.json counts by what it says (its parsed JSON, less
+    the transformers version that saved it), not by its layout: re-indenting it changes no
+    model."""
+    return checkpoint_hashes(checkpoint)[0]
+
+
+def checkpoint_hashes(checkpoint: Path) -> tuple[str, str]:
+    """`checkpoint_sha256`, and the hash earlier versions recorded (config.json's bytes), the
+    weights read once for both."""
     names = sorted(
         p.name
         for p in checkpoint.iterdir()
         if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
     )
-    for name in names:
-        digest.update(f"{name}\0{sha256_file(checkpoint / name)}\n".encode())
+    as_written = {name: sha256_file(checkpoint / name) for name in names}
+    as_said = dict(as_written)
+    said = "config.json" in names and _config_sha256(checkpoint / "config.json")
+    if said:
+        as_said["config.json"] = said
+    return _combined(as_said), _combined(as_written)
+
+
+def _combined(files: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name, sha256 in sorted(files.items()):
+        digest.update(f"{name}\0{sha256}\n".encode())
     return digest.hexdigest()
+
+
+def _config_sha256(path: Path) -> str | None:
+    """The hash of what a config.json says; None where it is not a JSON object (its bytes then
+    stand for it, and reading it as a config fails later with its own message)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    config.pop("transformers_version", None)  # which release saved it, not the model
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
 def _tokenizer_vocab_size(checkpoint: Path) -> int:

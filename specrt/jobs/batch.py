@@ -5,7 +5,8 @@ Input lines are ``{"id": ..., "prompt": "...", optional "max_new_tokens", "tempe
 (``custom_id``, ``method``, ``url``, ``body``: the body read as `specrt serve` reads that
 request); ``messages`` (OpenAI's chat form) in place of ``prompt`` is rendered with the bundle's
 chat template. The input is
-streamed (bounded memory but for the set of ids); each finished row is written and flushed at
+streamed (bounded memory but for the set of ids), as it was when the job started: lines
+appended while it runs are left to the next run; each finished row is written and flushed at
 once as ``{"id", "text", "token_ids", "finish_reason", "stats"}``, or ``{"id", "error"}`` for a
 row that cannot run (malformed, too long, a bad parameter): the job goes on. An input of OpenAI
 lines alone gets OpenAI's batch output lines instead (`openai_batch`). While a job runs, its
@@ -161,9 +162,10 @@ def spooled(path: Path) -> Iterator[Path]:
             os.unlink(name)
 
 
-def read_rows(path: Path, name: str | None = None) -> Iterator[Row]:
+def read_rows(path: Path, name: str | None = None, size: int | None = None) -> Iterator[Row]:
     """The input's rows, one per non-blank line, parsed as they are read (``name``: the input
-    as errors name it, where ``path`` is a spooled copy). A line that is not UTF-8 is a bad row
+    as errors name it, where ``path`` is a spooled copy; ``size``: read its first ``size``
+    bytes only, as it was when the job started). A line that is not UTF-8 is a bad row
     like a line that is not JSON (its own error record): one such line in a large file must
     not stop the job."""
     label = name or str(path)
@@ -174,7 +176,7 @@ def read_rows(path: Path, name: str | None = None) -> Iterator[Row]:
     except IsADirectoryError as exc:
         raise InvalidInputError(f"input file {label} is a directory; give a JSONL file") from exc
     with handle:
-        for number, data in enumerate(handle, 1):
+        for number, data in enumerate(_lines(handle, size), 1):
             if number == 1:
                 if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
                     raise InvalidInputError(
@@ -195,6 +197,26 @@ def read_rows(path: Path, name: str | None = None) -> Iterator[Row]:
                 continue
             if line.strip():
                 yield parse_row(line, f"line {number}")
+
+
+def _lines(handle: IO[bytes], size: int | None) -> Iterator[bytes]:
+    """The lines of ``handle`` in its first ``size`` bytes (None: all of them)."""
+    if size is None:
+        yield from handle
+        return
+    while size > 0 and (line := handle.readline(size)):
+        size -= len(line)
+        yield line
+
+
+def input_size(path: Path) -> int | None:
+    """How many bytes of the input a job reads: a file's size when the job starts (rows
+    appended while it runs are for the next run); None for anything else."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None  # `read_rows` says what is wrong
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
 # Inputs that are archives, not text (their first bytes): named instead of read as bad lines.
@@ -310,12 +332,14 @@ def openai_row(item: dict, fallback_id: str) -> Row:
     return row
 
 
-def check_ids(path: Path, name: str | None = None) -> tuple[set[str], bool]:
+def check_ids(
+    path: Path, name: str | None = None, size: int | None = None
+) -> tuple[set[str], bool]:
     """Refuse duplicate ids before any work; the ids (as text), and whether the rows are all
-    OpenAI batch-file lines (lines too broken to tell aside)."""
+    OpenAI batch-file lines (lines too broken to tell aside). ``size``: as `read_rows`."""
     seen: dict[str, Row] = {}
     forms = set()
-    for row in read_rows(path, name):
+    for row in read_rows(path, name, size):
         key = str(row.id)
         if key in seen:
             first = seen[key]
@@ -461,7 +485,8 @@ def run_batch(
         )
     if output_path.is_dir():
         raise InvalidInputError(f"the output {output_path} is a directory; give a file")
-    ids, openai_lines = check_ids(input_path, input_name)
+    size = input_size(input_path)  # the input as it is now: lines appended later wait
+    ids, openai_lines = check_ids(input_path, input_name, size)
     if output_format == "auto":
         output_format = "openai" if openai_lines else "specrt"
     total = len(ids)
@@ -474,6 +499,7 @@ def run_batch(
         # Records of ids the input no longer has (a broken line since mended, rows removed)
         summary.other_records = sorted(set(finished) - ids)[:3]
         summary.other_record_count = len(set(finished) - ids)
+        unrun = ids - set(finished)  # each runs once: an id met again is never written twice
         started = time.perf_counter()
 
         def write(record: dict, status: int = 200) -> None:
@@ -496,12 +522,15 @@ def run_batch(
 
         def requests() -> Iterator[Request]:
             """The rows to run, read as slots free up; the others are settled on the way."""
-            for row in read_rows(input_path, input_name):
+            for row in read_rows(input_path, input_name, size):
                 if str(row.id) in finished:
                     summary.skipped += 1
                     summary.skipped_errors += finished[str(row.id)]
                     progress(summary, total)
                     continue
+                if str(row.id) not in unrun:  # the input was rewritten under the job
+                    continue
+                unrun.discard(str(row.id))
                 if row.messages is not None:
                     chats.add(str(row.id))
                 request = make_request(generator, row, defaults)

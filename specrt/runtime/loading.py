@@ -125,10 +125,35 @@ def _load(
         )
         for role, spec in manifest.models.items()
     }
+    for decoder in decoders.values():
+        check_cache_dtype(decoder)
     tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
     )
+
+
+# How onnxruntime names the element types a manifest's dtype stands for.
+ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}
+
+
+def check_cache_dtype(decoder: Decoder) -> None:
+    """Refuse a graph whose KV cache is not of the manifest's dtype: the decoder would feed it
+    caches of the wrong type, and onnxruntime fail on the first call."""
+    session, spec = getattr(decoder, "session", None), getattr(decoder, "spec", None)
+    if not isinstance(session, ort.InferenceSession) or spec is None:
+        return  # a TensorRT plan: checked by its own loader
+    types = {value.name: value.type for value in (*session.get_inputs(), *session.get_outputs())}
+    io = spec.io
+    for name in (*io.past_keys, *io.past_values, *io.present_keys, *io.present_values):
+        found = types.get(name)
+        if found is not None and found != ORT_TYPES[spec.dtype]:
+            graph = {v: k for k, v in ORT_TYPES.items()}.get(found, found)
+            raise BundleError(
+                f"{decoder.role}: the manifest says {spec.path} is {spec.dtype}, but that "
+                f"graph's KV cache ({name}) is {graph}; the manifest and the graph come from "
+                "different exports: re-export the bundle"
+            )
 
 
 def check_memory(
