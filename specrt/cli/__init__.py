@@ -1,0 +1,28 @@
+"""specrt's command line: one module per command, each parsing its options and printing; the
+work is the library's.
+
+    specrt export | build | generate | batch | serve | bench
+"""
+
+from __future__ import annotations
+
+import click
+
+from specrt.cli.batch import batch
+from specrt.cli.bench import bench
+from specrt.cli.common import DEFAULTS
+from specrt.cli.export import build, export
+from specrt.cli.generate import generate
+from specrt.cli.serve import serve
+
+__all__ = ["DEFAULTS", "main"]
+
+
+@click.group()
+@click.version_option(package_name="specrt")
+def main() -> None:
+    """Lossless speculative decoding on ONNX Runtime."""
+
+
+for command in (export, build, generate, batch, serve, bench):
+    main.add_command(command)

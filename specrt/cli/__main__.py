@@ -1,0 +1,5 @@
+"""`python -m specrt.cli`."""
+
+from specrt.cli import main
+
+main()

@@ -1,0 +1,147 @@
+"""`specrt export` and `specrt build`: checkpoints into a bundle, engines into an existing one."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import EXPORT_EXTRA, EXPORT_MODULES, _friendly_errors
+from specrt.cli.options import CUDA_ATTENTION_OPTION, DEVICE_OPTION, draft_precision_option
+from specrt.errors import (
+    ExportError,
+)
+from specrt.export.options import (
+    DEFAULT_ATOL,
+    DEFAULT_DRAFT_PRECISION,
+)
+
+
+@click.command()
+@click.option("--target", type=click.Path(path_type=Path), help="HF checkpoint dir of the target.")
+@click.option("--draft", type=click.Path(path_type=Path), help="HF checkpoint dir of the draft.")
+@click.option("--out", type=click.Path(path_type=Path), help="Bundle directory to write.")
+@click.option(
+    "--recipe",
+    type=click.Path(path_type=Path),
+    help="Recipe JSON (engines/NAME.json) naming target and draft; --out: engines/NAME.",
+)
+@click.option(
+    "--atol", type=float, default=None, help=f"Max |logit diff| vs PyTorch [{DEFAULT_ATOL}]."
+)
+@click.option("--opset", type=int, default=None, help="ONNX opset (default: optimum's).")
+@click.option("--slim", is_flag=True, help="Simplify the graphs with onnxslim (standard ops).")
+@click.option(
+    "--ort-engine/--no-ort-engine",
+    default=None,
+    help="Also build the onnxruntime engine (fused graph, in-place KV cache) [on].",
+)
+@draft_precision_option(None)
+@DEVICE_OPTION
+@CUDA_ATTENTION_OPTION
+@click.option(
+    "--portable/--no-portable",
+    default=None,
+    help="Also write the portable standard-op graph (needs optimum-onnx; what TensorRT takes) "
+    "[on]. Without it each model's graph is its engine.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
+@_friendly_errors
+def export(target, draft, out, recipe, force, **given) -> None:
+    """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
+    _require_export_extra("export", portable=False)  # the rest, once the options are known
+    from specrt.export.options import ExportOptions
+    from specrt.export.pipeline import export_bundle
+    from specrt.export.recipes import resolve_recipe
+
+    recipe_options: dict = {}
+    if recipe is not None:
+        if target or draft:
+            raise click.UsageError("give either --recipe or --target/--draft, not both")
+        target, draft, out, recipe_options = resolve_recipe(recipe, out)
+    elif not (target and draft and out):
+        raise click.UsageError("give --target, --draft and --out (or --recipe)")
+    given["slim"] = given["slim"] or None  # an absent flag leaves the recipe's choice
+    given["devices"] = given["devices"] or None
+    options = ExportOptions.from_settings(recipe_options, given)
+    _require_export_extra("export", options.portable)
+    log = lambda message: click.echo(message, err=True)  # noqa: E731
+    manifest = export_bundle(target, draft, out, options, force=force, log=log)
+    for role, spec in manifest.models.items():
+        engines = "".join(
+            f", {name} engine ({e.precision}) {e.export_check['max_abs_logit_diff']:.2e}"
+            for name, e in spec.engines.items()
+        )
+        click.echo(
+            f"{role}: {spec.architecture}, {spec.num_layers} layers, vocab {spec.vocab_size}, "
+            f"max |logit diff| {spec.export_check['max_abs_logit_diff']:.2e}{engines}"
+        )
+    click.echo(f"bundle: {out}")
+
+
+def _require_export_extra(command: str, portable: bool = True) -> None:
+    """The export stack is imported only once a model is read: name what is missing first
+    (optimum writes the portable graphs alone)."""
+    needed = [name for name in EXPORT_MODULES if portable or name != "optimum"]
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise click.ClickException(
+            f"specrt {command} needs the export extra ({', '.join(missing)} missing): "
+            f"{EXPORT_EXTRA}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+@click.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@draft_precision_option(DEFAULT_DRAFT_PRECISION)
+@DEVICE_OPTION
+@CUDA_ATTENTION_OPTION
+@click.option(
+    "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Max |logit diff|."
+)
+@click.option(
+    "--tensorrt",
+    is_flag=True,
+    help="Build TensorRT plans of the portable graphs instead (needs the tensorrt extra and an "
+    "NVIDIA GPU; a plan runs only on the GPU model and TensorRT version it was built with).",
+)
+@_friendly_errors
+def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> None:
+    """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
+    if tensorrt:
+        if devices or cuda_attention:
+            raise click.UsageError(
+                "--tensorrt builds plans of the portable graphs: --device and --cuda-attention "
+                "are for the onnxruntime engines; give them in a build of their own"
+            )
+        from specrt.export.tensorrt_plans import build_plans
+
+        manifest = build_plans(bundle, log=lambda message: click.echo(message, err=True))
+        for role, spec in manifest.models.items():
+            built_for = spec.engines["tensorrt"].built_for
+            click.echo(f"{role}: TensorRT plan for {built_for['gpu']}, {built_for['tensorrt']}")
+        click.echo(f"bundle: {bundle}")
+        return
+    _require_export_extra("build", portable=False)
+    from specrt.export.build import build_engines
+    from specrt.export.options import ExportOptions
+
+    try:  # every one of them from the command line: a bad one is a usage error
+        options = ExportOptions(
+            atol=atol,
+            draft_precision=draft_precision,
+            devices=devices or ("cpu",),
+            cuda_attention=cuda_attention or "batched",
+        )
+    except ExportError as exc:
+        raise click.UsageError(str(exc)) from exc
+    manifest = build_engines(bundle, options, log=lambda message: click.echo(message, err=True))
+    for role, spec in manifest.models.items():
+        names = ", ".join(f"{n} ({e.precision})" for n, e in spec.engines.items()) or "none"
+        click.echo(f"{role}: engines {names}")
+    click.echo(f"bundle: {bundle}")
+
+
+# ------------------------------------------------------------------------------------------------

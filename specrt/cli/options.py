@@ -1,0 +1,213 @@
+"""The options several commands take, declared once."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
+from specrt.cli.common import DEFAULTS
+from specrt.export.options import (
+    CUDA_ATTENTIONS,
+    DEFAULT_DRAFT_PRECISION,
+    DEVICES,
+    PRECISIONS,
+)
+from specrt.runtime.config import DRAFT_SCHEDULES, PROPOSERS
+from specrt.runtime.lookup import DEFAULT_SUFFIX_TOKENS
+
+ENGINE_OPTION = click.option(
+    "--engine",
+    type=click.Choice(ENGINE_CHOICES),
+    default=ENGINE_CHOICES[0],
+    show_default=True,
+    help="Which graphs run: each model's onnxruntime engine where the bundle has one (auto), or "
+    "the portable ones.",
+)
+
+
+DEVICE_OPTION = click.option(
+    "--device",
+    "devices",
+    type=click.Choice(DEVICES),
+    multiple=True,
+    help="What to build engines for (repeatable) [cpu]: cuda builds the float16 engines the CUDA "
+    "provider runs (they are checked here, on the CPU).",
+)
+CUDA_ATTENTION_OPTION = click.option(
+    "--cuda-attention",
+    type=click.Choice(CUDA_ATTENTIONS),
+    default=None,
+    help="The cuda engine's graph [batched]: batched runs many rows per call; group_query, one "
+    "row per call on GroupQueryAttention's kernels (what soft-capped models always get).",
+)
+
+
+def draft_precision_option(default: str | None):
+    return click.option(
+        "--draft-precision",
+        type=click.Choice(PRECISIONS),
+        default=default,
+        help=f"Weights of the draft's onnxruntime engine [{DEFAULT_DRAFT_PRECISION}]: cheaper "
+        "drafting, same output.",
+    )
+
+
+def _stack(*decorators):
+    """One decorator applying several click options, in the order written."""
+
+    def apply(command):
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+PROPOSER_OPTION = click.option(
+    "--proposer",
+    type=click.Choice(PROPOSERS),
+    default=DEFAULTS["proposer"],
+    show_default=True,
+    help="Who drafts: the draft model, prompt lookup (matches in the prompt and output), or "
+    "the hybrid (per round, whichever is expected to be faster). All are lossless.",
+)
+
+
+def suffix_cache_options(default: bool, note: str):
+    return _stack(
+        click.option(
+            "--suffix-cache/--no-suffix-cache",
+            default=default,
+            show_default=True,
+            help="Also propose continuations learned from earlier rows' prompts and outputs "
+            f"(lookup and hybrid proposers). {note}",
+        ),
+        click.option(
+            "--suffix-cache-tokens",
+            type=click.IntRange(min=1),
+            default=DEFAULT_SUFFIX_TOKENS,
+            show_default=True,
+            help="Tokens the suffix cache keeps (oldest rows forgotten first).",
+        ),
+    )
+
+
+generation_options = _stack(
+    click.option(
+        "--max-new-tokens", type=int, default=DEFAULTS["max_new_tokens"], show_default=True
+    ),
+    click.option(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULTS["num_draft_tokens"],
+        show_default=True,
+        help="K, the draft model's tokens a round (prompt lookup's too; in the one-row loop "
+        "the hybrid's matches may run to 24); 0 = target only.",
+    ),
+    click.option(
+        "--temperature",
+        type=float,
+        default=DEFAULTS["temperature"],
+        show_default=True,
+        help="0 = greedy.",
+    ),
+    click.option(
+        "--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off."
+    ),
+    click.option(
+        "--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off."
+    ),
+    click.option(
+        "--seed",
+        type=int,
+        default=None,
+        help="Seed for sampling: each row draws from its own stream, (seed, i) for generate's "
+        "row i, (seed, id) for a batch row; its tokens are those of --num-draft-tokens 0 "
+        "under the same seed.",
+    ),
+    click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
+    click.option(
+        "--stop",
+        multiple=True,
+        help="Stop where the new text first contains this string (repeatable; not output).",
+    ),
+    click.option(
+        "--adaptive-draft",
+        is_flag=True,
+        help="Deprecated: the same as --draft-schedule adaptive (the default).",
+    ),
+    click.option(
+        "--draft-schedule",
+        type=click.Choice(DRAFT_SCHEDULES),
+        default=DEFAULTS["draft_schedule"],
+        show_default=True,
+        help="How many tokens each round drafts (adaptive = --adaptive-draft).",
+    ),
+    PROPOSER_OPTION,
+    click.option(
+        "--prompt-lookup-min",
+        type=int,
+        default=DEFAULTS["prompt_lookup_min"],
+        show_default=True,
+        help="Shortest n-gram prompt lookup matches.",
+    ),
+    click.option(
+        "--prompt-lookup-max",
+        type=int,
+        default=DEFAULTS["prompt_lookup_max"],
+        show_default=True,
+        help="Longest n-gram prompt lookup matches (the longest match wins).",
+    ),
+)
+
+
+def _threads(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    """At most a few per CPU: onnxruntime starts every one (100000 took minutes, then hung)."""
+    cpus = os.cpu_count() or 1
+    if value is not None and value > MAX_THREADS_PER_CPU * cpus:
+        raise click.BadParameter(
+            f"{value} is far more than this machine's {cpus} CPUs can run: give at most "
+            f"{MAX_THREADS_PER_CPU * cpus} ({cpus}, one a CPU, is usually fastest)"
+        )
+    return value
+
+
+MAX_THREADS_PER_CPU = 4
+THREADS_TYPE = click.IntRange(min=1)
+
+load_options = _stack(
+    click.option(
+        "--threads",
+        type=THREADS_TYPE,
+        default=None,
+        callback=_threads,
+        help="onnxruntime intra-op threads.",
+    ),
+    ENGINE_OPTION,
+    click.option(
+        "--max-length",
+        type=click.IntRange(min=2),
+        default=DEFAULT_MAX_LENGTH,
+        show_default=True,
+        help="Longest prompt + output a row's KV cache holds (capped at the model's max "
+        "positions); caches grow with the longest row up to it.",
+    ),
+    click.option(
+        "--skip-checksums",
+        is_flag=True,
+        help="Trust the bundle's files without checking their sha256 (checked files are "
+        "remembered, so only a first load of a bundle pays for it).",
+    ),
+)
+
+
+KV_CACHE_OPTION = click.option(
+    "--kv-cache-memory",
+    default="auto",
+    show_default=True,
+    help="Memory for the KV cache (e.g. 4GiB): rows get --max-length positions each and are as "
+    "many as fit, at most --batch-size; auto: half the memory available at start on the CPU, "
+    "--batch-size x --max-length on a GPU.",
+)
