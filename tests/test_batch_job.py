@@ -398,7 +398,7 @@ def test_a_seeded_job_gives_each_row_its_own_stream(llama_bundle, tmp_path):
 
 def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_form():
     """As an OpenAI request reads null; an OpenAI batch line is told its own field names."""
-    from specrt.jobs.batch import row_from_item
+    from specrt.jobs.rows import row_from_item
 
     row = row_from_item({"id": 1, "prompt": "a", "temperature": None, "seed": 3}, "line 1")
     assert row.error is None and row.options == {"seed": 3}
@@ -423,7 +423,7 @@ def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_for
     ],
 )  # fmt: skip
 def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
-    from specrt.jobs.batch import row_from_item
+    from specrt.jobs.rows import row_from_item
 
     row = row_from_item({"custom_id": "c", "url": "/v1/completions", "body": line}, "line 1")
     assert row.error is None and row.options == options and row.prompt == prompt
@@ -450,7 +450,7 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
     ],
 )  # fmt: skip
 def test_openai_lines_specrt_cannot_answer_are_told_why_under_their_own_id(line, message):
-    from specrt.jobs.batch import row_from_item
+    from specrt.jobs.rows import row_from_item
 
     row = row_from_item({"custom_id": "c", **line}, "line 9")
     assert message in row.error and row.id == "c" and row.named and row.openai
@@ -458,7 +458,7 @@ def test_openai_lines_specrt_cannot_answer_are_told_why_under_their_own_id(line,
 
 def test_a_repeated_key_keeps_an_openai_line_an_openai_line():
     """One such line switched a whole OpenAI file's output to specrt's records."""
-    from specrt.jobs.batch import parse_row
+    from specrt.jobs.rows import parse_row
 
     line = '{"custom_id": "d", "body": {"prompt": "a", "max_tokens": 3, "max_tokens": 4}}'
     row = parse_row(line, "line 1")
@@ -591,7 +591,7 @@ def test_resuming_reads_the_output_line_by_line(tmp_path):
     # The process's own peak (VmHWM): ru_maxrss would carry the forking parent's over exec.
     script = (
         "import sys; from pathlib import Path\n"
-        "from specrt.jobs.batch import done_ids\n"
+        "from specrt.jobs.output import done_ids\n"
         "def peak():\n"
         "    status = Path('/proc/self/status').read_text().split('VmHWM:')[1]\n"
         "    return int(status.split()[0])\n"
@@ -684,7 +684,7 @@ def test_a_whole_record_without_its_newline_is_kept_and_a_torn_one_redone(llama_
 def test_json_beyond_what_python_reads_is_a_bad_row():
     """From an audit: a 5,000-digit number or arrays nested 100,000 deep in one line, and an
     OpenAI line whose url is a list, ended the whole job with a traceback."""
-    from specrt.jobs.batch import parse_row
+    from specrt.jobs.rows import parse_row
 
     long_number = parse_row('{"id": ' + "9" * 5001 + ', "prompt": "x"}', "line 1")
     assert long_number.error == "JSON that cannot be read: a number too long"
@@ -785,7 +785,7 @@ def test_a_record_line_emptied_by_hand_runs_its_row_again(llama_bundle, tmp_path
 
 
 def test_null_messages_are_not_given():
-    from specrt.jobs.batch import row_from_item
+    from specrt.jobs.rows import row_from_item
 
     row = row_from_item({"id": 1, "messages": None}, "line 1")
     assert row.error == 'a line needs a "prompt" string (or chat "messages")'

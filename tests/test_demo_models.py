@@ -84,7 +84,8 @@ def test_a_seeded_row_is_the_same_beside_any_neighbour_with_the_int8_draft(demo_
     between --batch-size 1 and 16 when such rows were verified by rejection sampling). Seeded
     rows now draw by position: their tokens are the target alone's whatever the draft
     proposed."""
-    from specrt.jobs.batch import Row, make_request
+    from specrt.jobs.batch import make_request
+    from specrt.jobs.rows import Row
 
     long_prompt = (
         "        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS\n"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specrt.jobs.batch import row_from_item, run_row
+from specrt.jobs.batch import run_row
+from specrt.jobs.rows import row_from_item
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
 

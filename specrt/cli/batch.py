@@ -96,7 +96,8 @@ def batch(
 
     Up to --batch-size rows share each model call; the draft length adapts to the load (K = 0
     where drafting does not pay) unless --draft-schedule fixed is given."""
-    from specrt.jobs.batch import preflight, progress_bar, run_batch, spooled
+    from specrt.jobs.batch import preflight, progress_bar, run_batch
+    from specrt.jobs.rows import spooled
 
     to_stdout = str(output_path) == "-"
     if to_stdout:

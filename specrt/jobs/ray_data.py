@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import InvalidInputError
-from specrt.jobs.batch import ROW_OPTIONS, make_request, row_from_item
+from specrt.jobs.batch import make_request
+from specrt.jobs.rows import ROW_OPTIONS, row_from_item
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator
 from specrt.runtime.lookup import SuffixCache

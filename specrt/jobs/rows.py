@@ -1,0 +1,273 @@
+"""The rows of a batch job's input: its lines read as they were when the job started (a
+pipe spooled first), each parsed into a `Row` (our own lines or OpenAI batch-file lines), and
+the ids checked before any work."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from specrt.errors import InvalidInputError
+from specrt.openai_shapes import CHAT, COMPLETION, RequestError, read_request
+
+ROW_OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "num_draft_tokens",
+    "stop",
+    "proposer",
+)
+OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+
+
+@dataclass
+class Row:
+    id: str | int  # as the line gives it (compared as text: 1 and "1" are one id)
+    prompt: str | list[int] | None = None  # text, or token ids (an OpenAI completions body's)
+    options: dict = field(default_factory=dict)
+    error: str | None = None  # why the line cannot run
+    messages: object = None  # a chat line's, in place of the prompt (checked when rendered)
+    named: bool = True  # False: a line too broken to give its id, named "line N" instead
+    openai: bool = False  # an OpenAI batch-file line ("custom_id", "body")
+
+
+@contextmanager
+def spooled(path: Path) -> Iterator[Path]:
+    """``path`` where it can be read twice (the ids are checked before any work): a file as it
+    is; stdin (``-``) or a pipe copied to a temporary file first, removed afterwards."""
+    if str(path) == "-":
+        source = sys.stdin.buffer
+    else:
+        try:
+            mode = path.stat().st_mode
+        except OSError:  # `read_rows` says what is wrong
+            mode = stat.S_IFREG
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            yield path
+            return
+        if not stat.S_ISFIFO(mode):
+            raise InvalidInputError(
+                f"input {path} is a device, not a JSONL file; give a file, or pipe it to --input -"
+            )
+        source = open(path, "rb")  # noqa: SIM115 - closed below
+    handle, name = tempfile.mkstemp(prefix="specrt-input-", suffix=".jsonl")
+    # Where /proc reopens it, the copy has no name from the start: a job killed with -9
+    # leaves no copy of its input behind
+    reopened = Path(f"/proc/self/fd/{handle}")
+    unnamed = reopened.exists()
+    if unnamed:
+        os.unlink(name)
+    try:
+        with os.fdopen(handle, "wb", closefd=False) as spool, source:
+            shutil.copyfileobj(source, spool, 1 << 20)
+        yield reopened if unnamed else Path(name)
+    finally:
+        os.close(handle)
+        if not unnamed:
+            os.unlink(name)
+
+
+def read_rows(path: Path, name: str | None = None, size: int | None = None) -> Iterator[Row]:
+    """The input's rows, one per non-blank line, parsed as they are read (``name``: the input
+    as errors name it, where ``path`` is a spooled copy; ``size``: read its first ``size``
+    bytes only, as it was when the job started). A line that is not UTF-8 is a bad row
+    like a line that is not JSON (its own error record): one such line in a large file must
+    not stop the job."""
+    label = name or str(path)
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError as exc:
+        raise InvalidInputError(f"input file {label} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise InvalidInputError(f"input file {label} is a directory; give a JSONL file") from exc
+    with handle:
+        for number, data in enumerate(_lines(handle, size), 1):
+            if number == 1:
+                if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                    raise InvalidInputError(
+                        f"{label} is UTF-16 text; JSON Lines are UTF-8: save the file as UTF-8"
+                    )
+                for magic, (kind, tool) in COMPRESSED.items():
+                    if data.startswith(magic):
+                        raise InvalidInputError(
+                            f"{label} is {kind}-compressed; give the JSONL itself, e.g. "
+                            f"`{tool} -c {'FILE' if name else path} | specrt batch --input - ...`"
+                        )
+                data = data.removeprefix(codecs.BOM_UTF8)
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                message = f"not UTF-8 text (byte {data[exc.start]:#04x} at column {exc.start + 1})"
+                yield Row(f"line {number}", error=f"{message}; save the file as UTF-8", named=False)
+                continue
+            if line.strip():
+                yield parse_row(line, f"line {number}")
+
+
+def _lines(handle: IO[bytes], size: int | None) -> Iterator[bytes]:
+    """The lines of ``handle`` in its first ``size`` bytes (None: all of them)."""
+    if size is None:
+        yield from handle
+        return
+    while size > 0 and (line := handle.readline(size)):
+        size -= len(line)
+        yield line
+
+
+def input_size(path: Path) -> int | None:
+    """How many bytes of the input a job reads: a file's size when the job starts (rows
+    appended while it runs are for the next run); None for anything else."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None  # `read_rows` says what is wrong
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
+# Inputs that are archives, not text (their first bytes): named instead of read as bad lines.
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip"), b"BZh": ("bzip2", "bunzip2"),
+              b"\xfd7zXZ": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}  # fmt: skip
+
+
+def parse_row(line: str, fallback_id: str) -> Row:
+    """One input line as a `Row`; a line that cannot run keeps an id and says why."""
+    try:
+        # Without its line break: an error at the line's end is placed there, not on a next line
+        item = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        return Row(fallback_id, error=f"not JSON ({exc.msg} at column {exc.colno})", named=False)
+    except _DuplicateKey as exc:
+        key, message = exc.args[0], f"the key {exc.args[0]!r} appears twice in the line"
+        try:  # its id, where that is not the key
+            row = row_from_item(json.loads(line), fallback_id)
+        except (ValueError, RecursionError):
+            row = Row(fallback_id, named=False)
+        if key in ("id", "custom_id") or not row.named:
+            return Row(fallback_id, error=message, named=False)
+        return Row(row.id, error=message, openai=row.openai)
+    except (ValueError, RecursionError) as exc:  # JSON, but beyond what Python reads
+        return Row(fallback_id, error=f"JSON that cannot be read: {_beyond(exc)}", named=False)
+    return row_from_item(item, fallback_id)
+
+
+def _beyond(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return "a number too long" if "digits" in str(exc) else str(exc)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's keys, each once (json keeps the last of a repeated key silently)."""
+    item = dict(pairs)
+    if len(item) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _DuplicateKey(next(key for key in keys if keys.count(key) > 1))
+    return item
+
+
+def row_from_item(item: object, fallback_id: str) -> Row:
+    """A parsed input object (a JSON line, a dataset row) as a `Row`."""
+    if not isinstance(item, dict):
+        return Row(fallback_id, error="a line must be a JSON object", named=False)
+    if "custom_id" in item and {"id", "prompt", "messages"} & set(item):
+        return Row(
+            fallback_id,
+            error='a line is ours ("id", "prompt") or an OpenAI batch line ("custom_id", '
+            '"body"), not both',
+            named=False,
+        )
+    if "custom_id" in item:  # an OpenAI batch-file line
+        return openai_row(item, fallback_id)
+    if "messages" in item and item["messages"] is None:  # null: not given, as for settings
+        item = {key: value for key, value in item.items() if key != "messages"}
+    row_id = item.get("id")
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        return Row(fallback_id, error='a line needs an "id" (a string or an integer)', named=False)
+    # null: the default
+    options = {key: item[key] for key in ROW_OPTIONS if item.get(key) is not None}
+    prompt = item.get("prompt")
+    row = Row(row_id, prompt if isinstance(prompt, str) else None, options)
+    extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt", "messages"})
+    if extra:
+        known = ", ".join(["prompt", "messages", *ROW_OPTIONS])
+        row.error = f"unknown field(s) {extra}; known: {known}"
+    elif "prompt" in item and "messages" in item:
+        row.error = 'a line gives a "prompt" or chat "messages", not both'
+    elif "messages" in item:
+        row.messages = item["messages"]
+    elif not isinstance(prompt, str):
+        row.error = 'a line needs a "prompt" string (or chat "messages")'
+    return row
+
+
+def openai_row(item: dict, fallback_id: str) -> Row:
+    """An OpenAI batch-file line (``custom_id``, ``method``, ``url``, ``body``) as a `Row`: its
+    body read as `specrt serve` reads a request to ``url`` (by the body's keys where the line
+    gives no url), but for the length, which the command line's defaults give."""
+    row_id, body, url = item["custom_id"], item.get("body"), item.get("url")
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        return Row(fallback_id, error='"custom_id" must be a string', named=False, openai=True)
+    row = Row(row_id, openai=True)
+    if item.get("method", "POST") != "POST":
+        row.error = f"method {item['method']!r}: the requests of a batch file are POSTs"
+    elif url is not None and (not isinstance(url, str) or url not in OPENAI_URLS):
+        row.error = f"url {url!r}: specrt batch answers {' and '.join(OPENAI_URLS)}"
+    elif not isinstance(body, dict):
+        row.error = '"body" must be an object (the request)'
+    if row.error is not None:
+        return row
+    kind = OPENAI_URLS.get(url) or (CHAT if "messages" in body else COMPLETION)
+    try:
+        prompt, row.options = read_request(body, kind, default_max_tokens=None)
+    except RequestError as exc:
+        row.error = str(exc)
+        return row
+    if body.get("stream"):
+        row.error = "a batch line cannot stream: leave stream out (or false)"
+    elif kind == CHAT and prompt is None:
+        row.error = 'a chat line needs "messages"'
+    elif kind == CHAT:
+        row.messages = prompt
+    else:
+        row.prompt = prompt
+    return row
+
+
+def check_ids(
+    path: Path, name: str | None = None, size: int | None = None
+) -> tuple[set[str], bool]:
+    """Refuse duplicate ids before any work; the ids (as text), and whether the rows are all
+    OpenAI batch-file lines (lines too broken to tell aside). ``size``: as `read_rows`."""
+    seen: dict[str, Row] = {}
+    forms = set()
+    for row in read_rows(path, name, size):
+        key = str(row.id)
+        if key in seen:
+            first = seen[key]
+            why = "every row needs its own id (results are matched and resumed by id)"
+            if not (row.named and first.named):
+                why = f"a line too broken to read its id is named {key!r}; give the row another id"
+            elif type(row.id) is not type(first.id):
+                why = f"ids are compared as text: {first.id!r} and {row.id!r} are one id"
+            raise InvalidInputError(f"{name or path}: id {row.id!r} appears twice; {why}")
+        seen[key] = row
+        if row.named:
+            forms.add(row.openai)
+    return set(seen), forms == {True}
