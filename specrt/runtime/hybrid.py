@@ -26,30 +26,27 @@ from specrt.runtime.drafters import Draft, LookupDrafter, ModelDrafter
 from specrt.runtime.lookup import NO_PROPOSAL, Proposal
 from specrt.runtime.sampling import Draws
 from specrt.runtime.schedules import KeepGoing, LineFit
+from specrt.runtime.schedules.constants import (
+    FIRST_MODEL_ROUNDS,
+    FIRST_PRIOR,
+    HYBRID_EXPLORE_EVERY,
+    HYBRID_MAX_VERIFY_SLOPE,
+    HYBRID_MIN_VERIFY_SLOPE,
+    HYBRID_PRIOR_WEIGHT,
+    HYBRID_VERIFY_SMOOTHING,
+    LATER_PRIOR,
+    MATCH_BINS,
+    MATCH_DECAY,
+    MODEL_DECAY,
+    MODEL_PRIOR_RATE,
+    MODEL_PRIOR_ROUNDS,
+)
 
+# What the hybrid learns with (priors, decays, the verify slope's bounds, how often the model is
+# measured again) is in `schedules.constants`, with the schedules' own: one place, with units.
 # Proposed from a match at most (loops and copies run long); the round verifies the length with
 # the most tokens per second, so a longer cap only allows more (docs/performance.md, session 12).
 MAX_MATCH_TOKENS = 24
-# Bounds of the fitted cost of one more verified position, as a share of a pass: it is
-# assumed at the lower one until two lengths were measured.
-MIN_VERIFY_SLOPE = 0.02
-MAX_VERIFY_SLOPE = 1.0
-FIRST_PRIOR = 0.5  # prior acceptance of a match's first token, and of the ones after it
-LATER_PRIOR = 0.8
-PRIOR_WEIGHT = 2.0
-# Per round of the kind, of the counts behind a rate: the text drifts, and what was learned on
-# one kind of text must give way within some tens of rounds on another.
-MATCH_DECAY = 0.98
-MODEL_DECAY = 0.95
-# The model's rate before it is measured, in tokens per one-position pass (1.5 tokens a round
-# at 1.2 passes), weighing as much as this many rounds: one bad first round must not rule the
-# model out. The model drafts the first rounds it is asked to (to be measured at all), and
-# once after this many rounds of matches, to measure again.
-MODEL_PRIOR_RATE = (1.5, 1.2)
-MODEL_PRIOR_ROUNDS = 2.0
-FIRST_MODEL_ROUNDS = 4
-EXPLORE_EVERY = 32
-MATCH_BINS = 4  # match lengths told apart: 1, 2, 3, 4 and more
 # A model that skipped more tokens than this (a prompt, rounds of matches) reads only the last
 # of them: catching up a long prompt cost more than the model's rounds gained on such rows
 # (docs/performance.md, session 15). Only a proposer's context: the output stays the target's.
@@ -74,7 +71,8 @@ class HybridDrafter:
         self.max_positions = model.max_positions
         self.max_match_tokens = max_match_tokens
         self.acceptance = MatchAcceptance()
-        self.verify_time = LineFit(0.05)  # seconds of a verification pass vs positions fed
+        # seconds of a verification pass vs positions fed
+        self.verify_time = LineFit(HYBRID_VERIFY_SMOOTHING)
         tokens, passes = MODEL_PRIOR_RATE
         self._model_tokens = MODEL_PRIOR_ROUNDS * tokens
         self._model_passes = MODEL_PRIOR_ROUNDS * passes
@@ -115,7 +113,8 @@ class HybridDrafter:
     ) -> Draft:
         room = k if limit is None else limit
         found = self.lookup.find(tokens, min(room, self.max_match_tokens))
-        if k and (self._model_rounds < FIRST_MODEL_ROUNDS or self._since_model >= EXPLORE_EVERY):
+        measure = self._model_rounds < FIRST_MODEL_ROUNDS
+        if k and (measure or self._since_model >= HYBRID_EXPLORE_EVERY):
             length = 0  # the model's turn, to measure it again
         else:
             length = self.match_length(found) if found.tokens else 0
@@ -157,12 +156,13 @@ class HybridDrafter:
         """The fitted verification time as intercept + slope x positions."""
         centre = self.verify_time.mean()
         if centre is None:
-            return 1.0, MIN_VERIFY_SLOPE  # the scale cancels out: only ratios count
+            return 1.0, HYBRID_MIN_VERIFY_SLOPE  # the scale cancels out: only ratios count
         x, y = centre
         slope = self.verify_time.slope
         if slope is None:
-            slope = MIN_VERIFY_SLOPE * y
-        slope = min(max(slope, MIN_VERIFY_SLOPE * y), MAX_VERIFY_SLOPE * y)
+            slope = HYBRID_MIN_VERIFY_SLOPE * y
+        low, high = HYBRID_MIN_VERIFY_SLOPE * y, HYBRID_MAX_VERIFY_SLOPE * y
+        slope = min(max(slope, low), high)
         return y - slope * x, slope
 
     def observe(
@@ -228,7 +228,7 @@ class MatchAcceptance:
                 rate = prior
             else:
                 reached, accepted = counts[position]
-                rate = (accepted + PRIOR_WEIGHT * prior) / (reached + PRIOR_WEIGHT)
+                rate = (accepted + HYBRID_PRIOR_WEIGHT * prior) / (reached + HYBRID_PRIOR_WEIGHT)
             survival *= rate
             expected += survival
             out.append(expected)

@@ -1,0 +1,75 @@
+"""The tunable constants of the learners that pick what a round drafts, with their units: the
+one-row schedules (adaptive, heuristic), the load schedule (rows sharing calls) and the hybrid
+drafter's choice between a match and the draft model (`specrt.runtime.hybrid`).
+
+In one place so that two learners' knobs of one name cannot drift apart unseen: where they
+differ (the verify slope bounds, the exploration spacing) each name says its owner.
+Measured values and their sessions: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+# -- shared --------------------------------------------------------------------------------------
+# Prior acceptance of a draft token (a probability), before rounds are seen: the adaptive
+# schedule's first token of a round, the load schedule's every draft position.
+PRIOR_ACCEPTANCE = 0.6
+
+# -- adaptive schedule (one row) -----------------------------------------------------------------
+ADAPTIVE_BINS = 10  # confidence bins (a count): the draft's probabilities in [0, 1], cut evenly
+ADAPTIVE_PRIOR_WEIGHT = 2.0  # tokens reached: what a bin's prior weighs against its counts
+ADAPTIVE_DECAY = 0.995  # a share: what a drafting round keeps of the older acceptance counts
+ADAPTIVE_SMOOTHING = 0.05  # a share: the newest round's weight in the moving averages and fits
+# Of a verification pass's seconds (a share), per extra position fed: the most the fitted slope
+# may add to the cost of one more draft token (measured on the demo target: 4-8%).
+ADAPTIVE_MAX_VERIFY_SLOPE = 0.1
+ADAPTIVE_EXPLORE_EVERY = 32  # rounds without drafting before one drafts anyway, to re-measure
+ADAPTIVE_MAX_STEP = 3  # times the average draft step (a ratio): the longest step counted
+# A share of ADAPTIVE_SMOOTHING, per round without drafting: how fast the first token's
+# acceptance drifts back to PRIOR_ACCEPTANCE, so drafting is retried now and then.
+ADAPTIVE_PRIOR_DRIFT = 0.1
+
+# -- heuristic schedule (one row) ----------------------------------------------------------------
+HEURISTIC_START = 4  # tokens drafted in the first round (then +2 after a full accept, else -1)
+
+# -- load schedule (rows sharing calls) ----------------------------------------------------------
+LOAD_EXPLORE_EVERY = 32  # rounds between re-measuring a neighbour of the best K, at first
+LOAD_EXPLORE_MAX_SPACING = 16  # times LOAD_EXPLORE_EVERY (a ratio): the longest between checks
+LOAD_DECAY = 0.98  # a share: what a drafting round keeps of the acceptance counts
+LOAD_WINDOW = 24  # rounds: times kept per K and batch size
+LOAD_MARGIN = 0.03  # a share: by which more drafting must beat less to be chosen
+LOAD_EXPLORE_SHARE = 0.02  # of the rounds' time (a share), at most, spent re-measuring K
+LOAD_PRIOR_WEIGHT = 2.0  # tokens reached: what a position's PRIOR_ACCEPTANCE weighs
+LOAD_CATCH_UP_SMOOTHING = 0.5  # a share: the newest catch-up's weight in its seconds per token
+# The cost of verifying one more token of matches in every row, as a share of a round without
+# them, assumed until rounds of that width are measured (low, so that they are tried).
+MATCH_PRIOR_COST = 0.25
+# The fitted cost of one more token of matches is taken as at least this share of the average
+# cost of a token of the widest measured width (a flat or noisy fit would make every wider one
+# look free).
+MATCH_MIN_SLOPE = 0.5
+
+# -- hybrid drafter (a match or the draft model, per round) --------------------------------------
+# Bounds of the fitted cost of one more verified position, as a share of a verification pass's
+# seconds (at the fit's centre): it is assumed at the lower one until two lengths were measured.
+# Not ADAPTIVE_MAX_VERIFY_SLOPE: a match costs no draft steps, so only the pass is bounded.
+HYBRID_MIN_VERIFY_SLOPE = 0.02
+HYBRID_MAX_VERIFY_SLOPE = 1.0
+HYBRID_VERIFY_SMOOTHING = 0.05  # a share: the newest pass's weight in the verification line
+# Prior acceptance (a probability) of a match's first token, and of the ones after it.
+FIRST_PRIOR = 0.5
+LATER_PRIOR = 0.8
+HYBRID_PRIOR_WEIGHT = 2.0  # tokens reached: what a position's prior weighs against its counts
+# A share, per round of the kind, of the counts behind a rate: the text drifts, and what was
+# learned on one kind of text must give way within some tens of rounds on another.
+MATCH_DECAY = 0.98
+MODEL_DECAY = 0.95
+# The model's rate before it is measured, as (tokens, one-position passes) of a round: 1.5
+# tokens a round at 1.2 passes, weighing as much as MODEL_PRIOR_ROUNDS rounds: one bad first
+# round must not rule the model out. The model drafts the first FIRST_MODEL_ROUNDS rounds it is
+# asked to (to be measured at all), and once after HYBRID_EXPLORE_EVERY rounds of matches, to
+# measure again.
+MODEL_PRIOR_RATE = (1.5, 1.2)
+MODEL_PRIOR_ROUNDS = 2.0  # rounds
+FIRST_MODEL_ROUNDS = 4  # rounds
+HYBRID_EXPLORE_EVERY = 32  # rounds since the model last drafted
+MATCH_BINS = 4  # match lengths told apart (tokens matched): 1, 2, 3, 4 and more
