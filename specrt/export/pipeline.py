@@ -19,13 +19,11 @@ from typing import Any
 from specrt import __version__
 from specrt.bundle import (
     CUDA_ENGINE,
-    MANIFEST_NAME,
     ONNXRUNTIME_ENGINE,
     Manifest,
     ModelIO,
     ModelSpec,
     TokenizerSpec,
-    is_bundle,
     write_manifest,
 )
 from specrt.checksums import sha256_file
@@ -36,9 +34,10 @@ from specrt.export.checkpoints import (
     save_text_decoder,
     text_config,
 )
+from specrt.export.destination import check_destination, keep_users_files
 from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
-from specrt.staging import keep_others, publish, recover, staging, through_links
+from specrt.staging import publish, staging
 
 Log = Callable[[str], None]
 
@@ -128,98 +127,6 @@ def _export_role(source: Path, config, bundle_root: Path, role: str, *rest) -> M
         shutil.rmtree(text_dir, ignore_errors=True)
     spec.source, spec.source_sha256 = str(source.resolve()), checkpoint_sha256(source)
     return spec
-
-
-def check_destination(out: Path, sources: list[Path], force: bool) -> None:
-    """Refuse an ``out`` whose replacement could lose anything: only a specrt bundle may be
-    replaced (with ``force``), and never one holding a source checkpoint or the working
-    directory. A symbolic link to a bundle is followed: the bundle it points to is replaced,
-    and the link stays (`specrt.staging.through_links`)."""
-    above = next((p for p in out.parents if os.path.lexists(p)), None)
-    if above is not None and not above.is_dir():
-        raise ExportError(f"--out {out}: {above} is a file, not a folder; choose another --out")
-    real = through_links(out)
-    recover(real)
-    for source in sources:
-        if _holds(out, source):
-            raise ExportError(
-                f"--out {out} is or holds the source checkpoint {source}; writing the bundle "
-                "there would replace it: choose another --out"
-            )
-    if _holds(out, Path.cwd()):
-        raise ExportError(
-            f"--out {out} is or holds the current directory; give the path of the bundle "
-            "directory to write, e.g. engines/mypair"
-        )
-    if not os.path.lexists(real):
-        return
-    if not real.is_dir():
-        raise ExportError(f"--out {out} exists and is not a directory; choose another --out")
-    if not any(real.iterdir()):
-        return
-    if not is_bundle(real):
-        raise ExportError(
-            f"--out {out} exists and is not a specrt bundle (no specrt manifest.json); specrt "
-            "replaces only bundles it wrote: choose another --out or empty it yourself"
-        )
-    if not force:
-        raise ExportError(f"{out} already exists and holds a bundle; pass --force to replace it")
-
-
-def _holds(out: Path, path: Path) -> bool:
-    """Whether ``path`` is ``out`` or inside it, as written or through symbolic links."""
-    paths = (os.path.abspath, os.path.realpath)
-    return any(Path(where(path)).is_relative_to(where(out)) for where in paths)
-
-
-def keep_users_files(out: Path, staged: Path, log: Log = lambda message: None) -> list[Path]:
-    """Carry into the ``staged`` bundle the files a user put in the bundle at ``out`` that it
-    replaces (notes, a licence): replacing a bundle replaces what specrt wrote, not theirs.
-    Returns them, relative; refuses, naming it, one the new bundle would overwrite."""
-    old = through_links(out)
-    if not is_bundle(old):
-        return []
-    ours = written_by_specrt(old)
-    try:
-        kept = keep_others(old, staged, lambda rel: rel in ours or _specrt_cache(rel))
-    except FileExistsError as exc:
-        raise ExportError(
-            f"{old / exc.filename} is not part of the bundle (its manifest does not name it) "
-            f"and the new bundle writes a file there: move it out of {out} and export again "
-            "(the bundle is left as it was)"
-        ) from exc
-    if kept:
-        shown = ", ".join(str(rel) for rel in kept[:3]) + (", ..." if len(kept) > 3 else "")
-        log(f"  kept {len(kept)} file(s) in {out} that specrt did not write: {shown}")
-    return kept
-
-
-def written_by_specrt(bundle: Path) -> set[Path]:
-    """The files of an existing bundle that specrt wrote: its manifest, every file it names
-    (graphs, weights, engines) and the tokenizer files taken from a checkpoint. The manifest
-    is read loosely: a bundle of any version is understood."""
-    data = json.loads((bundle / MANIFEST_NAME).read_text())
-    ours = {Path(MANIFEST_NAME)}
-    models = data.get("models")
-    for spec in models.values() if isinstance(models, dict) else ():
-        engines = spec.get("engines") if isinstance(spec, dict) else None
-        for graph in [spec, *(engines.values() if isinstance(engines, dict) else ())]:
-            files = graph.get("files") if isinstance(graph, dict) else None
-            if isinstance(files, dict):
-                ours.update(map(Path, files))
-    tokenizer = data.get("tokenizer")
-    folder = tokenizer.get("path") if isinstance(tokenizer, dict) else None
-    folder = folder if isinstance(folder, str) and folder else "tokenizer"
-    ours.update(Path(folder) / name for name in TOKENIZER_FILES)
-    return ours
-
-
-def _specrt_cache(rel: Path) -> bool:
-    """Whether ``rel`` is in what specrt keeps beside a model's graphs: the TensorRT
-    provider's engine cache (built for the old graphs, of no use to new ones)."""
-    from specrt.backends.tensorrt import EP_CACHE
-
-    return rel.parts[1:2] == (EP_CACHE,)
 
 
 def _load_config(path: Path, role: str):
