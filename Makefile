@@ -35,8 +35,9 @@ test: lint
 # Every recipe engines/NAME.json builds the bundle engines/NAME/.
 engines: install $(BUNDLES)
 
-# The engine graph's builder is a prerequisite: a bundle from an older one may not load.
-engines/%/manifest.json: engines/%.json specrt/export/ort_graph.py engines/.device-$(DEVICE)
+# The modules the engine graph is built from (specrt/export/ort_*.py) are prerequisites: a
+# bundle from an older builder may not load.
+engines/%/manifest.json: engines/%.json $(wildcard specrt/export/ort_*.py) engines/.device-$(DEVICE)
 	$(SPECRT) export --recipe $< --force $(DEVICES)
 
 # Rebuilds the bundles when DEVICE changes (make engines DEVICE=cuda).

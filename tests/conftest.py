@@ -112,7 +112,7 @@ def cuda_rule(monkeypatch):
 @pytest.fixture
 def small_steps(monkeypatch):
     """The cache grows 16 positions at a time (not 256): the tiny models' rows grow it often."""
-    from specrt.backends import batched, device_rows
+    from specrt.backends import device_rows, rows
 
-    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     monkeypatch.setattr(device_rows, "DEVICE_CAPACITY_STEP", 16)

@@ -755,10 +755,10 @@ def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
     """While the load schedule has the model draft nothing, admitted prompts are not fed to
     the draft; when drafting resumes, the draft reads them (a chunk at a time) and every row
     still equals the target alone's output."""
-    import specrt.backends.batched as batched_module
+    import specrt.backends.rows as rows_module
     from specrt.runtime.schedules import LoadSchedule
 
-    monkeypatch.setattr(batched_module, "PREFILL_CHUNK", 4)  # whole prompts in several chunks
+    monkeypatch.setattr(rows_module, "PREFILL_CHUNK", 4)  # whole prompts in several chunks
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     alone = GenerationConfig(max_new_tokens=24, num_draft_tokens=0, ignore_eos=True)
     expected = [r.token_ids for r in generator.generate(PROMPTS[:4], alone)]
@@ -967,10 +967,10 @@ def test_a_prompt_longer_than_a_chunk_is_read_in_whole_chunks_then_its_end(
     """As in the one-row loop, a prompt's whole prefill chunks go first (the rows together),
     then its end in a call of its own row that gives the first token; the rows are the target
     alone's (chunks of 8 positions here, 256 in use)."""
-    from specrt.backends import base, batched
+    from specrt.backends import base, rows
 
     monkeypatch.setattr(base, "PREFILL_CHUNK", 8)  # `whole_chunks`
-    monkeypatch.setattr(batched, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(rows, "PREFILL_CHUNK", 8)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     target = generator.target
     runner = BatchRunner(target, generator.drafter.decoder, generator.tokenizer, frozenset())
@@ -999,9 +999,9 @@ def test_the_caches_give_back_what_they_grew_once_every_row_left(
     next rows would pay for its positions: once no row is left (an empty batch) both caches
     shrink back to one step, and the rows after are still the target alone's. With one row
     its calls see its own positions only, so the capacity stays (regrowing it would copy)."""
-    from specrt.backends import batched
+    from specrt.backends import rows
 
-    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=max_batch)
     alone = SpeculativeGenerator.from_bundle(llama_bundle)
     caches = (generator.target, generator.drafter.decoder)
@@ -1026,7 +1026,7 @@ def test_rows_attend_over_little_more_than_the_longest_row(llama_bundle):
     the longest row closely (one `CAPACITY_STEP` of 32 positions, and the headroom a shrink
     keeps): on 2 demo cores a 16-row target step costs 2.8 ms at 256 positions, 5.1 ms at 512.
     The rows are still the target alone's."""
-    from specrt.backends.batched import CAPACITY_STEP
+    from specrt.backends.rows import CAPACITY_STEP
     from specrt.runtime.batching import SHRINK_HEADROOM
 
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
@@ -1093,10 +1093,10 @@ def test_a_batch_gives_back_what_a_row_that_left_had_grown(llama_bundle, monkeyp
     """Attention over several rows reads the whole capacity: once a long row leaves, the
     capacity steps no live row needs are given back at once (not only when the batch
     empties), and the rows are still the target alone's."""
-    from specrt.backends import batched
+    from specrt.backends import rows
     from specrt.runtime import batching
 
-    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     monkeypatch.setattr(batching, "SHRINK_HEADROOM", 4)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=2)
     resizes = []  # (capacity before, after, whether a row was live)
@@ -1127,7 +1127,7 @@ def test_a_row_far_behind_its_neighbours_is_fed_apart(llama_bundle):
     """Prefilling (or catching the draft up on) rows of very different lengths: a call pads
     every row to its longest, so the long row goes alone (one call of 60 positions, not four),
     and every row ends where it would have, fed by itself."""
-    from specrt.backends.batched import padded_runs
+    from specrt.backends.rows import padded_runs
 
     assert padded_runs([3, 3, 60, 2, 0, 0, 5]) == [(0, 2), (2, 3), (3, 4), (6, 7)]
     assert padded_runs([40, 40, 40]) == [(0, 3)]  # like lengths share a call
@@ -1159,9 +1159,9 @@ def test_padding_past_a_long_row_does_not_grow_the_cache(llama_bundle, monkeypat
     every row attends over (it lands in the last slot, which no real token reads); the real
     tokens' logits are those of the row fed alone. A real token that needs the last slot
     still grows it."""
-    from specrt.backends import batched
+    from specrt.backends import rows
 
-    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     target = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=2).target
     rng = np.random.default_rng(1)
     long, short = (rng.integers(3, target.vocab_size, size).tolist() for size in (13, 3))
@@ -1182,9 +1182,9 @@ def test_the_cache_grows_and_shrinks_in_the_memory_it_has(llama_bundle, monkeypa
     """Shrinking the capacity, and growing it again up to the largest it has had, moves the
     rows within the memory the cache already holds (a fresh allocation faults every page in
     again: 40-60 ms for 16 demo rows), and every row's content survives each move."""
-    from specrt.backends import batched
+    from specrt.backends import rows
 
-    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     target = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=3).target
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, target.vocab_size, n).tolist() for n in (5, 12, 9)]

@@ -165,9 +165,9 @@ def test_a_service_takes_its_caches_memory_at_start(llama_bundle, monkeypatch):
     """A long-lived service maps the cache memory of its longest rows when it starts (growing
     into new memory held every running request for ~60 ms on the demo pair); the capacity
     rows attend over stays at one step until a row needs more."""
-    from specrt.backends import batched
+    from specrt.backends import rows
 
-    monkeypatch.setattr(batched, "CAPACITY_STEP", 16)
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
     decoders = (generator.target, generator.drafter.decoder)
     capacities = [decoder.capacity for decoder in decoders]

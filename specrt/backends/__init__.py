@@ -16,7 +16,8 @@ from specrt.backends.base import (
     Decoder,
     Forward,
 )
-from specrt.backends.batched import BatchedDecoder, RowsDecoder
+from specrt.backends.batched import BatchedDecoder
+from specrt.backends.rows import RowsDecoder
 from specrt.backends.select import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, open_decoder
 
 __all__ = [

@@ -8,7 +8,7 @@ slots each token may see. The host owns the lengths: a row's state is ``lengths[
 rolling it back is lowering that number (later calls overwrite the stale slots).
 
 Attention reads the whole buffer, so its capacity grows with the longest row (in steps of
-`CAPACITY_STEP`, up to ``max_length``) rather than being reserved at ``max_length`` up front.
+`rows.CAPACITY_STEP`, up to ``max_length``) rather than being reserved at ``max_length`` up front.
 A call covers rows ``start .. start + n``, a contiguous view of the buffers: the scheduler keeps
 its live rows packed at the front (`move_row`). A call on one row sees only the first positions
 of its row (`VIEW_STEP` past its length: also a contiguous view), so a row pays for its own
@@ -16,6 +16,10 @@ length, not for the capacity.
 
 Row 0 alone is also a `Decoder` (``length``, ``forward``, ``rollback`` …), so the one-row loop
 runs on this engine unchanged.
+
+What every decoder of many rows does (lengths, growing and shrinking the cache, moving a row,
+grouping rows into calls) is `RowsDecoder`'s, in `specrt.backends.rows`; this module holds the
+graph's side: the cache's memory, the views each call binds, and each call's inputs (`_CallArrays`).
 """
 
 from __future__ import annotations
@@ -25,237 +29,17 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from specrt.backends.base import (
-    NEED_ARGMAX,
-    NEED_LOGITS,
-    NUMPY_DTYPES,
-    PREFILL_CHUNK,
-    DecoderBase,
-    Forward,
-    kept_rows_input,
-    shared_ortvalue,
-)
+import specrt.backends.rows as rows  # its CAPACITY_STEP read at each init (tests patch it there)
+from specrt.backends.base import NEED_LOGITS, Forward, kept_rows_input, shared_ortvalue
 from specrt.backends.host_inputs import HostInputs
+from specrt.backends.rows import RowsDecoder
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 
-# Cache positions added at a time. Calls on several rows attend over the whole capacity (16
-# demo rows: ~7.5 us a position a target step) and a resize moves the rows (2-5 ms): steps of
-# 32 balance the two for a longest row that grows a token or a few a round.
-CAPACITY_STEP = 32
-# A cache of one row grows in larger steps: that row's calls see only its own positions
-# (`VIEW_STEP`), so its capacity costs memory, not compute, and each resize copies the row.
-ONE_ROW_CAPACITY_STEP = 256
 MAX_KEPT_CALL_TOKENS = 80  # calls of at most this many tokens per row keep their arrays
 SMALL_CALL = 16  # positions per call up to which the host writes its inputs in plain Python
 VIEW_STEP = 32  # a one-row call's view of its row grows in steps of this many positions
 MAX_KEPT_VIEWS = 256  # sets of cache values kept for the rows and views calls bound
-# What a call costs beyond its positions, in positions (demo pair on 2 cores: a one-row call
-# 0.6 ms on the target, 55 us a position in long calls; 0.05 ms and 8 us on the draft).
-CALL_OVERHEAD = 12
-MAX_RUN = 64  # rows a run of `padded_runs` spans at most (its search grows with it)
-
-
-def padded_runs(counts: Sequence[int], overhead: int = CALL_OVERHEAD) -> list[tuple[int, int]]:
-    """Runs ``[first, end)`` of neighbouring rows that cover every row with a count above 0, for
-    calls that pad each row to its run's longest: the fewest positions computed, counting
-    ``overhead`` positions per call. One row far behind its neighbours is fed alone, not with
-    all of them padded to its length."""
-    n = len(counts)
-    cost = [0] * (n + 1)  # cost[b]: rows before b covered
-    cut: list[int | None] = [None] * (n + 1)  # where the run ending at b starts (None: skipped)
-    for end in range(1, n + 1):
-        cost[end] = cost[end - 1] if counts[end - 1] == 0 else 1 << 62
-        longest = 0
-        for first in range(end - 1, max(-1, end - 1 - MAX_RUN), -1):
-            longest = max(longest, counts[first])
-            here = cost[first] + (end - first) * longest + overhead
-            if longest and here < cost[end]:
-                cost[end], cut[end] = here, first
-    runs, end = [], n
-    while end > 0:
-        first = cut[end]
-        if first is None:
-            end -= 1
-        else:
-            runs.append((first, end))
-            end = first
-    return runs[::-1]
-
-
-class RowsDecoder(DecoderBase):
-    """What the decoders of many rows share: per-row lengths, one cache buffer per layer and
-    kind whose position axis (``POSITION_AXIS``) grows with the longest row, the one-row
-    `Decoder` protocol on row 0, prefilling rows together, moving a row. Subclasses provide
-    ``_buffer_shape(capacity)`` and ``_call(start, n, tokens, keep_last, fed) -> Forward``."""
-
-    POSITION_AXIS = 1
-
-    def __init__(
-        self,
-        session: ort.InferenceSession,
-        spec: ModelSpec,
-        vocab_size: int,
-        role: str,
-        max_length: int | None = None,
-        max_batch: int = 1,
-    ) -> None:
-        """``max_batch`` rows get a cache; ``max_length`` caps each row's positions."""
-        super().__init__(session, spec, vocab_size, role, max_length)
-        io = spec.io
-        self.max_batch = max_batch
-        self.lengths = np.zeros(max_batch, dtype=np.int64)
-        self._names = list(
-            zip([*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values])
-        )
-        self._dtype = NUMPY_DTYPES[spec.dtype]
-        self._buffers: list[np.ndarray] = []
-        self.capacity = 0
-        self.resizes = 0  # times the cache was reallocated (a round that did is not a typical one)
-
-    @property
-    def cache_bytes_per_row(self) -> int:
-        """Cache memory one row takes at ``max_positions`` (what a slot can grow to)."""
-        per_position = int(np.prod(self._buffer_shape(1))) // self.max_batch
-        return len(self._names) * self.max_positions * per_position * self._dtype().itemsize
-
-    @property
-    def cache_bytes(self) -> int:
-        """Cache memory reserved now, all rows."""
-        return sum(buffer.nbytes for buffer in self._buffers)
-
-    # The one-row `Decoder` protocol, on row 0 ---------------------------------------------
-    @property
-    def length(self) -> int:
-        return int(self.lengths[0])
-
-    def reset(self) -> None:
-        self.lengths[:] = 0
-        self.shrink()
-
-    def shrink(self, headroom: int = 0) -> None:
-        """Give back the capacity steps no row needs, ``headroom`` positions past the longest
-        row kept (so that it does not grow again at once): attention over several rows reads
-        all of the capacity, so the rows after a long one would go on paying for its positions."""
-        longest, step = int(self.lengths.max(initial=0)), self._capacity_step()
-        steps = max(1, -(-(longest + headroom if longest else 0) // step))
-        capacity = min(self.max_positions, steps * step)
-        if self.capacity > capacity:
-            self._grow(capacity)
-
-    def reserve(self) -> None:
-        """Take the memory of the largest capacity now rather than when a row first needs it
-        (an engine that keeps it: `BatchedDecoder`)."""
-
-    def rollback(self, length: int) -> None:
-        """Keep only the first ``length`` positions of row 0."""
-        self.lengths[0] = min(self.lengths[0], length)
-
-    def forward(
-        self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
-    ) -> Forward:
-        tokens = np.asarray([tokens], dtype=np.int64)
-        out = self._call(0, 1, tokens, keep_last or tokens.shape[1], len(tokens[0]), need)
-        probabilities = None if out.probabilities is None else out.probabilities[0]
-        return Forward(out.logits[0], probabilities)
-
-    # Rows ---------------------------------------------------------------------------------
-    def prefill_rows(self, start: int, prompts: list[Sequence[int]]) -> None:
-        """Feed ``prompts[i]`` to row ``start + i`` after its cached positions (a prompt, or the
-        tokens a draft skipped), logits dropped. Rows are fed in calls over runs of neighbours
-        (`padded_runs`), each padded at its end to its run's longest, one call per
-        `PREFILL_CHUNK` positions; a row with nothing to feed is left out."""
-        for row, prompt in enumerate(prompts):
-            self._check_room(int(self.lengths[start + row]), len(prompt))
-        for first, end in padded_runs([len(prompt) for prompt in prompts]):
-            run = prompts[first:end]
-            longest = max(map(len, run))
-            for offset in range(0, longest, PREFILL_CHUNK):
-                width = min(PREFILL_CHUNK, longest - offset)
-                tokens = np.zeros((len(run), width), dtype=np.int64)
-                fed = np.zeros(len(run), dtype=np.int64)
-                for row, prompt in enumerate(run):
-                    chunk = prompt[offset : offset + width]
-                    tokens[row, : len(chunk)] = chunk
-                    fed[row] = len(chunk)
-                # the least to bring back (a device engine copies logits to the host)
-                self._call(start + first, len(run), tokens, 1, fed, NEED_ARGMAX)
-
-    def forward_rows(
-        self,
-        tokens: np.ndarray,
-        keep_last: int = 0,
-        fed: np.ndarray | None = None,
-        start: int = 0,
-        need: str = NEED_LOGITS,
-    ) -> Forward:
-        """Feed ``tokens [n, S]`` to rows ``start .. start + n - 1``, each after its own
-        prefix; logits ``[n, keep_last, vocab]`` (and probabilities, where the graph has them)
-        of the last ``keep_last`` positions (a device backend: only what ``need`` names, the
-        argmax ``[n, keep_last]``). ``fed [n]``: how many of its S tokens each row really has
-        (default S): the rest are padding at its end, computed and then dropped (the row's
-        length grows by ``fed``)."""
-        n, count = tokens.shape
-        fed = count if fed is None else fed
-        return self._call(start, n, tokens, keep_last or count, fed, need)
-
-    def set_length(self, row: int, length: int) -> None:
-        """Keep only the first ``length`` positions of ``row`` (0: the row is free)."""
-        self.lengths[row] = min(self.lengths[row], length)
-
-    def clear_stale(self) -> None:
-        """Zero every row's cache past its length (after a row's logits came out NaN): a
-        masked slot still enters attention's product with weight 0, and 0 x NaN is NaN, so NaN
-        left by a failed row, or by another row's padding in a call it shared, would reach the
-        next row given that slot."""
-        before = (slice(None),) * (self.POSITION_AXIS - 1)
-        for buffer in self._buffers:
-            for row, length in enumerate(self.lengths.tolist()):
-                buffer[(row, *before, slice(length, None))] = 0
-
-    def move_row(self, source: int, dest: int) -> None:
-        """Copy ``source``'s cache and length into ``dest`` (packing live rows at the front)."""
-        length = int(self.lengths[source])
-        window = (slice(None),) * (self.POSITION_AXIS - 1) + (slice(0, length),)
-        for buffer in self._buffers:
-            buffer[(dest, *window)] = buffer[(source, *window)]
-        self.lengths[dest] = length
-        self.lengths[source] = 0
-
-    def _grow(self, needed: int) -> None:
-        """Reallocate the cache with room for ``needed`` positions per row (fewer than now:
-        `shrink`), keeping its content."""
-        step = self._capacity_step()
-        capacity = min(self.max_positions, -(-needed // step) * step)
-        self._buffers = self._resized(capacity)
-        self.capacity = capacity
-        self.resizes += 1
-
-    def _capacity_step(self) -> int:
-        """Positions the cache grows by at a time."""
-        return CAPACITY_STEP if self.max_batch > 1 else ONE_ROW_CAPACITY_STEP
-
-    def _resized(self, capacity: int) -> list:
-        """New zeroed buffers of ``capacity`` positions holding the current ones' content."""
-        buffers = [np.zeros(self._buffer_shape(capacity), self._dtype) for _ in self._names]
-        window = (slice(None),) * self.POSITION_AXIS + (slice(0, min(capacity, self.capacity)),)
-        for new, previous in zip(buffers, self._buffers):
-            new[window] = previous[window]
-        return buffers
-
-    def _buffer_shape(self, capacity: int) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def _call(
-        self,
-        start: int,
-        n: int,
-        tokens: np.ndarray,
-        keep_last: int,
-        fed: int | np.ndarray,
-        need: str = NEED_LOGITS,
-    ) -> Forward:
-        raise NotImplementedError
 
 
 class BatchedDecoder(RowsDecoder):
@@ -295,7 +79,7 @@ class BatchedDecoder(RowsDecoder):
         self._logits_to_keep = np.full(1, self._keep_sign, dtype=np.int64)
         self._inputs = HostInputs(self._binding, self.device, self.device_id)
         self._inputs.bind(kept, self._logits_to_keep, on_host=True)  # Slice's start, on CUDA
-        self._grow(min(self.max_positions, CAPACITY_STEP))
+        self._grow(min(self.max_positions, rows.CAPACITY_STEP))
 
     def forward(
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS

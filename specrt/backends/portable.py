@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.backends.base import NEED_LOGITS, NUMPY_DTYPES, DecoderBase, Forward
-from specrt.backends.batched import CAPACITY_STEP, RowsDecoder
+from specrt.backends.rows import CAPACITY_STEP, RowsDecoder
 from specrt.bundle import ModelSpec
 from specrt.errors import BundleError
 

@@ -11,8 +11,7 @@ import torch
 from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, ModelSpec
 from specrt.checksums import sha256_file
 from specrt.export.numeric_check import max_logit_difference
-from specrt.export.ort_graph import (
-    ACTIVATIONS,
+from specrt.export.ort_builder import (
     ARGMAX,
     ATTENTION_MASK,
     CACHE_INDICES,
@@ -25,6 +24,9 @@ from specrt.export.ort_graph import (
     SEQLENS_K,
     TOTAL_LENGTH,
     DecoderShape,
+)
+from specrt.export.ort_graph import (
+    ACTIVATIONS,
     activation,
     build_decoder_graph,
     build_gpt2_graph,

@@ -1,0 +1,132 @@
+"""Each layer's attention in the onnxruntime engine graphs, on the packed q/k/v projection:
+GroupQueryAttention (one row, its cache updated in place and rotary applied inside the op) or,
+for the batched cache, standard ops (rotate, scatter the new k and v into the cache at each row's
+positions, attend under the host's mask); the rotary tables each layer reads, and Qwen3's
+per-head q/k norms, applied before either.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.export.ort_builder import (
+    _MS,
+    ATTENTION_MASK,
+    CACHE_INDICES,
+    LOCAL_ATTENTION_MASK,
+    POSITION_IDS,
+    SEQLENS_K,
+    TOTAL_LENGTH,
+    DecoderShape,
+    _GraphBuilder,
+)
+
+
+def _normed_qkv(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, attn: str) -> str:
+    """Packed q/k/v with each head of q and k RMS-normalised over head_dim (Qwen3), packed
+    again, so that either attention reads it as it reads a plain projection."""
+    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    b.initializer("qkv_split", np.array([h * hd, kvh * hd, kvh * hd], dtype=np.int64))
+    parts = [f"qn_in.{i}", f"kn_in.{i}", f"vn.{i}"]
+    b.node("Split", [qkv, "qkv_split"], parts, axis=-1)
+    normed = []
+    for part, name, heads in ((parts[0], "q_norm", h), (parts[1], "k_norm", kvh)):
+        b.initializer(f"heads_shape.{heads}", np.array([0, 0, heads, hd], dtype=np.int64))
+        b.node("Reshape", [part, f"heads_shape.{heads}"], [f"{part}.heads"])
+        b.node(
+            "SimplifiedLayerNormalization",
+            [f"{part}.heads", b.weight(f"{attn}.{name}.weight")],
+            [f"{part}.normed"],
+            epsilon=float(shape.norm_eps),
+            axis=-1,
+            stash_type=1,
+        )
+        b.initializer(f"flat_shape.{heads}", np.array([0, 0, heads * hd], dtype=np.int64))
+        b.node("Reshape", [f"{part}.normed", f"flat_shape.{heads}"], [f"{part}.flat"])
+        normed.append(f"{part}.flat")
+    b.node("Concat", [*normed, parts[2]], [f"qkv_normed.{i}"], axis=-1)
+    return f"qkv_normed.{i}"
+
+
+def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool):
+    """Layer ``i``'s attention for a batch of rows of different lengths: rotate q and k at each
+    row's positions, write k and v into the layer's cache ``[B, L, kv_heads * head_dim]`` at
+    ``(row, position)`` (ScatterND; past and present are bound to one buffer, so in place), then
+    attend over the cache under the mask (the Attention op groups query heads itself)."""
+    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    b.initializer("qkv_split", np.array([h * hd, kvh * hd, kvh * hd], dtype=np.int64))
+    b.node("Split", [qkv, "qkv_split"], [f"q.{i}", f"k.{i}", f"v.{i}"], axis=-1)
+    q, k = f"q.{i}", f"k.{i}"
+    if rotary:
+        cos, sin = _rope_tables(shape, i)
+        partial = {"rotary_embedding_dim": shape.rotary_dim} if shape.rotary_dim else {}
+        for name, heads in ((q, h), (k, kvh)):
+            b.node(
+                "RotaryEmbedding",
+                [name, POSITION_IDS, cos, sin],
+                [f"{name}.rot"],
+                domain=_MS,
+                interleaved=0,
+                num_heads=heads,
+                **partial,
+            )
+        q, k = f"{q}.rot", f"{k}.rot"
+    for kind, new in (("key", k), ("value", f"v.{i}")):
+        b.node(  # the cache is [B, L, kv_heads * head_dim]: new rows go in as they come
+            "ScatterND",
+            [f"past_key_values.{i}.{kind}", CACHE_INDICES, new],
+            [f"present.{i}.{kind}"],
+        )
+    local = shape.two_masks and i in shape.local_layers
+    softcap = {"softcap": shape.attention_softcap} if shape.attention_softcap else {}
+    b.node(
+        "Attention",
+        [
+            q,
+            f"present.{i}.key",
+            f"present.{i}.value",
+            LOCAL_ATTENTION_MASK if local else ATTENTION_MASK,
+        ],
+        [f"attn.{i}"],
+        q_num_heads=h,
+        kv_num_heads=kvh,
+        scale=shape.scale,
+        **softcap,
+    )
+
+
+def _rope_tables(shape: DecoderShape, i: int) -> tuple[str, str]:
+    if i in shape.local_rope_layers:
+        return "cos_cache_local", "sin_cache_local"
+    return "cos_cache", "sin_cache"
+
+
+def _attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, rotary: bool) -> None:
+    """Layer ``i``'s GroupQueryAttention on packed q/k/v; reads and writes the layer's cache."""
+    if shape.attention == "batched":
+        return _batched_attention(b, shape, i, qkv, rotary)
+    inputs = [
+        qkv,
+        "",
+        "",
+        f"past_key_values.{i}.key",
+        f"past_key_values.{i}.value",
+        SEQLENS_K,
+        TOTAL_LENGTH,
+    ]
+    # Same count as HF's sliding_window (the token's own position included): checked
+    # against PyTorch past the window at export.
+    window = shape.window if shape.window and i in shape.local_layers else -1
+    b.node(
+        "GroupQueryAttention",
+        inputs + (list(_rope_tables(shape, i)) if rotary else []),
+        [f"attn.{i}", f"present.{i}.key", f"present.{i}.value"],
+        domain=_MS,
+        num_heads=shape.num_heads,
+        kv_num_heads=shape.num_kv_heads,
+        scale=shape.scale,
+        softcap=float(shape.attention_softcap),
+        do_rotary=int(rotary),
+        rotary_interleaved=0,
+        local_window_size=window,
+    )
