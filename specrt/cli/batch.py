@@ -11,16 +11,12 @@ import click
 
 from specrt.cli.common import (
     _cache_plan,
-    _check_writable,
     _count,
     _friendly_errors,
     _generation_config,
     _load,
     _proposer_line,
-    _same_file,
-    _spooled_name,
     _Terminated,
-    _through_link,
 )
 from specrt.cli.options import (
     KV_CACHE_OPTION,
@@ -28,6 +24,7 @@ from specrt.cli.options import (
     load_options,
     suffix_cache_options,
 )
+from specrt.errors import InvalidInputError
 from specrt.runtime.batching import DEFAULT_BATCH_SIZE, MAX_BATCH
 
 
@@ -97,29 +94,17 @@ def batch(
     Up to --batch-size rows share each model call; the draft length adapts to the load (K = 0
     where drafting does not pay) unless --draft-schedule fixed is given."""
     from specrt.jobs.batch import preflight, progress_bar, run_batch
-    from specrt.jobs.rows import spooled
+    from specrt.jobs.output import output_paths
+    from specrt.jobs.rows import input_name, spooled
 
-    to_stdout = str(output_path) == "-"
-    if to_stdout:
-        output_path = Path("/dev/stdout")
-    elif _same_file(input_path, output_path):
-        raise click.UsageError("--output must not be the --input file")
-    else:
-        output_path = _through_link(output_path, "--output")
-        _check_writable(output_path, "--output")
-    if summary is not None and str(summary) == "-":
-        if to_stdout:
-            raise click.UsageError("--output - and --summary - would both go to stdout")
-        summary = Path("/dev/stdout")
-    elif summary is not None:  # found now, not after the whole job
-        if _same_file(summary, input_path) or _same_file(summary, output_path):
-            raise click.UsageError("--summary must not be the --input or the --output file")
-        summary = _through_link(summary, "--summary")
-        _check_writable(summary, "--summary")
+    try:  # found now, not after the whole job
+        output_path, summary = output_paths(input_path, output_path, summary)
+    except InvalidInputError as exc:
+        raise click.UsageError(str(exc)) from exc
     defaults = _generation_config(params)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
-        name = _spooled_name(input_path, rows)
+        name = input_name(input_path, rows)
         preflight(rows, output_path, output_format, name)  # not after minutes of loading
         plan = _cache_plan(bundle, kv_cache_memory, batch_size, max_length, engine)
         click.echo(f"specrt batch: {plan.describe()}", err=True)

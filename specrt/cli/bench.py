@@ -8,8 +8,9 @@ from pathlib import Path
 import click
 
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
-from specrt.cli.common import _check_writable, _friendly_errors, _prompts
+from specrt.cli.common import _friendly_errors, _prompts
 from specrt.cli.options import ENGINE_OPTION, THREADS_TYPE, _threads
+from specrt.errors import InvalidInputError
 from specrt.runtime.config import MAX_DRAFT_TOKENS
 
 
@@ -72,10 +73,14 @@ def bench(
     from specrt.bench.report import check_plot_path, table
     from specrt.bench.report import plot as draw
     from specrt.bench.runner import run_benchmark
+    from specrt.jobs.output import check_writable
 
     texts = _prompts(prompts, prompt_file)[:num_prompts]
     if plot:  # found now, not after the whole benchmark
-        _check_writable(Path(plot), "--plot")
+        try:
+            check_writable(Path(plot), "--plot")
+        except InvalidInputError as exc:
+            raise click.UsageError(str(exc)) from exc
         check_plot_path(Path(plot))
     report = run_benchmark(
         bundle,

@@ -3,7 +3,6 @@ traceback), the generation config from the options, loading a bundle, file check
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 import signal
@@ -18,7 +17,6 @@ from specrt.errors import (
     InvalidInputError,
     SpecrtError,
     describe_os_error,
-    unwritable_reason,
 )
 from specrt.prompts import collect_prompts
 from specrt.runtime.config import GenerationConfig
@@ -176,55 +174,6 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
         check_files=not skip_checksums,
         max_batch=max_batch,
     )
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (the same path, a symbolic or a hard link)."""
-    try:
-        return a.resolve() == b.resolve() or os.path.samefile(a, b)
-    except (OSError, RuntimeError):  # one of them does not exist (yet), or loops
-        return False
-
-
-def _spooled_name(input_path: Path, rows: Path) -> str | None:
-    """How errors name an input read through a spooled copy (stdin, a pipe); None: as is."""
-    if rows == input_path:
-        return None
-    return "standard input" if str(input_path) == "-" else str(input_path)
-
-
-def _through_link(path: Path, option: str) -> Path:
-    """Where a symbolic link to nothing yet points (missing folders on the way are made there,
-    not beside the link); any other path as it is (opening it follows a live link, such as
-    /dev/stdout to a pipe, which has no path of its own)."""
-    if path.is_symlink() and not path.exists():
-        try:
-            os.stat(path)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise click.UsageError(f"{option} {path} is a loop of symbolic links") from exc
-        return Path(os.path.realpath(path))
-    return path
-
-
-def _check_writable(path: Path, option: str) -> None:
-    """Refuse, before any work, a file the job could not write at its end: a directory, one
-    under a file, or where writing is not allowed."""
-    if path.is_dir():
-        raise click.UsageError(f"{option} {path} is a directory; give a file")
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            why = unwritable_reason(path)
-            raise click.UsageError(f"{option} {path} cannot be written ({why})")
-        return
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise click.UsageError(f"{option} {path}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        why = unwritable_reason(folder)
-        raise click.UsageError(f"{option} {path}: cannot write in {folder} ({why})")
 
 
 def _count(number: int, noun: str) -> str:

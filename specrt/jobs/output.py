@@ -3,12 +3,14 @@ by hand run again), what is ours and what is not, and the lock that keeps it the
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import os
 from pathlib import Path
 from typing import IO
 
-from specrt.errors import InvalidInputError
+from specrt.errors import InvalidInputError, unwritable_reason
 from specrt.jobs import openai_batch
 
 
@@ -107,3 +109,71 @@ def _lock(out: IO, output_path: Path) -> None:
             f"another specrt batch is writing {name}; wait for it to finish (or stop it), then "
             "run this again to go on from where it is"
         ) from exc
+
+
+def output_paths(
+    input_path: Path, output_path: Path, summary: Path | None
+) -> tuple[Path, Path | None]:
+    """``--output`` and ``--summary`` as the job writes them ("-": standard output, a link to
+    nothing yet followed), refused before any work where the job could not write them at its
+    end or where they are the input or each other."""
+    to_stdout = str(output_path) == "-"
+    if to_stdout:
+        output_path = Path("/dev/stdout")
+    elif same_file(input_path, output_path):
+        raise InvalidInputError("--output must not be the --input file")
+    else:
+        output_path = through_link(output_path, "--output")
+        check_writable(output_path, "--output")
+    if summary is not None and str(summary) == "-":
+        if to_stdout:
+            raise InvalidInputError("--output - and --summary - would both go to stdout")
+        summary = Path("/dev/stdout")
+    elif summary is not None:
+        if same_file(summary, input_path) or same_file(summary, output_path):
+            raise InvalidInputError("--summary must not be the --input or the --output file")
+        summary = through_link(summary, "--summary")
+        check_writable(summary, "--summary")
+    return output_path, summary
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (the same path, a symbolic or a hard link)."""
+    try:
+        return a.resolve() == b.resolve() or os.path.samefile(a, b)
+    except (OSError, RuntimeError):  # one of them does not exist (yet), or loops
+        return False
+
+
+def through_link(path: Path, option: str) -> Path:
+    """Where a symbolic link to nothing yet points (missing folders on the way are made there,
+    not beside the link); any other path as it is (opening it follows a live link, such as
+    /dev/stdout to a pipe, which has no path of its own)."""
+    if path.is_symlink() and not path.exists():
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise InvalidInputError(f"{option} {path} is a loop of symbolic links") from exc
+        return Path(os.path.realpath(path))
+    return path
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Refuse, before any work, a file the job could not write at its end: a directory, one
+    under a file, or where writing is not allowed."""
+    if path.is_dir():
+        raise InvalidInputError(f"{option} {path} is a directory; give a file")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            why = unwritable_reason(path)
+            raise InvalidInputError(f"{option} {path} cannot be written ({why})")
+        return
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InvalidInputError(f"{option} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        why = unwritable_reason(folder)
+        raise InvalidInputError(f"{option} {path}: cannot write in {folder} ({why})")

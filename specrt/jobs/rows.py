@@ -271,3 +271,10 @@ def check_ids(
         if row.named:
             forms.add(row.openai)
     return set(seen), forms == {True}
+
+
+def input_name(input_path: Path, rows: Path) -> str | None:
+    """How errors name an input read through a spooled copy (stdin, a pipe); None: as is."""
+    if rows == input_path:
+        return None
+    return "standard input" if str(input_path) == "-" else str(input_path)
