@@ -8,11 +8,11 @@ tokenizer, trained on the corpus and then distilled from the target (0.8 KL + 0.
     python models/train_demo.py --out models/demo          # the shipped pair (see MODEL_CARD.md)
     python models/train_demo.py --smoke --out /tmp/demo    # seconds: tiny sizes, a few steps
 
-Stage 2 (part of the shipped pair since session 12): ``--long-steps N --redistill-steps M``
+Stage 2 (part of the shipped pair since 2026-12-01): ``--long-steps N --redistill-steps M``
 (1500 and 600 by default) go on training the target on 768-token windows, 3 in 4 of them a
 text followed by a copy of its beginning, then distil the draft again from it on plain text;
 ``--continue-from DIR`` runs stage 2 alone on a pair from stage 1 (MODEL_CARD.md has the copy
-accuracy it reached, docs/performance.md sessions 8, 9 and 12 the speed it brought).
+accuracy it reached, CHANGELOG.md on 2026-11-30 and 2026-12-01 the speed it brought).
 
 Seeded; step counts are fixed, so a rerun on the same Python does the same work.
 """
@@ -55,7 +55,7 @@ class Plan:
     draft_lr: float
     eval_windows: int
     compile: bool
-    # Stage 2 (docs/performance.md, sessions 8, 9 and 12): the target on long windows, most of
+    # Stage 2 (CHANGELOG.md, 2026-11-30 and 2026-12-01): the target on long windows, most of
     # them a text followed by a copy of its beginning (stage 1's 256-token windows taught no
     # position past 256, and a target that follows a copy is what prompt lookup needs), then
     # the draft distilled again from it on long windows.
@@ -404,7 +404,7 @@ def stage_two(
     """The target on long windows with copies; the draft distilled again from it."""
     # Each part of stage 2 draws from its own stream: the same whether stage 1 (or the target's
     # part, --long-steps 0) ran in this process or not. No torch.compile: loaded models gained
-    # nothing from it. On a CPU without bf16 instructions (AMD EPYC, session 8) bf16 autocast
+    # nothing from it. On a CPU without bf16 instructions (AMD EPYC, 2026-11-30) bf16 autocast
     # ran 16x slower than float32: pass --long-fp32 there.
     generator = torch.Generator().manual_seed(seed + 1)
     t = time.time()

@@ -136,7 +136,8 @@ def test_ngram_index_matches_brute_force(min_n, max_n):
 
 def test_a_match_says_whether_it_continues_the_rows_own_output():
     """A row repeating its own output goes on far more often than one following its prompt:
-    the hybrid learns the two apart (session 22), so a match says which it continues."""
+    the hybrid learns the two apart (CHANGELOG.md, 2026-12-02), so a match says which it
+    continues."""
     prompt = [1, 2, 3, 4, 1, 2]  # its first match (at this length) continues the prompt
     index = NgramIndex(1, 3)
     found = index.propose(prompt, 2)
@@ -385,8 +386,8 @@ def test_a_hybrids_model_reads_a_window_of_a_long_context(llama_bundle, monkeypa
 def test_a_rows_first_match_is_learnt_apart_from_one_after_a_miss(llama_bundle):
     """A row's first match (often its prompt's own repeat) is kept far more often than one
     right after the target left a copy: learnt as one (both were history 0), the first ones
-    had the hybrid verify long matches again right after a miss (docs/performance.md, session
-    22). Both the one-row hybrid and a batched row start with no match yet."""
+    had the hybrid verify long matches again right after a miss (CHANGELOG.md, 2026-12-02).
+    Both the one-row hybrid and a batched row start with no match yet."""
     acceptance = MatchAcceptance()
     found = Proposal(list(range(8)), 3, "lookup")
     for _ in range(20):

@@ -110,8 +110,8 @@ class BatchedDecoder(RowsDecoder):
     def _resized(self, capacity: int) -> list:
         """The buffers at ``capacity`` positions, content kept, as views on one block of memory
         per buffer that is kept for the largest capacity yet, the rows moved within it. A fresh
-        allocation faults every page in again at its first writes: 40-60 ms to grow a 16-row
-        demo cache on this project's VMs, against ~5 ms to move the rows."""
+        allocation faults every page in again at its first writes, which costs several times
+        moving the rows within memory already touched (CHANGELOG.md, 2026-12-01)."""
         shape = self._buffer_shape(capacity)
         if capacity > self._block_capacity:  # new memory, written (its pages mapped) at once
             blocks = [np.full(int(np.prod(shape)), 0, self._dtype) for _ in self._names]
@@ -144,8 +144,8 @@ class BatchedDecoder(RowsDecoder):
 
     def reserve(self) -> None:
         """Grow to ``max_positions`` and back: the memory stays (`_resized`), so no later growth
-        allocates it in the middle of a round (a service's first growth to 512 positions held
-        16 demo rows for 56-69 ms). One row's engine keeps its capacity anyway."""
+        allocates it in the middle of a round (a service's first growth held every running
+        request while it did). One row's engine keeps its capacity anyway."""
         if self.max_batch > 1 and self._block_capacity < self.max_positions:
             capacity = self.capacity
             self._grow(self.max_positions)

@@ -27,15 +27,15 @@ from specrt.backends.base import (
 )
 from specrt.bundle import ModelSpec
 
-# Cache positions added at a time. Calls on several rows attend over the whole capacity (16
-# demo rows: ~7.5 us a position a target step) and a resize moves the rows (2-5 ms): steps of
-# 32 balance the two for a longest row that grows a token or a few a round.
+# Cache positions added at a time. Calls on several rows attend over the whole capacity (every
+# spare position costs each step) and a resize moves the rows: steps of 32 balance the two for
+# a longest row that grows a token or a few a round (CHANGELOG.md, 2026-12-01).
 CAPACITY_STEP = 32
 # A cache of one row grows in larger steps: that row's calls see only its own positions
 # (`batched.VIEW_STEP`), so its capacity costs memory, not compute, and each resize copies the row.
 ONE_ROW_CAPACITY_STEP = 256
-# What a call costs beyond its positions, in positions (demo pair on 2 cores: a one-row call
-# 0.6 ms on the target, 55 us a position in long calls; 0.05 ms and 8 us on the draft).
+# What a call costs beyond its positions, in positions: a call's fixed cost over one position's
+# in long calls, on the demo pair on 2 cores (CHANGELOG.md, 2026-12-01).
 CALL_OVERHEAD = 12
 MAX_RUN = 64  # rows a run of `padded_runs` spans at most (its search grows with it)
 

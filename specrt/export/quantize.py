@@ -2,8 +2,9 @@
 
 A draft's precision changes how often its guesses are accepted, never what the output is: every
 token is still decided by the full-precision target. On CPU a small model's step is bound by
-reading its weights, so 8-bit weights make the draft step about 3x cheaper (demo pair, measured
-with `specrt bench`) while its acceptance stays the same. The target is never quantised.
+reading its weights, so 8-bit weights make the draft step several times cheaper (demo pair,
+measured with `specrt bench`: CHANGELOG.md, 2026-11-29) while its acceptance stays the same.
+The target is never quantised.
 """
 
 from __future__ import annotations

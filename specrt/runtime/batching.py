@@ -45,8 +45,8 @@ from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
 DEFAULT_BATCH_SIZE = 8  # rows per call of `specrt batch` (best measured on the demo pair)
-# Requests per call of `specrt serve`: more clients than slots queue for whole requests (16
-# clients on 8 slots: time to first token 600 ms at the median, 45 ms on 16; docs/performance.md)
+# Requests per call of `specrt serve`: more clients than slots queue for whole requests, and
+# their time to first token includes that wait (measured: docs/serve.md; CHANGELOG.md, 2026-11-30)
 DEFAULT_SERVE_BATCH_SIZE = 16
 MAX_BATCH = 256
 # Rounds without a model draft that skip looking for matches after the load schedule found
@@ -279,7 +279,8 @@ class BatchRunner:
                 found[i] = proposal
         # Matches are measured before the model may shut them out: their acceptance is learnt
         # only from verified ones, and a prior priced below a measured model draft would never
-        # be (an 8-row job drafted with the model throughout, 1.3x slower than with matches).
+        # be (a job could draft with the model throughout, slower than with matches;
+        # CHANGELOG.md, 2026-12-02).
         unmeasured = wide and bool(found) and not schedule.matches_measured()
         probe = (self._look_again or unmeasured) and bool(found)
         self._look_again &= not probe
@@ -305,8 +306,8 @@ class BatchRunner:
         started = time.perf_counter()
         steps = batched_round(self.target, self.draft, parts, k, start)
         seconds = time.perf_counter() - started
-        # A round that grew a cache paid for copying it (1-7 ms on the demo pair, a wide round
-        # most often, as its positions pass the capacity first): not what its width costs.
+        # A round that grew a cache paid for copying it (a wide round most often, as its
+        # positions pass the capacity first): not what its width costs.
         typical = resizes == self.target.resizes + self.draft.resizes
         finished = []
         failed = any(step.error is not None for step in steps)

@@ -3,7 +3,7 @@ cache) or the draft model's, whichever is expected to give more tokens per secon
 
 A match proposes up to L tokens for free; the round then costs one verification pass of L+1
 positions, :math:`T(L)`, a line fitted to the passes measured so far (on a CPU each position
-adds 10-20% to a pass of the demo target; on a GPU next to nothing). Its expected yield is
+adds a real share of a pass, docs/performance.md; on a GPU next to nothing). Its expected yield is
 :math:`E(L) = 1 + \sum_{j \le L} \prod_{i \le j} a_i`, where :math:`a_i` is the learned rate at
 which the token at position i of such a match is accepted when the ones before it were, kept per
 proposer, match length, how the row's previous match fared (none kept, some, all, or none yet: a
@@ -45,16 +45,16 @@ from specrt.runtime.schedules.constants import (
 # What the hybrid learns with (priors, decays, the verify slope's bounds, how often the model is
 # measured again) is in `schedules.constants`, with the schedules' own: one place, with units.
 # Proposed from a match at most (loops and copies run long); the round verifies the length with
-# the most tokens per second, so a longer cap only allows more (docs/performance.md, session 12).
+# the most tokens per second, so a longer cap only allows more (CHANGELOG.md, 2026-12-01).
 MAX_MATCH_TOKENS = 24
 # A model that skipped more tokens than this (a prompt, rounds of matches) reads only the last
 # of them: catching up a long prompt cost more than the model's rounds gained on such rows
-# (docs/performance.md, session 15). Only a proposer's context: the output stays the target's.
+# (CHANGELOG.md, 2026-12-01). Only a proposer's context: the output stays the target's.
 DRAFT_WINDOW = 64
 # The history of a row that has had no match yet (`outcome` gives 0-2): a row's first match
 # (often its prompt's own repeat) fares unlike one after a failed match, and counted together
 # the first ones taught the row to verify long matches again right after the target had left a
-# copy (docs/performance.md, session 22).
+# copy (CHANGELOG.md, 2026-12-02).
 NO_MATCH_YET = 3
 
 

@@ -35,8 +35,8 @@ class Proposal:
     match: int
     source: str = ""
     # From text the row generated (not its prompt, not another request's): a row repeating
-    # itself goes on far more often than it follows its prompt (after a match kept whole: 0.90
-    # of such tokens kept against 0.44; docs/performance.md, session 22).
+    # itself goes on far more often than it follows its prompt (docs/performance.md,
+    # "Proposers"; CHANGELOG.md, 2026-12-02).
     from_output: bool = False
 
     def first(self, n: int) -> Proposal:

@@ -24,7 +24,8 @@ def argmax_tokens(logits: np.ndarray, model: str) -> list[int]:
     NaN if a row has one and +inf if it has one, and a row whose pick is -inf is all -inf; a -inf
     elsewhere is harmless (it never wins). So only the picks are checked, in plain Python: right
     after an onnxruntime call every distinct numpy routine runs cold (its code and data were
-    evicted by the model's weights), and fancy indexing plus ``isfinite`` cost 20 us there."""
+    evicted by the model's weights), and fancy indexing plus ``isfinite`` cost several times a
+    Python loop over the picks there (CHANGELOG.md, 2026-11-29)."""
     best = logits.argmax(axis=-1).tolist()
     for row, index in enumerate(best):
         if not math.isfinite(logits[row, index]):

@@ -4,7 +4,7 @@ drafter's choice between a match and the draft model (`specrt.runtime.hybrid`).
 
 In one place so that two learners' knobs of one name cannot drift apart unseen: where they
 differ (the verify slope bounds, the exploration spacing) each name says its owner.
-Measured values and their sessions: docs/performance.md.
+Measured values, dated: CHANGELOG.md (the current results: docs/performance.md).
 """
 
 from __future__ import annotations
