@@ -50,8 +50,7 @@ class HostInputs:
             value = ort.OrtValue.ortvalue_from_numpy(array)
         twin = None
         if self.device != "cpu" and self._transfer == "update" and not on_host:
-            twin = self._twin(name, array)
-            twin.update_inplace(array)
+            twin = self._twin(name, array)  # filled by the `push` before the run
             self._binding.bind_ortvalue_input(name, twin)
         else:
             self._binding.bind_ortvalue_input(name, value)
