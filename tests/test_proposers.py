@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import specrt.runtime.generator as generator_module
+import specrt.runtime.batching as batching
 from specrt.backends import Forward, base
 from specrt.export import SUPPORTED_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
@@ -316,16 +316,20 @@ def test_the_first_pass_takes_the_prompts_end_and_a_free_match(llama_bundle, mon
     target's."""
     chunk = 16  # prefill chunks (PREFILL_CHUNK, 256) that fit the tiny model's 128 positions
     monkeypatch.setattr(base, "PREFILL_CHUNK", chunk)
-    monkeypatch.setattr(generator_module, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", chunk)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
     target, fed = generator.target, []
-    forward = target.forward
+    call, forward = target._call, target.forward
+
+    def counted_rows(start, n, tokens, *args, **kwargs):
+        fed.append(tokens.shape[1])
+        return call(start, n, tokens, *args, **kwargs)
 
     def counted(tokens, *args, **kwargs):
         fed.append(len(tokens))
         return forward(tokens, *args, **kwargs)
 
-    target.forward = counted  # the prefill's chunks go through it too
+    target._call, target.forward = counted_rows, counted  # the prefill's chunks: rows calls
     short = generator.encode_prompts([REPEATS[1]])[0][: chunk - 4]
     long = (short * 4)[: chunk + 5]
     alone = GenerationConfig(max_new_tokens=6, ignore_eos=True, num_draft_tokens=0)

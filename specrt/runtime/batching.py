@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrt.backends import RowsDecoder
-from specrt.backends.base import whole_chunks
+from specrt.backends.base import PREFILL_CHUNK, whole_chunks
 from specrt.errors import InvalidInputError, NumericalError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter
@@ -36,6 +36,7 @@ from specrt.runtime.round import (
     RowRound,
     batched_round,
     catch_up,
+    first_round,
     first_tokens,
     scheduled_round,
 )
@@ -187,16 +188,19 @@ class BatchRunner:
         # batch. The draft sees all but the last prompt token.
         prompts = [row.request.prompt for row in rows]
         self.target.prefill_rows(start, [whole_chunks(prompt) for prompt in prompts])
-        if any(row.drafting for row in rows) and self._model_drafts(rows):
+        if any(row.drafting for row in rows) and self._model_drafts(rows, start):
             drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
             self.draft.prefill_rows(start, drafted)
-        steps = first_tokens(self.target, [row.round for row in rows], start)
+        if start == 0 and len(rows) == 1 and self._runs_alone(rows[0]):
+            steps = [self._first_alone(rows[0])]
+        else:
+            steps = first_tokens(self.target, [row.round for row in rows], start)
         done = []
         for slot, (row, step) in enumerate(zip(rows, steps), start):
             if step.error is not None:
                 self._fail(row, slot, step.error)
             else:
-                self.target.set_length(slot, len(row.tokens))
+                self.target.set_length(slot, len(row.tokens) + step.accepted)
                 self._settle(row, step)
             if row.finish_reason:
                 done.append(slot)
@@ -355,20 +359,16 @@ class BatchRunner:
                 self.draft.set_length(slot, 0)
 
     def _runs_alone(self, row: _Row) -> bool:
-        """A row alone in the batch drafts as the one-row loop does (the adaptive schedule
-        stops drafting token by token, where the load schedule decides per round), when it
-        asked for that schedule."""
-        config = row.request.config
-        return (
-            self.one_row is not None
-            and row.drafting
-            and config.draft_schedule == "adaptive"
-            and config.proposer in ("model", "hybrid")
-        )
+        """A row alone in the batch drafts as a lone request does (its own schedule: the
+        adaptive one stops drafting token by token, where the load schedule decides per
+        round for rows sharing calls)."""
+        return self.one_row is not None and row.drafting
 
-    def _round_alone(self, row: _Row) -> list[int]:
-        """One round of the one-row loop for the only row (slot 0); [0] if it finished."""
-        config, tokens = row.request.config, row.tokens
+    def _alone(self, row: _Row) -> tuple[Drafter, DraftSchedule]:
+        """The lone row's drafter and schedule, set to the row: a hybrid is shared by rows
+        (what it learns holds for the pair), so it is given this row's lookup index and match
+        history, and its model where the draft's cache starts in the row."""
+        config = row.request.config
         if row.alone is None:
             drafter, schedule = self.one_row(config)
             lookup = getattr(drafter, "lookup", None)
@@ -377,22 +377,54 @@ class BatchRunner:
             row.alone = drafter, schedule, lookup
         drafter, schedule, lookup = row.alone
         model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
-        if isinstance(drafter, HybridDrafter):  # shared by rows: this row's index and history
+        if isinstance(drafter, HybridDrafter):
             drafter.lookup, drafter.history = lookup, row.match_history
-        model.offset = row.round.offset  # and where the draft's cache starts in it
-        room = min(row.limit - len(tokens) - 1, self.draft.max_positions - len(tokens))
-        sampling, rng = config.sampling, row.round.rng
+        if hasattr(model, "offset"):
+            model.offset = row.round.offset
+        return drafter, schedule
+
+    def _room(self, row: _Row) -> int:
+        """Draft tokens a lone row's round may verify: it emits at most that many + 1, and
+        every position fed must fit in each model."""
+        room = min(row.limit - len(row.tokens) - 1, self.draft.max_positions - len(row.tokens))
+        return max(0, room)
+
+    def _first_alone(self, row: _Row) -> RoundResult:
+        """A lone row's first token: one pass over what the target's cache lacks of the prompt
+        and whatever its drafter proposes for free (a match; no model runs for it)."""
+        drafter, _ = self._alone(row)
+        # One call feeds at most a prefill chunk (TensorRT plans' largest profile)
+        unread = len(row.tokens) - int(self.target.lengths[0])
+        room = max(0, min(self._room(row), PREFILL_CHUNK - unread))
+        sampling, rng = row.request.config.sampling, row.round.rng
+        try:
+            step = first_round(self.target, drafter, row.tokens, room, sampling, rng)
+        except NumericalError as exc:  # as in a batched round: the row fails alone
+            return RoundResult(0, 0, [], 0.0, 0.0, "model", str(exc))
+        self._after_alone(row, drafter)
+        return step
+
+    def _after_alone(self, row: _Row, drafter: Drafter) -> None:
+        """Keep what the lone row's round changed in a drafter that rows share."""
+        if isinstance(drafter, HybridDrafter):
+            row.match_history = drafter.history
+        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+        row.round.offset = getattr(model, "offset", 0)
+
+    def _round_alone(self, row: _Row) -> list[int]:
+        """One round of the lone row (slot 0), drafting as its schedule says; [0] if it
+        finished."""
+        drafter, schedule = self._alone(row)
+        tokens, sampling, rng = row.tokens, row.request.config.sampling, row.round.rng
         try:
             step = scheduled_round(
-                self.target, drafter, schedule, tokens, max(0, room), sampling, rng
+                self.target, drafter, schedule, tokens, self._room(row), sampling, rng
             )
         except NumericalError as exc:  # as in a batched round: the row fails alone
             self._fail(row, 0, str(exc))
             self._clear_stale()
             return [0]
-        if isinstance(drafter, HybridDrafter):
-            row.match_history = drafter.history
-        row.round.offset = model.offset
+        self._after_alone(row, drafter)
         self.target.set_length(0, len(tokens) + step.accepted)
         self._settle(row, step)
         drafter.rollback(len(tokens) - 1)
@@ -540,11 +572,14 @@ class BatchRunner:
             self.schedules[name] = LoadSchedule(adapt=name == "load")
         return self.schedules[name]
 
-    def _model_drafts(self, rows: list[_Row]) -> bool:
+    def _model_drafts(self, rows: list[_Row], start: int) -> bool:
         """Whether the draft model should read these admitted rows' prompts now: where K
         adapts to the load it may never draft for them, and the first round that drafts
         catches the draft up (`catch_up`, as after rounds without drafting), so a request's
-        first token waits for the target's prefill alone; not for a fixed K."""
+        first token waits for the target's prefill alone; not for a fixed K, nor for a lone
+        row drafting with the model alone (it drafts from its first round)."""
+        if start == 0 and len(rows) == 1 and self._runs_alone(rows[0]):
+            return rows[0].request.config.proposer == "model"
         return all(row.request.config.draft_schedule == "fixed" for row in rows)
 
     def _free(self, slot: int) -> None:

@@ -6,7 +6,6 @@ import contextlib
 import inspect
 import numbers
 import threading
-import time
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import replace
@@ -15,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from specrt.backends import Decoder, RowsDecoder
-from specrt.backends.base import PREFILL_CHUNK, whole_chunks
+from specrt.backends import Decoder
+from specrt.backends.one_row import as_rows
 from specrt.errors import InvalidInputError, NumericalError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
@@ -24,11 +23,8 @@ from specrt.runtime.drafters import Drafter, LookupDrafter, ModelDrafter
 from specrt.runtime.hybrid import HybridDrafter
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import NgramIndex, SuffixCache
-from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import first_round, scheduled_round
-from specrt.runtime.sampling import row_draws
+from specrt.runtime.results import GenerationResult
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
-from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -40,11 +36,12 @@ PROMPT_CHARS_MARGIN = 8
 class SpeculativeGenerator:
     """Generates with a target model, optionally sped up by a drafter; output as the target's.
 
-    Loaded with ``max_batch`` > 1 (onnxruntime CPU engines), up to that many rows share every
-    model call (`specrt.runtime.batching`); otherwise rows run one at a time. The models'
-    caches and output arrays belong to the generator: a lock serialises calls from several
-    threads (load one generator per thread to run them in parallel), and while a `Service`
-    runs on it, they are the service's (submit to it)."""
+    Every call runs the one round engine (`specrt.runtime.batching`): loaded with
+    ``max_batch`` > 1 (batched engines), up to that many rows share every model call;
+    otherwise a lone row is a batch of one. The models' caches and output arrays belong to the
+    generator: a lock serialises calls from several threads (load one generator per thread to
+    run them in parallel), and while a `Service` runs on it, they are the service's (submit
+    to it)."""
 
     def __init__(
         self,
@@ -71,6 +68,8 @@ class SpeculativeGenerator:
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
         self._hybrids: dict[tuple[int, int, bool], HybridDrafter] = {}
         self._load_schedules: dict[str, LoadSchedule] = {}  # what batches learn, kept
+        # The round engine runs rows: a one-row decoder is rows of one
+        self.rows_decoders = as_rows(target), as_rows(drafter.decoder)
 
     @classmethod
     def from_bundle(
@@ -96,10 +95,8 @@ class SpeculativeGenerator:
     @property
     def max_batch(self) -> int:
         """Rows that run together (1 unless both models are batched engines loaded so)."""
-        target, draft = self.target, getattr(self.drafter, "decoder", None)
-        if isinstance(target, RowsDecoder) and isinstance(draft, RowsDecoder):
-            return min(target.max_batch, draft.max_batch)
-        return 1
+        target, draft = self.rows_decoders
+        return min(target.max_batch, draft.max_batch)
 
     @property
     def model_time_s(self) -> float:
@@ -197,9 +194,9 @@ class SpeculativeGenerator:
     def stream(
         self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
     ) -> Iterator[GenerationResult]:
-        """Like `generate`, yielding each row's result in order as soon as it is done. With
-        ``max_batch`` > 1 a stream holds the generator (its rows are in the caches) until it
-        is read to the end or closed: other threads' calls wait for it meanwhile."""
+        """Like `generate`, yielding each row's result in order as soon as it is done. A
+        stream holds the generator (its rows are in the caches) until it is read to the end
+        or closed: other threads' calls wait for it meanwhile."""
         if config is None:
             config = GenerationConfig()
         elif not isinstance(config, GenerationConfig):
@@ -212,54 +209,44 @@ class SpeculativeGenerator:
     def _rows(
         self, encoded: list[list[int]], config: GenerationConfig
     ) -> Iterator[GenerationResult]:
-        if self.max_batch > 1:  # rows finish out of order: hand them out in order
-            requests = [
-                Request(i, ids, config, row_rng(config, i)) for i, ids in enumerate(encoded)
-            ]
-            done: dict[int, GenerationResult] = {}
-            results = self.run(requests)
-            for row in range(len(encoded)):
-                while row not in done:
-                    key, result = next(results)
-                    if result.error is not None:  # as the one-row loop does
-                        raise NumericalError(result.error)
-                    done[key] = result
-                yield done.pop(row)
+        """The rows' results in the prompts' order (rows of a batch finish out of order). One
+        row at a time, the generator is free between rows: a stream read slowly, or another
+        call from inside its loop, waits for nothing."""
+        requests = [Request(i, ids, config, row_rng(config, i)) for i, ids in enumerate(encoded)]
+        if self.max_batch == 1:
+            for request in requests:
+                [(_, result)] = list(self.run([request]))
+                if result.error is not None:  # NaN/inf logits: generate() raises
+                    raise NumericalError(result.error)
+                yield result
             return
-        for row, ids in enumerate(encoded):
-            with self._owned():
-                result = self._generate_row(ids, config, row_rng(config, row))
-            yield result
+        done: dict[int, GenerationResult] = {}
+        results = self.run(requests)
+        for row in range(len(encoded)):
+            while row not in done:
+                key, result = next(results)
+                if result.error is not None:  # NaN/inf logits: generate() raises
+                    raise NumericalError(result.error)
+                done[key] = result
+            yield done.pop(row)
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         """Generate each `Request` (its prompt checked by `encode_prompts`, its own config and
-        random stream), yielding ``(request.key, result)`` as rows finish: with ``max_batch``
-        > 1 up to that many at a time, finishing out of order; else one after another. A row
-        whose logits come out NaN/inf ends alone, as a result with ``error`` set (finish
+        random stream), yielding ``(request.key, result)`` as rows finish: up to
+        ``max_batch`` at a time, finishing out of order (a lone request is a batch of one). A
+        row whose logits come out NaN/inf ends alone, as a result with ``error`` set (finish
         reason "error"): the other rows go on."""
-        requests = map(self._checked, requests)
-        if self.max_batch == 1:
-            for request in requests:
-                with self._owned():
-                    try:
-                        result = self._generate_row(request.prompt, request.config, request.rng)
-                    except NumericalError as exc:
-                        self._clear_stale()
-                        stats = GenerationStats(prompt_tokens=len(request.prompt))
-                        result = GenerationResult("", [], "error", stats, str(exc))
-                yield request.key, result
-            return
+        with self._owned():
+            yield from self.runner().run(map(self._checked, requests))
+
+    def runner(self) -> BatchRunner:
+        """A runner over this generator's caches, keeping what its schedules learn."""
+        target, draft = self.rows_decoders
         runner = BatchRunner(
-            self.target,
-            self.drafter.decoder,
-            self.tokenizer,
-            self.eos_token_ids,
-            self.suffix_cache,
-            self.one_row,
+            target, draft, self.tokenizer, self.eos_token_ids, self.suffix_cache, self.one_row
         )
         runner.schedules = self._load_schedules
-        with self._owned():
-            yield from runner.run(requests)
+        return runner
 
     def _checked(self, request: Request) -> Request:
         """A `Request` made by hand, checked as cheaply as a batch job's rows allow: its
@@ -296,7 +283,7 @@ class SpeculativeGenerator:
         if self._holder == threading.get_ident():
             raise InvalidInputError(
                 "a stream of this generator is still open in this thread (a partly read "
-                "stream() or run() with max_batch > 1 holds its rows): read it to the end or "
+                "stream() or run() holds its rows): read it to the end or "
                 "close() it first"
             )
         with self._lock:  # a Service started while this call waited for the lock counts too
@@ -326,24 +313,6 @@ class SpeculativeGenerator:
                     "not read to the end): finish it before starting a Service on it"
                 )
         self._service = None if service is None else weakref.ref(service)
-
-    def _clear_stale(self) -> None:
-        """After NaN logits: no NaN left in a cache where the next row could read it."""
-        self.target.reset()
-        self.drafter.reset()
-        for decoder in (self.target, getattr(self.drafter, "decoder", None)):
-            if isinstance(decoder, RowsDecoder):
-                decoder.clear_stale()
-
-    def _stop_strings(self, config: GenerationConfig) -> StopStrings | None:
-        """The row's stop-string search, if its config has stop strings."""
-        if not config.stop:
-            return None
-        if self.tokenizer is None:
-            raise InvalidInputError(
-                "stop strings need the bundle's tokenizer; this generator has none"
-            )
-        return StopStrings(config.stop, self.tokenizer.incremental())
 
     def _schedule(self, config: GenerationConfig) -> DraftSchedule:
         """One per schedule, K limit and mode, kept across rows and calls: what it learns (the
@@ -381,64 +350,6 @@ class SpeculativeGenerator:
             hybrid = self._hybrids[key] = HybridDrafter(self.drafter, lookup)
         hybrid.lookup = lookup
         return hybrid
-
-    def _generate_row(
-        self, prompt: list[int], config: GenerationConfig, rng: np.random.Generator
-    ) -> GenerationResult:
-        start = time.perf_counter()
-        rng = row_draws(config, rng)
-        target, drafter = self.target, self._drafter(config)
-        sampling, schedule = config.sampling, self._schedule(config)
-        k_max = config.num_draft_tokens
-        stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
-        tokens = list(prompt)
-        limit = min(target.max_positions, len(prompt) + config.max_new_tokens)
-        finish_reason = "length"
-        stopper, stop_text = self._stop_strings(config), None
-
-        # The draft sees all but the last prompt token; the target is prefilled in whole
-        # chunks, and the pass for the first new token feeds it the rest (one pass fewer). A
-        # draft with fewer positions than the prompt cannot follow: the target decodes alone.
-        target.reset()
-        drafter.reset()
-        drafting = k_max > 0 and len(prompt) < drafter.max_positions
-        target.prefill(whole_chunks(prompt))
-        if drafting and len(prompt) > 1:
-            drafter.prefill(prompt[:-1])
-
-        while len(tokens) < limit:
-            # A round emits at most k+1 tokens; every position fed must fit in each model.
-            room = min(limit - len(tokens) - 1, drafter.max_positions - len(tokens))
-            room = max(0, room) if drafting else 0
-            if len(tokens) == len(prompt):  # the first token at once: no model drafts
-                # One call feeds at most a prefill chunk (TensorRT plans' largest profile).
-                room = min(room, PREFILL_CHUNK - (len(tokens) - target.length))
-                step = first_round(target, drafter, tokens, room, sampling, rng)
-            else:
-                step = scheduled_round(target, drafter, schedule, tokens, room, sampling, rng)
-
-            # Roll back: each cache keeps only what is still history (all but the newest token).
-            target.rollback(len(tokens) + step.accepted)
-            settled = settle(tokens, len(prompt), step.tokens, self.eos_token_ids, config, stopper)
-            drafter.rollback(len(tokens) - 1)
-            # What stands: draft tokens after an EOS or a stop string were accepted but are not
-            # output.
-            stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
-            if settled.stopped:
-                finish_reason, stop_text = "stop", settled.text
-                break
-
-        stats.draft_stopped = k_max > 0 and len(tokens) >= drafter.max_positions
-        if self.suffix_cache is not None:
-            self.suffix_cache.add(tokens)
-        new_ids = tokens[len(prompt) :]
-        stats.new_tokens = len(new_ids)
-        text = stop_text
-        if text is None:
-            text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
-        stats.finish(time.perf_counter() - start)
-        return GenerationResult(text, new_ids, finish_reason, stats)
-
 
 def row_rng(config: GenerationConfig, row: int) -> np.random.Generator:
     """Row ``row``'s own random stream: keyed by (seed, row) under a seed, else fresh."""
