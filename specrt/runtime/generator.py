@@ -351,6 +351,7 @@ class SpeculativeGenerator:
         hybrid.lookup = lookup
         return hybrid
 
+
 def row_rng(config: GenerationConfig, row: int) -> np.random.Generator:
     """Row ``row``'s own random stream: keyed by (seed, row) under a seed, else fresh."""
     return np.random.default_rng(None if config.seed is None else [config.seed, row])
