@@ -362,7 +362,7 @@ class BatchRunner:
         """A row alone in the batch drafts as a lone request does (its own schedule: the
         adaptive one stops drafting token by token, where the load schedule decides per
         round for rows sharing calls)."""
-        return self.one_row is not None and row.drafting
+        return self.one_row is not None
 
     def _alone(self, row: _Row) -> tuple[Drafter, DraftSchedule]:
         """The lone row's drafter and schedule, set to the row: a hybrid is shared by rows
@@ -387,7 +387,7 @@ class BatchRunner:
         """Draft tokens a lone row's round may verify: it emits at most that many + 1, and
         every position fed must fit in each model."""
         room = min(row.limit - len(row.tokens) - 1, self.draft.max_positions - len(row.tokens))
-        return max(0, room)
+        return max(0, room) if row.drafting else 0
 
     def _first_alone(self, row: _Row) -> RoundResult:
         """A lone row's first token: one pass over what the target's cache lacks of the prompt
