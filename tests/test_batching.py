@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+import specrt.runtime.planning as planning
 from specrt.backends.select import ONE_ROW_PORTABLE
 from specrt.errors import NumericalError
 from specrt.export import ENGINE_MODEL_TYPES
@@ -654,7 +655,6 @@ def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, 
     """Where the load schedule keeps finding the rows' matches not worth verifying, rounds
     without a model draft stop looking for them for 8, 16, ... 64 rounds; the rows' output is
     the target alone's either way."""
-    import specrt.runtime.batching as batching
     from specrt.runtime.schedules import LoadSchedule
 
     class NoMatches(LoadSchedule):  # the model never drafts, no width of matches pays
@@ -665,8 +665,8 @@ def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, 
             return 0, 1.0  # priced: no width pays
 
     calls = []
-    real = batching.find_match
-    monkeypatch.setattr(batching, "find_match", lambda *a: calls.append(1) or real(*a))
+    real = planning.find_match
+    monkeypatch.setattr(planning, "find_match", lambda *a: calls.append(1) or real(*a))
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     ids = generator.encode_prompts(["Simple is better " * 2, "def f(x): return x; def f"] * 2)
 
@@ -1221,6 +1221,7 @@ def test_a_row_that_ran_alone_keeps_its_draft_window_once_batched(llama_bundle, 
 
     monkeypatch.setattr(hybrid, "DRAFT_WINDOW", 4)
     monkeypatch.setattr(batching, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(planning, "DRAFT_WINDOW", 4)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
     reference = SpeculativeGenerator.from_bundle(llama_bundle, threads=1).drafter.decoder
     draft = generator.drafter.decoder
@@ -1264,6 +1265,7 @@ def test_a_batched_row_far_ahead_of_the_draft_is_read_from_a_window(llama_bundle
     from specrt.runtime.schedules import LoadSchedule
 
     monkeypatch.setattr(batching, "DRAFT_WINDOW", 6)
+    monkeypatch.setattr(planning, "DRAFT_WINDOW", 6)
 
     class Later(LoadSchedule):  # 5 rounds without drafting, then K = 2
         rounds = 0

@@ -12,93 +12,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from specrt.backends import RowsDecoder
 from specrt.backends.base import PREFILL_CHUNK, whole_chunks
 from specrt.errors import InvalidInputError, NumericalError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.drafters import Drafter
-from specrt.runtime.hybrid import (
-    DRAFT_WINDOW,
-    MAX_MATCH_TOKENS,
-    NO_MATCH_YET,
-    HybridDrafter,
-    MatchAcceptance,
-    outcome,
-)
-from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache, find_match
+from specrt.runtime.hybrid import DRAFT_WINDOW, HybridDrafter, MatchAcceptance
+from specrt.runtime.lookup import NgramIndex, SuffixCache
+from specrt.runtime.planning import BatchPlanner
+from specrt.runtime.requests import Request, Row
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import (
     RoundResult,
-    RowRound,
     batched_round,
     catch_up,
     first_round,
     first_tokens,
     scheduled_round,
 )
-from specrt.runtime.sampling import row_draws
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
+
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_SERVE_BATCH_SIZE", "MAX_BATCH", "BatchRunner", "Request"]
 
 DEFAULT_BATCH_SIZE = 8  # rows per call of `specrt batch` (best measured on the demo pair)
 # Requests per call of `specrt serve`: more clients than slots queue for whole requests, and
 # their time to first token includes that wait (measured: docs/serve.md; CHANGELOG.md, 2026-11-30)
 DEFAULT_SERVE_BATCH_SIZE = 16
 MAX_BATCH = 256
-# Rounds without a model draft that skip looking for matches after the load schedule found
-# them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
-# twice as many each time that holds, up to 8x
-MATCH_RECHECK_EVERY = 8
 # Positions past the longest row a cache keeps when it gives back capacity steps (rows grow by
 # a round's tokens at a time: a row about to pass the step would make it grow again at once).
 SHRINK_HEADROOM = 32
-
-
-@dataclass
-class Request:
-    """One sequence to generate: ``key`` names it in the results, ``prompt`` is its text or its
-    token ids (checked: see `SpeculativeGenerator.encode_prompts`), ``config`` its settings.
-    ``rng``: its random stream, by default its own, keyed by ``config.seed`` where it has one
-    (a seeded row's tokens are the target alone's under that seed)."""
-
-    key: Hashable
-    prompt: str | list[int]
-    config: GenerationConfig = field(default_factory=GenerationConfig)
-    rng: np.random.Generator | None = None
-
-    def __post_init__(self) -> None:
-        if self.rng is None and isinstance(self.config, GenerationConfig):
-            seed = self.config.seed
-            self.rng = np.random.default_rng(None if seed is None else [seed, 0])
-
-
-@dataclass
-class _Row:
-    request: Request
-    tokens: list[int]
-    limit: int  # the length at which it stops
-    drafting: bool
-    stats: GenerationStats
-    started: float
-    stopper: StopStrings | None = None
-    index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
-    match_history: int = NO_MATCH_YET  # how its last match fared (`hybrid.outcome`), if any
-    finish_reason: str = ""
-    text: str | None = None  # cut before a stop string
-    error: str | None = None  # why it failed (finish reason "error")
-    # Its one-row drafter and schedule, and its own lookup (a hybrid is shared by rows)
-    alone: tuple[Drafter, DraftSchedule, object] | None = None
-    round: RowRound = field(init=False)
-
-    def __post_init__(self) -> None:
-        sampling = self.request.config.sampling
-        rng = row_draws(self.request.config, self.request.rng)
-        self.round = RowRound(self.tokens, sampling, rng, 0)
 
 
 class BatchRunner:
@@ -121,14 +67,22 @@ class BatchRunner:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.suffix_cache = suffix_cache
-        self.schedules: dict[str, LoadSchedule] = {}  # by name: "fixed", "load"
-        # How the hybrid rows' matches fare, greedy rows apart from sampled ones: a sampled row
-        # keeps a matched token only with probability p(x).
-        self.matches = {True: MatchAcceptance(), False: MatchAcceptance()}
-        self.rows: list[_Row] = []  # in slots 0 .. len - 1
-        self._matchless = 0  # rounds left that skip matching (`MATCH_RECHECK_EVERY`)
-        self._matchless_next = MATCH_RECHECK_EVERY
-        self._look_again = False  # a pause just ended: its first round verifies a width anyway
+        self.planner = BatchPlanner(target, draft, suffix_cache)
+        self.rows: list[Row] = []  # in slots 0 .. len - 1
+
+    @property
+    def schedules(self) -> dict[str, LoadSchedule]:
+        """The load schedules (by name), what they learnt: a generator keeps them across calls."""
+        return self.planner.schedules
+
+    @schedules.setter
+    def schedules(self, schedules: dict[str, LoadSchedule]) -> None:
+        self.planner.schedules = schedules
+
+    @property
+    def matches(self) -> dict[bool, MatchAcceptance]:
+        """How matches fared, greedy rows (True) apart from sampled ones."""
+        return self.planner.matches
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         """Yield ``(key, result)`` for each request as it finishes (not in request order).
@@ -176,7 +130,7 @@ class BatchRunner:
             cache.shrink(SHRINK_HEADROOM)
         return finished
 
-    def _admit(self, rows: list[_Row], start: int) -> list[int]:
+    def _admit(self, rows: list[Row], start: int) -> list[int]:
         """Prefill ``rows`` into slots ``start ..`` and take their first tokens; the slots of
         those finished."""
         for slot in range(start, start + len(rows)):
@@ -237,7 +191,7 @@ class BatchRunner:
                 return self._result(row)
         return None
 
-    def _new_row(self, request: Request) -> _Row:
+    def _new_row(self, request: Request) -> Row:
         prompt, config = request.prompt, request.config
         k_max = config.num_draft_tokens
         stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
@@ -248,7 +202,7 @@ class BatchRunner:
             if self.tokenizer is None:
                 raise InvalidInputError("stop strings need the bundle's tokenizer")
             stopper = StopStrings(config.stop, self.tokenizer.incremental())
-        row = _Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
+        row = Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             row.index.prompt_length = len(prompt)  # its first lookup may come rounds later
@@ -256,65 +210,32 @@ class BatchRunner:
             row.finish_reason = "length"
         return row
 
-    def _round(self, rows: list[_Row], start: int) -> list[int]:
+    def _round(self, rows: list[Row], start: int) -> list[int]:
         """One batched round over ``rows`` (in slots ``start ..``); returns the slots of rows
         that finished."""
         if len(rows) == 1 and self._runs_alone(rows[0]):
             return self._round_alone(rows[0])
-        fits = self._fits(rows)
-        schedule = self._schedule(rows)
-        # The rows' matches come first: a round without a model draft verifies them, and the
-        # model's draft must beat that round, not the target alone.
-        skip = not schedule.last_k and self._matchless > 0
-        self._matchless -= skip
-        self._look_again |= skip and not self._matchless
-        caps = [self._cap(row, fits) for row in rows]
-        # Where the load schedule prices each width, a hybrid row's match may run past K, as
-        # in the one-row hybrid: rows that share a call only pay for it where it pays.
-        wide = schedule.adapt
-        found: dict[int, Proposal] = {}  # by the row's index in ``rows``
-        for i, (row, cap) in enumerate(zip(rows, caps)):
-            if skip:  # matching paused: nothing to look for
-                break
-            hybrid = row.request.config.proposer == "hybrid"
-            reach = self._match_reach(row, cap, fits) if wide and hybrid else cap
-            proposal = self._find(row, reach)
-            if proposal is not None:
-                found[i] = proposal
-        # Matches are measured before the model may shut them out: their acceptance is learnt
-        # only from verified ones, and a prior priced below a measured model draft would never
-        # be (a job could draft with the model throughout, slower than with matches;
-        # CHANGELOG.md, 2026-12-02).
-        unmeasured = wide and bool(found) and not schedule.matches_measured()
-        probe = (self._look_again or unmeasured) and bool(found)
-        self._look_again &= not probe
-        width, without_draft = self._match_option(rows, found, schedule, probe)
-        k = 0 if probe and width else self.draft_length(rows, without_draft)
-        for row, cap in zip(rows, caps):
-            row.round.k = 0 if row.request.config.proposer == "lookup" else min(k, cap)
-            row.round.match = None
-        priced = without_draft is not None
-        matched = self._verified_matches(rows, found, caps, k, width, priced, probe, schedule)
-        for i, proposal in matched.items():
-            row = rows[i]
-            row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
-            row.round.source = proposal.source
+        # 1. Plan: each row's share, the draft model's K tokens or a match (`planning`)
+        plan = self.planner.plan(rows)
         parts = [row.round for row in rows]
-        if k:  # a draft behind after rounds without drafting: not a cost of this K
+        # 2. Catch up: a draft behind after rounds without drafting reads what it missed (a
+        #    cost of those rounds, not of this K)
+        if plan.k:
             started = time.perf_counter()
             self._window(rows, start)
             fed = catch_up(self.draft, parts, start)
-            schedule.charge(time.perf_counter() - started, fed)
+            plan.schedule.charge(time.perf_counter() - started, fed)
+        # 3. Draft, verify, accept: K draft calls, then ONE target call for every row
         lengths = [len(row.tokens) for row in rows]
         resizes = self.target.resizes + self.draft.resizes
         started = time.perf_counter()
-        steps = batched_round(self.target, self.draft, parts, k, start)
+        steps = batched_round(self.target, self.draft, parts, plan.k, start)
         seconds = time.perf_counter() - started
         # A round that grew a cache paid for copying it (a wide round most often, as its
         # positions pass the capacity first): not what its width costs.
         typical = resizes == self.target.resizes + self.draft.resizes
+        # 4. Roll back and settle: each cache keeps what stands of its row
         finished = []
-        failed = any(step.error is not None for step in steps)
         for i, (row, step) in enumerate(zip(rows, steps)):
             slot = start + i
             if step.error is not None:  # NaN/inf logits in this row: it fails alone
@@ -325,29 +246,17 @@ class BatchRunner:
             self._settle(row, step)
             # The draft model saw the row up to the round's start; after it, its own tokens,
             # which stand only where they were the ones verified.
-            seen = len(row.tokens) - 1 if i not in matched else lengths[i]
+            seen = len(row.tokens) - 1 if i not in plan.matched else lengths[i]
             self.draft.set_length(slot, min(len(row.tokens) - 1, seen) - row.round.offset)
-            if i in matched:
-                history = row.match_history
-                acceptance = self.matches[row.request.config.greedy]
-                acceptance.record(matched[i], history, step.drafted, step.accepted)
-                row.match_history = outcome(step.drafted, step.accepted)
             if row.finish_reason:
                 finished.append(slot)
-        if failed:
+        if any(step.error is not None for step in steps):
             self._clear_stale()
-        # What the load schedule chose, and how it went
-        model = [i for i in range(len(rows)) if i not in matched]
-        width = max(part.k for part in parts)  # matches may make the call wider
-        schedule.update(
-            len(rows), k, None if width > k or not typical else seconds,
-            [parts[i] for i in model], [steps[i] for i in model],
-        )  # fmt: skip
-        if k == 0 and width > 0 and typical:  # matches alone: its width is what it cost
-            schedule.update_match_width(len(rows), width, seconds)
+        # 5. Learn: match acceptance, and the load schedule from the round's time
+        self.planner.learn(rows, plan, steps, seconds if typical else None)
         return finished
 
-    def _window(self, rows: list[_Row], start: int) -> None:
+    def _window(self, rows: list[Row], start: int) -> None:
         """Where the draft is more than `DRAFT_WINDOW` tokens behind a row (rounds without
         drafting, a prompt it skipped), it starts over at the row's last tokens, as the
         one-row hybrid's does: catching up on a whole long row cost more than the rounds it
@@ -358,13 +267,13 @@ class BatchRunner:
                 row.round.offset = len(row.tokens) - 1 - DRAFT_WINDOW
                 self.draft.set_length(slot, 0)
 
-    def _runs_alone(self, row: _Row) -> bool:
+    def _runs_alone(self, row: Row) -> bool:
         """A row alone in the batch drafts as a lone request does (its own schedule: the
         adaptive one stops drafting token by token, where the load schedule decides per
         round for rows sharing calls)."""
         return self.one_row is not None
 
-    def _alone(self, row: _Row) -> tuple[Drafter, DraftSchedule]:
+    def _alone(self, row: Row) -> tuple[Drafter, DraftSchedule]:
         """The lone row's drafter and schedule, set to the row: a hybrid is shared by rows
         (what it learns holds for the pair), so it is given this row's lookup index and match
         history, and its model where the draft's cache starts in the row."""
@@ -383,13 +292,13 @@ class BatchRunner:
             model.offset = row.round.offset
         return drafter, schedule
 
-    def _room(self, row: _Row) -> int:
+    def _room(self, row: Row) -> int:
         """Draft tokens a lone row's round may verify: it emits at most that many + 1, and
         every position fed must fit in each model."""
         room = min(row.limit - len(row.tokens) - 1, self.draft.max_positions - len(row.tokens))
         return max(0, room) if row.drafting else 0
 
-    def _first_alone(self, row: _Row) -> RoundResult:
+    def _first_alone(self, row: Row) -> RoundResult:
         """A lone row's first token: one pass over what the target's cache lacks of the prompt
         and whatever its drafter proposes for free (a match; no model runs for it)."""
         drafter, _ = self._alone(row)
@@ -404,14 +313,14 @@ class BatchRunner:
         self._after_alone(row, drafter)
         return step
 
-    def _after_alone(self, row: _Row, drafter: Drafter) -> None:
+    def _after_alone(self, row: Row, drafter: Drafter) -> None:
         """Keep what the lone row's round changed in a drafter that rows share."""
         if isinstance(drafter, HybridDrafter):
             row.match_history = drafter.history
         model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
         row.round.offset = getattr(model, "offset", 0)
 
-    def _round_alone(self, row: _Row) -> list[int]:
+    def _round_alone(self, row: Row) -> list[int]:
         """One round of the lone row (slot 0), drafting as its schedule says; [0] if it
         finished."""
         drafter, schedule = self._alone(row)
@@ -430,7 +339,7 @@ class BatchRunner:
         drafter.rollback(len(tokens) - 1)
         return [0] if row.finish_reason else []
 
-    def _settle(self, row: _Row, step: RoundResult) -> None:
+    def _settle(self, row: Row, step: RoundResult) -> None:
         """Append the round's tokens that stand (up to EOS, a stop string or the length) and
         count them; set the finish reason if the row is done."""
         config = row.request.config
@@ -448,7 +357,7 @@ class BatchRunner:
         elif len(row.tokens) >= row.limit:
             row.finish_reason = "length"
 
-    def _fail(self, row: _Row, slot: int, message: str) -> None:
+    def _fail(self, row: Row, slot: int, message: str) -> None:
         """End ``row`` (in ``slot``) with an error: its logits came out NaN/inf."""
         row.finish_reason, row.error = "error", message
         self.target.set_length(slot, 0)
@@ -459,120 +368,7 @@ class BatchRunner:
         self.target.clear_stale()
         self.draft.clear_stale()
 
-    def _cap(self, row: _Row, fits: int) -> int:
-        """The most draft-model tokens ``row`` may have verified this round, and of its match
-        where widths are not priced or the row is not a hybrid one (`_match_reach`)."""
-        room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
-        return min(room, row.request.config.num_draft_tokens, fits) if row.drafting else 0
-
-    def _match_reach(self, row: _Row, cap: int, fits: int) -> int:
-        """The most tokens of ``row``'s match a round may verify (its model cap ``cap`` > 0):
-        up to `MAX_MATCH_TOKENS`, within its length limit and the caches."""
-        room = row.limit - len(row.tokens) - 1
-        return max(cap, min(MAX_MATCH_TOKENS, room, fits)) if cap > 0 else 0
-
-    def _find(self, row: _Row, cap: int) -> Proposal | None:
-        """The row's match of up to ``cap`` tokens (its own text, else the suffix cache)."""
-        if row.index is None or cap <= 0:
-            return None
-        found = find_match(row.index, self.suffix_cache, row.tokens, cap)
-        return found if found.tokens else None
-
-    def _curve(self, row: _Row, proposal: Proposal) -> list[float]:
-        """Tokens the row is expected to emit with 1, 2, ... of the match verified."""
-        acceptance = self.matches[row.request.config.greedy]
-        return acceptance.expected_tokens(proposal, row.match_history)
-
-    def _match_option(
-        self, rows: list[_Row], found: dict[int, Proposal], schedule: LoadSchedule, probe: bool
-    ) -> tuple[int, float | None]:
-        """How many tokens of the matches a round without a model draft would verify, and its
-        expected tokens per second (None: not known), where the load schedule adapts;
-        ``probe``: measure a width now (matches do not pay on what was learnt when they were
-        last verified, and nothing is learnt while they are not)."""
-        if not found or not schedule.adapt:
-            return 0, None
-        curves = [self._curve(rows[i], proposal) for i, proposal in found.items()]
-        return schedule.match_option(len(rows), curves, probe)
-
-    def _verified_matches(
-        self,
-        rows: list[_Row],
-        found: dict[int, Proposal],
-        caps: list[int],
-        k: int,
-        width: int,
-        priced: bool,
-        probe: bool,
-        schedule: LoadSchedule,
-    ) -> dict[int, Proposal]:
-        """The matches the round verifies instead of the model's draft. Without a model draft
-        (K = 0, adapting), ``width`` tokens of every match (0: none; where the widths were
-        ``priced`` and none paid, matching then pauses for a while, `MATCH_RECHECK_EVERY`; a
-        ``probe`` ending a pause does not make the next pause shorter): a match that is rarely
-        kept (sampling, text that does not repeat) would make every row pay for a wider call.
-        Otherwise, always for "lookup" rows; for "hybrid" rows where a match is expected to
-        keep more tokens than the model's K (by what matches and model drafts kept so far).
-        Where the load schedule adapts, a match fills the round's width and never widens it
-        (every row pays for the widest)."""
-        if not found:
-            return {}
-        adapts = schedule.adapt
-        if adapts and not k:
-            if not width and not priced:  # the round measures the target alone
-                return {}
-            if not width:
-                self._matchless = self._matchless_next
-                self._matchless_next = min(2 * self._matchless_next, 8 * MATCH_RECHECK_EVERY)
-                return {}
-            if not probe:  # a width that pays: the pauses start short again
-                self._matchless_next = MATCH_RECHECK_EVERY
-            return {i: p.first(width) for i, p in found.items()}
-        verified = {}
-        for i, proposal in found.items():
-            row, config = rows[i], rows[i].request.config
-            if adapts:
-                proposal = proposal.first(k)
-            if config.proposer == "lookup" or not k:
-                verified[i] = proposal
-            elif self._curve(row, proposal)[-1] >= schedule.expected_tokens(min(k, caps[i])):
-                verified[i] = proposal
-        return verified
-
-    def draft_length(self, rows: list[_Row], without_draft: float | None = None) -> int:
-        """The round's K for every row: the load schedule picks it for this many rows from
-        measured round times and acceptance (K = 0 when drafting does not pay at this batch
-        size); capped so that every row's positions fit in both caches."""
-        k_max = max(
-            row.request.config.num_draft_tokens
-            if row.drafting and row.request.config.proposer != "lookup"
-            else 0
-            for row in rows
-        )
-        k_max = max(0, min(k_max, self._fits(rows)))
-        if k_max == 0:
-            return k_max
-        lengths = self.draft.lengths[: len(rows)].tolist()
-        backlog = sum(
-            min(DRAFT_WINDOW, max(0, len(row.tokens) - 1 - row.round.offset - n))
-            for row, n in zip(rows, lengths)
-        )
-        return self._schedule(rows).choose(len(rows), k_max, backlog, without_draft)
-
-    def _fits(self, rows: list[_Row]) -> int:
-        """Draft tokens every row's positions fit in both caches."""
-        longest = max(len(row.tokens) for row in rows)
-        return min(self.target.max_positions - longest, self.draft.max_positions - longest - 1)
-
-    def _schedule(self, rows: list[_Row]) -> LoadSchedule:
-        """One per draft schedule name: "fixed" always drafts K, the others adapt K to load."""
-        names = {row.request.config.draft_schedule for row in rows}
-        name = "fixed" if names == {"fixed"} else "load"
-        if name not in self.schedules:
-            self.schedules[name] = LoadSchedule(adapt=name == "load")
-        return self.schedules[name]
-
-    def _model_drafts(self, rows: list[_Row], start: int) -> bool:
+    def _model_drafts(self, rows: list[Row], start: int) -> bool:
         """Whether the draft model should read these admitted rows' prompts now: where K
         adapts to the load it may never draft for them, and the first round that drafts
         catches the draft up (`catch_up`, as after rounds without drafting), so a request's
@@ -593,7 +389,7 @@ class BatchRunner:
         self.target.set_length(edge, 0)
         self.draft.set_length(edge, 0)
 
-    def _result(self, row: _Row) -> GenerationResult:
+    def _result(self, row: Row) -> GenerationResult:
         prompt = row.request.prompt
         k_max = row.request.config.num_draft_tokens
         row.stats.draft_stopped = k_max > 0 and len(row.tokens) >= self.draft.max_positions

@@ -1,0 +1,228 @@
+"""What each row of a batched round verifies: the draft model's K tokens, K chosen for the
+whole batch by the load schedule, or a match (prompt lookup, the suffix cache) where it is
+expected to give more; and what the planner learns from how the round went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrt.backends import RowsDecoder
+from specrt.runtime.hybrid import DRAFT_WINDOW, MAX_MATCH_TOKENS, MatchAcceptance, outcome
+from specrt.runtime.lookup import Proposal, SuffixCache, find_match
+from specrt.runtime.requests import Row
+from specrt.runtime.round import RoundResult
+from specrt.runtime.schedules import LoadSchedule
+
+# Rounds without a model draft that skip looking for matches after the load schedule found
+# them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
+# twice as many each time that holds, up to 8x
+MATCH_RECHECK_EVERY = 8
+
+
+@dataclass
+class Plan:
+    """A round's plan: ``k`` draft-model steps (0: the model does not run), the rows (by index
+    in the round) that verify a match instead, and the load schedule that chose."""
+
+    k: int
+    matched: dict[int, Proposal]
+    schedule: LoadSchedule
+
+
+class BatchPlanner:
+    """Plans rounds of rows sharing calls (each row's ``round`` is set to its share), and
+    learns from them. Kept by the runner: what it learns holds for the pair and machine."""
+
+    def __init__(
+        self, target: RowsDecoder, draft: RowsDecoder, suffix_cache: SuffixCache | None
+    ) -> None:
+        self.target, self.draft, self.suffix_cache = target, draft, suffix_cache
+        self.schedules: dict[str, LoadSchedule] = {}  # by name: "fixed", "load"
+        # How the hybrid rows' matches fare, greedy rows apart from sampled ones: a sampled row
+        # keeps a matched token only with probability p(x).
+        self.matches = {True: MatchAcceptance(), False: MatchAcceptance()}
+        self._matchless = 0  # rounds left that skip matching (`MATCH_RECHECK_EVERY`)
+        self._matchless_next = MATCH_RECHECK_EVERY
+        self._look_again = False  # a pause just ended: its first round verifies a width anyway
+
+    def plan(self, rows: list[Row]) -> Plan:
+        """Each row's share of the round (``row.round``: its K, or its match)."""
+        fits = self.fits(rows)
+        schedule = self.schedule(rows)
+        # The rows' matches come first: a round without a model draft verifies them, and the
+        # model's draft must beat that round, not the target alone.
+        skip = not schedule.last_k and self._matchless > 0
+        self._matchless -= skip
+        self._look_again |= skip and not self._matchless
+        caps = [self._cap(row, fits) for row in rows]
+        # Where the load schedule prices each width, a hybrid row's match may run past K, as
+        # in the one-row hybrid: rows that share a call only pay for it where it pays.
+        wide = schedule.adapt
+        found: dict[int, Proposal] = {}  # by the row's index in ``rows``
+        for i, (row, cap) in enumerate(zip(rows, caps)):
+            if skip:  # matching paused: nothing to look for
+                break
+            hybrid = row.request.config.proposer == "hybrid"
+            reach = self._match_reach(row, cap, fits) if wide and hybrid else cap
+            proposal = self._find(row, reach)
+            if proposal is not None:
+                found[i] = proposal
+        # Matches are measured before the model may shut them out: their acceptance is learnt
+        # only from verified ones, and a prior priced below a measured model draft would never
+        # be (a job could draft with the model throughout, slower than with matches;
+        # CHANGELOG.md, 2026-12-02).
+        unmeasured = wide and bool(found) and not schedule.matches_measured()
+        probe = (self._look_again or unmeasured) and bool(found)
+        self._look_again &= not probe
+        width, without_draft = self._match_option(rows, found, schedule, probe)
+        k = 0 if probe and width else self.draft_length(rows, without_draft)
+        for row, cap in zip(rows, caps):
+            row.round.k = 0 if row.request.config.proposer == "lookup" else min(k, cap)
+            row.round.match = None
+        priced = without_draft is not None
+        matched = self._verified_matches(rows, found, caps, k, width, priced, probe, schedule)
+        for i, proposal in matched.items():
+            row = rows[i]
+            row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
+            row.round.source = proposal.source
+        return Plan(k, matched, schedule)
+
+    def learn(
+        self,
+        rows: list[Row],
+        plan: Plan,
+        steps: list[RoundResult],
+        seconds: float | None,
+    ) -> None:
+        """What the round taught: each verified match's acceptance, and the load schedule the
+        round's time (``seconds``; None where the round was not a typical one: it grew a
+        cache) against its K."""
+        k, matched, schedule = plan.k, plan.matched, plan.schedule
+        for i, proposal in matched.items():
+            row, step = rows[i], steps[i]
+            if step.error is None:
+                acceptance = self.matches[row.request.config.greedy]
+                acceptance.record(proposal, row.match_history, step.drafted, step.accepted)
+                row.match_history = outcome(step.drafted, step.accepted)
+        parts = [row.round for row in rows]
+        model = [i for i in range(len(rows)) if i not in matched]
+        width = max(part.k for part in parts)  # matches may make the call wider
+        schedule.update(
+            len(rows), k, None if width > k or seconds is None else seconds,
+            [parts[i] for i in model], [steps[i] for i in model],
+        )  # fmt: skip
+        if k == 0 and width > 0 and seconds is not None:  # matches alone: what that width cost
+            schedule.update_match_width(len(rows), width, seconds)
+
+    def _cap(self, row: Row, fits: int) -> int:
+        """The most draft-model tokens ``row`` may have verified this round, and of its match
+        where widths are not priced or the row is not a hybrid one (`_match_reach`)."""
+        room = row.limit - len(row.tokens) - 1  # a round emits at most k + 1 tokens
+        return min(room, row.request.config.num_draft_tokens, fits) if row.drafting else 0
+
+    def _match_reach(self, row: Row, cap: int, fits: int) -> int:
+        """The most tokens of ``row``'s match a round may verify (its model cap ``cap`` > 0):
+        up to `MAX_MATCH_TOKENS`, within its length limit and the caches."""
+        room = row.limit - len(row.tokens) - 1
+        return max(cap, min(MAX_MATCH_TOKENS, room, fits)) if cap > 0 else 0
+
+    def _find(self, row: Row, cap: int) -> Proposal | None:
+        """The row's match of up to ``cap`` tokens (its own text, else the suffix cache)."""
+        if row.index is None or cap <= 0:
+            return None
+        found = find_match(row.index, self.suffix_cache, row.tokens, cap)
+        return found if found.tokens else None
+
+    def _curve(self, row: Row, proposal: Proposal) -> list[float]:
+        """Tokens the row is expected to emit with 1, 2, ... of the match verified."""
+        acceptance = self.matches[row.request.config.greedy]
+        return acceptance.expected_tokens(proposal, row.match_history)
+
+    def _match_option(
+        self, rows: list[Row], found: dict[int, Proposal], schedule: LoadSchedule, probe: bool
+    ) -> tuple[int, float | None]:
+        """How many tokens of the matches a round without a model draft would verify, and its
+        expected tokens per second (None: not known), where the load schedule adapts;
+        ``probe``: measure a width now (matches do not pay on what was learnt when they were
+        last verified, and nothing is learnt while they are not)."""
+        if not found or not schedule.adapt:
+            return 0, None
+        curves = [self._curve(rows[i], proposal) for i, proposal in found.items()]
+        return schedule.match_option(len(rows), curves, probe)
+
+    def _verified_matches(
+        self,
+        rows: list[Row],
+        found: dict[int, Proposal],
+        caps: list[int],
+        k: int,
+        width: int,
+        priced: bool,
+        probe: bool,
+        schedule: LoadSchedule,
+    ) -> dict[int, Proposal]:
+        """The matches the round verifies instead of the model's draft. Without a model draft
+        (K = 0, adapting), ``width`` tokens of every match (0: none; where the widths were
+        ``priced`` and none paid, matching then pauses for a while, `MATCH_RECHECK_EVERY`; a
+        ``probe`` ending a pause does not make the next pause shorter): a match that is rarely
+        kept (sampling, text that does not repeat) would make every row pay for a wider call.
+        Otherwise, always for "lookup" rows; for "hybrid" rows where a match is expected to
+        keep more tokens than the model's K (by what matches and model drafts kept so far).
+        Where the load schedule adapts, a match fills the round's width and never widens it
+        (every row pays for the widest)."""
+        if not found:
+            return {}
+        adapts = schedule.adapt
+        if adapts and not k:
+            if not width and not priced:  # the round measures the target alone
+                return {}
+            if not width:
+                self._matchless = self._matchless_next
+                self._matchless_next = min(2 * self._matchless_next, 8 * MATCH_RECHECK_EVERY)
+                return {}
+            if not probe:  # a width that pays: the pauses start short again
+                self._matchless_next = MATCH_RECHECK_EVERY
+            return {i: p.first(width) for i, p in found.items()}
+        verified = {}
+        for i, proposal in found.items():
+            row, config = rows[i], rows[i].request.config
+            if adapts:
+                proposal = proposal.first(k)
+            if config.proposer == "lookup" or not k:
+                verified[i] = proposal
+            elif self._curve(row, proposal)[-1] >= schedule.expected_tokens(min(k, caps[i])):
+                verified[i] = proposal
+        return verified
+
+    def draft_length(self, rows: list[Row], without_draft: float | None = None) -> int:
+        """The round's K for every row: the load schedule picks it for this many rows from
+        measured round times and acceptance (K = 0 when drafting does not pay at this batch
+        size); capped so that every row's positions fit in both caches."""
+        k_max = max(
+            row.request.config.num_draft_tokens
+            if row.drafting and row.request.config.proposer != "lookup"
+            else 0
+            for row in rows
+        )
+        k_max = max(0, min(k_max, self.fits(rows)))
+        if k_max == 0:
+            return k_max
+        lengths = self.draft.lengths[: len(rows)].tolist()
+        backlog = sum(
+            min(DRAFT_WINDOW, max(0, len(row.tokens) - 1 - row.round.offset - n))
+            for row, n in zip(rows, lengths)
+        )
+        return self.schedule(rows).choose(len(rows), k_max, backlog, without_draft)
+
+    def fits(self, rows: list[Row]) -> int:
+        """Draft tokens every row's positions fit in both caches."""
+        longest = max(len(row.tokens) for row in rows)
+        return min(self.target.max_positions - longest, self.draft.max_positions - longest - 1)
+
+    def schedule(self, rows: list[Row]) -> LoadSchedule:
+        """One per draft schedule name: "fixed" always drafts K, the others adapt K to load."""
+        names = {row.request.config.draft_schedule for row in rows}
+        name = "fixed" if names == {"fixed"} else "load"
+        if name not in self.schedules:
+            self.schedules[name] = LoadSchedule(adapt=name == "load")
+        return self.schedules[name]

@@ -1,0 +1,63 @@
+"""A request, and the row it becomes while it is generated (what the round engine and its
+planner read and update)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specrt.runtime.config import GenerationConfig
+from specrt.runtime.drafters import Drafter
+from specrt.runtime.hybrid import NO_MATCH_YET
+from specrt.runtime.lookup import NgramIndex
+from specrt.runtime.results import GenerationStats
+from specrt.runtime.round import RowRound
+from specrt.runtime.sampling import row_draws
+from specrt.runtime.schedules import DraftSchedule
+from specrt.runtime.stopping import StopStrings
+
+
+@dataclass
+class Request:
+    """One sequence to generate: ``key`` names it in the results, ``prompt`` is its text or its
+    token ids (checked: see `SpeculativeGenerator.encode_prompts`), ``config`` its settings.
+    ``rng``: its random stream, by default its own, keyed by ``config.seed`` where it has one
+    (a seeded row's tokens are the target alone's under that seed)."""
+
+    key: Hashable
+    prompt: str | list[int]
+    config: GenerationConfig = field(default_factory=GenerationConfig)
+    rng: np.random.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.rng is None and isinstance(self.config, GenerationConfig):
+            seed = self.config.seed
+            self.rng = np.random.default_rng(None if seed is None else [seed, 0])
+
+
+@dataclass
+class Row:
+    """A request being generated: its tokens so far, where it stops, how its rounds go."""
+
+    request: Request
+    tokens: list[int]
+    limit: int  # the length at which it stops
+    drafting: bool
+    stats: GenerationStats
+    started: float
+    stopper: StopStrings | None = None
+    index: NgramIndex | None = None  # prompt lookup over the row's text, unless "model"
+    match_history: int = NO_MATCH_YET  # how its last match fared (`hybrid.outcome`), if any
+    finish_reason: str = ""
+    text: str | None = None  # cut before a stop string
+    error: str | None = None  # why it failed (finish reason "error")
+    # Its one-row drafter and schedule, and its own lookup (a hybrid is shared by rows)
+    alone: tuple[Drafter, DraftSchedule, object] | None = None
+    round: RowRound = field(init=False)
+
+    def __post_init__(self) -> None:
+        sampling = self.request.config.sampling
+        rng = row_draws(self.request.config, self.request.rng)
+        self.round = RowRound(self.tokens, sampling, rng, 0)
