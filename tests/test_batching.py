@@ -160,11 +160,12 @@ def test_a_draft_equal_to_the_target_is_always_kept_under_a_seed(tmp_path_factor
         root, "twin", {"draft_precision": "float32"}, arch="llama", seed=3, draft_noise=0.0
     )
     config = GenerationConfig(
-        max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=4, ignore_eos=True
-    )
+        max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=4, ignore_eos=True,
+        proposer="model", draft_schedule="fixed",
+    )  # fmt: skip
     cases = [
-        (1, config, 6),  # the one-row loop
-        (4, config, 6),  # batched rounds (a fixed K never runs a row alone)
+        (1, config, 6),  # a lone row
+        (4, config, 6),  # batched rounds
         (4, replace(config, draft_schedule="adaptive"), 1),  # a row alone in the batch
     ]
     for batch, row_config, rows in cases:
@@ -903,7 +904,9 @@ def test_a_row_alone_in_the_batch_drafts_as_the_one_row_loop(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     alone = GenerationConfig(max_new_tokens=40, num_draft_tokens=0, ignore_eos=True)
     [expected] = generator.generate(PROMPTS[:1], alone)
-    config = GenerationConfig(max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive")
+    config = GenerationConfig(
+        max_new_tokens=40, ignore_eos=True, draft_schedule="adaptive", proposer="model"
+    )
     [(_, result)] = generator.run(
         [Request(0, generator.encode_prompts(PROMPTS[:1])[0], config, np.random.default_rng(0))]
     )
@@ -1005,7 +1008,7 @@ def test_the_caches_give_back_what_they_grew_once_every_row_left(
     generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=max_batch)
     alone = SpeculativeGenerator.from_bundle(llama_bundle)
     caches = (generator.target, generator.drafter.decoder)
-    options = dict(ignore_eos=True, num_draft_tokens=3, proposer="model")
+    options = dict(ignore_eos=True, num_draft_tokens=3, proposer="model", draft_schedule="fixed")
     for prompts, new_tokens in ((PROMPTS, 40), (PROMPTS[:1], 4), (PROMPTS[1:3], 30)):
         config = GenerationConfig(max_new_tokens=new_tokens, **options)
         results = generator.generate(prompts, config)
@@ -1286,8 +1289,9 @@ def test_a_batched_row_far_ahead_of_the_draft_is_read_from_a_window(llama_bundle
     runner = BatchRunner(generator.target, draft, generator.tokenizer, frozenset())
     runner.schedules["load"] = Later()
     config = GenerationConfig(
-        max_new_tokens=20, num_draft_tokens=3, draft_schedule="adaptive", ignore_eos=True
-    )
+        max_new_tokens=20, num_draft_tokens=3, draft_schedule="adaptive", ignore_eos=True,
+        proposer="model",
+    )  # fmt: skip
     ids = generator.encode_prompts(PROMPTS[:3])
     assert min(map(len, ids)) > 6
     results = dict(

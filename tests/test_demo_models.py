@@ -56,7 +56,7 @@ def demo_generator(demo_bundle):
 
 def test_shipped_pair_is_lossless_on_heldout_prompts(demo_generator):
     prompts = heldout_prompts(12)
-    options = dict(max_new_tokens=48)
+    options = dict(max_new_tokens=48, proposer="model", draft_schedule="fixed")
     base = demo_generator.generate(prompts, GenerationConfig(num_draft_tokens=0, **options))
     spec = demo_generator.generate(prompts, GenerationConfig(num_draft_tokens=4, **options))
     for b, s in zip(base, spec):

@@ -15,6 +15,7 @@ PROMPTS = [
 
 
 def run(generator, k: int, **options):
+    options = {"proposer": "model", "draft_schedule": "fixed", **options}  # the draft model's
     config = GenerationConfig(max_new_tokens=32, num_draft_tokens=k, **options)
     return generator.generate(PROMPTS, config)
 

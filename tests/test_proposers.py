@@ -216,9 +216,9 @@ REPEATS = [
 ]
 PLAIN_PROMPTS = ["Simple is", "better than", "x"]
 PROPOSERS = [
-    dict(proposer="lookup"),
-    dict(proposer="lookup", prompt_lookup_min=2, prompt_lookup_max=4),
-    dict(proposer="hybrid"),
+    dict(proposer="lookup", draft_schedule="fixed"),
+    dict(proposer="lookup", draft_schedule="fixed", prompt_lookup_min=2, prompt_lookup_max=4),
+    dict(proposer="hybrid", draft_schedule="fixed"),
     dict(proposer="hybrid", draft_schedule="adaptive", num_draft_tokens=8),
 ]
 

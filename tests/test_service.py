@@ -88,7 +88,10 @@ def test_asyncio_tasks_stream_without_blocking_the_loop(service, serial):
 
 
 def test_cancel_and_dropped_iterators_free_their_slots(service, serial):
-    long = GenerationConfig(max_new_tokens=100, num_draft_tokens=3, ignore_eos=True)
+    long = GenerationConfig(  # the model drafts: 100 tokens take a while to cancel in
+        max_new_tokens=100, num_draft_tokens=3, ignore_eos=True, proposer="model",
+        draft_schedule="fixed",
+    )  # fmt: skip
     handle = service.submit(PROMPTS[0], long)
     stream = iter(handle)
     next(stream)  # it is running

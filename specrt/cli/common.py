@@ -21,13 +21,9 @@ from specrt.errors import (
 from specrt.prompts import collect_prompts
 from specrt.runtime.config import GenerationConfig
 
-# The commands' defaults: the library's, except who drafts and how much. The hybrid proposer
-# with the adaptive schedule measured fastest on held-out text (README, "Proposers").
-DEFAULTS = {
-    **{f.name: f.default for f in fields(GenerationConfig)},
-    "proposer": "hybrid",
-    "draft_schedule": "adaptive",
-}
+# The commands' defaults: the library's own (`GenerationConfig`), one set for the library, the
+# CLI and the server.
+DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}
 EXPORT_EXTRA = "pip install torch==2.13.0 && pip install 'specrt[export]'"
 # What `export` and `build` import (lazily, deep in the pipeline): import names, not packages.
 EXPORT_MODULES = ("torch", "transformers", "optimum", "onnx", "onnxslim", "onnx_ir")

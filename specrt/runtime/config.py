@@ -36,7 +36,9 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """What to generate and how.
+    """What to generate and how. The defaults are those of the CLI and the server too: the
+    hybrid proposer with the adaptive schedule, K at most 4, measured fastest on held-out text
+    (docs/performance.md).
 
     ``draft_schedule``: ``"fixed"`` drafts ``num_draft_tokens`` every round; ``"adaptive"``
     stops a round's drafting when one more token no longer pays for its time (from the draft's
@@ -69,9 +71,9 @@ class GenerationConfig:
     seed: int | None = None
     ignore_eos: bool = False
     adaptive_draft: bool = False
-    draft_schedule: str = "fixed"
+    draft_schedule: str = "adaptive"
     stop: tuple[str, ...] = ()
-    proposer: str = "model"
+    proposer: str = "hybrid"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
 
