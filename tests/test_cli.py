@@ -362,3 +362,25 @@ def test_generate_renders_chats_with_the_bundles_template(llama_bundle, tmp_path
     bare = CliRunner().invoke(main, ["generate", "--bundle", str(llama_bundle), "--chat",
                                      "--prompt", "hi", *options])  # fmt: skip
     assert bare.exit_code == 2 and "has no chat template" in bare.output
+
+
+def test_the_library_and_every_command_draft_alike_by_default():
+    """One set of defaults: `GenerationConfig()` and every command's options (generate, batch,
+    and serve, whose options are the server's base config) propose, schedule and draft
+    alike."""
+    from dataclasses import fields
+
+    from specrt.runtime import GenerationConfig
+
+    library = GenerationConfig()
+    assert (library.proposer, library.draft_schedule, library.num_draft_tokens) == (
+        "hybrid",
+        "adaptive",
+        4,
+    )
+    names = {"proposer", "draft_schedule", "num_draft_tokens"}
+    for command in ("generate", "batch", "serve"):
+        options = {p.name: p.default for p in main.commands[command].params}
+        for name in names:
+            assert options[name] == getattr(library, name), (command, name)
+    assert CLI_DEFAULTS == {f.name: getattr(library, f.name) for f in fields(GenerationConfig)}
