@@ -57,7 +57,7 @@ def contender(args: argparse.Namespace) -> dict:
         started = time.perf_counter()
         summary = run_batch(generator, rows, Path(scratch) / "out.jsonl", config)
         seconds = time.perf_counter() - started
-    target, draft = generator.target, generator.drafter.decoder
+    target, draft = generator.target, generator.draft
     per_slot = getattr(target, "cache_bytes_per_row", 0) + getattr(draft, "cache_bytes_per_row", 0)
     reserved = getattr(target, "cache_bytes", 0) + getattr(draft, "cache_bytes", 0)
     return {

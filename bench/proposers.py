@@ -90,7 +90,7 @@ def learning_apart(generator, suffix_cache=None):
 
     return SpeculativeGenerator(
         generator.target,
-        generator.drafter,
+        generator.draft,
         generator.tokenizer,
         generator.eos_token_ids,
         suffix_cache=suffix_cache,

@@ -197,9 +197,7 @@ def test_seeded_rows_share_the_load_schedules_draft_length(llama_bundle):
     seeded = replace(plain, seed=3, max_new_tokens=24)
 
     def run(kinds: str, k: int, config_k: int = 3) -> dict:
-        runner = BatchRunner(
-            generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-        )
+        runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
         runner.schedules["load"] = Fixed(k)
         requests = [
             Request(
@@ -236,9 +234,7 @@ def test_a_batched_match_may_run_past_k_where_its_width_is_priced(llama_bundle):
     base = GenerationConfig(max_new_tokens=40, ignore_eos=True, num_draft_tokens=0)
     expected = [r.token_ids for r in generator.generate(PROMPTS, base)]
     for schedule in ("adaptive", "fixed"):
-        runner = BatchRunner(
-            generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-        )
+        runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
         runner.schedules["load"] = Widest()
         config = replace(base, num_draft_tokens=2, proposer="hybrid", draft_schedule=schedule)
         reqs = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
@@ -271,9 +267,7 @@ def test_matches_are_measured_before_a_model_draft_can_shut_them_out(llama_bundl
     expected = [
         r.token_ids for r in generator.generate(PROMPTS, replace(config, num_draft_tokens=0))
     ]
-    runner = BatchRunner(
-        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-    )
+    runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
     schedule = runner.schedules["load"] = ModelFirst()
     reqs = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
     results = dict(runner.run(reqs))
@@ -289,15 +283,13 @@ def test_a_round_that_grew_a_cache_is_not_what_its_width_costs(llama_bundle, mon
     from specrt.runtime.schedules import LoadSchedule
 
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
-    runner = BatchRunner(
-        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-    )
+    runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
     grew: list[bool] = []  # per round, in order
     timed: list[bool] = []  # per round: whether the schedule was given its time
 
     def watched(target, draft, *args, **kwargs):
         before = target.resizes + draft.resizes
-        steps = batched_round(target, draft, *args, **kwargs)
+        steps = run_round(target, draft, *args, **kwargs)
         grew.append(target.resizes + draft.resizes != before)
         return steps
 
@@ -306,8 +298,8 @@ def test_a_round_that_grew_a_cache_is_not_what_its_width_costs(llama_bundle, mon
             timed.append(seconds is not None)
             super().update(rows, k, seconds, parts, steps)
 
-    batched_round = batching.batched_round
-    monkeypatch.setattr(batching, "batched_round", watched)
+    run_round = batching.run_round
+    monkeypatch.setattr(batching, "run_round", watched)
     runner.schedules["load"] = Recording()
     config = GenerationConfig(max_new_tokens=60, ignore_eos=True, draft_schedule="adaptive")
     ids = generator.encode_prompts(PROMPTS[:8])
@@ -626,7 +618,7 @@ def test_an_admitted_prompt_is_read_by_the_target_alone_where_k_adapts(llama_bun
     drafts catches the draft up, and the rows are the target alone's (a seeded row's too). A
     fixed K drafts at once: the draft reads the prompt with the target."""
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
-    target, draft = generator.target, generator.drafter.decoder
+    target, draft = generator.target, generator.draft
     ids = generator.encode_prompts(PROMPTS[:3])
     alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
     for schedule, seed, read in (
@@ -672,9 +664,7 @@ def test_matches_not_worth_verifying_are_looked_for_less_and_less(llama_bundle, 
     ids = generator.encode_prompts(["Simple is better " * 2, "def f(x): return x; def f"] * 2)
 
     def run(config: GenerationConfig) -> list[list[int]]:
-        runner = BatchRunner(
-            generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-        )
+        runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
         runner.schedules["load"] = NoMatches()
         requests = [Request(i, p, config, np.random.default_rng([3, i])) for i, p in enumerate(ids)]
         results = dict(runner.run(requests))
@@ -714,9 +704,7 @@ def test_the_round_after_a_pause_in_matching_verifies_a_width(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     prompts = ["Simple is better " * 2, "def f(x): return x; def f"] * 2
     ids = generator.encode_prompts(prompts)
-    runner = BatchRunner(
-        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-    )
+    runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
     schedule = runner.schedules["load"] = Probed()
     options = dict(max_new_tokens=100, ignore_eos=True)
     config = GenerationConfig(
@@ -734,9 +722,7 @@ def test_greedy_and_sampled_rows_learn_how_matches_fare_apart(llama_bundle):
     """A sampled row keeps a matched token only with probability p(x), a greedy one whenever it
     is the argmax: mixed in one estimate, each kind would be judged by the other's."""
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
-    runner = BatchRunner(
-        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-    )
+    runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
     ids = generator.encode_prompts(PROMPTS[:4])
     for greedy in (True, False):
         config = GenerationConfig(
@@ -763,9 +749,7 @@ def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     alone = GenerationConfig(max_new_tokens=24, num_draft_tokens=0, ignore_eos=True)
     expected = [r.token_ids for r in generator.generate(PROMPTS[:4], alone)]
-    runner = BatchRunner(
-        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-    )
+    runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
 
     class Resumes(LoadSchedule):  # nothing at first, then drafting
         def _choose(self, rows: int, k_max: int) -> int:
@@ -786,7 +770,7 @@ def test_rows_admitted_while_the_model_does_not_draft_are_caught_up_later(
     ids = generator.encode_prompts(PROMPTS[:4])
     requests = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
     runner.add(requests)
-    assert generator.drafter.decoder.lengths[:4].tolist() == [0, 0, 0, 0]  # not read yet
+    assert generator.draft.lengths[:4].tolist() == [0, 0, 0, 0]  # not read yet
     results = dict(runner.run([]))
     assert [results[i].token_ids for i in range(4)] == expected
     assert sum(results[i].stats.drafted_tokens for i in range(4)) > 0  # the model drafted
@@ -923,9 +907,7 @@ def test_admitted_rows_have_their_first_token_before_any_round(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     alone = GenerationConfig(max_new_tokens=1, num_draft_tokens=0, ignore_eos=True)
     expected = [r.token_ids for r in generator.generate(PROMPTS[:3], alone)]
-    runner = BatchRunner(
-        generator.target, generator.drafter.decoder, generator.tokenizer, frozenset()
-    )
+    runner = BatchRunner(generator.target, generator.draft, generator.tokenizer, frozenset())
     config = GenerationConfig(max_new_tokens=20)
     ids = generator.encode_prompts(PROMPTS[:3])
     requests = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
@@ -943,7 +925,7 @@ def test_a_prompt_is_read_in_one_call_of_its_own_row_that_gives_its_first_token(
     the positions a long running row grew."""
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     target = generator.target
-    runner = BatchRunner(target, generator.drafter.decoder, generator.tokenizer, frozenset())
+    runner = BatchRunner(target, generator.draft, generator.tokenizer, frozenset())
     config = GenerationConfig(max_new_tokens=50, num_draft_tokens=3, ignore_eos=True)
     ids = generator.encode_prompts(PROMPTS[:3])
     requests = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
@@ -976,7 +958,7 @@ def test_a_prompt_longer_than_a_chunk_is_read_in_whole_chunks_then_its_end(
     monkeypatch.setattr(rows, "PREFILL_CHUNK", 8)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     target = generator.target
-    runner = BatchRunner(target, generator.drafter.decoder, generator.tokenizer, frozenset())
+    runner = BatchRunner(target, generator.draft, generator.tokenizer, frozenset())
     config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, ignore_eos=True)
     ids = sorted(generator.encode_prompts(PROMPTS[:3]), key=len)
     assert max(map(len, ids)) > 9
@@ -1007,7 +989,7 @@ def test_the_caches_give_back_what_they_grew_once_every_row_left(
     monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=max_batch)
     alone = SpeculativeGenerator.from_bundle(llama_bundle)
-    caches = (generator.target, generator.drafter.decoder)
+    caches = (generator.target, generator.draft)
     options = dict(ignore_eos=True, num_draft_tokens=3, proposer="model", draft_schedule="fixed")
     for prompts, new_tokens in ((PROMPTS, 40), (PROMPTS[:1], 4), (PROMPTS[1:3], 30)):
         config = GenerationConfig(max_new_tokens=new_tokens, **options)
@@ -1112,7 +1094,7 @@ def test_a_batch_gives_back_what_a_row_that_left_had_grown(llama_bundle, monkeyp
 
         return resize
 
-    for cache in (generator.target, generator.drafter.decoder):
+    for cache in (generator.target, generator.draft):
         cache._grow = spied(cache, cache._grow)
     configs = [
         GenerationConfig(max_new_tokens=40 if i == 0 else 4, num_draft_tokens=3, ignore_eos=True)
@@ -1226,8 +1208,8 @@ def test_a_row_that_ran_alone_keeps_its_draft_window_once_batched(llama_bundle, 
     monkeypatch.setattr(batching, "DRAFT_WINDOW", 4)
     monkeypatch.setattr(planning, "DRAFT_WINDOW", 4)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
-    reference = SpeculativeGenerator.from_bundle(llama_bundle, threads=1).drafter.decoder
-    draft = generator.drafter.decoder
+    reference = SpeculativeGenerator.from_bundle(llama_bundle, threads=1).draft
+    draft = generator.draft
     runner = BatchRunner(
         generator.target, draft, generator.tokenizer, frozenset(), one_row=generator.one_row
     )
@@ -1278,7 +1260,7 @@ def test_a_batched_row_far_ahead_of_the_draft_is_read_from_a_window(llama_bundle
             return 0 if self.rounds <= 5 else 2
 
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
-    draft = generator.drafter.decoder
+    draft = generator.draft
     fed, prefill = [], draft.prefill_rows
 
     def recorded(start, pieces):

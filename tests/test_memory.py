@@ -35,7 +35,7 @@ def test_a_size_that_is_not_one_is_refused(text):
 def test_a_position_costs_what_the_loaded_caches_take(llama_bundle):
     """The plan's per-position bytes are the decoders' own: one row at max_length positions."""
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_length=64)
-    per_row = generator.target.cache_bytes_per_row + generator.drafter.decoder.cache_bytes_per_row
+    per_row = generator.target.cache_bytes_per_row + generator.draft.cache_bytes_per_row
     assert bytes_per_position(read_manifest(llama_bundle), "auto", CPU) * 64 == per_row
 
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import specrt.runtime.batching as batching
+import specrt.runtime.planning as planning
 from specrt.backends import Forward, base
 from specrt.export import SUPPORTED_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import BatchRunner, Request
-from specrt.runtime.hybrid import NO_MATCH_YET, HybridDrafter, MatchAcceptance, outcome
+from specrt.runtime.hybrid import NO_MATCH_YET, HybridChoice, MatchAcceptance, outcome
 from specrt.runtime.lookup import NgramIndex, Proposal, SuffixCache
 from specrt.runtime.service import Service
 from specrt.runtime.verification import verify
@@ -243,7 +244,7 @@ def test_every_proposer_greedy_equals_target_only(bundles, arch):
     batched = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, max_batch=4)
     # A suffix cache that already holds other rows' text (the plain prompts' outputs).
     cached = SpeculativeGenerator(
-        batched.target, batched.drafter, batched.tokenizer, batched.eos_token_ids, SuffixCache()
+        batched.target, batched.draft, batched.tokenizer, batched.eos_token_ids, SuffixCache()
     )
     cached.generate(PLAIN_PROMPTS[::-1], GenerationConfig(max_new_tokens=60, ignore_eos=True))
     trap = [trap_prompt(one_row)]
@@ -358,16 +359,17 @@ def test_a_hybrids_model_reads_a_window_of_a_long_context(llama_bundle, monkeypa
     import specrt.runtime.hybrid as hybrid
 
     window = 6
-    monkeypatch.setattr(hybrid, "DRAFT_WINDOW", window)
+    for module in (hybrid, batching, planning):
+        monkeypatch.setattr(module, "DRAFT_WINDOW", window)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
-    draft, fed = generator.drafter.decoder, []
-    forward = draft.forward
+    draft, fed = generator.draft, []
+    call = draft._call
 
-    def counted(tokens, *args, **kwargs):
-        fed.append(len(tokens))
-        return forward(tokens, *args, **kwargs)
+    def counted(start, n, tokens, *args, **kwargs):
+        fed.append(tokens.shape[1])
+        return call(start, n, tokens, *args, **kwargs)
 
-    draft.forward = counted
+    draft._call = counted
     rng = np.random.default_rng(5)
     prompt = rng.integers(3, generator.target.vocab_size, 40).tolist()  # nothing to match
     [expected] = generator.generate(
@@ -404,11 +406,10 @@ def test_a_rows_first_match_is_learnt_apart_from_one_after_a_miss(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
     config = GenerationConfig(proposer="hybrid", max_new_tokens=4)
     hybrid, _ = generator.one_row(config)
-    assert isinstance(hybrid, HybridDrafter)
-    hybrid.history = outcome(8, 0)
-    hybrid.reset()
-    assert hybrid.history == NO_MATCH_YET
-    runner = BatchRunner(generator.target, generator.drafter.decoder, None, frozenset())
+    assert isinstance(hybrid, HybridChoice)  # shared by rows: each row's history is passed in
+    hybrid.acceptance = acceptance
+    assert hybrid.match_length(found, NO_MATCH_YET) > hybrid.match_length(found, outcome(8, 0))
+    runner = BatchRunner(generator.target, generator.draft, None, frozenset())
     request = Request(0, [5, 6, 7], config, np.random.default_rng(0))
     row = runner._new_row(request)
     assert row.match_history == NO_MATCH_YET and row.index.prompt_length == 3

@@ -443,7 +443,7 @@ def test_stats_count_only_tokens_that_stand(llama_bundle):
         [t for r in probe.generate(PROMPTS, config) for t in r.token_ids], minlength=2
     )
     frequent = np.argsort(counts)[-3:].tolist()
-    generator = SpeculativeGenerator(probe.target, probe.drafter, probe.tokenizer, frequent)
+    generator = SpeculativeGenerator(probe.target, probe.draft, probe.tokenizer, frequent)
     results = generator.generate(PROMPTS * 3, GenerationConfig(max_new_tokens=24, seed=1))
     stopped = [r for r in results if r.finish_reason == "stop"]
     assert stopped

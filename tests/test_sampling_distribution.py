@@ -187,10 +187,10 @@ def test_sampled_tokens_follow_the_target_through_matches(
     fire from the first round on): the emitted tokens still follow the target exactly. (The
     hybrid, one row or batched, is told to verify every match whole: left to itself it
     verifies them as often as its timings say they pay.)"""
-    from specrt.runtime.hybrid import HybridDrafter
+    from specrt.runtime.hybrid import HybridChoice
     from specrt.runtime.schedules import LoadSchedule
 
-    monkeypatch.setattr(HybridDrafter, "match_length", lambda self, found: len(found.tokens))
+    monkeypatch.setattr(HybridChoice, "match_length", lambda self, found, *_: len(found.tokens))
 
     class EveryMatch(LoadSchedule):
         def match_option(self, rows, curves, probe=False):

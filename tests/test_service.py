@@ -172,7 +172,7 @@ def test_a_service_takes_its_caches_memory_at_start(llama_bundle, monkeypatch):
 
     monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
-    decoders = (generator.target, generator.drafter.decoder)
+    decoders = (generator.target, generator.draft)
     capacities = [decoder.capacity for decoder in decoders]
     with Service(generator):
         for decoder, capacity in zip(decoders, capacities):

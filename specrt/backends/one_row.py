@@ -56,7 +56,7 @@ class OneRow:
         logits, probabilities, max_logit, max_probability = (
             None if a is None else a[None] for a in arrays
         )
-        argmax = None if out.argmax is None else [list(out.argmax)]
+        argmax = None if out.argmax is None else np.asarray([out.argmax])
         return Forward(logits, probabilities, argmax, max_logit, max_probability)
 
     def move_row(self, source: int, dest: int) -> None:

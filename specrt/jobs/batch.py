@@ -205,7 +205,7 @@ def run_batch(
         if output_path.is_file():  # pipes and devices have nothing to sync
             os.fsync(out.fileno())
     summary.wall_time_s = time.perf_counter() - started
-    decoders = (generator.target, getattr(generator.drafter, "decoder", None))
+    decoders = (generator.target, generator.draft)
     summary.cache_bytes = sum(getattr(d, "cache_bytes", 0) for d in decoders)
     summary.cache_bytes_per_row = sum(getattr(d, "cache_bytes_per_row", 0) for d in decoders)
     if generator.suffix_cache is not None:

@@ -15,25 +15,20 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 
 from specrt.backends import RowsDecoder
 from specrt.backends.base import PREFILL_CHUNK, whole_chunks
-from specrt.errors import InvalidInputError, NumericalError
+from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.drafters import Drafter
-from specrt.runtime.hybrid import DRAFT_WINDOW, HybridDrafter, MatchAcceptance
+from specrt.runtime.hybrid import DRAFT_WINDOW, HybridChoice, MatchAcceptance
 from specrt.runtime.lookup import NgramIndex, SuffixCache
-from specrt.runtime.planning import BatchPlanner
+from specrt.runtime.planning import BatchPlanner, LonePlanner, Plan
 from specrt.runtime.requests import Request, Row
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import (
-    RoundResult,
-    batched_round,
-    catch_up,
-    first_round,
-    first_tokens,
-    scheduled_round,
-)
+from specrt.runtime.round import RoundResult, catch_up, first_tokens, run_round
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
+
+# config -> (the hybrid's choice or None, the draft schedule) for a row running alone
+OneRowLearners = Callable[[GenerationConfig], tuple[HybridChoice | None, DraftSchedule]]
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_SERVE_BATCH_SIZE", "MAX_BATCH", "BatchRunner", "Request"]
 
@@ -57,10 +52,10 @@ class BatchRunner:
         tokenizer: BundleTokenizer | None,
         eos_token_ids: frozenset[int],
         suffix_cache: SuffixCache | None = None,
-        one_row: Callable[[GenerationConfig], tuple[Drafter, DraftSchedule]] | None = None,
+        one_row: OneRowLearners | None = None,
     ) -> None:
-        """``one_row``: a row's drafter and adaptive schedule for the rounds it runs alone
-        (`SpeculativeGenerator.one_row`); without it every round is a batched one."""
+        """``one_row``: a row's hybrid choice and draft schedule for the rounds it runs alone
+        (`SpeculativeGenerator.one_row`); without it every round is planned for a batch."""
         self.target, self.draft = target, draft
         self.one_row = one_row
         self.max_batch = min(target.max_batch, draft.max_batch)
@@ -68,6 +63,7 @@ class BatchRunner:
         self.eos_token_ids = eos_token_ids
         self.suffix_cache = suffix_cache
         self.planner = BatchPlanner(target, draft, suffix_cache)
+        self.lone = LonePlanner(suffix_cache)
         self.rows: list[Row] = []  # in slots 0 .. len - 1
 
     @property
@@ -145,10 +141,14 @@ class BatchRunner:
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
             drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
             self.draft.prefill_rows(start, drafted)
-        if start == 0 and len(rows) == 1 and self._runs_alone(rows[0]):
-            steps = [self._first_alone(rows[0])]
-        else:
-            steps = first_tokens(self.target, [row.round for row in rows], start)
+        lone = start == 0 and len(rows) == 1 and self._runs_alone(rows[0])
+        for row in rows:
+            row.round.k, row.round.match = 0, None
+        if lone:  # its first pass may verify a match too (no model runs for it)
+            plan = self._plan_alone(rows[0], first=True)
+        steps = first_tokens(self.target, [row.round for row in rows], start)
+        if lone:
+            self._learn_alone(rows[0], plan, steps[0], first=True)
         done = []
         for slot, (row, step) in enumerate(zip(rows, steps), start):
             if step.error is not None:
@@ -211,12 +211,12 @@ class BatchRunner:
         return row
 
     def _round(self, rows: list[Row], start: int) -> list[int]:
-        """One batched round over ``rows`` (in slots ``start ..``); returns the slots of rows
-        that finished."""
-        if len(rows) == 1 and self._runs_alone(rows[0]):
-            return self._round_alone(rows[0])
-        # 1. Plan: each row's share, the draft model's K tokens or a match (`planning`)
-        plan = self.planner.plan(rows)
+        """One round over ``rows`` (in slots ``start ..``); returns the slots of rows that
+        finished."""
+        # 1. Plan: each row's share, the draft model's K tokens or a match: a lone row's by
+        #    its own schedule, rows sharing calls' by the load schedule (`planning`)
+        lone = len(rows) == 1 and self._runs_alone(rows[0])
+        plan = self._plan_alone(rows[0]) if lone else self.planner.plan(rows)
         parts = [row.round for row in rows]
         # 2. Catch up: a draft behind after rounds without drafting reads what it missed (a
         #    cost of those rounds, not of this K)
@@ -224,12 +224,13 @@ class BatchRunner:
             started = time.perf_counter()
             self._window(rows, start)
             fed = catch_up(self.draft, parts, start)
-            plan.schedule.charge(time.perf_counter() - started, fed)
+            if plan.schedule is not None:
+                plan.schedule.charge(time.perf_counter() - started, fed)
         # 3. Draft, verify, accept: K draft calls, then ONE target call for every row
         lengths = [len(row.tokens) for row in rows]
         resizes = self.target.resizes + self.draft.resizes
         started = time.perf_counter()
-        steps = batched_round(self.target, self.draft, parts, plan.k, start)
+        steps = run_round(self.target, self.draft, parts, plan.k, start, plan.keep_drafting)
         seconds = time.perf_counter() - started
         # A round that grew a cache paid for copying it (a wide round most often, as its
         # positions pass the capacity first): not what its width costs.
@@ -252,8 +253,11 @@ class BatchRunner:
                 finished.append(slot)
         if any(step.error is not None for step in steps):
             self._clear_stale()
-        # 5. Learn: match acceptance, and the load schedule from the round's time
-        self.planner.learn(rows, plan, steps, seconds if typical else None)
+        # 5. Learn: the schedules, match acceptance, the hybrid's rates
+        if lone:
+            self._learn_alone(rows[0], plan, steps[0])
+        else:
+            self.planner.learn(rows, plan, steps, seconds if typical else None)
         return finished
 
     def _window(self, rows: list[Row], start: int) -> None:
@@ -273,71 +277,27 @@ class BatchRunner:
         round for rows sharing calls)."""
         return self.one_row is not None
 
-    def _alone(self, row: Row) -> tuple[Drafter, DraftSchedule]:
-        """The lone row's drafter and schedule, set to the row: a hybrid is shared by rows
-        (what it learns holds for the pair), so it is given this row's lookup index and match
-        history, and its model where the draft's cache starts in the row."""
-        config = row.request.config
+    def _plan_alone(self, row: Row, first: bool = False) -> Plan:
+        """The lone row's share of its round, as its own schedule and hybrid choose."""
         if row.alone is None:
-            drafter, schedule = self.one_row(config)
-            lookup = getattr(drafter, "lookup", None)
-            if lookup is not None and row.index is not None:  # the row's own index goes on
-                lookup.index = row.index
-            row.alone = drafter, schedule, lookup
-        drafter, schedule, lookup = row.alone
-        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
-        if isinstance(drafter, HybridDrafter):
-            drafter.lookup, drafter.history = lookup, row.match_history
-        if hasattr(model, "offset"):
-            model.offset = row.round.offset
-        return drafter, schedule
+            row.alone = self.one_row(row.request.config)
+        hybrid, schedule = row.alone
+        room = self._room(row)
+        if first:  # one call feeds at most a prefill chunk (TensorRT plans' largest profile)
+            unread = len(row.tokens) - int(self.target.lengths[0])
+            room = max(0, min(room, PREFILL_CHUNK - unread))
+        return self.lone.plan(row, room, schedule, hybrid, first)
+
+    def _learn_alone(self, row: Row, plan: Plan, step: RoundResult, first: bool = False) -> None:
+        if step.error is None:
+            hybrid, schedule = row.alone
+            self.lone.learn(row, plan, step, schedule, hybrid, first)
 
     def _room(self, row: Row) -> int:
-        """Draft tokens a lone row's round may verify: it emits at most that many + 1, and
+        """Proposed tokens a lone row's round may verify: it emits at most that many + 1, and
         every position fed must fit in each model."""
         room = min(row.limit - len(row.tokens) - 1, self.draft.max_positions - len(row.tokens))
         return max(0, room) if row.drafting else 0
-
-    def _first_alone(self, row: Row) -> RoundResult:
-        """A lone row's first token: one pass over what the target's cache lacks of the prompt
-        and whatever its drafter proposes for free (a match; no model runs for it)."""
-        drafter, _ = self._alone(row)
-        # One call feeds at most a prefill chunk (TensorRT plans' largest profile)
-        unread = len(row.tokens) - int(self.target.lengths[0])
-        room = max(0, min(self._room(row), PREFILL_CHUNK - unread))
-        sampling, rng = row.request.config.sampling, row.round.rng
-        try:
-            step = first_round(self.target, drafter, row.tokens, room, sampling, rng)
-        except NumericalError as exc:  # as in a batched round: the row fails alone
-            return RoundResult(0, 0, [], 0.0, 0.0, "model", str(exc))
-        self._after_alone(row, drafter)
-        return step
-
-    def _after_alone(self, row: Row, drafter: Drafter) -> None:
-        """Keep what the lone row's round changed in a drafter that rows share."""
-        if isinstance(drafter, HybridDrafter):
-            row.match_history = drafter.history
-        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
-        row.round.offset = getattr(model, "offset", 0)
-
-    def _round_alone(self, row: Row) -> list[int]:
-        """One round of the lone row (slot 0), drafting as its schedule says; [0] if it
-        finished."""
-        drafter, schedule = self._alone(row)
-        tokens, sampling, rng = row.tokens, row.request.config.sampling, row.round.rng
-        try:
-            step = scheduled_round(
-                self.target, drafter, schedule, tokens, self._room(row), sampling, rng
-            )
-        except NumericalError as exc:  # as in a batched round: the row fails alone
-            self._fail(row, 0, str(exc))
-            self._clear_stale()
-            return [0]
-        self._after_alone(row, drafter)
-        self.target.set_length(0, len(tokens) + step.accepted)
-        self._settle(row, step)
-        drafter.rollback(len(tokens) - 1)
-        return [0] if row.finish_reason else []
 
     def _settle(self, row: Row, step: RoundResult) -> None:
         """Append the round's tokens that stand (up to EOS, a stop string or the length) and

@@ -16,7 +16,7 @@ MAX_NGRAM = 16
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become a token, the part of `GenerationConfig` the drafter and the verifier
+    """How logits become a token, the part of `GenerationConfig` the draft steps and the verifier
     need: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
 
     temperature: float = 0.0

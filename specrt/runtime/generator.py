@@ -19,10 +19,9 @@ from specrt.backends.one_row import as_rows
 from specrt.errors import InvalidInputError, NumericalError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.drafters import Drafter, LookupDrafter, ModelDrafter
-from specrt.runtime.hybrid import HybridDrafter
+from specrt.runtime.hybrid import HybridChoice
 from specrt.runtime.loading import ModelPair, load_pair
-from specrt.runtime.lookup import NgramIndex, SuffixCache
+from specrt.runtime.lookup import SuffixCache
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -34,7 +33,8 @@ PROMPT_CHARS_MARGIN = 8
 
 
 class SpeculativeGenerator:
-    """Generates with a target model, optionally sped up by a drafter; output as the target's.
+    """Generates with a target model, sped up by a draft model and matching; output as the
+    target's.
 
     Every call runs the one round engine (`specrt.runtime.batching`): loaded with
     ``max_batch`` > 1 (batched engines), up to that many rows share every model call;
@@ -46,7 +46,7 @@ class SpeculativeGenerator:
     def __init__(
         self,
         target: Decoder,
-        drafter: Drafter,
+        draft: Decoder,
         tokenizer: BundleTokenizer | None = None,
         eos_token_ids: Sequence[int] = (),
         suffix_cache: SuffixCache | None = None,
@@ -57,7 +57,7 @@ class SpeculativeGenerator:
                 "(load options such as engine= are keywords)"
             )
         self.target = target
-        self.drafter = drafter
+        self.draft = draft
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         # Off unless given: it shares one request's text with the proposals of the next.
@@ -66,10 +66,10 @@ class SpeculativeGenerator:
         self._holder: int | None = None  # the thread in a call that holds the caches
         self._service: weakref.ref | None = None  # the Service running on them, if any
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
-        self._hybrids: dict[tuple[int, int, bool], HybridDrafter] = {}
+        self._hybrids: dict[tuple[int, int, bool, bool], HybridChoice] = {}
         self._load_schedules: dict[str, LoadSchedule] = {}  # what batches learn, kept
         # The round engine runs rows: a one-row decoder is rows of one
-        self.rows_decoders = as_rows(target), as_rows(drafter.decoder)
+        self.rows_decoders = as_rows(target), as_rows(draft)
 
     @classmethod
     def from_bundle(
@@ -89,8 +89,7 @@ class SpeculativeGenerator:
     def from_pair(
         cls, pair: ModelPair, suffix_cache: SuffixCache | None = None
     ) -> SpeculativeGenerator:
-        drafter = ModelDrafter(pair.draft)
-        return cls(pair.target, drafter, pair.tokenizer, pair.eos_token_ids, suffix_cache)
+        return cls(pair.target, pair.draft, pair.tokenizer, pair.eos_token_ids, suffix_cache)
 
     @property
     def max_batch(self) -> int:
@@ -101,7 +100,7 @@ class SpeculativeGenerator:
     @property
     def model_time_s(self) -> float:
         """Total time spent running the models so far (the rest is the loop's overhead)."""
-        return self.target.run_time_s + self.drafter.run_time_s
+        return self.target.run_time_s + self.draft.run_time_s
 
     # ----------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -325,31 +324,22 @@ class SpeculativeGenerator:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)
         return self._schedules[key]
 
-    def one_row(self, config: GenerationConfig) -> tuple[Drafter, DraftSchedule]:
-        """A row's drafter and schedule for the rounds it runs alone in a batch (`BatchRunner`):
-        the one-row loop's."""
-        return self._drafter(config), self._schedule(config)
-
-    def _drafter(self, config: GenerationConfig) -> Drafter:
-        """The row's proposer (`GenerationConfig.proposer`). A hybrid is kept across rows like
-        a schedule (what it learns holds for the pair)."""
-        if config.proposer == "model":
-            return self.drafter
-        index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-        lookup = LookupDrafter(index, self.suffix_cache)
-        if config.proposer == "lookup":
-            return lookup
-        key = (
-            config.prompt_lookup_min,
-            config.prompt_lookup_max,
-            config.greedy,
-            config.reproducible,
-        )
-        hybrid = self._hybrids.get(key)
-        if hybrid is None:
-            hybrid = self._hybrids[key] = HybridDrafter(self.drafter, lookup)
-        hybrid.lookup = lookup
-        return hybrid
+    def one_row(self, config: GenerationConfig) -> tuple[HybridChoice | None, DraftSchedule]:
+        """A row's hybrid choice (None unless its proposer is "hybrid") and draft schedule for
+        the rounds it runs alone (`BatchRunner`). Both are kept across rows, per the settings
+        they learn under: what they learn holds for the pair and machine, not one prompt."""
+        hybrid = None
+        if config.proposer == "hybrid":
+            key = (
+                config.prompt_lookup_min,
+                config.prompt_lookup_max,
+                config.greedy,
+                config.reproducible,
+            )
+            hybrid = self._hybrids.get(key)
+            if hybrid is None:
+                hybrid = self._hybrids[key] = HybridChoice()
+        return hybrid, self._schedule(config)
 
 
 def row_rng(config: GenerationConfig, row: int) -> np.random.Generator:

@@ -1,4 +1,4 @@
-r"""The hybrid drafter: each round, the continuation found by matching (prompt lookup, the suffix
+r"""The hybrid proposer: each round, the continuation found by matching (prompt lookup, the suffix
 cache) or the draft model's, whichever is expected to give more tokens per second.
 
 A match proposes up to L tokens for free; the round then costs one verification pass of L+1
@@ -18,14 +18,8 @@ long ones. Timings are what the rounds took.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-
-from specrt.runtime.config import SamplingParams
-from specrt.runtime.drafters import Draft, LookupDrafter, ModelDrafter
-from specrt.runtime.lookup import NO_PROPOSAL, Proposal
-from specrt.runtime.sampling import Draws
-from specrt.runtime.schedules import KeepGoing, LineFit
+from specrt.runtime.lookup import Proposal
+from specrt.runtime.schedules import LineFit
 from specrt.runtime.schedules.constants import (
     FIRST_MODEL_ROUNDS,
     FIRST_PRIOR,
@@ -58,17 +52,12 @@ DRAFT_WINDOW = 64
 NO_MATCH_YET = 3
 
 
-class HybridDrafter:
-    """Chooses per round between a `ModelDrafter` and a `LookupDrafter` (see the module)."""
+class HybridChoice:
+    """Chooses per round between a row's match and the draft model (see the module). Shared by
+    the lone rows of one configuration (what it learns holds for the pair); a row's own state
+    (how its last match fared) is passed in."""
 
-    def __init__(
-        self,
-        model: ModelDrafter,
-        lookup: LookupDrafter,
-        max_match_tokens: int = MAX_MATCH_TOKENS,
-    ) -> None:
-        self.model, self.lookup = model, lookup
-        self.max_positions = model.max_positions
+    def __init__(self, max_match_tokens: int = MAX_MATCH_TOKENS) -> None:
         self.max_match_tokens = max_match_tokens
         self.acceptance = MatchAcceptance()
         # seconds of a verification pass vs positions fed
@@ -79,68 +68,28 @@ class HybridDrafter:
         self._since_model = 0  # rounds since the model last drafted
         self._model_rounds = 0  # that drafted, ever
         self._warm = False
-        self._last = NO_PROPOSAL  # the last match proposed
-        self.history = NO_MATCH_YET  # how the row's last match fared (`outcome`)
-
-    @property
-    def run_time_s(self) -> float:
-        return self.model.run_time_s
-
-    def reset(self) -> None:
-        self.history = NO_MATCH_YET
-        self.model.reset()
-        self.lookup.reset()
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        pass  # the model reads the row when it is first asked to draft (it may never be)
-
-    def rollback(self, valid_length: int) -> None:
-        self.model.rollback(valid_length)  # the model may lag: it catches up when next asked
 
     @property
     def model_rate(self) -> float:
         """Tokens per one-position pass of recent model rounds (over a prior)."""
         return self._model_tokens / self._model_passes
 
-    def propose(
-        self,
-        tokens: list[int],
-        k: int,
-        sampling: SamplingParams,
-        rng: Draws,
-        keep_drafting: KeepGoing | None = None,
-        limit: int | None = None,
-    ) -> Draft:
-        room = k if limit is None else limit
-        found = self.lookup.find(tokens, min(room, self.max_match_tokens))
+    def choose(self, found: Proposal, k: int, history: int = NO_MATCH_YET) -> int:
+        """How many of the matched tokens ``found`` to verify this round (0: the model drafts,
+        K = ``k``). Until the model has drafted `FIRST_MODEL_ROUNDS` rounds, and every
+        `HYBRID_EXPLORE_EVERY` rounds without it, the model drafts anyway, to be measured."""
         measure = self._model_rounds < FIRST_MODEL_ROUNDS
         if k and (measure or self._since_model >= HYBRID_EXPLORE_EVERY):
-            length = 0  # the model's turn, to measure it again
-        else:
-            length = self.match_length(found) if found.tokens else 0
-        if length:
-            self._last = found
-            return Draft(found.tokens[:length], None, found.source)
-        started = time.perf_counter()
-        if k:
-            self._catch_up(tokens)
-        caught_up = time.perf_counter() - started
-        draft = self.model.propose(tokens, k, sampling, rng, keep_drafting)
-        draft.catch_up_s = caught_up
-        return draft
+            return 0
+        return self.match_length(found, history) if found.tokens else 0
 
-    def _catch_up(self, tokens: list[int]) -> None:
-        """Feed the model what it missed (the prompt, rounds of matches), at most the last
-        `DRAFT_WINDOW`: a cost of the matches, not of the model's round (`Draft.catch_up_s`)."""
-        self.model.catch_up(tokens, DRAFT_WINDOW)
-
-    def match_length(self, found: Proposal) -> int:
+    def match_length(self, found: Proposal, history: int = NO_MATCH_YET) -> int:
         """How many of the matched tokens to verify: the most tokens per second, or 0 where
-        the model's rounds do better."""
+        the model's rounds do better (``history``: how the row's last match fared)."""
         intercept, slope = self._verify_line()  # once: this runs every round, for 24 lengths
         one = max(intercept + slope, 1e-9)
         best, best_rate = 0, 0.0
-        expected_tokens = self.acceptance.expected_tokens(found, self.history)
+        expected_tokens = self.acceptance.expected_tokens(found, history)
         for length, expected in enumerate(expected_tokens, start=1):
             rate = expected * one / max(intercept + slope * (length + 1), 1e-9)
             if rate > best_rate:
@@ -167,32 +116,35 @@ class HybridDrafter:
 
     def observe(
         self,
-        source: str,
+        found: Proposal | None,
+        history: int,
         drafted: int,
         accepted: int,
         draft_time_s: float,
         verify_time_s: float | None,
-    ) -> None:
-        """Learn from a round: acceptance of a match's tokens, or the model's rate (not from
-        a row's first pass, ``verify_time_s`` None: it fed the prompt's end too)."""
+    ) -> int:
+        """Learn from a round that verified the match ``found`` (None: the model's draft, or
+        the target alone): that match's acceptance, or the model's rate (not from a row's
+        first pass, ``verify_time_s`` None: it fed the prompt's end too). Returns the row's
+        history for its next match (`outcome`)."""
         if verify_time_s is None:
-            if source != "model" and drafted:
-                self.acceptance.record(self._last, self.history, drafted, accepted)
-                self.history = outcome(drafted, accepted)
-            return
+            if found is not None and drafted:
+                self.acceptance.record(found, history, drafted, accepted)
+                return outcome(drafted, accepted)
+            return history
         if self._warm:  # the first pass runs on cold caches: not what passes cost
             self.verify_time.add(drafted + 1, verify_time_s)
         self._warm = True
-        drafting = source == "model" and drafted > 0
+        drafting = found is None and drafted > 0
         self._since_model = 0 if drafting else self._since_model + 1
         self._model_rounds += drafting
-        if source == "model":
+        if found is None:
             passes = (draft_time_s + verify_time_s) / self.verify_seconds(1)
             self._model_tokens = MODEL_DECAY * self._model_tokens + accepted + 1
             self._model_passes = MODEL_DECAY * self._model_passes + passes
-            return
-        self.acceptance.record(self._last, self.history, drafted, accepted)
-        self.history = outcome(drafted, accepted)
+            return history
+        self.acceptance.record(found, history, drafted, accepted)
+        return outcome(drafted, accepted)
 
 
 class MatchAcceptance:

@@ -7,11 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specrt.backends import RowsDecoder
-from specrt.runtime.hybrid import DRAFT_WINDOW, MAX_MATCH_TOKENS, MatchAcceptance, outcome
+from specrt.runtime.hybrid import (
+    DRAFT_WINDOW,
+    MAX_MATCH_TOKENS,
+    HybridChoice,
+    MatchAcceptance,
+    outcome,
+)
 from specrt.runtime.lookup import Proposal, SuffixCache, find_match
 from specrt.runtime.requests import Row
 from specrt.runtime.round import RoundResult
-from specrt.runtime.schedules import LoadSchedule
+from specrt.runtime.schedules import DraftSchedule, KeepGoing, LoadSchedule
 
 # Rounds without a model draft that skip looking for matches after the load schedule found
 # them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
@@ -22,11 +28,13 @@ MATCH_RECHECK_EVERY = 8
 @dataclass
 class Plan:
     """A round's plan: ``k`` draft-model steps (0: the model does not run), the rows (by index
-    in the round) that verify a match instead, and the load schedule that chose."""
+    in the round) that verify a match instead, the load schedule that chose (None: a lone
+    row's own schedule did), and that schedule's say after each draft token, if it has one."""
 
     k: int
     matched: dict[int, Proposal]
-    schedule: LoadSchedule
+    schedule: LoadSchedule | None
+    keep_drafting: KeepGoing | None = None
 
 
 class BatchPlanner:
@@ -128,10 +136,7 @@ class BatchPlanner:
 
     def _find(self, row: Row, cap: int) -> Proposal | None:
         """The row's match of up to ``cap`` tokens (its own text, else the suffix cache)."""
-        if row.index is None or cap <= 0:
-            return None
-        found = find_match(row.index, self.suffix_cache, row.tokens, cap)
-        return found if found.tokens else None
+        return _match(row, self.suffix_cache, cap)
 
     def _curve(self, row: Row, proposal: Proposal) -> list[float]:
         """Tokens the row is expected to emit with 1, 2, ... of the match verified."""
@@ -226,3 +231,73 @@ class BatchPlanner:
         if name not in self.schedules:
             self.schedules[name] = LoadSchedule(adapt=name == "load")
         return self.schedules[name]
+
+
+class LonePlanner:
+    """Plans the rounds of a row alone in the batch (a lone request, a job's last row) as it
+    would run by itself: its own draft schedule picks K (the adaptive one stops the draft
+    token by token: `Plan.keep_drafting`); a hybrid row verifies its match where `HybridChoice`
+    expects it to beat the model's rounds; a lookup row, its match of up to K tokens. The
+    schedule and the hybrid are the generator's, kept across rows (what they learn holds for
+    the pair); they learn from every lone round (`learn`)."""
+
+    def __init__(self, suffix_cache: SuffixCache | None) -> None:
+        self.suffix_cache = suffix_cache
+
+    def plan(
+        self,
+        row: Row,
+        room: int,
+        schedule: DraftSchedule,
+        hybrid: HybridChoice | None,
+        first: bool = False,
+    ) -> Plan:
+        """Set the row's share of the round (``room``: the most tokens it may verify). The
+        ``first`` round after its prompt has no model draft: a request's first token never
+        waits for drafting (a match costs nothing)."""
+        config, part = row.request.config, row.round
+        k = 0 if first else schedule.start_round(room)
+        found = None
+        if config.proposer == "lookup":
+            found = _match(row, self.suffix_cache, k)
+        elif config.proposer == "hybrid" and hybrid is not None:
+            candidate = _match(row, self.suffix_cache, min(room, hybrid.max_match_tokens))
+            if candidate is not None:
+                length = hybrid.choose(candidate, k, row.match_history)
+                found = candidate if length else None
+                if found is not None:
+                    part.match, part.k, part.source = found.tokens[:length], length, found.source
+                    return Plan(0, {0: found}, None)
+        if found is not None:
+            part.match, part.k, part.source = found.tokens, len(found.tokens), found.source
+            return Plan(0, {0: found}, None)
+        part.match, part.k = None, 0 if config.proposer == "lookup" else k
+        return Plan(part.k, {}, None, schedule.keep_drafting if part.k else None)
+
+    def learn(
+        self,
+        row: Row,
+        plan: Plan,
+        step: RoundResult,
+        schedule: DraftSchedule,
+        hybrid: HybridChoice | None,
+        first: bool = False,
+    ) -> None:
+        """The schedule learns from the model's rounds, the hybrid from every round (not the
+        time of the first: it fed the prompt's end too)."""
+        verify_time = None if first else step.verify_time_s
+        if step.source == "model" and verify_time is not None:
+            schedule.update(step.drafted, step.accepted, step.draft_time_s, verify_time)
+        if hybrid is not None:
+            found = plan.matched.get(0)
+            history = row.match_history
+            args = step.drafted, step.accepted, step.draft_time_s, verify_time
+            row.match_history = hybrid.observe(found, history, *args)
+
+
+def _match(row: Row, suffix_cache: SuffixCache | None, cap: int) -> Proposal | None:
+    """The row's match of up to ``cap`` tokens (its own text, else the suffix cache)."""
+    if row.index is None or cap <= 0:
+        return None
+    found = find_match(row.index, suffix_cache, row.tokens, cap)
+    return found if found.tokens else None

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.drafters import Drafter
-from specrt.runtime.hybrid import NO_MATCH_YET
+from specrt.runtime.hybrid import NO_MATCH_YET, HybridChoice
 from specrt.runtime.lookup import NgramIndex
 from specrt.runtime.results import GenerationStats
 from specrt.runtime.round import RowRound
@@ -53,8 +52,8 @@ class Row:
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")
-    # Its one-row drafter and schedule, and its own lookup (a hybrid is shared by rows)
-    alone: tuple[Drafter, DraftSchedule, object] | None = None
+    # The hybrid's choice (None unless "hybrid") and the draft schedule it runs alone with
+    alone: tuple[HybridChoice | None, DraftSchedule] | None = None
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:

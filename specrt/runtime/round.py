@@ -1,126 +1,61 @@
-"""One speculative round: draft K tokens, verify them in ONE target pass, accept a prefix.
+"""The round engine: one speculative round over rows sharing every model call (a lone request
+is a batch of one), and the pass that gives each admitted row its first token.
 
-The math of which tokens stand is in `verification.py`; rolling the caches back and stopping are
-the caller's (`generator.py`).
+A round, for rows in slots ``start .. start + n - 1`` of both models' caches:
+
+1. **Draft.** K steps of the draft model, each ONE call for every row; a row that verifies a
+   match (prompt lookup, the suffix cache) instead, or fewer tokens, draws nothing past its
+   share. A lone row's schedule may stop the steps early (``keep_drafting``).
+2. **Verify.** ONE target call over ``[last token, proposal]`` of every row: ``[n, W+1]``
+   positions, W the widest proposal.
+3. **Accept.** Each row keeps a prefix of its proposal and the token after it
+   (`verification.verify`: greedy, rejection sampling, or a seeded row's keyed draws).
+
+Rolling the caches back to what stands, and choosing each row's share, are the caller's
+(`batching.BatchRunner`, `planning`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Decoder, Forward, RowsDecoder
+from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Forward, RowsDecoder
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
-from specrt.runtime.drafters import Drafter
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
     Draws,
     check_probabilities,
     draw,
     greedy_tokens,
-    rows_needed,
+    top_probability,
     warp,
 )
-from specrt.runtime.schedules import DraftSchedule, KeepGoing
+from specrt.runtime.schedules import KeepGoing
 from specrt.runtime.verification import accept_greedy, verify
 
 
 @dataclass
 class RoundResult:
-    drafted: int  # draft tokens proposed
+    drafted: int  # proposed tokens the target checked
     accepted: int  # of them kept by the target
-    tokens: list[int]  # emitted: the accepted draft tokens, then the recovered or bonus token
+    tokens: list[int]  # emitted: the accepted proposal, then the recovered or bonus token
     draft_time_s: float
     verify_time_s: float
     source: str = "model"  # the proposer of the draft tokens
-    error: str | None = None  # batched rounds: why this row failed (NaN/inf logits)
-
-
-def speculative_round(
-    target: Decoder,
-    drafter: Drafter,
-    tokens: list[int],
-    k: int,
-    sampling: SamplingParams,
-    rng: Draws,
-    keep_drafting: KeepGoing | None = None,
-    limit: int | None = None,
-) -> RoundResult:
-    """Continue ``tokens`` by one round: at most ``k`` draft tokens (``keep_drafting`` may stop
-    the drafter earlier; a matching proposer may take up to ``limit``), all of them checked by
-    one target pass. k = 0 (and nothing matched) is a plain target step.
-
-    The target's cache holds all of ``tokens`` but the newest (the caller rolls it back so); it
-    is fed that token and the draft, K+1 positions, and returns what verification reads of
-    them (`sampling.rows_needed`)."""
-    started = time.perf_counter()
-    draft = drafter.propose(tokens, k, sampling, rng, keep_drafting, limit)
-    drafted_at = time.perf_counter()
-
-    fed = tokens[target.length :] + draft.tokens
-    out = target.forward(fed, keep_last=len(draft.tokens) + 1, need=rows_needed(sampling))
-    accepted, next_token = verify(
-        draft.tokens, draft.probabilities, out, sampling, rng, len(tokens)
-    )
-    return RoundResult(
-        drafted=len(draft.tokens),
-        accepted=accepted,
-        tokens=[*draft.tokens[:accepted], next_token],
-        draft_time_s=drafted_at - started - draft.catch_up_s,
-        verify_time_s=time.perf_counter() - drafted_at,
-        source=draft.source,
-    )
-
-
-def first_round(
-    target: Decoder,
-    drafter: Drafter,
-    tokens: list[int],
-    room: int,
-    sampling: SamplingParams,
-    rng: Draws,
-) -> RoundResult:
-    """The first round after a prompt: one pass over what the target's cache lacks of it (at
-    least the last token) and whatever the drafter proposes for free (a match: k = 0, so no
-    model runs and a request's first token never waits for drafting). The drafter learns how
-    its match fared, not what the pass cost (it fed the prompt's end too)."""
-    step = speculative_round(target, drafter, tokens, 0, sampling, rng, limit=room)
-    drafter.observe(step.source, step.drafted, step.accepted, step.draft_time_s, None)
-    return step
-
-
-def scheduled_round(
-    target: Decoder,
-    drafter: Drafter,
-    schedule: DraftSchedule,
-    tokens: list[int],
-    room: int,
-    sampling: SamplingParams,
-    rng: Draws,
-) -> RoundResult:
-    """The one-row loop's round: ``schedule`` picks K (at most ``room``) and may stop the
-    drafter early; it and the drafter then learn from how the round went."""
-    k = schedule.start_round(room)
-    step = speculative_round(
-        target, drafter, tokens, k, sampling, rng, schedule.keep_drafting, room
-    )
-    times = step.draft_time_s, step.verify_time_s
-    if step.source == "model":
-        schedule.update(step.drafted, step.accepted, *times)
-    drafter.observe(step.source, step.drafted, step.accepted, *times)
-    return step
+    error: str | None = None  # why this row failed (NaN/inf logits)
 
 
 @dataclass
 class RowRound:
-    """One row's part in a batched round: its tokens (the target's cache holds all but the
-    newest), how to sample, its own random stream, and how many draft tokens it verifies:
-    the first ``k`` of the model's (fewer near its length limit), or ``match``, tokens proposed
-    by matching (`LookupDrafter`: point masses) in their place. ``offset``: the row's first
-    tokens the draft's cache leaves out (it reads a window of a long row)."""
+    """One row's part in a round: its tokens (the target's cache holds all but the newest),
+    how to sample, its own random stream, and how many proposed tokens it verifies: the first
+    ``k`` of the draft model's (fewer near its length limit), or ``match``, tokens proposed by
+    matching (point masses) in their place. ``offset``: the row's first tokens the draft's
+    cache leaves out (it reads a window of a long row)."""
 
     tokens: list[int]
     sampling: SamplingParams
@@ -129,81 +64,78 @@ class RowRound:
     match: list[int] | None = None
     source: str = "model"
     offset: int = 0
+    # The draft's distributions ``[K, V]``, reused round after round: a fresh array each round
+    # is large enough to come from mmap, and its page faults cost more than a draft step.
+    q_buffer: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def model_k(self) -> int:
         """Draft-model tokens this row uses (and draws for)."""
         return 0 if self.match else self.k
 
+    def q_rows(self, k: int, vocab: int) -> np.ndarray:
+        """``[k, vocab]`` rows for this round's draft distributions."""
+        if self.q_buffer is None or len(self.q_buffer) < k or self.q_buffer.shape[1] != vocab:
+            self.q_buffer = np.empty((k, vocab), LOOP_DTYPE)
+        return self.q_buffer[:k]
 
-def batched_round(
+
+def run_round(
     target: RowsDecoder,
     draft: RowsDecoder,
     rows: list[RowRound],
     k: int,
     start: int = 0,
+    keep_drafting: KeepGoing | None = None,
 ) -> list[RoundResult]:
-    """One round for rows ``start`` .. ``start + n - 1`` of both models' caches: K draft steps,
-    each one draft call for every row (none when every row has a match), then ONE target call
-    verifying ``[n, W+1]`` (W: the most draft tokens a row verifies); each row accepts its own
-    prefix.
-    A row uses its first ``row.k`` draft tokens or its match: it draws nothing past them (its
-    random stream advances as if it were alone) and its later slots are filler. A row whose
-    logits come out NaN/inf fails alone (its result's ``error``); the others go on as they
-    would have."""
+    """One round for ``rows`` (slots ``start ..``): K draft steps (none when every row has a
+    match), ONE target call, each row's accepted prefix. ``keep_drafting``: a lone row's
+    schedule, asked after each draft step (see `draft_rows`). A row whose logits come out
+    NaN/inf fails alone (its result's ``error``); the others go on as they would have."""
     started = time.perf_counter()
     n = len(rows)
-    k = k if any(row.model_k for row in rows) else 0
     failed: dict[int, str] = {}
-    if not k:
-        drafts, q = np.zeros((n, 0), np.int64), []
-    else:
-        drafts, q = draft_rows(draft, rows, k, failed, start)
-    drafts_per_row = [row.match or own for row, own in zip(rows, drafts.tolist())]
+
+    # 1. Draft: drafts [n, K] (filler past a row's share), q[i] [K, V] for sampled rows
+    k = k if any(row.model_k for row in rows) else 0
+    drafts, q = draft_rows(draft, rows, k, failed, start, keep_drafting)
+    proposals = [row.match or own[: row.k] for row, own in zip(rows, drafts.tolist())]
     drafted_at = time.perf_counter()
 
-    k = max(row.k for row in rows)  # the verification width
-    fed = np.zeros((n, k + 1), dtype=np.int64)
-    for i, (row, proposed) in enumerate(zip(rows, drafts_per_row)):
+    # 2. Verify: fed [n, W+1] = each row's newest token, its proposal, then filler
+    width = max(row.k for row in rows)
+    fed = np.zeros((n, width + 1), dtype=np.int64)
+    for i, (row, proposal) in enumerate(zip(rows, proposals)):
         fed[i, 0] = row.tokens[-1]
-        fed[i, 1 : 1 + row.k] = proposed[: row.k]  # the rest: filler
+        fed[i, 1 : 1 + row.k] = proposal
     greedy = all(row.sampling.greedy for row in rows)
     need = NEED_ARGMAX if greedy else NEED_LOGITS  # what a device backend brings back
-    out = target.forward_rows(fed, keep_last=k + 1, start=start, need=need)
+    out = target.forward_rows(fed, keep_last=width + 1, start=start, need=need)
+
+    # 3. Accept: (accepted, next token) per row; greedy rows in one argmax over the batch
     verdicts: list[tuple[int, int]] = []
-    if greedy and not failed:  # one argmax for the batch
+    if greedy and not failed:
         try:
-            choices = greedy_tokens(_flat(out), "target")
+            choices = greedy_tokens(_flat(out), "target")  # [n * (W+1)]
+            stride = width + 1
             verdicts = [
-                accept_greedy(drafts_per_row[i][: row.k], choices[i * (k + 1) : (i + 1) * (k + 1)])
-                for i, row in enumerate(rows)
+                accept_greedy(proposals[i], choices[i * stride : (i + 1) * stride])
+                for i in range(n)
             ]
         except NumericalError:
             verdicts = []  # find the row(s) below
     if not verdicts:
         for i, row in enumerate(rows):
-            row_out = _pick(out, (i, slice(0, row.k + 1)))
-            row_q = q[i][: row.k] if q and q[i] is not None and not row.match else None
-            verdicts.append(
-                (0, 0)
-                if i in failed
-                else _row_verdict(
-                    failed,
-                    i,
-                    drafts_per_row[i][: row.k],
-                    row_q,
-                    row_out,
-                    row.sampling,
-                    row.rng,
-                    len(row.tokens),
-                )
-            )
+            row_out = _pick(out, (i, slice(0, row.k + 1)))  # [k+1, V]
+            row_q = q[i][: row.k] if q[i] is not None and not row.match else None
+            args = proposals[i], row_q, row_out, row.sampling, row.rng, len(row.tokens)
+            verdicts.append((0, 0) if i in failed else _row_verdict(failed, i, *args))
     verify_time = time.perf_counter() - drafted_at
     return [
         RoundResult(
             drafted=row.k,
             accepted=accepted,
-            tokens=[] if i in failed else [*drafts_per_row[i][:accepted], token],
+            tokens=[] if i in failed else [*proposals[i][:accepted], token],
             draft_time_s=drafted_at - started,
             verify_time_s=verify_time,
             source=row.source if row.match else "model",
@@ -215,22 +147,28 @@ def batched_round(
 
 def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> list[RoundResult]:
     """Each row's first token after its prompt (rows in slots ``start ..``): one call per row
-    feeds what the target's cache lacks of the prompt (its end, as the one-row loop's first
-    pass: at most a prefill chunk) and draws from the last position. A call of one row
-    attends over that row's positions only; one over several rows would attend over the whole
-    cache, which rows already running may have grown far past these prompts."""
+    feeds what the target's cache lacks of the prompt (its end: at most a prefill chunk) and
+    the row's ``match`` if it has one (verified in the same pass: no model runs for it), and
+    reads the last positions. A call of one row attends over that row's positions only; one
+    over several rows would attend over the whole cache, which rows already running may have
+    grown far past these prompts."""
     results = []
     for slot, row in enumerate(rows, start):
         started = time.perf_counter()
-        fed = np.array([row.tokens[int(target.lengths[slot]) :]], dtype=np.int64)
+        match = row.match or []
+        unread = row.tokens[int(target.lengths[slot]) :]
+        fed = np.array([unread + match], dtype=np.int64)  # [1, unread + M]
         need = NEED_ARGMAX if row.sampling.greedy else NEED_LOGITS
-        out = target.forward_rows(fed, keep_last=1, start=slot, need=need)
+        out = target.forward_rows(fed, keep_last=len(match) + 1, start=slot, need=need)
         failed: dict[int, str] = {}
-        verdict = [], None, _pick(out, 0), row.sampling, row.rng, len(row.tokens)
-        _, token = _row_verdict(failed, 0, *verdict)
+        args = match, None, _pick(out, 0), row.sampling, row.rng, len(row.tokens)
+        accepted, token = _row_verdict(failed, 0, *args)
         seconds = time.perf_counter() - started
-        tokens = [] if failed else [token]
-        results.append(RoundResult(0, 0, tokens, 0.0, seconds, "model", failed.get(0)))
+        tokens = [] if failed else [*match[:accepted], token]
+        source = row.source if match else "model"
+        results.append(
+            RoundResult(len(match), accepted, tokens, 0.0, seconds, source, failed.get(0))
+        )
     return results
 
 
@@ -249,47 +187,64 @@ def draft_rows(
     k: int,
     failed: dict[int, str] | None = None,
     start: int = 0,
+    keep_drafting: KeepGoing | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray | None]]:
     """K draft tokens for every row ``[n, K]`` (rows in slots ``start ..``) and, per sampled
     row, the distributions they were drawn from ``[K, V]``. The first call feeds each row what
     it has not yet seen (1 token, or 2 after a fully accepted round), right-padded to the
     longest (`catch_up` first when the draft is further behind). A row whose draft logits are
-    NaN/inf is recorded in ``failed`` (its drafts are filler) instead of failing the others."""
+    NaN/inf is recorded in ``failed`` (its drafts are filler) instead of failing the others.
+    ``keep_drafting`` (one row only): asked after each token with the draft's confidence in it
+    (its probability: the top one when greedy); False stops drafting, and the row verifies
+    what was drafted so far."""
     failed = {} if failed is None else failed
     n = len(rows)
+    vocab = draft.vocab_size
+    q = [None if row.sampling.greedy or not k else row.q_rows(k, vocab) for row in rows]
+    drafts = np.zeros((n, k), dtype=np.int64)
+    if not k:
+        return drafts, q
     lengths = draft.lengths[start : start + n].tolist()
     unseen = [row.tokens[row.offset + length :] for row, length in zip(rows, lengths)]
-    ids, fed = _right_padded(unseen)
+    ids, fed = _right_padded(unseen)  # [n, width], [n]
     width = ids.shape[1]
-    newest = (np.arange(n), fed - 1)  # each row's newest real token, in the first call's output
-    drafts = np.zeros((n, k), dtype=np.int64)
-    vocab = draft.vocab_size
-    q = [None if row.sampling.greedy else np.empty((k, vocab), LOOP_DTYPE) for row in rows]
+    ragged = bool((fed != width).any())
+    newest = (np.arange(n), fed - 1)  # each row's newest real token, in a ragged first call
     greedy = all(row.sampling.greedy for row in rows)
     need = NEED_ARGMAX if greedy else NEED_LOGITS
     for step in range(k):
-        if step == 0 and width > 1:
+        if step == 0 and ragged:
             out = draft.forward_rows(ids, keep_last=width, fed=fed, start=start, need=need)
-            picked = _pick(out, newest)
+            picked = _pick(out, newest)  # [n, V]
         else:
             fed_now = ids if step == 0 else drafts[:, step - 1 : step]
             out = draft.forward_rows(fed_now, keep_last=1, start=start, need=need)
-            picked = _pick(out, (slice(None), 0))
+            picked = _pick(out, (slice(None), 0))  # [n, V]
         if greedy and not failed:
             try:
                 drafts[:, step] = greedy_tokens(picked, "draft")
-                continue
             except NumericalError:
-                pass  # find the row(s) below
-        for i, row in enumerate(rows):
-            if step >= row.model_k or i in failed:  # past this row's share: filler, no draw
-                drafts[i, step] = drafts[i, step - 1] if step else 0
-                continue
-            try:
-                drafts[i, step] = _draft_token(row, i, step, picked, q)
-            except NumericalError as exc:
-                failed[i] = str(exc)
+                _draft_each(rows, step, picked, q, drafts, failed)  # find the row(s)
+        else:
+            _draft_each(rows, step, picked, q, drafts, failed)
+        if keep_drafting is not None and not failed:
+            confidence = _confidence(rows[0], picked, q[0], step, int(drafts[0, step]))
+            if not keep_drafting(step + 1, confidence):
+                rows[0].k = min(rows[0].k, step + 1)
+                return drafts[:, : step + 1], q
     return drafts, q
+
+
+def _draft_each(rows, step: int, picked: Forward, q, drafts: np.ndarray, failed) -> None:
+    """Each row's draft token at ``step``, drawn by its own rules (filler past its share)."""
+    for i, row in enumerate(rows):
+        if step >= row.model_k or i in failed:  # past this row's share: filler, no draw
+            drafts[i, step] = drafts[i, step - 1] if step else 0
+            continue
+        try:
+            drafts[i, step] = _draft_token(row, i, step, picked, q)
+        except NumericalError as exc:
+            failed[i] = str(exc)
 
 
 def _draft_token(row: RowRound, i: int, step: int, picked: Forward, q) -> int:
@@ -305,6 +260,18 @@ def _draft_token(row: RowRound, i: int, step: int, picked: Forward, q) -> int:
     else:
         q[i][step] = warp(logits[i], s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
     return draw(q[i][step], row.rng, len(row.tokens) + step)
+
+
+def _confidence(row: RowRound, picked: Forward, q: np.ndarray | None, step: int, token: int):
+    """The draft's probability of the token it drafted for the first row: the one drawn from
+    (sampled), or its top one (greedy), where the backend computed it if it did."""
+    if q is not None:
+        return float(q[step, token])
+    if picked.max_probability is not None:
+        return float(picked.max_probability[0])
+    if picked.probabilities is not None:
+        return float(picked.probabilities[0, token])
+    return top_probability(picked.logits[0], token)
 
 
 def _pick(out: Forward, index) -> Forward:

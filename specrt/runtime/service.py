@@ -58,7 +58,7 @@ class Service:
                 f"a Service runs a SpeculativeGenerator, not {type(generator).__name__} (load "
                 "one with SpeculativeGenerator.from_bundle(path, max_batch=8))"
             )
-        draft = getattr(generator.drafter, "decoder", None)
+        draft = generator.draft
         if not (isinstance(generator.target, RowsDecoder) and isinstance(draft, RowsDecoder)):
             portable = isinstance(generator.target, PortableDecoder)
             raise InvalidInputError(

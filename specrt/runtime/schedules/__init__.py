@@ -4,7 +4,7 @@ sharing calls, the load schedule.
 
 ``base`` holds the protocol, ``fixed`` the fixed and heuristic schedules, ``adaptive`` the
 adaptive one, ``load`` the load schedule, ``estimators`` what they estimate with (line fit, round
-times, check spacing), ``constants`` every tunable of these learners (and the hybrid drafter's),
+times, check spacing), ``constants`` every tunable of these learners (and the hybrid proposer's),
 with its unit.
 """
 

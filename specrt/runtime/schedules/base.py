@@ -1,5 +1,5 @@
 """What the loop asks a one-row draft-length schedule each round (`DraftSchedule`), and the
-per-token callback a schedule may give the drafter (`KeepGoing`)."""
+per-token callback a schedule may give the draft step (`KeepGoing`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The tunable constants of the learners that pick what a round drafts, with their units: the
 one-row schedules (adaptive, heuristic), the load schedule (rows sharing calls) and the hybrid
-drafter's choice between a match and the draft model (`specrt.runtime.hybrid`).
+proposer's choice between a match and the draft model (`specrt.runtime.hybrid`).
 
 In one place so that two learners' knobs of one name cannot drift apart unseen: where they
 differ (the verify slope bounds, the exploration spacing) each name says its owner.
@@ -48,7 +48,7 @@ MATCH_PRIOR_COST = 0.25
 # look free).
 MATCH_MIN_SLOPE = 0.5
 
-# -- hybrid drafter (a match or the draft model, per round) --------------------------------------
+# -- hybrid proposer (a match or the draft model, per round) --------------------------------------
 # Bounds of the fitted cost of one more verified position, as a share of a verification pass's
 # seconds (at the fit's centre): it is assumed at the lower one until two lengths were measured.
 # Not ADAPTIVE_MAX_VERIFY_SLOPE: a match costs no draft steps, so only the pass is bounded.

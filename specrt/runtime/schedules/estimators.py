@@ -1,4 +1,4 @@
-"""What the schedules and the hybrid drafter estimate with: a moving average, a decayed line fit
+"""What the schedules and the hybrid proposer estimate with: a moving average, a decayed line fit
 (verification time against positions fed), recent round times per batch size, and when to check
 a choice again."""
 
