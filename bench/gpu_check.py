@@ -287,8 +287,9 @@ def group_query_one_row(bundle: Path, entry: dict, args) -> dict:
     out = {}
     for label, k in (("target only", 0), ("K=4", 4)):
         config = GenerationConfig(
-            max_new_tokens=args.new_tokens, num_draft_tokens=k, ignore_eos=True
-        )
+            max_new_tokens=args.new_tokens, num_draft_tokens=k, ignore_eos=True,
+            proposer="model", draft_schedule="fixed",
+        )  # fmt: skip
         generator.generate(entry["prompt_ids"][:1], config)  # warm-up
         rates = []
         for prompt in entry["prompt_ids"]:
@@ -336,6 +337,7 @@ def batches(bundle: Path, name: str, args, clock: Clock) -> dict:
                 max_new_tokens=args.new_tokens,
                 num_draft_tokens=k,
                 draft_schedule="adaptive",
+                proposer="model",
                 ignore_eos=True,
             )
             warm = [Request(0, prompts[0], config, np.random.default_rng(0))]
@@ -374,8 +376,9 @@ def measure(bundle: Path, name: str, entry: dict, args, clock: Clock) -> None:
 
     def config(k: int, schedule: str = "fixed", new: int = args.new_tokens) -> GenerationConfig:
         return GenerationConfig(
-            max_new_tokens=new, num_draft_tokens=k, draft_schedule=schedule, ignore_eos=True
-        )
+            max_new_tokens=new, num_draft_tokens=k, draft_schedule=schedule, ignore_eos=True,
+            proposer="model",
+        )  # fmt: skip
 
     for k in (0, 4):  # warm-up
         generator.generate(prompts[:1], config(k, new=8))

@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from specrt.prompts import read_prompt_file
@@ -36,12 +37,15 @@ def main() -> None:
 
     generator = SpeculativeGenerator.from_bundle(args.bundle)
     prompts = generator.encode_prompts(read_prompt_file(args.prompt_file)[: args.num_prompts])
+    model = dict(proposer="model", draft_schedule="fixed")  # the draft model, K every round
     configs = {
-        k: GenerationConfig(max_new_tokens=args.max_new_tokens, num_draft_tokens=k, ignore_eos=True)
+        k: GenerationConfig(
+            max_new_tokens=args.max_new_tokens, num_draft_tokens=k, ignore_eos=True, **model
+        )
         for k in (0, args.k)
     }
     for config in configs.values():  # warm-up: first calls allocate
-        generator.generate([prompts[0][:32]], GenerationConfig(8, config.num_draft_tokens))
+        generator.generate([prompts[0][:32]], replace(config, max_new_tokens=8))
     for _ in range(args.runs):
         rates: dict[int, list[float]] = {k: [] for k in configs}
         outside = dict.fromkeys(configs, 0.0)

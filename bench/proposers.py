@@ -36,15 +36,17 @@ import click
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 128
 
+MODEL = dict(proposer="model", draft_schedule="fixed")  # the draft model, K every round
+LOOKUP = dict(proposer="lookup", draft_schedule="fixed")
 CONTENDERS = {
     "target alone": dict(num_draft_tokens=0),
-    "model K=2": dict(num_draft_tokens=2),
-    "model K=4": dict(num_draft_tokens=4),
-    "model K=6": dict(num_draft_tokens=6),
-    "model adaptive K<=4": dict(num_draft_tokens=4, draft_schedule="adaptive"),
-    "lookup K=4": dict(num_draft_tokens=4, proposer="lookup"),
-    "lookup K=8": dict(num_draft_tokens=8, proposer="lookup"),
-    "suffix+lookup K=4 (batch)": dict(num_draft_tokens=4, proposer="lookup", suffix=True),
+    "model K=2": dict(num_draft_tokens=2, **MODEL),
+    "model K=4": dict(num_draft_tokens=4, **MODEL),
+    "model K=6": dict(num_draft_tokens=6, **MODEL),
+    "model adaptive K<=4": dict(num_draft_tokens=4, draft_schedule="adaptive", proposer="model"),
+    "lookup K=4": dict(num_draft_tokens=4, **LOOKUP),
+    "lookup K=8": dict(num_draft_tokens=8, **LOOKUP),
+    "suffix+lookup K=4 (batch)": dict(num_draft_tokens=4, **LOOKUP, suffix=True),
     "hybrid adaptive K<=4 (default)": dict(
         num_draft_tokens=4, draft_schedule="adaptive", proposer="hybrid"
     ),
@@ -155,8 +157,8 @@ def run_workload(
 
 BATCH_CONTENDERS = {
     "target alone": dict(num_draft_tokens=0),
-    "model adaptive K<=4": dict(draft_schedule="adaptive"),
-    "lookup K=4": dict(proposer="lookup"),
+    "model adaptive K<=4": dict(draft_schedule="adaptive", proposer="model"),
+    "lookup K=4": LOOKUP,
     "hybrid adaptive K<=4 (default)": dict(proposer="hybrid", draft_schedule="adaptive"),
     "hybrid+suffix": dict(proposer="hybrid", draft_schedule="adaptive", suffix=True),
 }

@@ -55,6 +55,7 @@ def main() -> None:
             max_new_tokens=args.max_new_tokens,
             num_draft_tokens=k,
             draft_schedule=schedule,
+            proposer="model",  # the schedules of the draft model's K
             temperature=args.temperature,
             ignore_eos=True,
             seed=0,

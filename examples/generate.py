@@ -9,7 +9,7 @@ from specrt import GenerationConfig, SpeculativeGenerator
 
 bundle, prompt = sys.argv[1], sys.argv[2]
 generator = SpeculativeGenerator.from_bundle(bundle)
-config = GenerationConfig(max_new_tokens=64, proposer="hybrid", draft_schedule="adaptive")
+config = GenerationConfig(max_new_tokens=64)  # the hybrid proposer, the adaptive schedule
 [result] = generator.generate([prompt], config)
 [alone] = generator.generate([prompt], GenerationConfig(max_new_tokens=64, num_draft_tokens=0))
 print(result.text)

@@ -39,6 +39,8 @@ def main() -> None:
         config = GenerationConfig(
             max_new_tokens=args.max_new_tokens,
             num_draft_tokens=4,
+            proposer="model",  # the draft model's own speed-up and acceptance
+            draft_schedule="fixed",
             temperature=temperature,
             seed=0,
             ignore_eos=True,

@@ -66,9 +66,7 @@ class SpecrtPredictor:
             options["max_length"] = max_length
         cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
         self.generator = SpeculativeGenerator.from_bundle(bundle, suffix_cache=cache, **options)
-        self.defaults = GenerationConfig(
-            **{"proposer": "hybrid", "draft_schedule": "adaptive", **generation}
-        )
+        self.defaults = GenerationConfig(**generation)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         columns = {name: list(values) for name, values in batch.items()}
