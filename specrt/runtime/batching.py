@@ -64,6 +64,7 @@ class BatchRunner:
         self.suffix_cache = suffix_cache
         self.planner = BatchPlanner(target, draft, suffix_cache)
         self.lone = LonePlanner(suffix_cache)
+        self._left = False  # rows left since the caches last gave back what they had grown
         self.rows: list[Row] = []  # in slots 0 .. len - 1
 
     @property
@@ -93,8 +94,9 @@ class BatchRunner:
                     more = False
                 else:
                     admitted.append(request)
-            for request, result in self.add(admitted):
-                yield request.key, result
+            if admitted or self._left:  # (nothing to admit nor give back: a round's time saved)
+                for request, result in self.add(admitted):
+                    yield request.key, result
             if not self.rows:
                 if not more:
                     return
@@ -122,8 +124,10 @@ class BatchRunner:
             start = len(self.rows)
             self.rows.extend(rows)
             finished += self._leave(self._admit(rows, start))
-        for cache in (self.target, self.draft):  # give back what rows that left had grown
-            cache.shrink(SHRINK_HEADROOM)
+        if self._left:
+            for cache in (self.target, self.draft):  # give back what rows that left had grown
+                cache.shrink(SHRINK_HEADROOM)
+            self._left = False
         return finished
 
     def _admit(self, rows: list[Row], start: int) -> list[int]:
@@ -340,6 +344,7 @@ class BatchRunner:
 
     def _free(self, slot: int) -> None:
         """Drop the row in ``slot``; the last row moves into it (the slots stay packed)."""
+        self._left = True
         edge = len(self.rows) - 1
         if slot != edge:
             self.target.move_row(edge, slot)
