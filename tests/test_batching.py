@@ -814,6 +814,8 @@ def run_with_a_long_row(bundle, max_batch: int, temperature: float, **load) -> d
     """Six rows, row 0 alone running past `POISONED_FROM` positions (nor its drafts reach it
     for the others), 3 draft tokens, seeded."""
     options = dict(num_draft_tokens=3, ignore_eos=True, temperature=temperature, seed=5)
+    # The draft model's 3 tokens every round: a hybrid's match could widen a call past them
+    options.update(proposer="model", draft_schedule="fixed")
     generator = SpeculativeGenerator.from_bundle(
         bundle, threads=1, max_batch=max_batch, check_files=False, **load
     )

@@ -150,19 +150,19 @@ class BatchRunner:
             row.round.k, row.round.match = 0, None
         if lone:  # its first pass may verify a match too (no model runs for it)
             plan = self._plan_alone(rows[0], first=True)
-        steps = first_tokens(self.target, [row.round for row in rows], start)
+        results = first_tokens(self.target, [row.round for row in rows], start)
         if lone:
-            self._learn_alone(rows[0], plan, steps[0], first=True)
+            self._learn_alone(rows[0], plan, results[0], first=True)
         done = []
-        for slot, (row, step) in enumerate(zip(rows, steps), start):
-            if step.error is not None:
-                self._fail(row, slot, step.error)
+        for slot, (row, result) in enumerate(zip(rows, results), start):
+            if result.error is not None:
+                self._fail(row, slot, result.error)
             else:
-                self.target.set_length(slot, len(row.tokens) + step.accepted)
-                self._settle(row, step)
+                self.target.set_length(slot, len(row.tokens) + result.accepted)
+                self._settle(row, result)
             if row.finish_reason:
                 done.append(slot)
-        if any(step.error is not None for step in steps):
+        if any(result.error is not None for result in results):
             self._clear_stale()
         return done
 
@@ -181,7 +181,7 @@ class BatchRunner:
         return finished
 
     def active(self) -> Iterator[tuple[Request, list[int]]]:
-        """Each running request and its new tokens so far (valid until the next step)."""
+        """Each running request and its new tokens so far (valid until the next result)."""
         for row in self.rows:
             yield row.request, row.tokens[len(row.request.prompt) :]
 
@@ -234,34 +234,34 @@ class BatchRunner:
         lengths = [len(row.tokens) for row in rows]
         resizes = self.target.resizes + self.draft.resizes
         started = time.perf_counter()
-        steps = run_round(self.target, self.draft, parts, plan.k, start, plan.keep_drafting)
+        results = run_round(self.target, self.draft, parts, plan.k, start, plan.keep_drafting)
         seconds = time.perf_counter() - started
         # A round that grew a cache paid for copying it (a wide round most often, as its
         # positions pass the capacity first): not what its width costs.
         typical = resizes == self.target.resizes + self.draft.resizes
         # 4. Roll back and settle: each cache keeps what stands of its row
         finished = []
-        for i, (row, step) in enumerate(zip(rows, steps)):
+        for i, (row, result) in enumerate(zip(rows, results)):
             slot = start + i
-            if step.error is not None:  # NaN/inf logits in this row: it fails alone
-                self._fail(row, slot, step.error)
+            if result.error is not None:  # NaN/inf logits in this row: it fails alone
+                self._fail(row, slot, result.error)
                 finished.append(slot)
                 continue
-            self.target.set_length(slot, len(row.tokens) + step.accepted)
-            self._settle(row, step)
+            self.target.set_length(slot, len(row.tokens) + result.accepted)
+            self._settle(row, result)
             # The draft model saw the row up to the round's start; after it, its own tokens,
             # which stand only where they were the ones verified.
             seen = len(row.tokens) - 1 if i not in plan.matched else lengths[i]
             self.draft.set_length(slot, min(len(row.tokens) - 1, seen) - row.round.offset)
             if row.finish_reason:
                 finished.append(slot)
-        if any(step.error is not None for step in steps):
+        if any(result.error is not None for result in results):
             self._clear_stale()
         # 5. Learn: the schedules, match acceptance, the hybrid's rates
         if lone:
-            self._learn_alone(rows[0], plan, steps[0])
+            self._learn_alone(rows[0], plan, results[0])
         else:
-            self.planner.learn(rows, plan, steps, seconds if typical else None)
+            self.planner.learn(rows, plan, results, seconds if typical else None)
         return finished
 
     def _window(self, rows: list[Row], start: int) -> None:
@@ -292,10 +292,10 @@ class BatchRunner:
             room = max(0, min(room, PREFILL_CHUNK - unread))
         return self.lone.plan(row, room, schedule, hybrid, first)
 
-    def _learn_alone(self, row: Row, plan: Plan, step: RoundResult, first: bool = False) -> None:
-        if step.error is None:
+    def _learn_alone(self, row: Row, plan: Plan, result: RoundResult, first: bool = False) -> None:
+        if result.error is None:
             hybrid, schedule = row.alone
-            self.lone.learn(row, plan, step, schedule, hybrid, first)
+            self.lone.learn(row, plan, result, schedule, hybrid, first)
 
     def _room(self, row: Row) -> int:
         """Proposed tokens a lone row's round may verify: it emits at most that many + 1, and
@@ -303,19 +303,19 @@ class BatchRunner:
         room = min(row.limit - len(row.tokens) - 1, self.draft.max_positions - len(row.tokens))
         return max(0, room) if row.drafting else 0
 
-    def _settle(self, row: Row, step: RoundResult) -> None:
+    def _settle(self, row: Row, result: RoundResult) -> None:
         """Append the round's tokens that stand (up to EOS, a stop string or the length) and
         count them; set the finish reason if the row is done."""
         config = row.request.config
         settled = settle(
             row.tokens,
             len(row.request.prompt),
-            step.tokens,
+            result.tokens,
             self.eos_token_ids,
             config,
             row.stopper,
         )
-        row.stats.add_round(step.drafted, min(step.accepted, settled.count), step.source)
+        row.stats.add_round(result.drafted, min(result.accepted, settled.count), result.source)
         if settled.stopped:
             row.finish_reason, row.text = "stop", settled.text
         elif len(row.tokens) >= row.limit:

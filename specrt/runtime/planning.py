@@ -99,7 +99,7 @@ class BatchPlanner:
         self,
         rows: list[Row],
         plan: Plan,
-        steps: list[RoundResult],
+        results: list[RoundResult],
         seconds: float | None,
     ) -> None:
         """What the round taught: each verified match's acceptance, and the load schedule the
@@ -107,17 +107,17 @@ class BatchPlanner:
         cache) against its K."""
         k, matched, schedule = plan.k, plan.matched, plan.schedule
         for i, proposal in matched.items():
-            row, step = rows[i], steps[i]
-            if step.error is None:
+            row, result = rows[i], results[i]
+            if result.error is None:
                 acceptance = self.matches[row.request.config.greedy]
-                acceptance.record(proposal, row.match_history, step.drafted, step.accepted)
-                row.match_history = outcome(step.drafted, step.accepted)
+                acceptance.record(proposal, row.match_history, result.drafted, result.accepted)
+                row.match_history = outcome(result.drafted, result.accepted)
         parts = [row.round for row in rows]
         model = [i for i in range(len(rows)) if i not in matched]
         width = max(part.k for part in parts)  # matches may make the call wider
         schedule.update(
             len(rows), k, None if width > k or seconds is None else seconds,
-            [parts[i] for i in model], [steps[i] for i in model],
+            [parts[i] for i in model], [results[i] for i in model],
         )  # fmt: skip
         if k == 0 and width > 0 and seconds is not None:  # matches alone: what that width cost
             schedule.update_match_width(len(rows), width, seconds)
@@ -278,20 +278,20 @@ class LonePlanner:
         self,
         row: Row,
         plan: Plan,
-        step: RoundResult,
+        result: RoundResult,
         schedule: DraftSchedule,
         hybrid: HybridChoice | None,
         first: bool = False,
     ) -> None:
         """The schedule learns from the model's rounds, the hybrid from every round (not the
         time of the first: it fed the prompt's end too)."""
-        verify_time = None if first else step.verify_time_s
-        if step.source == "model" and verify_time is not None:
-            schedule.update(step.drafted, step.accepted, step.draft_time_s, verify_time)
+        verify_time = None if first else result.verify_time_s
+        if result.source == "model" and verify_time is not None:
+            schedule.update(result.drafted, result.accepted, result.draft_time_s, verify_time)
         if hybrid is not None:
             found = plan.matched.get(0)
             history = row.match_history
-            args = step.drafted, step.accepted, step.draft_time_s, verify_time
+            args = result.drafted, result.accepted, result.draft_time_s, verify_time
             row.match_history = hybrid.observe(found, history, *args)
 
 

@@ -102,15 +102,15 @@ def run_round(
     proposals = [row.match or own[: row.k] for row, own in zip(rows, drafts.tolist())]
     drafted_at = time.perf_counter()
 
-    # 2. Verify: fed [n, W+1] = each row's newest token, its proposal, then filler
+    # 2. Verify: ids [n, W+1] = each row's newest token, its proposal, then filler
     width = max(row.k for row in rows)
-    fed = np.zeros((n, width + 1), dtype=np.int64)
+    ids = np.zeros((n, width + 1), dtype=np.int64)
     for i, (row, proposal) in enumerate(zip(rows, proposals)):
-        fed[i, 0] = row.tokens[-1]
-        fed[i, 1 : 1 + row.k] = proposal
+        ids[i, 0] = row.tokens[-1]
+        ids[i, 1 : 1 + row.k] = proposal
     greedy = all(row.sampling.greedy for row in rows)
     need = NEED_ARGMAX if greedy else NEED_LOGITS  # what a device backend brings back
-    out = target.forward_rows(fed, keep_last=width + 1, start=start, need=need)
+    out = target.forward_rows(ids, keep_last=width + 1, start=start, need=need)
 
     # 3. Accept: (accepted, next token) per row; greedy rows in one argmax over the batch
     verdicts: list[tuple[int, int]] = []
@@ -157,9 +157,9 @@ def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> l
         started = time.perf_counter()
         match = row.match or []
         unread = row.tokens[int(target.lengths[slot]) :]
-        fed = np.array([unread + match], dtype=np.int64)  # [1, unread + M]
+        ids = np.array([unread + match], dtype=np.int64)  # [1, unread + M]
         need = NEED_ARGMAX if row.sampling.greedy else NEED_LOGITS
-        out = target.forward_rows(fed, keep_last=len(match) + 1, start=slot, need=need)
+        out = target.forward_rows(ids, keep_last=len(match) + 1, start=slot, need=need)
         failed: dict[int, str] = {}
         args = match, None, _pick(out, 0), row.sampling, row.rng, len(row.tokens)
         accepted, token = _row_verdict(failed, 0, *args)
@@ -206,19 +206,19 @@ def draft_rows(
         return drafts, q
     lengths = draft.lengths[start : start + n].tolist()
     unseen = [row.tokens[row.offset + length :] for row, length in zip(rows, lengths)]
-    ids, fed = _right_padded(unseen)  # [n, width], [n]
+    ids, real = _right_padded(unseen)  # [n, width], [n]
     width = ids.shape[1]
-    ragged = bool((fed != width).any())
-    newest = (np.arange(n), fed - 1)  # each row's newest real token, in a ragged first call
+    ragged = bool((real != width).any())
+    newest = (np.arange(n), real - 1)  # each row's newest real token, in a ragged first call
     greedy = all(row.sampling.greedy for row in rows)
     need = NEED_ARGMAX if greedy else NEED_LOGITS
     for step in range(k):
         if step == 0 and ragged:
-            out = draft.forward_rows(ids, keep_last=width, fed=fed, start=start, need=need)
+            out = draft.forward_rows(ids, keep_last=width, fed=real, start=start, need=need)
             picked = _pick(out, newest)  # [n, V]
         else:
-            fed_now = ids if step == 0 else drafts[:, step - 1 : step]
-            out = draft.forward_rows(fed_now, keep_last=1, start=start, need=need)
+            newest_ids = ids if step == 0 else drafts[:, step - 1 : step]  # [n, 1 or width]
+            out = draft.forward_rows(newest_ids, keep_last=1, start=start, need=need)
             picked = _pick(out, (slice(None), 0))  # [n, V]
         if greedy and not failed:
             try:
@@ -277,10 +277,12 @@ def _confidence(row: RowRound, picked: Forward, q: np.ndarray | None, step: int,
 def _pick(out: Forward, index) -> Forward:
     """What a rows call brought back (``[n, kept, V]`` arrays, or a device backend's argmax
     ``[n, kept]``), at ``index`` of its rows and positions."""
-    fields = [out.logits, out.probabilities, out.argmax, out.max_logit, out.max_probability]
-    logits, probabilities, argmax, top, top_p = (None if a is None else a[index] for a in fields)
-    argmax = None if argmax is None else np.asarray(argmax).tolist()
-    return Forward(logits, probabilities, argmax, top, top_p)
+    if out.argmax is None:  # a host backend's arrays
+        probabilities = out.probabilities
+        return Forward(out.logits[index], None if probabilities is None else probabilities[index])
+    top_p = None if out.max_probability is None else out.max_probability[index]
+    argmax = np.asarray(out.argmax)[index].tolist()
+    return Forward(None, None, argmax, out.max_logit[index], top_p)
 
 
 def _flat(out: Forward) -> Forward:
@@ -309,8 +311,8 @@ def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> int:
 
 def _right_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """``[n, longest]`` token ids, each row's padded at its end, and how many are real."""
-    fed = np.array([len(tokens) for tokens in rows], dtype=np.int64)
-    ids = np.zeros((len(rows), max(1, int(fed.max()))), dtype=np.int64)
+    real = np.array([len(tokens) for tokens in rows], dtype=np.int64)
+    ids = np.zeros((len(rows), max(1, int(real.max()))), dtype=np.int64)
     for i, tokens in enumerate(rows):
         ids[i, : len(tokens)] = tokens
-    return ids, fed
+    return ids, real
