@@ -199,11 +199,11 @@ def draft_rows(
     what was drafted so far."""
     failed = {} if failed is None else failed
     n = len(rows)
-    vocab = draft.vocab_size
-    q = [None if row.sampling.greedy or not k else row.q_rows(k, vocab) for row in rows]
     drafts = np.zeros((n, k), dtype=np.int64)
     if not k:
-        return drafts, q
+        return drafts, [None] * n
+    vocab = draft.vocab_size
+    q = [None if row.sampling.greedy else row.q_rows(k, vocab) for row in rows]
     lengths = draft.lengths[start : start + n].tolist()
     unseen = [row.tokens[row.offset + length :] for row, length in zip(rows, lengths)]
     ids, real = _right_padded(unseen)  # [n, width], [n]
