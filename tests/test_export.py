@@ -211,39 +211,3 @@ def test_a_multimodal_checkpoint_smaller_than_its_tokenizer_is_named(tmp_path):
     (target / "config.json").write_text(json.dumps(settings))
     with pytest.raises(PairMismatchError, match="target model has 40 embeddings but the tokenizer"):
         export_bundle(target, draft, tmp_path / "out")
-
-
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_a_quantized_target_is_exactly_its_own_target_alone(tmp_path, precision):
-    """`target_precision` int8/int4 builds a cheaper target engine (MatMulNBits): its export
-    check records how far it is from PyTorch, with no bound, and the bundle's output is then
-    exactly that engine's own: speculative greedy decoding equals its target alone token for
-    token, and a seeded sampled row draws the same tokens with speculation on or off."""
-    from dataclasses import replace
-
-    options = {"target_precision": precision}
-    bundle = build_bundle(tmp_path, "quantized", options, arch="llama", seed=6, draft_noise=0.3)
-    engine = read_manifest(bundle).models["target"].engines["onnxruntime"]
-    check = engine.export_check
-    assert engine.precision == precision and check["atol"] is None
-    assert 0 < check["max_abs_logit_diff"] < np.inf  # another target than the checkpoint's
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
-    prompts = ["def add(a, b):", "import os\nimport sys\nimport os\n"]
-    alone = GenerationConfig(max_new_tokens=24, num_draft_tokens=0, ignore_eos=True)
-    expected = [r.token_ids for r in generator.generate(prompts, alone)]
-    model = dict(proposer="model", draft_schedule="fixed", num_draft_tokens=3)
-    for settings in (model, dict(num_draft_tokens=4)):  # the draft model; the defaults
-        results = generator.generate(prompts, replace(alone, **settings))
-        assert [r.token_ids for r in results] == expected, settings
-        assert sum(r.stats.drafted_tokens for r in results) > 0
-    seeded = replace(alone, temperature=1.0, seed=11)
-    sampled = [r.token_ids for r in generator.generate(prompts, seeded)]
-    speculative = generator.generate(prompts, replace(seeded, **model))
-    assert [r.token_ids for r in speculative] == sampled
-
-
-def test_an_unknown_target_precision_is_refused_in_one_line():
-    from specrt.export.options import ExportOptions
-
-    with pytest.raises(ExportError, match="target precision 'int3' is unknown; use one of"):
-        ExportOptions(target_precision="int3")

@@ -44,16 +44,6 @@ CUDA_ATTENTION_OPTION = click.option(
 )
 
 
-def target_precision_option(default: str | None):
-    return click.option(
-        "--target-precision",
-        type=click.Choice(PRECISIONS),
-        default=default,
-        help="Weights of the target's onnxruntime engine [float32]: int8/int4 make a cheaper "
-        "target, whose own output the bundle then gives exactly.",
-    )
-
-
 def draft_precision_option(default: str | None):
     return click.option(
         "--draft-precision",

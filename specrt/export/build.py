@@ -30,8 +30,7 @@ from specrt.staging import publish, staging
 def build_engines(
     bundle_dir: str | Path, options: ExportOptions | None = None, log: Log = lambda message: None
 ) -> Manifest:
-    """``options``: the engines' (``draft_precision``, ``target_precision``) and the check's
-    (``atol``)."""
+    """``options``: the engines' (``draft_precision``) and the check's (``atol``)."""
     from transformers import AutoConfig
 
     from specrt.export.numeric_check import max_logit_difference

@@ -50,8 +50,8 @@ def build_ort_engine(
     (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
     bundle and return its entry with the check against PyTorch, run on this machine's CPU.
 
-    ``precision`` int8/int4 quantises a CPU engine's weights (`specrt.export.quantize`); the
-    check then reports the difference without a bound.
+    ``precision`` int8/int4 quantises a CPU engine's weights (drafts only: see
+    `specrt.export.quantize`); the check then reports the difference without a bound.
     ``cuda_attention``: see `ExportOptions`."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}

@@ -296,12 +296,12 @@ def add_ort_engine(
         if reason:
             log(f"  {role}: no {device} engine ({reason}); the portable graph will run there")
     if options.cpu_engine and not unsupported_reason(config, spec.max_positions, "cpu"):
-        precision = options.draft_precision if role == "draft" else options.target_precision
+        precision = options.draft_precision if role == "draft" else "float32"
         engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
         what = f"{role} onnxruntime engine"
         if precision == "float32":
             require_close(engine.export_check, options.atol, what, source)
-        else:  # a quantised engine is not meant to match; it only has to be a number
+        else:  # a quantised draft is not meant to match; it only has to be a number
             require_close(engine.export_check, math.inf, what, source)
     if options.cuda_engine and not unsupported_reason(config, spec.max_positions, "cuda"):
         engine = build_ort_engine(

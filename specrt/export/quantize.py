@@ -1,12 +1,10 @@
-"""Weight-only quantisation of a CPU engine (onnxruntime's MatMulNBits).
+"""Weight-only quantisation of a draft engine (onnxruntime's MatMulNBits).
 
 A draft's precision changes how often its guesses are accepted, never what the output is: every
 token is still decided by the full-precision target. On CPU a small model's step is bound by
 reading its weights, so 8-bit weights make the draft step several times cheaper (demo pair,
 measured with `specrt bench`: CHANGELOG.md, 2026-11-29) while its acceptance stays the same.
-A quantised target (``--target-precision``) is another target: the bundle's output is then
-exactly that engine's target-alone output (greedy token for token, sampling by its law), not
-the float32 checkpoint's; its export check records how far its logits are from PyTorch's.
+The target is never quantised.
 """
 
 from __future__ import annotations
