@@ -145,7 +145,7 @@ class BatchRunner:
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
             drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
             self.draft.prefill_rows(start, drafted)
-        lone = start == 0 and len(rows) == 1 and self._runs_alone(rows[0])
+        lone = start == 0 and len(rows) == 1 and self._runs_alone
         for row in rows:
             row.round.k, row.round.match = 0, None
         if lone:  # its first pass may verify a match too (no model runs for it)
@@ -181,7 +181,7 @@ class BatchRunner:
         return finished
 
     def active(self) -> Iterator[tuple[Request, list[int]]]:
-        """Each running request and its new tokens so far (valid until the next result)."""
+        """Each running request and its new tokens so far (valid until the next step)."""
         for row in self.rows:
             yield row.request, row.tokens[len(row.request.prompt) :]
 
@@ -219,7 +219,7 @@ class BatchRunner:
         finished."""
         # 1. Plan: each row's share, the draft model's K tokens or a match: a lone row's by
         #    its own schedule, rows sharing calls' by the load schedule (`planning`)
-        lone = len(rows) == 1 and self._runs_alone(rows[0])
+        lone = len(rows) == 1 and self._runs_alone
         plan = self._plan_alone(rows[0]) if lone else self.planner.plan(rows)
         parts = [row.round for row in rows]
         # 2. Catch up: a draft behind after rounds without drafting reads what it missed (a
@@ -275,10 +275,11 @@ class BatchRunner:
                 row.round.offset = len(row.tokens) - 1 - DRAFT_WINDOW
                 self.draft.set_length(slot, 0)
 
-    def _runs_alone(self, row: Row) -> bool:
-        """A row alone in the batch drafts as a lone request does (its own schedule: the
-        adaptive one stops drafting token by token, where the load schedule decides per
-        round for rows sharing calls)."""
+    @property
+    def _runs_alone(self) -> bool:
+        """Whether a row alone in the batch drafts as a lone request does (its own schedule:
+        the adaptive one stops drafting token by token, where the load schedule decides per
+        round for rows sharing calls): where the generator gives its learners."""
         return self.one_row is not None
 
     def _plan_alone(self, row: Row, first: bool = False) -> Plan:
@@ -338,7 +339,7 @@ class BatchRunner:
         catches the draft up (`catch_up`, as after rounds without drafting), so a request's
         first token waits for the target's prefill alone; not for a fixed K, nor for a lone
         row drafting with the model alone (it drafts from its first round)."""
-        if start == 0 and len(rows) == 1 and self._runs_alone(rows[0]):
+        if start == 0 and len(rows) == 1 and self._runs_alone:
             return rows[0].request.config.proposer == "model"
         return all(row.request.config.draft_schedule == "fixed" for row in rows)
 

@@ -208,9 +208,10 @@ class SpeculativeGenerator:
     def _rows(
         self, encoded: list[list[int]], config: GenerationConfig
     ) -> Iterator[GenerationResult]:
-        """The rows' results in the prompts' order (rows of a batch finish out of order). One
-        row at a time, the generator is free between rows: a stream read slowly, or another
-        call from inside its loop, waits for nothing."""
+        """The rows' results in the prompts' order (rows of a batch finish out of order). With
+        one row per call, each row is a call of its own: the generator is free between rows,
+        so other threads' calls (and calls made while reading the stream) need not wait for
+        the whole stream."""
         requests = [Request(i, ids, config, row_rng(config, i)) for i, ids in enumerate(encoded)]
         if self.max_batch == 1:
             for request in requests:

@@ -257,19 +257,15 @@ class LonePlanner:
         waits for drafting (a match costs nothing)."""
         config, part = row.request.config, row.round
         k = 0 if first else schedule.start_round(room)
-        found = None
+        found, length = None, 0
         if config.proposer == "lookup":
             found = _match(row, self.suffix_cache, k)
+            length = len(found.tokens) if found is not None else 0
         elif config.proposer == "hybrid" and hybrid is not None:
-            candidate = _match(row, self.suffix_cache, min(room, hybrid.max_match_tokens))
-            if candidate is not None:
-                length = hybrid.choose(candidate, k, row.match_history)
-                found = candidate if length else None
-                if found is not None:
-                    part.match, part.k, part.source = found.tokens[:length], length, found.source
-                    return Plan(0, {0: found}, None)
-        if found is not None:
-            part.match, part.k, part.source = found.tokens, len(found.tokens), found.source
+            found = _match(row, self.suffix_cache, min(room, hybrid.max_match_tokens))
+            length = hybrid.choose(found, k, row.match_history) if found is not None else 0
+        if length:  # the round verifies the match: the model does not draft
+            part.match, part.k, part.source = found.tokens[:length], length, found.source
             return Plan(0, {0: found}, None)
         part.match, part.k = None, 0 if config.proposer == "lookup" else k
         return Plan(part.k, {}, None, schedule.keep_drafting if part.k else None)
