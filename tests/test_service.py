@@ -469,9 +469,16 @@ def test_a_consumer_whose_event_loop_closed_costs_only_its_own_request(llama_bun
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
     long = GenerationConfig(max_new_tokens=100, num_draft_tokens=3, ignore_eos=True)
+    release, here = threading.Event(), threading.current_thread()
+
+    def hold(gap):  # the service's thread waits here, so the abandoned request is still running
+        if threading.current_thread() is not here:
+            release.wait(60)
+
     with Service(generator) as service:
         other = service.submit(PROMPTS[0], config)
         abandoned = service.submit(PROMPTS[1], long)
+        abandoned.add_gap_callback(hold)
 
         async def consume():
             async for _ in abandoned:
@@ -479,6 +486,7 @@ def test_a_consumer_whose_event_loop_closed_costs_only_its_own_request(llama_bun
 
         with pytest.raises(asyncio.TimeoutError):
             asyncio.run(asyncio.wait_for(consume(), 0.01))
+        release.set()
         assert other.result(timeout=60).token_ids == serial[PROMPTS[0]].token_ids
         assert abandoned.result(timeout=60).finish_reason in ("cancelled", "length")
         later = service.submit(PROMPTS[2], config)
