@@ -59,7 +59,8 @@ def recover(out: Path) -> bool:
 @contextlib.contextmanager
 def staging(out: Path, kind: str) -> Iterator[Path]:
     """A new staging directory for ``out`` (``kind``: "partial" for an export, "build" for a
-    rebuild), removed on the way out whatever happens; stale ones of dead writers go first."""
+    rebuild, "gguf" for checkpoints read from GGUF files), removed on the way out whatever
+    happens; stale ones of dead writers go first."""
     out = through_links(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
@@ -83,7 +84,7 @@ def remove_stale(out: Path) -> list[Path]:
     if os.path.lexists(out) and (_is_parked(old) or _empty_directory(old)):
         _remove_parked(old)  # (empty: killed between the mark's removal and its own)
         removed.append(old)
-    for kind in ("partial", "build"):
+    for kind in ("partial", "build", "gguf"):
         for candidate in out.parent.glob(f".{out.name}.{kind}-*"):
             if candidate.is_dir() and not candidate.is_symlink():
                 writer = _writer(candidate, f".{out.name}.{kind}-")

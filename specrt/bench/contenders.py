@@ -65,11 +65,16 @@ class HFContender:
 
         torch.set_num_threads(threads)
         self.torch = torch
-        load = dict(dtype=torch.float32, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, **load).eval()
-        self.assistant = (
-            AutoModelForCausalLM.from_pretrained(draft_dir, **load).eval() if draft_dir else None
-        )
+
+        def load(checkpoint: Path):  # a GGUF file (its folder and name), or a folder
+            where = dict(gguf_file=checkpoint.name) if checkpoint.is_file() else {}
+            folder = checkpoint.parent if checkpoint.is_file() else checkpoint
+            return AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, local_files_only=True, **where
+            ).eval()
+
+        self.model = load(target_dir)
+        self.assistant = load(draft_dir) if draft_dir else None
         self.name = "transformers assisted" if draft_dir else "transformers target only"
         self.lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
         # "Never stop at EOS": None, except where prompt lookup needs a token id (one past the

@@ -19,8 +19,16 @@ from specrt.export.options import (
 
 
 @click.command()
-@click.option("--target", type=click.Path(path_type=Path), help="HF checkpoint dir of the target.")
-@click.option("--draft", type=click.Path(path_type=Path), help="HF checkpoint dir of the draft.")
+@click.option(
+    "--target",
+    type=click.Path(path_type=Path),
+    help="HF checkpoint dir of the target, or a GGUF file (or a folder holding one).",
+)
+@click.option(
+    "--draft",
+    type=click.Path(path_type=Path),
+    help="HF checkpoint dir of the draft, or a GGUF file (or a folder holding one).",
+)
 @click.option("--out", type=click.Path(path_type=Path), help="Bundle directory to write.")
 @click.option(
     "--recipe",

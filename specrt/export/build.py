@@ -20,8 +20,10 @@ from specrt.bundle import (
     verify_checksums,
     write_manifest,
 )
+from specrt.checksums import sha256_file
 from specrt.errors import ExportError
 from specrt.export.checkpoints import load_causal_lm, text_config
+from specrt.export.gguf_checkpoints import as_folders
 from specrt.export.options import ExportOptions
 from specrt.export.pipeline import Log, add_ort_engine, checkpoint_hashes
 from specrt.staging import publish, staging
@@ -40,8 +42,9 @@ def build_engines(
     manifest = read_manifest(root)
     verify_checksums(manifest, root)
     sources = {role: Path(manifest.models[role].source) for role in ROLES}
+    ggufs = {role: source for role, source in sources.items() if source.is_file()}
     for role, source in sources.items():
-        if not (source / "config.json").is_file():
+        if not (source / "config.json").is_file() and role not in ggufs:
             raise ExportError(
                 f"the {role} checkpoint this bundle was exported from ({source}) is gone; "
                 "engines are built from it: re-export with `specrt export`"
@@ -51,7 +54,7 @@ def build_engines(
         if recorded and not _same_checkpoint(source, recorded):
             raise ExportError(changed_message(role, source))
 
-    with staging(root, "build") as scratch:
+    with as_folders(sources, ggufs, root, log) as folders, staging(root, "build") as scratch:
         shutil.copytree(root, scratch, dirs_exist_ok=True)
         for role in ROLES:
             spec = manifest.models[role]
@@ -60,8 +63,8 @@ def build_engines(
                 old = spec.engines.pop(key, None)
                 if old is not None:
                     shutil.rmtree((scratch / old.path).parent, ignore_errors=True)
-            config = AutoConfig.from_pretrained(sources[role], local_files_only=True)
-            model = load_causal_lm(sources[role], config)
+            config = AutoConfig.from_pretrained(folders[role], local_files_only=True)
+            model = load_causal_lm(folders[role], config)
             config = text_config(config)
             same = max_logit_difference(model, scratch / spec.path, spec, manifest.vocab_size)
             if not same["max_abs_logit_diff"] <= (spec.export_check.get("atol") or options.atol):
@@ -78,7 +81,10 @@ def build_engines(
 
 def _same_checkpoint(source: Path, recorded: str) -> bool:
     """Whether ``source`` is still the checkpoint whose hash the manifest recorded (by what its
-    config.json says; bundles of earlier versions recorded the file's bytes)."""
+    config.json says; bundles of earlier versions recorded the file's bytes; a GGUF file by
+    its bytes)."""
+    if source.is_file():
+        return sha256_file(source) == recorded
     return recorded in checkpoint_hashes(source)
 
 

@@ -35,6 +35,7 @@ from specrt.export.checkpoints import (
     text_config,
 )
 from specrt.export.destination import check_destination, keep_users_files
+from specrt.export.gguf_checkpoints import as_folders, gguf_file
 from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 from specrt.staging import publish, staging
@@ -59,8 +60,24 @@ def export_bundle(
     where the architecture allows, which the runtime prefers."""
     options = ExportOptions.from_settings(vars(options or ExportOptions()), option_values)
     out = Path(os.path.abspath(out_dir))
-    sources = {"target": Path(target_dir), "draft": Path(draft_dir)}
-    check_destination(out, list(sources.values()), force)
+    given = {"target": Path(target_dir), "draft": Path(draft_dir)}
+    check_destination(out, list(given.values()), force)
+    ggufs = {role: found for role, path in given.items() if (found := gguf_file(path, role))}
+    with as_folders(given, ggufs, out, log) as sources:
+        manifest = _export_pair(sources, ggufs, out, options, log)
+    log(f"bundle written to {out}")
+    return manifest
+
+
+def _export_pair(
+    sources: dict[str, Path],
+    ggufs: dict[str, Path],
+    out: Path,
+    options: ExportOptions,
+    log: Log,
+) -> Manifest:
+    """`export_bundle` from Hugging Face folders (``ggufs``: the GGUF files some were read
+    from, which the manifest names)."""
     configs = {role: _load_config(path, role) for role, path in sources.items()}
 
     tokenizers = {role: load_tokenizer_json(path) for role, path in sources.items()}
@@ -99,6 +116,8 @@ def export_bundle(
             for name, check in checks:
                 diff = check["max_abs_logit_diff"]
                 log(f"  {role} {name}: max |logit diff| vs PyTorch {diff:.2e}")
+        for role, found in ggufs.items():
+            specs[role].source, specs[role].source_sha256 = str(found.resolve()), sha256_file(found)
         manifest = Manifest(
             models=specs,
             tokenizer=_copy_tokenizer(
@@ -110,7 +129,6 @@ def export_bundle(
         write_manifest(scratch, manifest)
         kept = keep_users_files(out, scratch, log)
         publish(scratch, out, kept)
-    log(f"bundle written to {out}")
     return manifest
 
 
