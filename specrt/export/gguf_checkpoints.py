@@ -4,7 +4,7 @@ transformers reads a GGUF file (its weights dequantised to float32, its tokenize
 template) into a model; that is saved as a Hugging Face folder in a staging directory beside the
 bundle, and the export goes on from there as from any checkpoint. The bundle's model is the
 GGUF's own weights, dequantised: what llama.cpp runs on the same file, up to its arithmetic. The
-manifest names the GGUF file and its hash, so `specrt export build` finds it again.
+manifest names the GGUF file and its hash, so `specrt build` finds it again.
 """
 
 from __future__ import annotations
