@@ -1,0 +1,170 @@
+"""`specrt distill`: train a draft for a target from the target's own answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import _friendly_errors, _prompts
+
+
+@click.command()
+@click.option(
+    "--target",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="HF checkpoint dir of the target, or a GGUF file (or a folder holding one).",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Checkpoint directory to write the draft to.",
+)
+@click.option(
+    "--prompt-file",
+    type=click.Path(path_type=Path),
+    help='Training prompts (.jsonl of {"prompt": ...}, or one per line), answered by '
+    "the target through its chat template.",
+)
+@click.option(
+    "--heldout-file",
+    type=click.Path(path_type=Path),
+    help="Prompts never trained on: the acceptance report's.",
+)
+@click.option(
+    "--layers",
+    type=int,
+    default=2,
+    show_default=True,
+    help="The draft is the target's first LAYERS layers (with its embeddings, final "
+    "norm and output layer).",
+)
+@click.option(
+    "--steps",
+    type=int,
+    default=1500,
+    show_default=True,
+    help="Training steps (0: the draft as cut, or as --init-from gives it).",
+)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option(
+    "--seq-len",
+    type=int,
+    default=192,
+    show_default=True,
+    help="Tokens of one training example (prompt and answer).",
+)
+@click.option("--lr", type=float, default=5e-4, show_default=True, help="Peak learning rate.")
+@click.option(
+    "--max-new-tokens",
+    type=int,
+    default=128,
+    show_default=True,
+    help="Length of the target's answers.",
+)
+@click.option(
+    "--top-k",
+    type=int,
+    default=16,
+    show_default=True,
+    help="Target probabilities kept per answer token (soft targets).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--save-every",
+    type=int,
+    default=50,
+    show_default=True,
+    help="Steps between checkpoints (a killed run resumes from the last).",
+)
+@click.option(
+    "--init-from",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="Own weights (own_weights.safetensors) to start from; with --steps 0, the "
+    "draft they make, put together again with the target.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@_friendly_errors
+def distill(
+    target,
+    out,
+    prompt_file,
+    heldout_file,
+    layers,
+    steps,
+    batch_size,
+    seq_len,
+    lr,
+    max_new_tokens,
+    top_k,
+    seed,
+    save_every,
+    init_from,
+    force,
+) -> None:
+    """Train a draft for a target from the target's own answers (sequence-level distillation).
+
+    The draft starts as the target's first layers; what it learns is written as a checkpoint
+    `specrt export --draft` takes. A killed run goes on where it stopped when run again with the
+    same options.
+    """
+    from specrt.cli.export import _require_export_extra
+
+    _require_export_extra("distill", portable=False)
+    from specrt.distill import DistillSettings
+    from specrt.distill import distill as run
+    from specrt.distill.train import TrainSettings
+
+    for name, value, low in (
+        ("--steps", steps, 0),
+        ("--batch-size", batch_size, 1),
+        ("--seq-len", seq_len, 8),
+        ("--max-new-tokens", max_new_tokens, 1),
+        ("--top-k", top_k, 1),
+        ("--save-every", save_every, 1),
+    ):
+        if value < low:
+            raise click.UsageError(f"{name} must be at least {low}, not {value}")
+    if lr <= 0:
+        raise click.UsageError(f"--lr must be above 0, not {lr}")
+    if steps and prompt_file is None:
+        raise click.UsageError("give --prompt-file (the prompts the target answers), or --steps 0")
+    prompts = _prompts((), prompt_file) if prompt_file else []
+    heldout = _prompts((), heldout_file) if heldout_file else []
+    if steps and not prompts:
+        raise click.UsageError(f"{prompt_file} holds no prompts")
+    settings = DistillSettings(
+        layers=layers,
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
+        train=TrainSettings(
+            steps=steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            lr=lr,
+            seed=seed,
+            save_every=save_every,
+        ),
+    )
+    report = run(
+        target,
+        out,
+        prompts,
+        heldout,
+        settings,
+        init_from=init_from,
+        force=force,
+        log=lambda message: click.echo(message, err=True),
+    )
+    after = report["heldout_after"]
+    if after:
+        before = report["heldout_before"]
+        positions = ", ".join(f"{a:.2f}" for a in after["acceptance_per_position"] if a is not None)
+        click.echo(
+            f"held-out greedy acceptance per drafted token {before['acceptance_per_token']:.3f} "
+            f"-> {after['acceptance_per_token']:.3f}; per position (K={after['num_draft_tokens']}) "
+            f"{positions}; {after['tokens_per_round']:.2f} tokens per round"
+        )
+    click.echo(f"draft: {out}")

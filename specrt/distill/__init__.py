@@ -1,0 +1,183 @@
+"""`specrt distill`: a draft for a target that has none, made from the target itself.
+
+    1. read the target (a Hugging Face folder or a GGUF file) and cut the draft from it;
+    2. have the target answer the training prompts (and the held-out ones), kept on disk;
+    3. train the draft's own weights on those answers;
+    4. write the draft as a checkpoint `specrt export` takes, its own weights beside it, and a
+       report of its acceptance on the held-out prompts before and after training.
+
+Everything a killed run did is kept in ``.OUT.distill/`` beside the output (the answers, one
+file per prompt, and the training checkpoint) and the next run with the same settings goes on
+from there. Needs the export extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specrt.distill.train import TrainSettings
+from specrt.errors import ExportError
+
+REPORT = "distill_report.json"
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    layers: int = 2
+    max_new_tokens: int = 128
+    top_k: int = 16  # soft targets kept per answer token
+    num_draft_tokens: int = 4  # the rounds the acceptance report replays
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+
+def state_dir(out: Path) -> Path:
+    """Where a run keeps what it has done: beside the output, named after it."""
+    return out.parent / f".{out.name}.distill"
+
+
+def distill(
+    target_source: Path,
+    out: Path,
+    prompts: list[str],
+    heldout: list[str],
+    settings: DistillSettings,
+    init_from: Path | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict:
+    """Make the draft at ``out``; return the report written beside it."""
+    import torch
+
+    from specrt.distill import acceptance, data, train
+    from specrt.distill import draft as drafts
+    from specrt.staging import publish, staging
+
+    started = time.monotonic()
+    if out.exists() and not force:
+        raise ExportError(f"{out} exists; pass --force to replace it, or another --out")
+    torch.manual_seed(settings.train.seed)
+
+    # 1. The target, and the draft cut from it (its own weights from --init-from if given).
+    target, tokenizer, identity = _load_target(target_source, out, log)
+    draft = drafts.truncated(target, settings.layers)
+    if init_from is not None:
+        drafts.load_own(draft, init_from)
+    state = state_dir(out)
+    state.mkdir(parents=True, exist_ok=True)
+    log(
+        f"draft: the target's first {settings.layers} of {target.config.num_hidden_layers} "
+        f"layers; progress kept in {state}"
+    )
+
+    # 2. The target's answers to the training and held-out prompts.
+    def answers(name: str, texts: list[str]) -> list[data.Example]:
+        key = _key(identity, texts, settings.max_new_tokens, settings.top_k)
+        return data.answer(
+            target,
+            tokenizer,
+            texts,
+            state / f"{name}-{key}",
+            settings.max_new_tokens,
+            settings.top_k,
+            progress=progress,
+        )
+
+    examples = answers("answers", prompts) if settings.train.steps else []
+    held = answers("heldout", heldout) if heldout else []
+
+    # 3. Training, from the checkpoint a killed run left.
+    k = settings.num_draft_tokens
+    before = acceptance.report(draft, held, k) if held else None
+    losses: list[float] = []
+    checkpoint = None
+    if settings.train.steps:
+        init_key = _file_key(init_from) if init_from else ""
+        train_key = _key(
+            identity, prompts, settings.layers, init_key, settings.max_new_tokens,
+            settings.top_k, settings.train.as_dict(),
+        )  # fmt: skip
+        checkpoint = state / f"train-{train_key}.pt"
+        losses = train.train(draft, examples, settings.train, checkpoint, progress)
+    drafts.round_own(draft)
+    after = acceptance.report(draft, held, k) if held else None
+
+    # 4. The checkpoint, its own weights and the report, put in place at once.
+    report = {
+        "target": identity["name"],
+        "layers": settings.layers,
+        "init_from": str(init_from) if init_from else None,
+        "settings": {
+            "max_new_tokens": settings.max_new_tokens,
+            "top_k": settings.top_k,
+            **settings.train.as_dict(),
+        },
+        "train_prompts": len(prompts),
+        "heldout_prompts": len(heldout),
+        "loss_first_steps": round(float(sum(losses[:20]) / max(1, len(losses[:20]))), 4)
+        if losses
+        else None,
+        "loss_last_steps": round(float(sum(losses[-20:]) / max(1, len(losses[-20:]))), 4)
+        if losses
+        else None,
+        "heldout_before": before,
+        "heldout_after": after,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    with staging(out, "partial") as staged:
+        draft.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        drafts.save_own(
+            draft,
+            staged / drafts.OWN_WEIGHTS,
+            {"layers": settings.layers, "target": identity["name"]},
+        )
+        (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        publish(staged, out)
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)  # done: the draft is written
+    log(f"the target's answers stay in {state} for another run; remove it when done")
+    return report
+
+
+def _load_target(source: Path, out: Path, log: Callable[[str], None]):
+    """(model, tokenizer, identity) of the target at ``source``: a Hugging Face folder, or a
+    GGUF file read into a staging folder that is removed once the model is in memory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specrt.export.checkpoints import load_causal_lm
+    from specrt.export.gguf_checkpoints import as_folders, gguf_file
+
+    if not source.exists():
+        raise ExportError(
+            f"--target {source} does not exist: pass a Hugging Face checkpoint "
+            "folder or a GGUF file"
+        )
+    found = gguf_file(source, "target")
+    ggufs = {"target": found} if found else {}
+    with as_folders({"target": source}, ggufs, out, log) as folders:
+        folder = folders["target"]
+        if not (folder / "config.json").is_file():
+            raise ExportError(
+                f"--target {source} is not a Hugging Face checkpoint folder (no "
+                "config.json) or a GGUF file"
+            )
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        model = load_causal_lm(folder, config)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model, tokenizer, {"name": source.name, "files": _file_key(found or source)}
+
+
+def _file_key(path: Path) -> str:
+    """What identifies a checkpoint cheaply: its files' names, sizes and modification times."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return _key([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]

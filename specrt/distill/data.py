@@ -1,0 +1,145 @@
+"""What the draft learns from: the target's own greedy answers to a prompt set.
+
+Sequence-level distillation: the target answers each prompt (its chat template applied where
+it has one, as `specrt generate --chat` and the server render a chat), and the draft learns to
+predict those answers. Each answer token keeps the target's top-k next-token probabilities
+too (soft targets: the draft learns the target's second choices, which carry most of what a
+greedy answer leaves out). One ``.npz`` per prompt, written atomically, so a killed run keeps
+every answer it finished and the next run starts where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt and the target's answer: ``tokens[j]`` is its j-th answer token, and
+    ``top_ids[j]``/``top_probs[j]`` its top-k next-token distribution at that step."""
+
+    prompt: np.ndarray  # (P,) int32
+    tokens: np.ndarray  # (N,) int32
+    top_ids: np.ndarray  # (N, k) int32
+    top_probs: np.ndarray  # (N, k) float32
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the target reads it: through its chat template where it has one (special
+    tokens written by the template, none added), as plain text otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def answer(
+    target: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    folder: Path,
+    max_new_tokens: int,
+    top_k: int,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> list[Example]:
+    """The target's greedy answers to ``prompts``, those not yet in ``folder`` generated (a batch
+    at a time, left-padded) and written there; all of them returned in prompt order."""
+    import torch
+    from tqdm import tqdm
+    from transformers import GenerationConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_partials(folder)
+    todo = [i for i in range(len(prompts)) if not _path(folder, i).is_file()]
+    pad = tokenizer.pad_token_id
+    pad = pad if pad is not None else target.config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else (pad or 0)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        eos_token_id=target.config.eos_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    bar = tqdm(
+        total=len(prompts),
+        initial=len(prompts) - len(todo),
+        unit="prompt",
+        desc="target answers",
+        disable=not progress,
+    )
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        ids = [prompt_ids(tokenizer, prompts[i]) for i in chunk]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
+        with torch.no_grad():
+            out = target.generate(
+                input_ids=input_ids, attention_mask=mask, generation_config=config
+            )
+        logits = torch.stack(out.logits, dim=1).float()  # (rows, steps, vocab)
+        probs, top = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        new = out.sequences[:, width:]
+        for row, index in enumerate(chunk):
+            length = _answer_length(new[row].tolist(), target.config.eos_token_id, pad)
+            _save(
+                _path(folder, index),
+                Example(
+                    np.asarray(ids[row], np.int32),
+                    new[row, :length].numpy().astype(np.int32),
+                    top[row, :length].numpy().astype(np.int32),
+                    probs[row, :length].numpy().astype(np.float32),
+                ),
+            )
+        bar.update(len(chunk))
+    bar.close()
+    return [load(_path(folder, i)) for i in range(len(prompts))]
+
+
+def _answer_length(tokens: list[int], eos, pad: int) -> int:
+    """How many of a generated row's tokens are its answer: up to its first end-of-sequence
+    token, that one included (what follows is padding)."""
+    ends = set(eos if isinstance(eos, list) else [eos])
+    for position, token in enumerate(tokens):
+        if token in ends:
+            return position + 1
+    return len(tokens)
+
+
+def _path(folder: Path, index: int) -> Path:
+    return folder / f"{index:06d}.npz"
+
+
+def _save(path: Path, example: Example) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with open(partial, "wb") as handle:
+        np.savez(handle, **example.__dict__)
+    os.replace(partial, path)
+
+
+def _remove_partials(folder: Path) -> None:
+    """Remove the half-written files of killed runs (their writer's pid in the name)."""
+    from specrt.staging import _alive
+
+    for partial in folder.glob(".*.partial"):
+        pid = partial.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def load(path: Path) -> Example:
+    with np.load(path) as data:
+        return Example(**{name: data[name] for name in Example.__dataclass_fields__})

@@ -1,0 +1,154 @@
+"""Training the draft on the target's answers, resumable after a kill.
+
+The loss is the cross-entropy of the draft's next-token distribution against the target's
+top-k probabilities (renormalised), at every answer position. Only the draft's own weights
+(`draft.own_names`) train. The batch of step ``s`` is drawn by a generator seeded with
+``(seed, s)`` and the learning rate is a function of ``s``: a run resumed from the checkpoint
+of step ``s`` goes on exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from specrt.distill.data import Example
+from specrt.distill.draft import own_names
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 1500
+    batch_size: int = 4
+    seq_len: int = 192  # prompt and answer tokens of one example (the prompt's end kept)
+    lr: float = 5e-4
+    seed: int = 0
+    save_every: int = 50  # steps between checkpoints
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def learning_rate(settings: TrainSettings, step: int) -> float:
+    """Linear warm-up over the first 5% of the steps, then a cosine down to a tenth."""
+    warmup = max(1, settings.steps // 20)
+    if step < warmup:
+        return settings.lr * (step + 1) / warmup
+    done = (step - warmup) / max(1, settings.steps - warmup)
+    return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def batch(examples: list[Example], settings: TrainSettings, step: int):
+    """Step ``step``'s batch: (input ids, attention mask, positions, top ids, top probs), the
+    positions (row, column) being where the draft predicts an answer token."""
+    import torch
+
+    rng = np.random.default_rng([settings.seed, step])
+    picks = rng.choice(len(examples), size=min(settings.batch_size, len(examples)), replace=False)
+    rows, rows_at, cols, top_ids, top_probs = [], [], [], [], []
+    for row, pick in enumerate(picks):
+        example = examples[pick]
+        prompt = example.prompt[-(settings.seq_len // 2) :]  # a long prompt: its end
+        answered = min(len(example.tokens), settings.seq_len - len(prompt))
+        rows.append(np.concatenate([prompt, example.tokens[:answered]]))
+        # the logits at column c predict the token at c + 1: answer token j is read at P + j - 1
+        rows_at += [row] * answered
+        cols += range(len(prompt) - 1, len(prompt) - 1 + answered)
+        top_ids.append(example.top_ids[:answered])
+        top_probs.append(example.top_probs[:answered])
+    width = max(map(len, rows))
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)] = torch.from_numpy(tokens.astype(np.int64))
+        mask[row, : len(tokens)] = 1
+    probs = torch.from_numpy(np.concatenate(top_probs))
+    return (
+        ids,
+        mask,
+        (torch.tensor(rows_at), torch.tensor(cols)),
+        torch.from_numpy(np.concatenate(top_ids).astype(np.int64)),
+        probs / probs.sum(-1, keepdim=True),
+    )
+
+
+def loss_of(draft: torch.nn.Module, examples: list[Example], settings, step: int):
+    import torch
+
+    ids, mask, (rows, cols), top_ids, top_probs = batch(examples, settings, step)
+    logits = draft(input_ids=ids, attention_mask=mask).logits[rows, cols]  # (answers, vocab)
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, top_ids)  # (answers, k)
+    return -(top_probs * log_q).sum(-1).mean()
+
+
+def train(
+    draft: torch.nn.Module,
+    examples: list[Example],
+    settings: TrainSettings,
+    checkpoint: Path,
+    progress: bool = True,
+) -> list[float]:
+    """Train ``draft`` in place for ``settings.steps`` steps, from ``checkpoint`` where a killed
+    run left one (saved every ``save_every`` steps, atomically); the loss of every step."""
+    import torch
+    from tqdm import tqdm
+
+    params = dict(draft.named_parameters())
+    trained = [params[name] for name in own_names(draft)]
+    for name, param in params.items():
+        param.requires_grad_(name in own_names(draft))
+    optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
+    step, losses = 0, []
+    if checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=True)
+        with torch.no_grad():
+            for name, tensor in state["weights"].items():
+                params[name].copy_(tensor)
+        optimizer.load_state_dict(state["optimizer"])
+        step, losses = state["step"], list(state["losses"])
+    draft.train()
+    bar = tqdm(
+        total=settings.steps, initial=step, unit="step", desc="training", disable=not progress
+    )
+    while step < settings.steps:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(settings, step)
+        loss = loss_of(draft, examples, settings, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        optimizer.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+        if step % settings.save_every == 0 or step == settings.steps:
+            _save(checkpoint, draft, optimizer, step, losses)
+    bar.close()
+    draft.eval()
+    for param in params.values():
+        param.requires_grad_(False)
+    return losses
+
+
+def _save(path: Path, draft, optimizer, step: int, losses: list[float]) -> None:
+    import torch
+
+    params = dict(draft.named_parameters())
+    state = {
+        "step": step,
+        "losses": losses,
+        "weights": {name: params[name].detach().clone() for name in own_names(draft)},
+        "optimizer": optimizer.state_dict(),
+    }
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    torch.save(state, partial)
+    os.replace(partial, path)

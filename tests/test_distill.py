@@ -1,0 +1,155 @@
+"""`specrt distill` on a tiny target: a real subprocess killed with SIGKILL mid-training and run
+again ends with the very draft an uninterrupted run makes; the draft learns (held-out acceptance
+rises), ships as its own weights alone, and exports as the draft of a lossless bundle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from specrt.cli import main
+from specrt.distill import state_dir
+from specrt.export.tiny import CORPUS, make_tiny_pair
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 300
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("distill")
+    target, _ = make_tiny_pair("llama", root / "pair", seed=5, config={"num_hidden_layers": 4})
+    prompts = root / "train.jsonl"
+    lines = [json.dumps({"prompt": line[: 8 + i % 7]}) for i, line in enumerate(CORPUS * 3)]
+    prompts.write_text("\n".join(lines) + "\n")
+    heldout = root / "heldout.txt"
+    heldout.write_text("Now is\ndef fib\nSparse is\n")
+    return target, prompts, heldout
+
+
+def command(target, prompts, heldout, out: Path, *extra) -> list[str]:
+    args = ["distill", "--target", str(target), "--out", str(out), "--prompt-file", str(prompts)]
+    args += ["--heldout-file", str(heldout), "--layers", "1", "--max-new-tokens", "24"]
+    args += ["--seq-len", "48", "--steps", str(STEPS), "--save-every", "5"]
+    return [sys.executable, "-m", "specrt.cli", *args, *extra]
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_a_killed_run_goes_on_to_the_draft_an_uninterrupted_run_makes(target, tmp_path):
+    whole = run(command(*target, tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    report = json.loads((tmp_path / "whole" / "distill_report.json").read_text())
+    before, after = report["heldout_before"], report["heldout_after"]
+    assert after["acceptance_per_token"] > before["acceptance_per_token"] + 0.1
+    assert len(after["acceptance_per_position"]) == 4 and after["prompts"] == 3
+    assert report["loss_last_steps"] < report["loss_first_steps"]
+
+    out = tmp_path / "resumed"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command(*target, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if list(state_dir(out).glob("train-*.pt")):
+            break
+        time.sleep(0.01)
+    assert process.poll() is None  # the kill hits a run still training
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not out.exists()  # nothing half-written at --out
+    answers = sorted(state_dir(out).glob("answers-*/*.npz"))
+    assert len(answers) == 24  # every answer kept: the rerun does not ask the target again
+    stamps = [path.stat().st_mtime_ns for path in answers]
+
+    resumed = run(command(*target, out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert [path.stat().st_mtime_ns for path in answers] == stamps
+    mine, theirs = (
+        load_file(str(d / "own_weights.safetensors")) for d in (out, tmp_path / "whole")
+    )
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+    assert not list(state_dir(out).glob("train-*.pt"))  # done: the checkpoint is gone
+
+
+def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp_path):
+    trained = tmp_path / "trained"
+    assert run(command(*target, trained, "--steps", "40")).returncode == 0
+    own = load_file(str(trained / "own_weights.safetensors"))
+    assert not any(name.startswith(("model.embed_tokens", "lm_head")) for name in own)
+
+    runner = CliRunner()
+    again = tmp_path / "again"
+    args = ["distill", "--target", str(target[0]), "--out", str(again), "--layers", "1"]
+    result = runner.invoke(
+        main, [*args, "--steps", "0", "--init-from", str(trained / "own_weights.safetensors")]
+    )
+    assert result.exit_code == 0, result.output
+    rebuilt, original = (load_file(str(d / "model.safetensors")) for d in (again, trained))
+    assert rebuilt.keys() == original.keys()
+    assert all(rebuilt[k].equal(original[k]) for k in rebuilt)
+
+    bundle = tmp_path / "bundle"
+    args = ["export", "--target", str(target[0]), "--draft", str(again), "--out", str(bundle)]
+    result = runner.invoke(main, [*args, "--no-portable"])
+    assert result.exit_code == 0, result.output
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    prompt = [1, 5, 9, 12, 20, 7, 30]
+    settings = dict(max_new_tokens=32, ignore_eos=True)
+    alone = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **settings))[0]
+    drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **settings))[0]
+    assert drafted.token_ids == alone.token_ids
+    assert drafted.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--layers", "4"], "the draft takes 1 to 3 of the target's 4 layers"),
+        (["--steps", "5"], "give --prompt-file"),
+        (["--layers", "2", "--init-from", "OWN"], "pass --layers and --target as it was made"),
+    ],
+)
+def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, message):
+    own = tmp_path / "own.safetensors"
+    if "OWN" in extra:
+        trained = tmp_path / "one-layer"
+        made = CliRunner().invoke(
+            main,
+            [
+                "distill",
+                "--target",
+                str(target[0]),
+                "--out",
+                str(trained),
+                "--layers",
+                "1",
+                "--steps",
+                "0",
+            ],
+        )
+        assert made.exit_code == 0, made.output
+        own = trained / "own_weights.safetensors"
+    extra = [str(own) if arg == "OWN" else arg for arg in extra]
+    out = tmp_path / "out"
+    args = ["distill", "--target", str(target[0]), "--out", str(out), "--steps", "0", *extra]
+    if "--steps" in extra:
+        args.remove("0"), args.remove("--steps")
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert message in result.output and "Traceback" not in result.output
+    assert not out.exists()
