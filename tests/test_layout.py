@@ -27,10 +27,11 @@ ALLOWED = {
     "backends": BASE,
     "runtime": BASE | {"backends"},
     "export": BASE | {"backends"},
+    "distill": BASE | {"export"},  # the draft is read and written as export reads checkpoints
     "bench": BASE | {"backends", "runtime"},
     "jobs": BASE | {"backends", "runtime"},
     "serve": BASE | {"backends", "runtime"},
-    "cli": BASE | {"backends", "runtime", "export", "bench", "jobs", "serve"},
+    "cli": BASE | {"backends", "runtime", "export", "distill", "bench", "jobs", "serve"},
 }
 # Third-party packages a stage must not import (they belong to extras).
 EXTRAS = {"torch", "transformers", "optimum", "onnx", "ray", "fastapi", "starlette", "uvicorn"}
