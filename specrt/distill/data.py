@@ -50,7 +50,7 @@ def answer(
     folder: Path,
     max_new_tokens: int,
     top_k: int,
-    batch_size: int = 8,
+    batch_size: int = 32,
     progress: bool = True,
 ) -> list[Example]:
     """The target's greedy answers to ``prompts``, those not yet in ``folder`` generated (a batch
