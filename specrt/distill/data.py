@@ -90,8 +90,10 @@ def answer(
             out = target.generate(
                 input_ids=input_ids, attention_mask=mask, generation_config=config
             )
-        logits = torch.stack(out.logits, dim=1).float()  # (rows, steps, vocab)
-        probs, top = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        # step by step: a stack of every step's logits would double what generate holds
+        kept = [torch.softmax(step.float(), dim=-1).topk(top_k, dim=-1) for step in out.logits]
+        probs = torch.stack([p for p, _ in kept], dim=1)  # (rows, steps, k)
+        top = torch.stack([t for _, t in kept], dim=1)
         new = out.sequences[:, width:]
         for row, index in enumerate(chunk):
             length = _answer_length(new[row].tolist(), target.config.eos_token_id, pad)
