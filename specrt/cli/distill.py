@@ -35,7 +35,7 @@ from specrt.cli.common import _friendly_errors, _prompts
 )
 @click.option(
     "--layers",
-    type=int,
+    type=click.IntRange(min=1),
     default=2,
     show_default=True,
     help="The draft is the target's first LAYERS layers (with its embeddings, final "
@@ -43,30 +43,36 @@ from specrt.cli.common import _friendly_errors, _prompts
 )
 @click.option(
     "--steps",
-    type=int,
+    type=click.IntRange(min=0),
     default=1500,
     show_default=True,
     help="Training steps (0: the draft as cut, or as --init-from gives it).",
 )
-@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option(
     "--seq-len",
-    type=int,
+    type=click.IntRange(min=8),
     default=192,
     show_default=True,
     help="Tokens of one training example (prompt and answer).",
 )
-@click.option("--lr", type=float, default=5e-4, show_default=True, help="Peak learning rate.")
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5e-4,
+    show_default=True,
+    help="Peak learning rate.",
+)
 @click.option(
     "--max-new-tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=128,
     show_default=True,
     help="Length of the target's answers.",
 )
 @click.option(
     "--top-k",
-    type=int,
+    type=click.IntRange(min=1),
     default=16,
     show_default=True,
     help="Target probabilities kept per answer token (soft targets).",
@@ -74,7 +80,7 @@ from specrt.cli.common import _friendly_errors, _prompts
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--save-every",
-    type=int,
+    type=click.IntRange(min=1),
     default=50,
     show_default=True,
     help="Steps between checkpoints (a killed run resumes from the last).",
@@ -117,18 +123,6 @@ def distill(
     from specrt.distill import distill as run
     from specrt.distill.train import TrainSettings
 
-    for name, value, low in (
-        ("--steps", steps, 0),
-        ("--batch-size", batch_size, 1),
-        ("--seq-len", seq_len, 8),
-        ("--max-new-tokens", max_new_tokens, 1),
-        ("--top-k", top_k, 1),
-        ("--save-every", save_every, 1),
-    ):
-        if value < low:
-            raise click.UsageError(f"{name} must be at least {low}, not {value}")
-    if lr <= 0:
-        raise click.UsageError(f"--lr must be above 0, not {lr}")
     if steps and prompt_file is None:
         raise click.UsageError("give --prompt-file (the prompts the target answers), or --steps 0")
     prompts = _prompts((), prompt_file) if prompt_file else []

@@ -119,12 +119,8 @@ def distill(
         },
         "train_prompts": len(prompts),
         "heldout_prompts": len(heldout),
-        "loss_first_steps": round(float(sum(losses[:20]) / max(1, len(losses[:20]))), 4)
-        if losses
-        else None,
-        "loss_last_steps": round(float(sum(losses[-20:]) / max(1, len(losses[-20:]))), 4)
-        if losses
-        else None,
+        "loss_first_steps": _mean(losses[:20]),
+        "loss_last_steps": _mean(losses[-20:]),
         "heldout_before": before,
         "heldout_after": after,
         "seconds": round(time.monotonic() - started, 1),
@@ -177,6 +173,10 @@ def _file_key(path: Path) -> str:
     """What identifies a checkpoint cheaply: its files' names, sizes and modification times."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return _key([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
 
 
 def _key(*parts) -> str:

@@ -102,9 +102,10 @@ def train(
     from tqdm import tqdm
 
     params = dict(draft.named_parameters())
-    trained = [params[name] for name in own_names(draft)]
+    own = own_names(draft)
+    trained = [params[name] for name in own]
     for name, param in params.items():
-        param.requires_grad_(name in own_names(draft))
+        param.requires_grad_(name in own)
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
     step, losses = 0, []
     if checkpoint.is_file():
