@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import os
 import shutil
 import tempfile
@@ -65,12 +66,15 @@ def staging(out: Path, kind: str) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(out)
     prefix = f".{out.name}.{kind}-{os.getpid()}-"  # the writer in the name: no unmarked instant
-    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
-    try:
+    directory = None
+    try:  # made inside: a signal (SIGTERM, Ctrl-C) right after it is made still removes it
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
         (directory / OWNER_FILE).write_text(str(os.getpid()))
         yield directory
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        made = [directory] if directory else out.parent.glob(glob.escape(prefix) + "*")
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_stale(out: Path) -> list[Path]:

@@ -109,7 +109,7 @@ def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp
     assert result.exit_code == 0, result.output
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
     prompt = [1, 5, 9, 12, 20, 7, 30]
-    settings = dict(max_new_tokens=32, ignore_eos=True)
+    settings = dict(max_new_tokens=32, ignore_eos=True, proposer="model", draft_schedule="fixed")
     alone = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **settings))[0]
     drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **settings))[0]
     assert drafted.token_ids == alone.token_ids
