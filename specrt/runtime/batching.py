@@ -17,18 +17,18 @@ from specrt.backends import RowsDecoder
 from specrt.backends.base import PREFILL_CHUNK, whole_chunks
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.hybrid import DRAFT_WINDOW, HybridChoice, MatchAcceptance
+from specrt.runtime.hybrid import DRAFT_WINDOW, MatchAcceptance
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.planning import BatchPlanner, LonePlanner, Plan
-from specrt.runtime.requests import Request, Row
+from specrt.runtime.requests import LoneLearners, Request, Row
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RoundResult, catch_up, first_tokens, run_round
-from specrt.runtime.schedules import DraftSchedule, LoadSchedule
+from specrt.runtime.schedules import LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
-# config -> (the hybrid's choice or None, the draft schedule) for a row running alone
-OneRowLearners = Callable[[GenerationConfig], tuple[HybridChoice | None, DraftSchedule]]
+# config -> what a row running alone learns with (the hybrid's choice, schedule and guard)
+OneRowLearners = Callable[[GenerationConfig], LoneLearners]
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_SERVE_BATCH_SIZE", "MAX_BATCH", "BatchRunner", "Request"]
 
@@ -54,7 +54,7 @@ class BatchRunner:
         suffix_cache: SuffixCache | None = None,
         one_row: OneRowLearners | None = None,
     ) -> None:
-        """``one_row``: a row's hybrid choice and draft schedule for the rounds it runs alone
+        """``one_row``: a row's learners for the rounds it runs alone
         (`SpeculativeGenerator.one_row`); without it every round is planned for a batch."""
         self.target, self.draft = target, draft
         self.one_row = one_row
@@ -220,6 +220,7 @@ class BatchRunner:
         # 1. Plan: each row's share, the draft model's K tokens or a match: a lone row's by
         #    its own schedule, rows sharing calls' by the load schedule (`planning`)
         lone = len(rows) == 1 and self._runs_alone
+        round_started = time.perf_counter()  # a lone row's guard times the round as a whole
         plan = self._plan_alone(rows[0]) if lone else self.planner.plan(rows)
         parts = [row.round for row in rows]
         # 2. Catch up: a draft behind after rounds without drafting reads what it missed (a
@@ -259,7 +260,8 @@ class BatchRunner:
             self._clear_stale()
         # 5. Learn: the schedules, match acceptance, the hybrid's rates
         if lone:
-            self._learn_alone(rows[0], plan, results[0])
+            round_seconds = time.perf_counter() - round_started
+            self._learn_alone(rows[0], plan, results[0], round_seconds if typical else None)
         else:
             self.planner.learn(rows, plan, results, seconds if typical else None)
         return finished
@@ -286,17 +288,24 @@ class BatchRunner:
         """The lone row's share of its round, as its own schedule and hybrid choose."""
         if row.alone is None:
             row.alone = self.one_row(row.request.config)
-        hybrid, schedule = row.alone
+            if row.alone.guard is not None:
+                row.alone.guard.new_row()
         room = self._room(row)
         if first:  # one call feeds at most a prefill chunk (TensorRT plans' largest profile)
             unread = len(row.tokens) - int(self.target.lengths[0])
             room = max(0, min(room, PREFILL_CHUNK - unread))
-        return self.lone.plan(row, room, schedule, hybrid, first)
+        return self.lone.plan(row, room, row.alone, first)
 
-    def _learn_alone(self, row: Row, plan: Plan, result: RoundResult, first: bool = False) -> None:
+    def _learn_alone(
+        self,
+        row: Row,
+        plan: Plan,
+        result: RoundResult,
+        seconds: float | None = None,
+        first: bool = False,
+    ) -> None:
         if result.error is None:
-            hybrid, schedule = row.alone
-            self.lone.learn(row, plan, result, schedule, hybrid, first)
+            self.lone.learn(row, plan, result, row.alone, seconds, first)
 
     def _room(self, row: Row) -> int:
         """Proposed tokens a lone row's round may verify: it emits at most that many + 1, and

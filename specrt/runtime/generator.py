@@ -22,8 +22,10 @@ from specrt.runtime.config import GenerationConfig
 from specrt.runtime.hybrid import HybridChoice
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import SuffixCache
+from specrt.runtime.requests import LoneLearners
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
+from specrt.runtime.schedules.guard import SpeculationGuard
 from specrt.runtime.tokenizer import BundleTokenizer
 
 Prompt = str | Sequence[int]
@@ -66,7 +68,8 @@ class SpeculativeGenerator:
         self._holder: int | None = None  # the thread in a call that holds the caches
         self._service: weakref.ref | None = None  # the Service running on them, if any
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
-        self._hybrids: dict[tuple[int, int, bool, bool], HybridChoice] = {}
+        self._hybrids: dict[tuple, HybridChoice] = {}
+        self._guards: dict[tuple, SpeculationGuard] = {}
         self._load_schedules: dict[str, LoadSchedule] = {}  # what batches learn, kept
         # The round engine runs rows: a one-row decoder is rows of one
         self.rows_decoders = as_rows(target), as_rows(draft)
@@ -325,22 +328,31 @@ class SpeculativeGenerator:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)
         return self._schedules[key]
 
-    def one_row(self, config: GenerationConfig) -> tuple[HybridChoice | None, DraftSchedule]:
-        """A row's hybrid choice (None unless its proposer is "hybrid") and draft schedule for
-        the rounds it runs alone (`BatchRunner`). Both are kept across rows, per the settings
-        they learn under: what they learn holds for the pair and machine, not one prompt."""
+    def one_row(self, config: GenerationConfig) -> LoneLearners:
+        """What a row learns with in the rounds it runs alone (`BatchRunner`): the hybrid's
+        choice (None unless its proposer is "hybrid"), the draft schedule and the guard against
+        decoding slower than the target alone (None unless the schedule is "adaptive"). All
+        are kept across rows, per the settings they learn under: what they learn holds for the
+        pair and machine, not one prompt."""
+        key = (
+            config.proposer,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.num_draft_tokens,
+            config.greedy,
+            config.reproducible,
+        )
         hybrid = None
         if config.proposer == "hybrid":
-            key = (
-                config.prompt_lookup_min,
-                config.prompt_lookup_max,
-                config.greedy,
-                config.reproducible,
-            )
-            hybrid = self._hybrids.get(key)
+            hybrid = self._hybrids.get(key[1:])
             if hybrid is None:
-                hybrid = self._hybrids[key] = HybridChoice()
-        return hybrid, self._schedule(config)
+                hybrid = self._hybrids[key[1:]] = HybridChoice()
+        guard = None
+        if config.draft_schedule == "adaptive":
+            guard = self._guards.get(key)
+            if guard is None:
+                guard = self._guards[key] = SpeculationGuard()
+        return LoneLearners(hybrid, self._schedule(config), guard)
 
 
 def row_rng(config: GenerationConfig, row: int) -> np.random.Generator:

@@ -10,14 +10,15 @@ from specrt.backends import RowsDecoder
 from specrt.runtime.hybrid import (
     DRAFT_WINDOW,
     MAX_MATCH_TOKENS,
-    HybridChoice,
     MatchAcceptance,
     outcome,
 )
 from specrt.runtime.lookup import Proposal, SuffixCache, find_match
-from specrt.runtime.requests import Row
+from specrt.runtime.requests import LoneLearners, Row
 from specrt.runtime.round import RoundResult
-from specrt.runtime.schedules import DraftSchedule, KeepGoing, LoadSchedule
+from specrt.runtime.schedules import KeepGoing, LoadSchedule
+from specrt.runtime.schedules.constants import GUARD_PROBE_MATCH
+from specrt.runtime.schedules.guard import MATCH, MODEL, PLAIN, SpeculationGuard
 
 # Rounds without a model draft that skip looking for matches after the load schedule found
 # them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
@@ -248,21 +249,27 @@ class LonePlanner:
         self,
         row: Row,
         room: int,
-        schedule: DraftSchedule,
-        hybrid: HybridChoice | None,
+        learners: LoneLearners,
         first: bool = False,
     ) -> Plan:
         """Set the row's share of the round (``room``: the most tokens it may verify). The
         ``first`` round after its prompt has no model draft: a request's first token never
-        waits for drafting (a match costs nothing)."""
+        waits for drafting (a match costs nothing). Where the row has a guard, what it does
+        not allow this round (`SpeculationGuard.caps`) is left out."""
         config, part = row.request.config, row.round
-        k = 0 if first else schedule.start_round(room)
+        hybrid, schedule, guard = learners
+        model_cap, match_cap = (room, room) if guard is None else guard.caps()
+        lookup = config.proposer == "lookup"  # its schedule gives the match's length
+        k = 0 if first else schedule.start_round(room if lookup else min(room, model_cap))
         found, length = None, 0
-        if config.proposer == "lookup":
-            found = _match(row, self.suffix_cache, k)
+        if guard is not None and not match_cap and config.proposer != "model":
+            match_cap = self._copy_probe(row, min(room, k if lookup else room), guard)
+        if lookup:
+            found = _match(row, self.suffix_cache, min(k, match_cap))
             length = len(found.tokens) if found is not None else 0
         elif config.proposer == "hybrid" and hybrid is not None:
-            found = _match(row, self.suffix_cache, min(room, hybrid.max_match_tokens))
+            cap = min(room, hybrid.max_match_tokens, match_cap)
+            found = _match(row, self.suffix_cache, cap)
             length = hybrid.choose(found, k, row.match_history) if found is not None else 0
         if length:  # the round verifies the match: the model does not draft
             part.match, part.k, part.source = found.tokens[:length], length, found.source
@@ -270,18 +277,34 @@ class LonePlanner:
         part.match, part.k = None, 0 if config.proposer == "lookup" else k
         return Plan(part.k, {}, None, schedule.keep_drafting if part.k else None)
 
+    def _copy_probe(self, row: Row, cap: int, guard: SpeculationGuard) -> int:
+        """Where the guard holds matches off: the tokens of a match to verify anyway, where the
+        row's own output repeats itself as far as the longest n-gram looked for (the onset of a
+        copy, which a probe at its own time would find late); the guard spaces these out."""
+        found = _match(row, self.suffix_cache, min(cap, GUARD_PROBE_MATCH))
+        config = row.request.config
+        copying = found is not None and found.from_output
+        if copying and found.match >= config.prompt_lookup_max and guard.copy_probe():
+            return GUARD_PROBE_MATCH
+        return 0
+
     def learn(
         self,
         row: Row,
         plan: Plan,
         result: RoundResult,
-        schedule: DraftSchedule,
-        hybrid: HybridChoice | None,
+        learners: LoneLearners,
+        seconds: float | None = None,
         first: bool = False,
     ) -> None:
         """The schedule learns from the model's rounds, the hybrid from every round (not the
-        time of the first: it fed the prompt's end too)."""
+        time of the first: it fed the prompt's end too), the guard from every round's
+        ``seconds`` as a whole (None: not timed)."""
+        hybrid, schedule, guard = learners
         verify_time = None if first else result.verify_time_s
+        if guard is not None and seconds is not None and not first:
+            kind = MATCH if plan.matched else MODEL if result.drafted else PLAIN
+            guard.observe(kind, result.accepted + 1, seconds)
         if result.source == "model" and verify_time is not None:
             schedule.update(result.drafted, result.accepted, result.draft_time_s, verify_time)
         if hybrid is not None:

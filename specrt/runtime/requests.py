@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from specrt.runtime.results import GenerationStats
 from specrt.runtime.round import RowRound
 from specrt.runtime.sampling import row_draws
 from specrt.runtime.schedules import DraftSchedule
+from specrt.runtime.schedules.guard import SpeculationGuard
 from specrt.runtime.stopping import StopStrings
 
 
@@ -36,6 +38,16 @@ class Request:
             self.rng = np.random.default_rng(None if seed is None else [seed, 0])
 
 
+class LoneLearners(NamedTuple):
+    """What a row's rounds alone learn with, kept by the generator per settings (what they
+    learn holds for the pair): the hybrid's choice (None unless "hybrid"), the draft schedule,
+    and the guard against decoding slower than the target alone (None unless "adaptive")."""
+
+    hybrid: HybridChoice | None
+    schedule: DraftSchedule
+    guard: SpeculationGuard | None
+
+
 @dataclass
 class Row:
     """A request being generated: its tokens so far, where it stops, how its rounds go."""
@@ -52,8 +64,7 @@ class Row:
     finish_reason: str = ""
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")
-    # The hybrid's choice (None unless "hybrid") and the draft schedule it runs alone with
-    alone: tuple[HybridChoice | None, DraftSchedule] | None = None
+    alone: LoneLearners | None = None  # what it runs alone with, once it does
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:

@@ -73,3 +73,22 @@ MODEL_PRIOR_ROUNDS = 2.0  # rounds
 FIRST_MODEL_ROUNDS = 4  # rounds
 HYBRID_EXPLORE_EVERY = 32  # rounds since the model last drafted
 MATCH_BINS = 4  # match lengths told apart (tokens matched): 1, 2, 3, 4 and more
+
+# -- guard (a lone row: speculation only where it beats the target alone) -------------------------
+GUARD_MIN_ROUNDS = 4  # rounds of a kind (model drafts, matches) in a probe, before its verdict
+# Rounds of a kind before its first verdict: the schedules learn the pair in its first rounds
+# (the adaptive one drafts short while its costs are measured on cold caches).
+GUARD_FIRST_ROUNDS = 6
+# Tokens a probe of matches verifies at most: matches that are not kept cost little to probe,
+# and a copy beats plain rounds with its first tokens already. The model's probe drafts what its
+# schedule chooses: a draft may pay only at its longer K (the demo pair's drafts cost about a
+# target pass each: one or two tokens a round lose to plain rounds where four win).
+GUARD_PROBE_MATCH = 4
+GUARD_DECAY = 0.9  # a share: what a kind's round keeps of the older tokens and seconds
+GUARD_PLAIN_SAMPLES = 2  # plain rounds timed before any kind is judged
+GUARD_PLAIN_KEPT = 8  # plain rounds whose median is the target alone's time per token
+GUARD_PLAIN_EVERY = 32  # rounds: the longest without a plain one (the pass cost drifts)
+GUARD_FIRST_WAIT = 4  # rounds of the others before a kind judged a loss is probed
+GUARD_MAX_WAIT = 128  # rounds: the longest wait, doubled after each probe that still lost
+GUARD_COPY_SPACING = 4  # rounds off, at least, between probes of matches where a row copies
+GUARD_ROW_PROBE = 4  # a row's round at which a kind that is off is probed anyway

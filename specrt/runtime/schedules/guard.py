@@ -1,0 +1,155 @@
+"""The guard that keeps a lone row never slower than the target alone (``draft_schedule``
+"adaptive"): each kind of speculation, the draft model's rounds and verified matches, stays on
+only while its rounds, timed end to end, emit more tokens per second than plain rounds (the
+target alone: one token a pass).
+
+The schedules and the hybrid price a round from its parts (draft steps, the verification
+line). What those leave out, a draft catching up after rounds of matches, a round's first draft
+step on cold caches, the loop's own work, is a few percent of a pass a round: on a real chat
+model a weak draft or rarely kept matches then decode slower than the target alone while every
+part looks worth it (CHANGELOG.md, 2026-12-04). So a round is judged by what it took as a whole,
+against plain rounds measured the same way (a plain round costs nothing against the target
+alone: it is what it does). A kind judged a loss is probed again after `GUARD_FIRST_WAIT`
+rounds, then twice as long each time it still loses, early in each new row (its text may
+repeat where the last did not) and, for matches, where the row starts to repeat its own output
+(`LonePlanner`); a probe that keeps nothing in two rounds ends there. The output is the
+target's whatever is verified.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from specrt.runtime.schedules.constants import (
+    GUARD_COPY_SPACING,
+    GUARD_DECAY,
+    GUARD_FIRST_ROUNDS,
+    GUARD_FIRST_WAIT,
+    GUARD_MAX_WAIT,
+    GUARD_MIN_ROUNDS,
+    GUARD_PLAIN_EVERY,
+    GUARD_PLAIN_KEPT,
+    GUARD_PLAIN_SAMPLES,
+    GUARD_PROBE_MATCH,
+    GUARD_ROW_PROBE,
+)
+
+MODEL, MATCH, PLAIN = "model", "match", "plain"
+UNCAPPED = 1 << 30  # the tokens a kind that is on may propose: what the row's learners choose
+
+
+class KindRate:
+    """One kind's recent rounds (decayed sums) and its state: "probe" (its first rounds, and
+    again after ``wait`` rounds off: `GUARD_MIN_ROUNDS` rounds of at most ``probe_tokens``
+    tokens), "judge" (a probe done, waiting for plain rounds to compare with), "on" or "off"."""
+
+    def __init__(self, probe_tokens: int) -> None:
+        self.probe_tokens = probe_tokens
+        self.wait = GUARD_FIRST_WAIT
+        self.lost = False  # judged a loss before: a probe that loses again doubles the wait
+        self.start_probe(GUARD_FIRST_ROUNDS)
+
+    def start_probe(self, rounds: int = GUARD_MIN_ROUNDS) -> None:
+        """Measure it afresh for ``rounds`` rounds: its verdict is on the probe's alone."""
+        self.state = "probe"
+        self.tokens = self.seconds = 0.0
+        self.rounds = 0  # in the sums
+        self.kept = 0  # proposed tokens kept in them
+        self.probe_rounds = rounds
+        self.off_for = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = GUARD_DECAY * self.tokens + tokens
+        self.seconds = GUARD_DECAY * self.seconds + seconds
+        self.rounds += 1
+        self.kept += tokens - 1  # a round emits the kept tokens and one of the target's
+        # A probe ends at its length, or as soon as it has kept nothing in two rounds: it can
+        # only have lost (its rounds took longer than plain ones for their one token).
+        if self.state == "probe" and (
+            self.rounds >= self.probe_rounds or self.rounds >= 2 and not self.kept
+        ):
+            self.state = "judge"
+
+    @property
+    def cap(self) -> int:
+        """The most tokens it may propose this round (0: none)."""
+        return {"on": UNCAPPED, "probe": self.probe_tokens}.get(self.state, 0)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def judge(self, baseline: float) -> None:
+        """On where its recent rounds emit at least ``baseline`` tokens a second (the target
+        alone's), else off, until a probe after ``wait`` rounds (twice the last wait where a
+        probe lost again)."""
+        if self.rate >= baseline:
+            self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
+            return
+        if self.state == "judge" and self.lost:
+            self.wait = min(2 * self.wait, GUARD_MAX_WAIT)
+        self.state, self.off_for, self.lost = "off", 0, True
+
+
+class SpeculationGuard:
+    """Per generator and settings (shared by its lone rows, as the hybrid is): what the loop
+    asks before a lone round (`caps`) and tells after it (`observe`)."""
+
+    def __init__(self) -> None:
+        self.kinds = {MODEL: KindRate(UNCAPPED), MATCH: KindRate(GUARD_PROBE_MATCH)}
+        self.plain: deque[float] = deque(maxlen=GUARD_PLAIN_KEPT)  # seconds of plain rounds
+        self._since_plain = 0  # rounds since the last plain one
+        self._row_rounds = 0  # of the current row
+
+    @property
+    def plain_rate(self) -> float | None:
+        """Tokens per second of plain rounds (the median of the recent ones)."""
+        if len(self.plain) < GUARD_PLAIN_SAMPLES:
+            return None
+        return 1.0 / max(statistics.median(self.plain), 1e-9)
+
+    def new_row(self) -> None:
+        """A row starts: a kind that is off is probed early in it (`GUARD_ROW_PROBE`)."""
+        self._row_rounds = 0
+
+    def caps(self) -> tuple[int, int]:
+        """The most tokens this round may draft with the model, and verify of a match (0:
+        none). Neither where plain rounds must be timed first (a probe waits for its verdict)
+        or again (`GUARD_PLAIN_EVERY`)."""
+        baseline = self.plain_rate
+        for kind in self.kinds.values():
+            if kind.state == "judge" and baseline is not None:
+                kind.judge(baseline)
+            row_probe = self._row_rounds == GUARD_ROW_PROBE
+            if kind.state == "off" and (kind.off_for >= kind.wait or row_probe):
+                kind.start_probe()
+        waiting = any(kind.state == "judge" for kind in self.kinds.values())
+        if waiting or self._since_plain >= GUARD_PLAIN_EVERY:
+            return 0, 0
+        return self.kinds[MODEL].cap, self.kinds[MATCH].cap
+
+    def copy_probe(self) -> bool:
+        """Whether matches, held off, may be probed now because the row seems to copy itself
+        (`LonePlanner`): at most once every `GUARD_COPY_SPACING` rounds off."""
+        kind = self.kinds[MATCH]
+        if kind.state != "off" or kind.off_for < GUARD_COPY_SPACING:
+            return False
+        kind.start_probe()
+        return True
+
+    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+        """A round of ``kind`` (`MODEL`, `MATCH` or `PLAIN`) emitted ``tokens`` in ``seconds``,
+        everything it did included."""
+        self._row_rounds += 1
+        self._since_plain = 0 if kind == PLAIN else self._since_plain + 1
+        if kind == PLAIN:
+            self.plain.append(seconds)
+        baseline = self.plain_rate
+        for name, other in self.kinds.items():
+            if name == kind:
+                other.add(tokens, seconds)
+                if other.state == "on" and other.rounds >= GUARD_MIN_ROUNDS and baseline:
+                    other.judge(baseline)
+            elif other.state == "off":
+                other.off_for += 1

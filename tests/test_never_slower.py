@@ -1,0 +1,160 @@
+"""Never slower than the target alone: the adaptive schedule's guard (`SpeculationGuard`) keeps a
+kind of speculation (the draft model's rounds, verified matches) only while its rounds, timed
+as a whole, beat plain ones, and probes a loser rarely. Its rules on simulated timings; then real
+poor drafts built here (the target's first layer untrained; an unrelated random model) under
+the default configuration. How fast that decodes is the benchmarks' to say (`bench/real.py`);
+what is asserted is what the guard does and that the output stays the target's."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.schedules.constants import (
+    GUARD_COPY_SPACING,
+    GUARD_FIRST_ROUNDS,
+    GUARD_FIRST_WAIT,
+    GUARD_PLAIN_EVERY,
+    GUARD_PROBE_MATCH,
+    GUARD_ROW_PROBE,
+)
+from specrt.runtime.schedules.guard import MATCH, MODEL, PLAIN, UNCAPPED, SpeculationGuard
+
+PLAIN_S = 0.02  # a plain round: one token in 20 ms
+
+
+def simulate(guard: SpeculationGuard, rounds: int, tokens_per_s: dict[str, float]) -> list:
+    """Rounds as the lone planner runs them: the model drafts where allowed, else a match is
+    verified where allowed, else a plain round; each kind emits its ``tokens_per_s`` (a share of
+    plain rounds' rate). Returns each round's (kind, cap)."""
+    log = []
+    for _ in range(rounds):
+        model_cap, match_cap = guard.caps()
+        kind, cap = (
+            (MODEL, model_cap) if model_cap else (MATCH, match_cap) if match_cap else (PLAIN, 0)
+        )
+        ratio = tokens_per_s.get(kind, 1.0)
+        guard.observe(
+            kind, 2 if kind != PLAIN else 1, (2 if kind != PLAIN else 1) * PLAIN_S / ratio
+        )
+        log.append((kind, cap))
+    return log
+
+
+def test_a_kind_that_loses_is_switched_off_and_probed_ever_more_rarely():
+    guard = SpeculationGuard()
+    log = simulate(guard, 400, {MODEL: 0.8, MATCH: 0.9})
+    kinds = [kind for kind, _ in log]
+    # Each kind is probed with a capped round first, then judged against plain rounds
+    assert log[0] == (MODEL, UNCAPPED)
+    assert kinds[:GUARD_FIRST_ROUNDS] == [MODEL] * GUARD_FIRST_ROUNDS
+    assert PLAIN in kinds[GUARD_FIRST_ROUNDS : GUARD_FIRST_ROUNDS + 3]
+    assert "on" not in (guard.kinds[MODEL].state, guard.kinds[MATCH].state)
+    # Probes (of matches, short ones) at waits that double: most rounds are plain
+    assert {cap for kind, cap in log if kind == MATCH} == {GUARD_PROBE_MATCH}
+    starts = [i for i in range(1, len(kinds)) if kinds[i] == MODEL and kinds[i - 1] != MODEL]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * GUARD_FIRST_WAIT, gaps
+    assert kinds[100:].count(PLAIN) > 0.9 * len(kinds[100:])
+
+
+def test_a_kind_that_pays_stays_on_uncapped_with_a_plain_round_now_and_then():
+    guard = SpeculationGuard()
+    log = simulate(guard, 200, {MODEL: 1.5})
+    assert guard.kinds[MODEL].state == "on"
+    later = log[20:]
+    assert (MODEL, UNCAPPED) in later
+    plain = [i for i, (kind, _) in enumerate(later) if kind == PLAIN]
+    assert plain and max(b - a for a, b in zip(plain, plain[1:])) <= GUARD_PLAIN_EVERY + 1
+
+
+def test_matches_stay_where_the_model_loses():
+    guard = SpeculationGuard()
+    log = simulate(guard, 200, {MODEL: 0.7, MATCH: 2.0})
+    assert guard.kinds[MATCH].state == "on" and guard.kinds[MODEL].state == "off"
+    assert [kind for kind, _ in log[100:]].count(MATCH) > 0.8 * 100
+    assert (MATCH, GUARD_PROBE_MATCH) in log and (MATCH, UNCAPPED) in log
+
+
+def test_a_new_row_probes_a_kind_that_is_off_early():
+    guard = SpeculationGuard()
+    simulate(guard, 60, {MODEL: 0.8, MATCH: 0.8})
+    guard.kinds[MODEL].wait = guard.kinds[MATCH].wait = 1000  # no probe due by waiting
+    guard.new_row()
+    log = simulate(guard, 10, {MODEL: 0.8, MATCH: 0.8})
+    assert log[GUARD_ROW_PROBE][0] == MODEL
+    guard.new_row()
+    log = simulate(guard, 10, {MODEL: 1.6, MATCH: 0.8})  # this row's text suits the draft
+    assert guard.kinds[MODEL].state == "on"
+
+
+def test_a_probe_that_keeps_nothing_ends_early_and_a_copy_is_probed_soon():
+    guard = SpeculationGuard()
+    guard.plain.extend([PLAIN_S] * 4)
+    guard.kinds[MODEL].state = "off"
+    guard.kinds[MODEL].wait = 1000
+    for _ in range(2):  # two match rounds keeping nothing: judged at once, a loss
+        assert guard.caps() == (0, GUARD_PROBE_MATCH)
+        guard.observe(MATCH, 1, 1.1 * PLAIN_S)
+    assert guard.caps() == (0, 0) and guard.kinds[MATCH].state == "off"
+    # A row that starts copying itself may have its matches probed, spaced out
+    assert not guard.copy_probe()
+    for _ in range(GUARD_COPY_SPACING):
+        guard.observe(PLAIN, 1, PLAIN_S)
+    assert guard.copy_probe() and guard.caps() == (0, GUARD_PROBE_MATCH)
+    guard.observe(MATCH, 1 + GUARD_PROBE_MATCH, 1.2 * PLAIN_S)  # copies pay at once
+    guard.observe(MATCH, 1 + GUARD_PROBE_MATCH, 1.2 * PLAIN_S)
+    assert guard.kinds[MATCH].state == "probe"  # (kept some: the probe runs its length)
+
+
+@pytest.fixture(scope="module")
+def poor_bundles(tmp_path_factory):
+    """A tiny Llama target with two drafts that do not pay: its own first layer, untrained (the
+    cut `specrt distill` starts from), and an unrelated random model of its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrt.distill.draft import truncated
+    from specrt.export import export_bundle
+    from specrt.export.tiny import make_tiny_pair
+
+    root = tmp_path_factory.mktemp("poor")
+    target, unrelated = make_tiny_pair(
+        "llama", root / "pair", seed=3, draft_dims={"layers": 1, "hidden": 32}
+    )
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    cut = root / "cut"
+    truncated(model, 1).save_pretrained(cut)
+    AutoTokenizer.from_pretrained(target).save_pretrained(cut)
+    bundles = {}
+    for name, draft in (("cut", cut), ("unrelated", unrelated)):
+        export_bundle(target, draft, root / f"{name}-bundle")
+        bundles[name] = root / f"{name}-bundle"
+    return bundles
+
+
+@pytest.mark.parametrize("draft", ["cut", "unrelated"])
+def test_a_poor_draft_is_noticed_and_the_output_stays_the_targets(poor_bundles, draft):
+    generator = SpeculativeGenerator.from_bundle(poor_bundles[draft], threads=1)
+    prompts = [[1, 5, 9, 12, 20, 7, 30], [4, 8, 15, 16, 23, 42], [2, 3, 5, 7, 11, 13, 17, 19]]
+    settings = dict(max_new_tokens=96, ignore_eos=True)
+    alone = [
+        r.token_ids
+        for r in generator.generate(prompts, GenerationConfig(num_draft_tokens=0, **settings))
+    ]
+    # The drafts do not pay: drafting every round keeps few of their tokens
+    fixed = GenerationConfig(proposer="model", draft_schedule="fixed", **settings)
+    results = generator.generate(prompts, fixed)
+    assert [r.token_ids for r in results] == alone
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    assert sum(r.stats.accepted_tokens for r in results) < 0.5 * drafted
+    # The default: one request after another on one generator, as a service runs them
+    default = GenerationConfig(**settings)
+    assert default.proposer == "hybrid" and default.draft_schedule == "adaptive"
+    results = [generator.generate([prompt], default)[0] for prompt in prompts]
+    assert [r.token_ids for r in results] == alone
+    rounds = sum(r.stats.rounds for r in results)
+    model_rounds = sum(r.stats.proposers.get("model", {}).get("rounds", 0) for r in results)
+    assert model_rounds <= 0.15 * rounds, (model_rounds, rounds)
+    guard = generator.one_row(default).guard
+    assert guard is not None and guard.kinds[MODEL].state != "on"
