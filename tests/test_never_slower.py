@@ -158,3 +158,5 @@ def test_a_poor_draft_is_noticed_and_the_output_stays_the_targets(poor_bundles, 
     assert model_rounds <= 0.15 * rounds, (model_rounds, rounds)
     guard = generator.one_row(default).guard
     assert guard is not None and guard.kinds[MODEL].state != "on"
+    generator.forget_learning()  # (what `--compare` does after its warm-up)
+    assert generator.one_row(default).guard.kinds[MODEL].state == "probe"

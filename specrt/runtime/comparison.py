@@ -28,11 +28,14 @@ def compare_with_target_only(
     """Each prompt generated with ``config``, then by the target alone with the same settings."""
     baseline = replace(config, num_draft_tokens=0)
     generator.encode_prompts(prompts)  # every prompt is checked before any work starts
-    # First calls pay one-off costs: warm both modes up before timing either.
+    # First calls pay one-off costs: warm both modes up before timing either. What the
+    # learners saw of those few cold rounds is then forgotten: the timed run starts as a
+    # fresh process's first request would, one-off costs aside.
     for warm in (config, baseline):
         generator.generate(
             prompts[:1], replace(warm, max_new_tokens=min(WARM_UP_TOKENS, config.max_new_tokens))
         )
+    generator.forget_learning()
     for prompt, result in zip(prompts, generator.stream(prompts, config)):
         [alone] = generator.generate([prompt], baseline)
         yield (

@@ -328,6 +328,16 @@ class SpeculativeGenerator:
             self._schedules[key] = make_schedule(name, config.num_draft_tokens)
         return self._schedules[key]
 
+    def forget_learning(self) -> None:
+        """Start the learners afresh (the schedules, the hybrid's rates, the guards), as in a
+        new process: what they learnt of the pair, machine and text so far is dropped. The
+        output never depends on them."""
+        with self._owned():
+            self._schedules.clear()
+            self._hybrids.clear()
+            self._guards.clear()
+            self._load_schedules.clear()
+
     def one_row(self, config: GenerationConfig) -> LoneLearners:
         """What a row learns with in the rounds it runs alone (`BatchRunner`): the hybrid's
         choice (None unless its proposer is "hybrid"), the draft schedule and the guard against
