@@ -20,8 +20,8 @@ of specrt's target alone on that prompt):
   threads (2 if not given). Its outputs are a 4-bit model's: how many equal specrt's is
   reported, not required.
 * ``transformers``: the Hugging Face model the GGUF file becomes (float32), alone and with
-  assisted generation by the bundle's draft checkpoint (``--draft-checkpoint``), greedy, one
-  run per prompt (it is slow).
+  assisted generation by the bundle's draft checkpoint (``--draft-checkpoint``), greedy, EOS
+  suppressed (assisted generation refuses a minimum length), one run per prompt (it is slow).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class Transformers:
             inputs = torch.tensor([ids])
             out = self.model.eval().generate(
                 inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                max_new_tokens=NEW_TOKENS, suppress_tokens=[self.model.config.eos_token_id],
                 assistant_model=self.assistant, pad_token_id=self.model.config.eos_token_id,
             )  # fmt: skip
         return out[0, len(ids) :].tolist()
@@ -138,7 +138,7 @@ def run_peers(args, ids: list[list[int]], alone_seconds: list[float], reference)
             ratios.append(base / statistics.median(times))
             same += tokens == expected
         results[name] = {"speedups": ratios, "outputs_equal_to_specrt": same}
-        print(f"{name}: done", flush=True)
+        print(row(name, ratios, f"; {same}/{len(ids)} outputs as specrt's"), flush=True)
         del run
     return results
 
@@ -198,13 +198,16 @@ def main() -> None:
         for name in configs:
             table[name].append(base / statistics.median(seconds[name]))
         print(f"prompt {number}/{len(ids)} done", flush=True)
-    peers = run_peers(args, ids, alone_seconds, references) if args.peers else {}
-
     head = f"{len(ids)} held-out chat prompts, {NEW_TOKENS} new tokens, greedy"
-    print(f"\n{args.bundle.name}: {head}; speed-ups over specrt's target alone, prompt by prompt")
-    print(f"{'specrt target alone':38s} {', '.join(f'{r:.1f}' for r in alone_rates)} tokens/s")
-    for name, ratios in table.items():
-        print(row(name, ratios))
+    lines = [
+        f"\n{args.bundle.name}: {head}; speed-ups over specrt's target alone, prompt by prompt",
+        f"{'specrt target alone':38s} {', '.join(f'{r:.1f}' for r in alone_rates)} tokens/s",
+        *(row(name, ratios) for name, ratios in table.items()),
+    ]
+    print("\n".join(lines), flush=True)  # before the peers: theirs come after
+    peers = run_peers(args, ids, alone_seconds, references) if args.peers else {}
+    if peers:
+        print("\n".join(lines))
     for name, entry in peers.items():
         same = f"; {entry['outputs_equal_to_specrt']}/{len(ids)} outputs as specrt's"
         print(row(name, entry["speedups"], same))
