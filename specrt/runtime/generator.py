@@ -68,7 +68,7 @@ class SpeculativeGenerator:
         self._holder: int | None = None  # the thread in a call that holds the caches
         self._service: weakref.ref | None = None  # the Service running on them, if any
         self._schedules: dict[tuple[str, int, bool], DraftSchedule] = {}
-        self._hybrids: dict[tuple, HybridChoice] = {}
+        self._hybrids: dict[tuple[int, int, bool, bool], HybridChoice] = {}
         self._guards: dict[tuple, SpeculationGuard] = {}
         self._load_schedules: dict[str, LoadSchedule] = {}  # what batches learn, kept
         # The round engine runs rows: a one-row decoder is rows of one
@@ -345,20 +345,19 @@ class SpeculativeGenerator:
         are kept across rows, per the settings they learn under: what they learn holds for the
         pair and machine, not one prompt."""
         key = (
-            config.proposer,
             config.prompt_lookup_min,
             config.prompt_lookup_max,
-            config.num_draft_tokens,
             config.greedy,
             config.reproducible,
         )
         hybrid = None
         if config.proposer == "hybrid":
-            hybrid = self._hybrids.get(key[1:])
+            hybrid = self._hybrids.get(key)
             if hybrid is None:
-                hybrid = self._hybrids[key[1:]] = HybridChoice()
+                hybrid = self._hybrids[key] = HybridChoice()
         guard = None
         if config.draft_schedule == "adaptive":
+            key = (config.proposer, config.num_draft_tokens, *key)  # what it times differs
             guard = self._guards.get(key)
             if guard is None:
                 guard = self._guards[key] = SpeculationGuard()

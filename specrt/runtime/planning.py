@@ -263,7 +263,7 @@ class LonePlanner:
         k = 0 if first else schedule.start_round(room if lookup else min(room, model_cap))
         found, length = None, 0
         if guard is not None and not match_cap and config.proposer != "model":
-            match_cap = self._copy_probe(row, min(room, k if lookup else room), guard)
+            match_cap = self._copy_probe(row, k if lookup else room, guard)
         if lookup:
             found = _match(row, self.suffix_cache, min(k, match_cap))
             length = len(found.tokens) if found is not None else 0
