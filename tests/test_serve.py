@@ -320,11 +320,13 @@ def test_a_client_gone_before_its_answer_cancels_it_streaming_or_not(server):
     url = server[0]
     port = int(url.rsplit(":", 1)[1])
 
-    def cancelled() -> float:
+    def finished() -> tuple[float, float]:
+        """Requests cancelled, and requests finished for any reason."""
         metrics = scrape(httpx.get(f"{url}/metrics").text)
-        return metrics.get('vllm:request_success_total{finished_reason="abort"}', 0.0)
+        ended = [v for k, v in metrics.items() if k.startswith("vllm:request_success_total{")]
+        return metrics.get('vllm:request_success_total{finished_reason="abort"}', 0.0), sum(ended)
 
-    before = cancelled()
+    cancelled_before, ended_before = finished()
     body = json.dumps({"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 100}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -333,13 +335,14 @@ def test_a_client_gone_before_its_answer_cancels_it_streaming_or_not(server):
     for _ in range(12):  # 4 slots: most wait, and a waiting one is cancelled for sure
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(head + body)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health").json()
-        if not health["running"] and not health["waiting"]:
-            break
+    # the server may not have read every request yet when the last socket closes: wait for
+    # all 12 to end, not for an idle moment (which can come before the last ones arrive)
+    deadline = time.monotonic() + 60
+    while finished()[1] - ended_before < 12 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert cancelled() - before >= 4
+    cancelled, ended = finished()
+    assert ended - ended_before == 12
+    assert cancelled - cancelled_before >= 4
 
 
 def test_sixteen_concurrent_streams_equal_their_serial_output(client, reference):
