@@ -8,7 +8,12 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import EXPORT_EXTRA, EXPORT_MODULES, _friendly_errors
-from specrt.cli.options import CUDA_ATTENTION_OPTION, DEVICE_OPTION, draft_precision_option
+from specrt.cli.options import (
+    CUDA_ATTENTION_OPTION,
+    DEVICE_OPTION,
+    draft_precision_option,
+    target_precision_option,
+)
 from specrt.errors import (
     ExportError,
 )
@@ -46,6 +51,7 @@ from specrt.export.options import (
     help="Also build the onnxruntime engine (fused graph, in-place KV cache) [on].",
 )
 @draft_precision_option(None)
+@target_precision_option(None)
 @DEVICE_OPTION
 @CUDA_ATTENTION_OPTION
 @click.option(
@@ -104,6 +110,7 @@ def _require_export_extra(command: str, portable: bool = True) -> None:
 @click.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @draft_precision_option(DEFAULT_DRAFT_PRECISION)
+@target_precision_option("float32")
 @DEVICE_OPTION
 @CUDA_ATTENTION_OPTION
 @click.option(
@@ -116,7 +123,9 @@ def _require_export_extra(command: str, portable: bool = True) -> None:
     "NVIDIA GPU; a plan runs only on the GPU model and TensorRT version it was built with).",
 )
 @_friendly_errors
-def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> None:
+def build(
+    bundle, draft_precision, target_precision, devices, cuda_attention, atol, tensorrt
+) -> None:
     """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
     if tensorrt:
         if devices or cuda_attention:
@@ -140,6 +149,7 @@ def build(bundle, draft_precision, devices, cuda_attention, atol, tensorrt) -> N
         options = ExportOptions(
             atol=atol,
             draft_precision=draft_precision,
+            target_precision=target_precision,
             devices=devices or ("cpu",),
             cuda_attention=cuda_attention or "batched",
         )

@@ -54,6 +54,16 @@ def draft_precision_option(default: str | None):
     )
 
 
+def target_precision_option(default: str | None):
+    return click.option(
+        "--target-precision",
+        type=click.Choice(PRECISIONS),
+        default=default,
+        help="Weights of the target's onnxruntime engine [float32]: int8/int4 make a faster "
+        "target; the output then equals that engine's own output alone, not the float32 model's.",
+    )
+
+
 def _stack(*decorators):
     """One decorator applying several click options, in the order written."""
 

@@ -34,7 +34,9 @@ def max_logit_difference(
         create_session(graph, providers=["CPUExecutionProvider"]), spec, spec.vocab_size, "check"
     )
     prefill_logits = decoder.forward(ids[:prefill]).logits.copy()  # valid until the next call
-    step_logits = decoder.forward(ids[prefill:]).logits
+    step_logits = decoder.forward(ids[prefill:]).logits.copy()
+    decoder.rollback(prefill)  # the same positions again, one call each (decoding alone)
+    alone = np.concatenate([decoder.forward([token]).logits.copy() for token in ids[prefill:]])
     prefill_diff = float(np.abs(prefill_logits - reference[:prefill]).max())
     step_diff = float(np.abs(step_logits - reference[prefill:]).max())
     return {
@@ -43,4 +45,6 @@ def max_logit_difference(
         # np.max keeps a NaN, builtin max may drop it
         "max_abs_logit_diff": float(np.max([prefill_diff, step_diff])),
         "step_tokens": total - prefill,
+        # 0 where verifying several positions computes what decoding them one by one does
+        "step_vs_one_at_a_time_max_abs_diff": float(np.abs(step_logits - alone).max()),
     }

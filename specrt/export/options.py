@@ -27,7 +27,7 @@ ENGINE_MODEL_TYPES = (
     "gpt2",
 )
 SUPPORTED_MODEL_TYPES = ENGINE_MODEL_TYPES
-PRECISIONS = ("float32", "int8", "int4")  # of a draft engine's weights
+PRECISIONS = ("float32", "int8", "int4")  # of a CPU engine's weights
 DEFAULT_ATOL = 1e-3
 DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larger models
 DEFAULT_DRAFT_PRECISION = "int8"
@@ -42,7 +42,9 @@ class ExportOptions:
     ONNX opset (None: optimum's). ``slim``: simplify the portable graphs with onnxslim (still
     standard ops). ``ort_engine``: also build each model's onnxruntime engines (fused graph,
     in-place KV cache). ``draft_precision``: the CPU draft engine's weights (a cheaper draft,
-    the same output: every token is still decided by the float32 target). ``devices``: "cpu"
+    the same output: every token is still decided by the target). ``target_precision``: the CPU
+    target engine's weights; int8/int4 make a faster target whose own output (not the float32
+    checkpoint's) the speculative output then equals exactly. ``devices``: "cpu"
     builds the CPU engines, "cuda" the float16 engines for the CUDA provider (checked against
     PyTorch within ``fp16_atol``). ``portable``: also write the portable standard-op graph (what
     TensorRT takes; needs optimum-onnx); without it a model's own graph is its first engine.
@@ -55,6 +57,7 @@ class ExportOptions:
     slim: bool = False
     ort_engine: bool = True
     draft_precision: str = DEFAULT_DRAFT_PRECISION
+    target_precision: str = "float32"
     devices: tuple[str, ...] = ("cpu",)
     fp16_atol: float = DEFAULT_FP16_ATOL
     portable: bool = True
@@ -101,11 +104,12 @@ class ExportOptions:
                 f"cuda_attention={self.cuda_attention!r} shapes the cuda engines: add --device "
                 "cuda (devices: cuda), or leave it out"
             )
-        if self.draft_precision not in PRECISIONS:
-            raise ExportError(
-                f"draft precision {self.draft_precision!r} is unknown; use one of "
-                f"{', '.join(PRECISIONS)}"
-            )
+        for role in ("draft", "target"):
+            precision = getattr(self, f"{role}_precision")
+            if precision not in PRECISIONS:
+                raise ExportError(
+                    f"{role} precision {precision!r} is unknown; use one of {', '.join(PRECISIONS)}"
+                )
 
     @classmethod
     def from_settings(cls, *settings: Mapping[str, Any]) -> ExportOptions:

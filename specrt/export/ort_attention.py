@@ -78,6 +78,9 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
             [f"present.{i}.{kind}"],
         )
     local = shape.two_masks and i in shape.local_layers
+    mask = LOCAL_ATTENTION_MASK if local else ATTENTION_MASK
+    if shape.per_query_attention:
+        return _per_query_attention(b, shape, i, q, mask)
     softcap = {"softcap": shape.attention_softcap} if shape.attention_softcap else {}
     b.node(
         "Attention",
@@ -85,7 +88,7 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
             q,
             f"present.{i}.key",
             f"present.{i}.value",
-            LOCAL_ATTENTION_MASK if local else ATTENTION_MASK,
+            mask,
         ],
         [f"attn.{i}"],
         q_num_heads=h,
@@ -93,6 +96,44 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
         scale=shape.scale,
         **softcap,
     )
+
+
+def _per_query_attention(b: _GraphBuilder, shape: DecoderShape, i: int, q: str, mask: str):
+    """What the Attention op computes, from standard ops that give each query position a
+    matrix product of one row: ``[B, kv, group, S, 1, hd] x [B, kv, 1, 1, hd, L]``. The same
+    kernel then runs whether a call feeds one position or several, so a row's numbers do not
+    depend on how many positions came with it (checked bit for bit at export)."""
+    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    b.initializer("q_heads_shape", np.array([0, 0, kvh, h // kvh, 1, hd], dtype=np.int64))
+    b.initializer("cache_heads_shape", np.array([0, 0, kvh, hd], dtype=np.int64))
+    b.initializer("mask_axes", np.array([1, 4], dtype=np.int64))
+    b.initializer("pair_axes", np.array([2, 3], dtype=np.int64))
+    b.initializer("attn_out_shape", np.array([0, 0, h * hd], dtype=np.int64))
+    b.initializer("attn_scale", np.array(shape.scale, dtype=np.float32))
+    b.initializer("masked_score", np.array(np.finfo(np.float32).min, dtype=np.float32))
+    b.node("Reshape", [q, "q_heads_shape"], [f"q6.{i}"])
+    b.node("Transpose", [f"q6.{i}"], [f"qt.{i}"], perm=[0, 2, 3, 1, 4, 5])  # [B,kv,g,S,1,hd]
+    cache = {}
+    for kind, perm in (("key", [0, 2, 3, 1]), ("value", [0, 2, 1, 3])):
+        b.node("Reshape", [f"present.{i}.{kind}", "cache_heads_shape"], [f"{kind}4.{i}"])
+        b.node("Transpose", [f"{kind}4.{i}"], [f"{kind}t.{i}"], perm=perm)
+        b.node("Unsqueeze", [f"{kind}t.{i}", "pair_axes"], [f"{kind}6.{i}"])
+        cache[kind] = f"{kind}6.{i}"  # key [B,kv,1,1,hd,L], value [B,kv,1,1,L,hd]
+    b.node("MatMul", [f"qt.{i}", cache["key"]], [f"qk.{i}"])  # [B,kv,g,S,1,L]
+    b.node("Mul", [f"qk.{i}", "attn_scale"], [f"scores.{i}"])
+    scores = f"scores.{i}"
+    if shape.attention_softcap:  # Gemma 2: cap * tanh(scores / cap), before the mask
+        b.initializer("attn_softcap", np.array(shape.attention_softcap, dtype=np.float32))
+        b.node("Div", [scores, "attn_softcap"], [f"scores_over_cap.{i}"])
+        b.node("Tanh", [f"scores_over_cap.{i}"], [f"scores_tanh.{i}"])
+        b.node("Mul", [f"scores_tanh.{i}", "attn_softcap"], [f"scores_capped.{i}"])
+        scores = f"scores_capped.{i}"
+    b.node("Unsqueeze", [mask, "mask_axes"], [f"mask6.{i}"])  # [B,1,1,S,1,L]
+    b.node("Where", [f"mask6.{i}", scores, "masked_score"], [f"masked.{i}"])
+    b.node("Softmax", [f"masked.{i}"], [f"weights.{i}"], axis=-1)
+    b.node("MatMul", [f"weights.{i}", cache["value"]], [f"attended.{i}"])  # [B,kv,g,S,1,hd]
+    b.node("Transpose", [f"attended.{i}"], [f"attended_t.{i}"], perm=[0, 3, 1, 2, 4, 5])
+    b.node("Reshape", [f"attended_t.{i}", "attn_out_shape"], [f"attn.{i}"])
 
 
 def _rope_tables(shape: DecoderShape, i: int) -> tuple[str, str]:

@@ -33,7 +33,7 @@ from specrt.export.ort_graph import (
     rope_positions,
     sliding_window,
 )
-from specrt.export.quantize import quantize_weights
+from specrt.export.quantize import BLOCK_SIZE, TARGET_BLOCK_SIZE, quantize_weights
 
 
 def build_ort_engine(
@@ -50,8 +50,8 @@ def build_ort_engine(
     (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
     bundle and return its entry with the check against PyTorch, run on this machine's CPU.
 
-    ``precision`` int8/int4 quantises a CPU engine's weights (drafts only: see
-    `specrt.export.quantize`); the check then reports the difference without a bound.
+    ``precision`` int8/int4 quantises a CPU engine's weights (see `specrt.export.quantize`);
+    the check then reports the difference without a bound.
     ``cuda_attention``: see `ExportOptions`."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
@@ -64,6 +64,7 @@ def build_ort_engine(
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
     one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
+    per_query_attention = device == "cpu" and role == "target" and precision != "float32"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -77,6 +78,7 @@ def build_ort_engine(
         # keeps GroupQueryAttention on CUDA (one row per call) until a GPU has run the batched
         # graph with it: CUDA's Attention kernels take softcap, but none has checked it yet.
         attention="group_query" if one_row else "batched",
+        per_query_attention=per_query_attention,
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         activation=ACTIVATIONS.get(activation(config), "silu"),
@@ -102,7 +104,7 @@ def build_ort_engine(
         cos, sin = _rope_tables(model.model.rotary_emb, positions)
         graph = build_decoder_graph(shape, weights, cos, sin, out, local_rope=local)
     if device == "cpu":
-        quantize_weights(graph, precision)
+        quantize_weights(graph, precision, TARGET_BLOCK_SIZE if role == "target" else BLOCK_SIZE)
     layers = range(spec.num_layers)
     batched = shape.attention == "batched"
     engine = EngineSpec(

@@ -168,7 +168,7 @@ def _load_config(path: Path, role: str):
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
         raise ExportError(
             f"{role} checkpoint {str(path)!r} is quantized ({method}); export the unquantized "
-            "model (specrt quantizes the draft's engine itself: --draft-precision)"
+            "model (specrt quantizes the engines itself: --target-precision, --draft-precision)"
         )
     heads = [a for a in config.architectures or [] if a.endswith(LANGUAGE_MODEL_CLASSES)]
     if config.architectures and not heads:
@@ -314,13 +314,21 @@ def add_ort_engine(
         if reason:
             log(f"  {role}: no {device} engine ({reason}); the portable graph will run there")
     if options.cpu_engine and not unsupported_reason(config, spec.max_positions, "cpu"):
-        precision = options.draft_precision if role == "draft" else "float32"
+        precision = options.draft_precision if role == "draft" else options.target_precision
         engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
         what = f"{role} onnxruntime engine"
         if precision == "float32":
             require_close(engine.export_check, options.atol, what, source)
-        else:  # a quantised draft is not meant to match; it only has to be a number
+        else:  # a quantised engine is not meant to match PyTorch; it only has to be a number
             require_close(engine.export_check, math.inf, what, source)
+        invariance = engine.export_check["step_vs_one_at_a_time_max_abs_diff"]
+        if role == "target" and precision != "float32" and invariance:
+            log(
+                f"  warning: the {precision} target engine's logits for several positions in "
+                f"one call differ from decoding them one at a time by {invariance:.2e} on this "
+                "CPU, so speculative output may differ from this engine's own output alone; "
+                "export with --target-precision float32 where it must not"
+            )
     if options.cuda_engine and not unsupported_reason(config, spec.max_positions, "cuda"):
         engine = build_ort_engine(
             model,

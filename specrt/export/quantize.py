@@ -1,10 +1,14 @@
-"""Weight-only quantisation of a draft engine (onnxruntime's MatMulNBits).
+"""Weight-only quantisation of an engine (onnxruntime's MatMulNBits, int8 compute).
 
 A draft's precision changes how often its guesses are accepted, never what the output is: every
-token is still decided by the full-precision target. On CPU a small model's step is bound by
-reading its weights, so 8-bit weights make the draft step several times cheaper (demo pair,
-measured with `specrt bench`: CHANGELOG.md, 2026-11-29) while its acceptance stays the same.
-The target is never quantised.
+token is still decided by the target. On CPU a small model's step is bound by reading its
+weights, so 8-bit weights make the draft step several times cheaper (demo pair, measured with
+`specrt bench`: CHANGELOG.md, 2026-11-29) while its acceptance stays the same.
+
+A quantised target is a different model: the output is then exactly that engine's own
+target-alone output, not the float32 checkpoint's. That holds only if verifying several
+positions in one call computes each position's logits bit for bit as decoding it alone does:
+hence the target's block size here, and its per-query attention (`specrt.export.ort_attention`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,15 @@ import onnx
 from specrt.export.options import PRECISIONS
 
 _BITS = {"int8": 8, "int4": 4}
-BLOCK_SIZE = 128
+BLOCK_SIZE = 128  # a draft's: the fastest measured
+# A target's: onnxruntime's int8-compute kernels for blocks of 32 (and 16) give each row the same
+# bits whatever the rows around it, which exact verification needs; blocks of 64 and 128 do not.
+TARGET_BLOCK_SIZE = 32
 
 
-def quantize_weights(graph: Path, precision: str) -> None:
-    """Rewrite ``graph`` (and its external data) with MatMul weights in ``precision``."""
+def quantize_weights(graph: Path, precision: str, block_size: int = BLOCK_SIZE) -> None:
+    """Rewrite ``graph`` (and its external data) with MatMul weights in ``precision``, in
+    blocks of ``block_size`` along the input dimension."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if precision == "float32":
@@ -34,12 +42,12 @@ def quantize_weights(graph: Path, precision: str) -> None:
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     bits = _BITS[precision]
     config = DefaultWeightOnlyQuantConfig(
-        block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=4, bits=bits
+        block_size=block_size, is_symmetric=True, accuracy_level=4, bits=bits
     )
     quantizer = MatMulNBitsQuantizer(
         onnx.load(str(graph)),
         bits=bits,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         is_symmetric=True,
         accuracy_level=4,  # int8 compute: what makes it fast on CPUs with VNNI/AMX
         algo_config=config,
