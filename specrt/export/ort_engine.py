@@ -104,7 +104,8 @@ def build_ort_engine(
         cos, sin = _rope_tables(model.model.rotary_emb, positions)
         graph = build_decoder_graph(shape, weights, cos, sin, out, local_rope=local)
     if device == "cpu":
-        quantize_weights(graph, precision, TARGET_BLOCK_SIZE if role == "target" else BLOCK_SIZE)
+        target = role == "target"
+        quantize_weights(graph, precision, TARGET_BLOCK_SIZE if target else BLOCK_SIZE, not target)
     layers = range(spec.num_layers)
     batched = shape.attention == "batched"
     engine = EngineSpec(

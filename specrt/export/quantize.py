@@ -24,12 +24,15 @@ _BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 128  # a draft's: the fastest measured
 # A target's: onnxruntime's int8-compute kernels for blocks of 32 (and 16) give each row the same
 # bits whatever the rows around it, which exact verification needs; blocks of 64 and 128 do not.
+# With a zero point per block its int4 output stays closer to the float32 model's (docs/cli.md).
 TARGET_BLOCK_SIZE = 32
 
 
-def quantize_weights(graph: Path, precision: str, block_size: int = BLOCK_SIZE) -> None:
+def quantize_weights(
+    graph: Path, precision: str, block_size: int = BLOCK_SIZE, symmetric: bool = True
+) -> None:
     """Rewrite ``graph`` (and its external data) with MatMul weights in ``precision``, in
-    blocks of ``block_size`` along the input dimension."""
+    blocks of ``block_size`` along the input dimension (``symmetric``: without zero points)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if precision == "float32":
@@ -42,13 +45,13 @@ def quantize_weights(graph: Path, precision: str, block_size: int = BLOCK_SIZE) 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     bits = _BITS[precision]
     config = DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=True, accuracy_level=4, bits=bits
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=4, bits=bits
     )
     quantizer = MatMulNBitsQuantizer(
         onnx.load(str(graph)),
         bits=bits,
         block_size=block_size,
-        is_symmetric=True,
+        is_symmetric=symmetric,
         accuracy_level=4,  # int8 compute: what makes it fast on CPUs with VNNI/AMX
         algo_config=config,
     )
