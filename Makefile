@@ -59,6 +59,8 @@ build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/train_pro
 
 engines-real: install build/smollm2-draft/own_weights.safetensors
 	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2 --force
+	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2-int4 \
+		--target-precision int4 --no-portable --force
 
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '%b' "$$PROMPT")" --max-new-tokens 96 --compare

