@@ -8,6 +8,7 @@ per-head q/k norms, applied before either.
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, helper
 
 from specrt.export.ort_builder import (
     _MS,
@@ -79,9 +80,9 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
         )
     local = shape.two_masks and i in shape.local_layers
     mask = LOCAL_ATTENTION_MASK if local else ATTENTION_MASK
-    if shape.per_query_attention:
-        return _per_query_attention(b, shape, i, q, mask)
     softcap = {"softcap": shape.attention_softcap} if shape.attention_softcap else {}
+    if shape.per_query_attention:
+        return _per_query_attention(b, shape, i, q, mask, softcap)
     b.node(
         "Attention",
         [
@@ -98,42 +99,45 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
     )
 
 
-def _per_query_attention(b: _GraphBuilder, shape: DecoderShape, i: int, q: str, mask: str):
-    """What the Attention op computes, from standard ops that give each query position a
-    matrix product of one row: ``[B, kv, group, S, 1, hd] x [B, kv, 1, 1, hd, L]``. The same
-    kernel then runs whether a call feeds one position or several, so a row's numbers do not
-    depend on how many positions came with it (checked bit for bit at export)."""
+def _per_query_attention(
+    b: _GraphBuilder, shape: DecoderShape, i: int, q: str, mask: str, softcap: dict
+) -> None:
+    """The Attention op once per query position (a Scan over the positions): its kernels round
+    a call of several positions differently from a call of one, so each position is a call of
+    one, in verification as in decoding alone, and a row's numbers do not depend on how many
+    positions came with it (checked bit for bit at export). One position is one iteration."""
     h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    b.initializer("q_heads_shape", np.array([0, 0, kvh, h // kvh, 1, hd], dtype=np.int64))
-    b.initializer("cache_heads_shape", np.array([0, 0, kvh, hd], dtype=np.int64))
-    b.initializer("mask_axes", np.array([1, 4], dtype=np.int64))
-    b.initializer("pair_axes", np.array([2, 3], dtype=np.int64))
+    b.initializer("q_positions_shape", np.array([0, 0, 1, h * hd], dtype=np.int64))
     b.initializer("attn_out_shape", np.array([0, 0, h * hd], dtype=np.int64))
-    b.initializer("attn_scale", np.array(shape.scale, dtype=np.float32))
-    b.initializer("masked_score", np.array(np.finfo(np.float32).min, dtype=np.float32))
-    b.node("Reshape", [q, "q_heads_shape"], [f"q6.{i}"])
-    b.node("Transpose", [f"q6.{i}"], [f"qt.{i}"], perm=[0, 2, 3, 1, 4, 5])  # [B,kv,g,S,1,hd]
-    cache = {}
-    for kind, perm in (("key", [0, 2, 3, 1]), ("value", [0, 2, 1, 3])):
-        b.node("Reshape", [f"present.{i}.{kind}", "cache_heads_shape"], [f"{kind}4.{i}"])
-        b.node("Transpose", [f"{kind}4.{i}"], [f"{kind}t.{i}"], perm=perm)
-        b.node("Unsqueeze", [f"{kind}t.{i}", "pair_axes"], [f"{kind}6.{i}"])
-        cache[kind] = f"{kind}6.{i}"  # key [B,kv,1,1,hd,L], value [B,kv,1,1,L,hd]
-    b.node("MatMul", [f"qt.{i}", cache["key"]], [f"qk.{i}"])  # [B,kv,g,S,1,L]
-    b.node("Mul", [f"qk.{i}", "attn_scale"], [f"scores.{i}"])
-    scores = f"scores.{i}"
-    if shape.attention_softcap:  # Gemma 2: cap * tanh(scores / cap), before the mask
-        b.initializer("attn_softcap", np.array(shape.attention_softcap, dtype=np.float32))
-        b.node("Div", [scores, "attn_softcap"], [f"scores_over_cap.{i}"])
-        b.node("Tanh", [f"scores_over_cap.{i}"], [f"scores_tanh.{i}"])
-        b.node("Mul", [f"scores_tanh.{i}", "attn_softcap"], [f"scores_capped.{i}"])
-        scores = f"scores_capped.{i}"
-    b.node("Unsqueeze", [mask, "mask_axes"], [f"mask6.{i}"])  # [B,1,1,S,1,L]
-    b.node("Where", [f"mask6.{i}", scores, "masked_score"], [f"masked.{i}"])
-    b.node("Softmax", [f"masked.{i}"], [f"weights.{i}"], axis=-1)
-    b.node("MatMul", [f"weights.{i}", cache["value"]], [f"attended.{i}"])  # [B,kv,g,S,1,hd]
-    b.node("Transpose", [f"attended.{i}"], [f"attended_t.{i}"], perm=[0, 3, 1, 2, 4, 5])
-    b.node("Reshape", [f"attended_t.{i}", "attn_out_shape"], [f"attn.{i}"])
+    mask5 = f"{mask}.5d"  # [B,1,S,L] -> [B,1,S,1,L], once for the layers that read it
+    if not any(mask5 in node.output for node in b.nodes):
+        b.initializer("mask_position_axis", np.array([3], dtype=np.int64))
+        b.node("Unsqueeze", [mask, "mask_position_axis"], [mask5])
+    body = helper.make_graph(
+        [
+            helper.make_node(
+                "Attention",
+                ["q_t", f"present.{i}.key", f"present.{i}.value", "mask_t"],  # outer scope
+                ["attended_t"],
+                q_num_heads=h,
+                kv_num_heads=kvh,
+                scale=shape.scale,
+                **softcap,
+            ),
+        ],
+        f"attention_per_position.{i}",
+        [
+            helper.make_tensor_value_info("q_t", TensorProto.FLOAT, ["batch", 1, h * hd]),
+            helper.make_tensor_value_info("mask_t", TensorProto.BOOL, ["batch", 1, 1, "length"]),
+        ],
+        [helper.make_tensor_value_info("attended_t", TensorProto.FLOAT, ["batch", 1, h * hd])],
+    )
+    b.node("Reshape", [q, "q_positions_shape"], [f"q_positions.{i}"])  # [B,S,1,h*hd]
+    b.node(  # each position's q [B,1,h*hd] and mask [B,1,1,L]; out [B,S,1,h*hd]
+        "Scan", [f"q_positions.{i}", mask5], [f"attended.{i}"], body=body, num_scan_inputs=2,
+        scan_input_axes=[1, 2], scan_output_axes=[1],
+    )  # fmt: skip
+    b.node("Reshape", [f"attended.{i}", "attn_out_shape"], [f"attn.{i}"])
 
 
 def _rope_tables(shape: DecoderShape, i: int) -> tuple[str, str]:
