@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from specrt.bundle import read_manifest
 from specrt.cli import main
 from specrt.export import ENGINE_MODEL_TYPES, export_bundle
-from specrt.export.quantize import BLOCK_SIZE, TARGET_BLOCK_SIZE, quantize_weights
+from specrt.export.quantize import BLOCK_SIZE, TARGET_BLOCK_SIZE, not_invariant, quantize_weights
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
@@ -160,3 +160,34 @@ def test_the_demo_pair_with_an_int4_target_gives_that_target_s_own_output(tmp_pa
     alone = run(num_draft_tokens=0)
     for name in ("default", "draft model, K=4"):
         assert run(**CONTENDERS[name]) == alone, name
+
+
+@pytest.mark.parametrize("portable", [True, False])
+def test_specrt_build_quantizes_the_target_of_an_existing_bundle(tmp_path, portable):
+    """Back and forth; without a portable graph the model's graph is the engine rebuilt (its
+    check, bounded or not, follows it)."""
+    bundle = build_bundle(tmp_path, "llama", {"portable": portable}, arch="llama")
+    for precision in ("int8", "float32"):
+        args = ["build", "--bundle", str(bundle), "--target-precision", precision]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        engine = read_manifest(bundle).models["target"].engines["onnxruntime"]
+        assert engine.precision == precision
+        if precision == "int8":
+            assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    settings = dict(max_new_tokens=16, ignore_eos=True)
+    config = GenerationConfig(**settings)
+    alone = generator.generate(PROMPTS[:4], GenerationConfig(**settings, num_draft_tokens=0))
+    assert [r.token_ids for r in generator.generate(PROMPTS[:4], config)] == [
+        r.token_ids for r in alone
+    ]
+
+
+def test_a_cpu_where_verification_is_not_decoding_alone_is_told_so():
+    check = {"step_vs_one_at_a_time_max_abs_diff": 0.02}
+    warning = not_invariant(check, "int4")
+    assert "differ from decoding them one at a time by 2.00e-02" in warning
+    assert "--target-precision float32" in warning
+    assert not_invariant(check, "float32") is None  # a float32 target's rounding: see exactness
+    assert not_invariant({"step_vs_one_at_a_time_max_abs_diff": 0.0}, "int4") is None

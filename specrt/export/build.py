@@ -8,6 +8,7 @@ copy and swapped in only when every engine passed its check; a failure leaves th
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -58,19 +59,28 @@ def build_engines(
         shutil.copytree(root, scratch, dirs_exist_ok=True)
         for role in ROLES:
             spec = manifest.models[role]
+            config = AutoConfig.from_pretrained(folders[role], local_files_only=True)
+            model = load_causal_lm(folders[role], config)
+            config = text_config(config)
+            # before its engines go: without a portable graph the model's graph is one of them
+            same = max_logit_difference(model, scratch / spec.path, spec, manifest.vocab_size)
+            bound = spec.export_check.get("atol", options.atol)  # None: a quantised graph's
+            if not same["max_abs_logit_diff"] <= (math.inf if bound is None else bound):
+                raise ExportError(changed_message(role, sources[role]))
             keys = [ONNXRUNTIME_ENGINE] * options.cpu_engine + [CUDA_ENGINE] * options.cuda_engine
             for key in keys:  # the engines asked for are rebuilt; others are kept
                 old = spec.engines.pop(key, None)
                 if old is not None:
                     shutil.rmtree((scratch / old.path).parent, ignore_errors=True)
-            config = AutoConfig.from_pretrained(folders[role], local_files_only=True)
-            model = load_causal_lm(folders[role], config)
-            config = text_config(config)
-            same = max_logit_difference(model, scratch / spec.path, spec, manifest.vocab_size)
-            if not same["max_abs_logit_diff"] <= (spec.export_check.get("atol") or options.atol):
-                raise ExportError(changed_message(role, sources[role]))
             log(f"building the {role} onnxruntime engine from {sources[role]}")
             add_ort_engine(model, spec, config, scratch, role, manifest.vocab_size, options, log)
+            for engine in spec.engines.values():  # no portable graph: the model's is an engine
+                if engine.path == spec.path:
+                    spec.files, spec.io, spec.export_check = (
+                        engine.files,
+                        engine.io,
+                        engine.export_check,
+                    )
             for name, engine in spec.engines.items():
                 diff = engine.export_check["max_abs_logit_diff"]
                 log(f"  {role} {name} engine, {engine.precision}: max |logit diff| {diff:.2e}")

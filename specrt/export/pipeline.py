@@ -307,6 +307,7 @@ def add_ort_engine(
     """Build, check and record ``role``'s onnxruntime engine where the architecture allows."""
     from specrt.export.ort_engine import build_ort_engine
     from specrt.export.ort_graph import unsupported_reason
+    from specrt.export.quantize import not_invariant
 
     source = Path(spec.source)
     for device, wanted in (("cpu", options.cpu_engine), ("cuda", options.cuda_engine)):
@@ -316,19 +317,11 @@ def add_ort_engine(
     if options.cpu_engine and not unsupported_reason(config, spec.max_positions, "cpu"):
         precision = options.draft_precision if role == "draft" else options.target_precision
         engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
-        what = f"{role} onnxruntime engine"
-        if precision == "float32":
-            require_close(engine.export_check, options.atol, what, source)
-        else:  # a quantised engine is not meant to match PyTorch; it only has to be a number
-            require_close(engine.export_check, math.inf, what, source)
-        invariance = engine.export_check["step_vs_one_at_a_time_max_abs_diff"]
-        if role == "target" and precision != "float32" and invariance:
-            log(
-                f"  warning: the {precision} target engine's logits for several positions in "
-                f"one call differ from decoding them one at a time by {invariance:.2e} on this "
-                "CPU, so speculative output may differ from this engine's own output alone; "
-                "export with --target-precision float32 where it must not"
-            )
+        # a quantised engine is not meant to match PyTorch; it only has to be a number
+        atol = options.atol if precision == "float32" else math.inf
+        require_close(engine.export_check, atol, f"{role} onnxruntime engine", source)
+        if role == "target" and (warning := not_invariant(engine.export_check, precision)):
+            log(f"  warning: {warning}")
     if options.cuda_engine and not unsupported_reason(config, spec.max_positions, "cuda"):
         engine = build_ort_engine(
             model,

@@ -67,3 +67,17 @@ def quantize_weights(
         location=data.name,
         size_threshold=1024,
     )
+
+
+def not_invariant(check: dict, precision: str) -> str | None:
+    """What is wrong where a quantised target's verification would not compute what decoding
+    alone does on this CPU (the export check's measure); None where it does."""
+    difference = check["step_vs_one_at_a_time_max_abs_diff"]
+    if precision == "float32" or not difference:
+        return None
+    return (
+        f"the {precision} target engine's logits for several positions in one call differ from "
+        f"decoding them one at a time by {difference:.2e} on this CPU, so speculative output "
+        "may differ from this engine's own output alone; export with --target-precision "
+        "float32 where it must not"
+    )
