@@ -14,7 +14,9 @@ from specrt.runtime.schedules.constants import (
     GUARD_COPY_SPACING,
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
+    GUARD_MAX_WAIT,
     GUARD_PLAIN_EVERY,
+    GUARD_PROBE_BUDGET,
     GUARD_PROBE_MATCH,
     GUARD_ROW_PROBE,
 )
@@ -86,6 +88,23 @@ def test_a_new_row_probes_a_kind_that_is_off_early():
     guard.new_row()
     log = simulate(guard, 10, {MODEL: 1.6, MATCH: 0.8})  # this row's text suits the draft
     assert guard.kinds[MODEL].state == "on"
+
+
+def test_a_costly_probe_that_lost_waits_until_it_is_paid_for_and_a_row_probes_once():
+    """A draft catching up on a fast target: its probe round costs 6 plain rounds. The next
+    probe waits until that loss is `GUARD_PROBE_BUDGET` of the rounds in between, and a row
+    that began with the probe is not probed again at its `GUARD_ROW_PROBE`th round."""
+    guard = SpeculationGuard()
+    guard.new_row()  # the row starts with the first probe
+    log = []
+    for _ in range(40):
+        model_cap, _ = guard.caps()
+        kind = MODEL if model_cap else PLAIN
+        guard.observe(kind, 1, (6 if kind == MODEL else 1) * PLAIN_S)  # keeps nothing
+        log.append(kind)
+    assert log[:2] == [MODEL, MODEL] and log[2:].count(MODEL) == 0, log
+    lost = 2 * 6 - 2  # plain rounds' worth: 2 rounds of 6, 2 tokens emitted
+    assert guard.kinds[MODEL].wait >= min(GUARD_MAX_WAIT, lost / GUARD_PROBE_BUDGET * 0.9)
 
 
 def test_a_probe_that_keeps_nothing_ends_early_and_a_copy_is_probed_soon():

@@ -90,5 +90,9 @@ GUARD_PLAIN_KEPT = 8  # plain rounds whose median is the target alone's time per
 GUARD_PLAIN_EVERY = 32  # rounds: the longest without a plain one (the pass cost drifts)
 GUARD_FIRST_WAIT = 4  # rounds of the others before a kind judged a loss is probed
 GUARD_MAX_WAIT = 128  # rounds: the longest wait, doubled after each probe that still lost
+# At most this share of the time goes to probing a kind that loses: a probe that lost n plain
+# rounds' worth of time waits n / GUARD_PROBE_BUDGET rounds (a draft catching up after many
+# rounds off costs several passes of a fast target: SmolLM2's int4 one).
+GUARD_PROBE_BUDGET = 0.02
 GUARD_COPY_SPACING = 4  # rounds off, at least, between probes of matches where a row copies
 GUARD_ROW_PROBE = 4  # a row's round at which a kind that is off is probed anyway

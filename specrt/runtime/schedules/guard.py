@@ -10,7 +10,8 @@ model a weak draft or rarely kept matches then decode slower than the target alo
 part looks worth it (CHANGELOG.md, 2026-12-04). So a round is judged by what it took as a whole,
 against plain rounds measured the same way (a plain round costs nothing against the target
 alone: it is what it does). A kind judged a loss is probed again after `GUARD_FIRST_WAIT`
-rounds, then twice as long each time it still loses, early in each new row (its text may
+rounds, then twice as long each time it still loses (and never sooner than what the probe lost
+is paid for by the rounds without it), early in each new row (its text may
 repeat where the last did not) and, for matches, where the row starts to repeat its own output
 (`LonePlanner`); a probe that keeps nothing in two rounds ends there. The output is the
 target's whatever is verified.
@@ -18,6 +19,7 @@ target's whatever is verified.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -31,6 +33,7 @@ from specrt.runtime.schedules.constants import (
     GUARD_PLAIN_EVERY,
     GUARD_PLAIN_KEPT,
     GUARD_PLAIN_SAMPLES,
+    GUARD_PROBE_BUDGET,
     GUARD_PROBE_MATCH,
     GUARD_ROW_PROBE,
 )
@@ -58,6 +61,7 @@ class KindRate:
         self.kept = 0  # proposed tokens kept in them
         self.probe_rounds = rounds
         self.off_for = 0
+        self.probed_this_row = True
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = GUARD_DECAY * self.tokens + tokens
@@ -82,13 +86,18 @@ class KindRate:
 
     def judge(self, baseline: float) -> None:
         """On where its recent rounds emit at least ``baseline`` tokens a second (the target
-        alone's), else off, until a probe after ``wait`` rounds (twice the last wait where a
-        probe lost again)."""
+        alone's), else off, until a probe after ``wait`` rounds: twice the last wait where a
+        probe lost again, and long enough that what the probe lost is `GUARD_PROBE_BUDGET` of
+        the time until the next."""
         if self.rate >= baseline:
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
-        if self.state == "judge" and self.lost:
-            self.wait = min(2 * self.wait, GUARD_MAX_WAIT)
+        if self.state == "judge":
+            if self.lost:
+                self.wait = 2 * self.wait
+            lost_rounds = self.seconds * baseline - self.tokens  # plain rounds' worth
+            paid_for = math.ceil(lost_rounds / GUARD_PROBE_BUDGET)
+            self.wait = min(max(self.wait, paid_for), GUARD_MAX_WAIT)
         self.state, self.off_for, self.lost = "off", 0, True
 
 
@@ -110,8 +119,11 @@ class SpeculationGuard:
         return 1.0 / max(statistics.median(self.plain), 1e-9)
 
     def new_row(self) -> None:
-        """A row starts: a kind that is off is probed early in it (`GUARD_ROW_PROBE`)."""
+        """A row starts: a kind that is off is probed early in it (`GUARD_ROW_PROBE`), unless
+        it was already."""
         self._row_rounds = 0
+        for kind in self.kinds.values():  # one probing as the row starts counts as its probe
+            kind.probed_this_row = kind.state in ("probe", "judge")
 
     def caps(self) -> tuple[int, int]:
         """The most tokens this round may draft with the model, and verify of a match (0:
@@ -121,7 +133,7 @@ class SpeculationGuard:
         for kind in self.kinds.values():
             if kind.state == "judge" and baseline is not None:
                 kind.judge(baseline)
-            row_probe = self._row_rounds == GUARD_ROW_PROBE
+            row_probe = self._row_rounds == GUARD_ROW_PROBE and not kind.probed_this_row
             if kind.state == "off" and (kind.off_for >= kind.wait or row_probe):
                 kind.start_probe()
         waiting = any(kind.state == "judge" for kind in self.kinds.values())
