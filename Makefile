@@ -84,11 +84,13 @@ bench-all: engines
 	bash bench/genai_env.sh
 	$(BENCH) --genai-python build/genai-venv/bin/python
 
-# SmolLM2 prompt by prompt: specrt's default against its target alone, llama.cpp on the same GGUF
+# SmolLM2 prompt by prompt: specrt's default and int4 target against its target alone,
+# onnxruntime-genai (its own builder and environment), llama.cpp on the same GGUF
 # (llama-cpp-python, compiled from source the first time: minutes) and transformers.
 bench-real: engines-real
 	$(BIN)/python -m pip install --quiet llama-cpp-python==0.3.36
-	$(BIN)/python bench/real.py --peers llama.cpp transformers --out build/bench-real.json
+	bash bench/genai_env.sh smollm2
+	$(BIN)/python bench/real.py --peers genai llama.cpp transformers --out build/bench-real.json
 
 # On a machine with an NVIDIA GPU and onnxruntime-gpu: build, check and measure (README, GPU).
 gpu-check:  # no install: the GPU machine has no network; the script finds what it needs
