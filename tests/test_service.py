@@ -180,26 +180,43 @@ def test_a_service_takes_its_caches_memory_at_start(llama_bundle, monkeypatch):
             assert decoder.capacity == capacity
 
 
+def held(handle) -> threading.Event:
+    """Hold the service's thread in ``handle``'s next gap between rounds (so it is still
+    running however fast its tokens come) until the returned event is set."""
+    release, here = threading.Event(), threading.current_thread()
+
+    def hold(gap):
+        if threading.current_thread() is not here:
+            release.wait(60)
+
+    handle.add_gap_callback(hold)
+    return release
+
+
 def test_a_full_service_is_overloaded(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=1)
     long = GenerationConfig(max_new_tokens=100, num_draft_tokens=2, ignore_eos=True)
     with Service(generator, max_waiting=1) as service:
         first = service.submit(PROMPTS[0], long)
         next(iter(first))  # admitted: the batch of one is full
+        release = held(first)  # 100 tokens of a tiny model could end before the next submit
         queued = service.submit(PROMPTS[1], long)
         with pytest.raises(OverloadedError, match="overloaded: 1 requests running and 1 waiting"):
             service.submit(PROMPTS[2], long)
         first.cancel()
         queued.cancel()
+        release.set()
         assert queued.result(timeout=30).finish_reason == "cancelled"
     with pytest.raises(OverloadedError, match="shutting down"):
         service.submit(PROMPTS[0], long)
     with Service(generator, max_waiting=0) as service:  # no queue: only a free slot takes one
         first = service.submit(PROMPTS[0], long)
         next(iter(first))
+        release = held(first)
         with pytest.raises(OverloadedError, match="overloaded: 1 requests running and 0 waiting"):
             service.submit(PROMPTS[1], long)
         first.cancel()
+        release.set()
         assert first.result(timeout=30).finish_reason == "cancelled"
         again = service.submit(PROMPTS[1], GenerationConfig(max_new_tokens=4))
         assert again.result(timeout=30).finish_reason == "length"
@@ -469,16 +486,10 @@ def test_a_consumer_whose_event_loop_closed_costs_only_its_own_request(llama_bun
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4)
     config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3)
     long = GenerationConfig(max_new_tokens=100, num_draft_tokens=3, ignore_eos=True)
-    release, here = threading.Event(), threading.current_thread()
-
-    def hold(gap):  # the service's thread waits here, so the abandoned request is still running
-        if threading.current_thread() is not here:
-            release.wait(60)
-
     with Service(generator) as service:
         other = service.submit(PROMPTS[0], config)
         abandoned = service.submit(PROMPTS[1], long)
-        abandoned.add_gap_callback(hold)
+        release = held(abandoned)  # so the abandoned request is still running
 
         async def consume():
             async for _ in abandoned:
