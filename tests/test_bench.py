@@ -89,3 +89,30 @@ def test_genai_contender_needs_its_environment(llama_bundle, tmp_path):
     args += ["--max-new-tokens", "4", "--max-draft-tokens", "1"]
     result = CliRunner().invoke(main, [*args, "--genai-python", str(tmp_path / "nope")])
     assert result.exit_code == 1 and "bash bench/genai_env.sh" in result.output
+
+
+def test_bench_renders_chats_with_the_bundles_template(llama_bundle, tmp_path):
+    """--chat as `specrt generate --chat` has it: messages lines are taken, a bundle without a
+    template and the genai contender (plain prompts) are refused in one line."""
+    import shutil
+
+    bundle = tmp_path / "chat"
+    shutil.copytree(llama_bundle, bundle)
+    (bundle / "tokenizer" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    args = ["bench", "--prompt-file", str(chats), "--no-transformers", "--json"]
+    args += ["--max-new-tokens", "6", "--max-draft-tokens", "1"]
+    result = CliRunner().invoke(main, [*args, "--bundle", str(bundle), "--chat"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompts"] == 1
+    plain = CliRunner().invoke(main, [*args, "--bundle", str(bundle)])
+    assert plain.exit_code == 2 and "holds chat messages: add --chat" in plain.output
+    bare = CliRunner().invoke(main, [*args, "--bundle", str(llama_bundle), "--chat"])
+    assert bare.exit_code == 2 and "has no chat template" in bare.output
+    genai = [*args, "--bundle", str(bundle), "--chat", "--genai-python", str(tmp_path / "py")]
+    refused = CliRunner().invoke(main, genai)
+    assert refused.exit_code == 2 and "leave out --genai-python or --chat" in refused.output

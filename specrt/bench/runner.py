@@ -42,17 +42,24 @@ def run_benchmark(
     with_transformers: bool = True,
     seed: int = 0,
     engine: str = "auto",
+    chat: bool = False,
     genai: tuple[Path, Path] | None = None,
     genai_ks: Sequence[int] = (2, 4, 6),
     log: Callable[[str], None] = lambda message: None,
 ) -> dict:
-    """``genai``: (python of the onnxruntime-genai environment, its built models dir)."""
+    """``chat``: the prompts are rendered chats (their special tokens written out: none
+    added, as `specrt serve` feeds them). ``genai``: (python of the onnxruntime-genai
+    environment, its built models dir)."""
     threads = threads or os.cpu_count() or 1
     if genai is not None:
         check_genai_environment(*genai)
     pair = load_pair(bundle, threads=threads, engine=engine)
     generator = SpeculativeGenerator.from_pair(pair)
-    prompt_ids = generator.encode_prompts(list(prompts))
+    inputs = list(prompts)
+    if chat:
+        tokenizer = generator.tokenizer
+        inputs = [tokenizer.encode(text, add_special_tokens=False) for text in inputs]
+    prompt_ids = generator.encode_prompts(inputs)
     contenders: list = [SpecrtContender(generator, 0)]
     contenders += [SpecrtContender(generator, k) for k in ks]
     contenders += [SpecrtContender(generator, max(ks), schedule) for schedule in SCHEDULES]

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from specrt.bench.defaults import BENCH_MAX_DRAFT_TOKENS, BENCH_NEW_TOKENS, GENAI_MODELS
-from specrt.cli.common import _friendly_errors, _prompts
+from specrt.cli.common import _chat_prompts, _friendly_errors, _prompts
 from specrt.cli.options import ENGINE_OPTION, THREADS_TYPE, _threads
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import MAX_DRAFT_TOKENS
@@ -24,6 +24,12 @@ from specrt.runtime.config import MAX_DRAFT_TOKENS
     '(prompts of several lines); "-": stdin.',
 )
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Use the first N.")
+@click.option(
+    "--chat",
+    is_flag=True,
+    help='Each prompt is a user\'s message (a .jsonl line may hold {"messages": [...]}), '
+    "rendered with the bundle's chat template, as `specrt generate --chat` does.",
+)
 @click.option(
     "--max-new-tokens", type=click.IntRange(min=1), default=BENCH_NEW_TOKENS, show_default=True
 )
@@ -58,6 +64,7 @@ def bench(
     prompts,
     prompt_file,
     num_prompts,
+    chat,
     max_new_tokens,
     max_draft_tokens,
     threads,
@@ -75,7 +82,14 @@ def bench(
     from specrt.bench.runner import run_benchmark
     from specrt.jobs.output import check_writable
 
-    texts = _prompts(prompts, prompt_file)[:num_prompts]
+    texts = _prompts(prompts, prompt_file, chat)[:num_prompts]
+    if chat:
+        if genai_python:
+            raise click.UsageError(
+                "--chat: the onnxruntime-genai contender reads plain prompts; leave out "
+                "--genai-python or --chat"
+            )
+        texts = _chat_prompts(bundle, texts)
     if plot:  # found now, not after the whole benchmark
         try:
             check_writable(Path(plot), "--plot")
@@ -90,6 +104,7 @@ def bench(
         ks=tuple(range(1, max_draft_tokens + 1)),
         with_transformers=not no_transformers,
         engine=engine,
+        chat=chat,
         genai=(genai_python, genai_models) if genai_python else None,
         log=lambda message: click.echo(message, err=True),
     )
