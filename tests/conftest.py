@@ -40,6 +40,20 @@ def demo_bundle(tmp_path_factory):
     return engines / "demo"
 
 
+def chat_bundle(bundle: Path, root: Path) -> Path:
+    """A copy of ``bundle`` at ``root/chat`` with a chat template of its own (the tiny pairs'
+    tokenizers have none): ``<role>content`` lines, then ``<assistant>``."""
+    import shutil
+
+    chat = root / "chat"
+    shutil.copytree(bundle, chat)
+    (chat / "tokenizer" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return chat
+
+
 @pytest.fixture(scope="session")
 def llama_bundle(bundles):
     return bundles["llama"]

@@ -11,6 +11,7 @@ from specrt.backends import NEED_ARGMAX, Forward
 from specrt.bench.costs import step_seconds
 from specrt.bench.runner import predicted_speedup
 from specrt.cli import main
+from tests.conftest import chat_bundle
 
 
 def test_predicted_speedup_formula():
@@ -94,14 +95,7 @@ def test_genai_contender_needs_its_environment(llama_bundle, tmp_path):
 def test_bench_renders_chats_with_the_bundles_template(llama_bundle, tmp_path):
     """--chat as `specrt generate --chat` has it: messages lines are taken, a bundle without a
     template and the genai contender (plain prompts) are refused in one line."""
-    import shutil
-
-    bundle = tmp_path / "chat"
-    shutil.copytree(llama_bundle, bundle)
-    (bundle / "tokenizer" / "chat_template.jinja").write_text(
-        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
+    bundle = chat_bundle(llama_bundle, tmp_path)
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
     args = ["bench", "--prompt-file", str(chats), "--no-transformers", "--json"]

@@ -11,6 +11,7 @@ from specrt.bundle import read_manifest
 from specrt.cli import DEFAULTS as CLI_DEFAULTS
 from specrt.cli import main
 from specrt.export.tiny import make_tiny_pair
+from tests.conftest import chat_bundle
 
 STATS_KEYS = {
     "prompt_tokens",
@@ -332,16 +333,9 @@ def test_generate_renders_chats_with_the_bundles_template(llama_bundle, tmp_path
     """--chat: a --prompt is a user's message and a messages line a conversation, rendered with
     the bundle's chat template and fed without added special tokens, as the server's chat route
     does; a bundle without a template, or messages without --chat, say so in one line."""
-    import shutil
-
     from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
-    bundle = tmp_path / "chat"
-    shutil.copytree(llama_bundle, bundle)
-    (bundle / "tokenizer" / "chat_template.jinja").write_text(
-        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
+    bundle = chat_bundle(llama_bundle, tmp_path)
     chats = tmp_path / "chats.jsonl"
     conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]
     chats.write_text(json.dumps({"messages": conversation}) + "\n")

@@ -80,33 +80,27 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
         )
     local = shape.two_masks and i in shape.local_layers
     mask = LOCAL_ATTENTION_MASK if local else ATTENTION_MASK
-    softcap = {"softcap": shape.attention_softcap} if shape.attention_softcap else {}
+    attention = dict(q_num_heads=h, kv_num_heads=kvh, scale=shape.scale)
+    if shape.attention_softcap:
+        attention["softcap"] = shape.attention_softcap
     if shape.per_query_attention:
-        return _per_query_attention(b, shape, i, q, mask, softcap)
+        return _per_query_attention(b, shape, i, q, mask, attention)
     b.node(
         "Attention",
-        [
-            q,
-            f"present.{i}.key",
-            f"present.{i}.value",
-            mask,
-        ],
+        [q, f"present.{i}.key", f"present.{i}.value", mask],
         [f"attn.{i}"],
-        q_num_heads=h,
-        kv_num_heads=kvh,
-        scale=shape.scale,
-        **softcap,
+        **attention,
     )
 
 
 def _per_query_attention(
-    b: _GraphBuilder, shape: DecoderShape, i: int, q: str, mask: str, softcap: dict
+    b: _GraphBuilder, shape: DecoderShape, i: int, q: str, mask: str, attention: dict
 ) -> None:
     """The Attention op once per query position (a Scan over the positions): its kernels round
     a call of several positions differently from a call of one, so each position is a call of
     one, in verification as in decoding alone, and a row's numbers do not depend on how many
     positions came with it (checked bit for bit at export). One position is one iteration."""
-    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    h, hd = shape.num_heads, shape.head_dim
     b.initializer("q_positions_shape", np.array([0, 0, 1, h * hd], dtype=np.int64))
     b.initializer("attn_out_shape", np.array([0, 0, h * hd], dtype=np.int64))
     mask5 = f"{mask}.5d"  # [B,1,S,L] -> [B,1,S,1,L], once for the layers that read it
@@ -119,10 +113,7 @@ def _per_query_attention(
                 "Attention",
                 ["q_t", f"present.{i}.key", f"present.{i}.value", "mask_t"],  # outer scope
                 ["attended_t"],
-                q_num_heads=h,
-                kv_num_heads=kvh,
-                scale=shape.scale,
-                **softcap,
+                **attention,  # the Attention node's attributes, as one call for all has them
             ),
         ],
         f"attention_per_position.{i}",
