@@ -59,6 +59,11 @@ class ModelIO:
     cache_indices: str | None = None
     # Batched graphs with local and global layers: the local (sliding-window) layers' mask.
     local_attention_mask: str | None = None
+    # A target exported with an EAGLE head: the head's input features at every position fed.
+    features: str | None = None
+    # An EAGLE head: the features it drafts from (input), its hidden states (output).
+    hidden_states: str | None = None
+    hidden_out: str | None = None
 
 
 @dataclass

@@ -242,7 +242,7 @@ def test_build_compares_what_a_config_says_not_its_layout(tmp_path):
     model: build went on to say it "is no longer the model in the bundle". A value changed is
     still told; a bundle of an earlier version (its config's bytes hashed) still builds."""
     from specrt.export import export_bundle
-    from specrt.export.pipeline import checkpoint_hashes
+    from specrt.export.checkpoint_hash import checkpoint_hashes
 
     target, draft = make_tiny_pair("llama", tmp_path / "src", seed=8)
     bundle = tmp_path / "bundle"

@@ -54,6 +54,7 @@ class Forward:
     argmax: list[int] | None = None
     max_logit: np.ndarray | None = None
     max_probability: np.ndarray | None = None
+    hidden: np.ndarray | None = None  # an EAGLE head's hidden states [rows, kept, hidden]
 
 
 class Decoder(Protocol):

@@ -69,6 +69,11 @@ class BatchedDecoder(RowsDecoder):
         self.window = spec.sliding_window  # positions a token attends to, at most
         # Local and global layers: the window goes into the local layers' mask only.
         self._local = bool(io.local_attention_mask)
+        # A target with an EAGLE head keeps the head's features of every position it holds,
+        # [rows, capacity, width] (`features`), as it keeps k and v; a head reads them there.
+        self._feature_width = _width(session, io.features)
+        self._hidden_width = _width(session, io.hidden_states)
+        self.features = np.zeros((max_batch, 0, self._feature_width), dtype=np.float32)
         self._binding = session.io_binding()
         self._rows: tuple[int, int, int] | None = None  # rows and positions the binding covers
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
@@ -98,9 +103,13 @@ class BatchedDecoder(RowsDecoder):
         keep_last: int,
         fed: int | np.ndarray,
         need: str = NEED_LOGITS,
+        hidden: np.ndarray | None = None,
     ) -> Forward:
+        """``hidden [n, S, width]``: an EAGLE head's input features."""
         arrays = self._prepare(start, n, tokens.shape[1], keep_last, need, fed)
         arrays.ids[...] = tokens
+        if hidden is not None:
+            arrays.hidden[...] = hidden
         self._run(start, n, fed)
         return arrays.result
 
@@ -137,7 +146,12 @@ class BatchedDecoder(RowsDecoder):
         return buffers
 
     def _grow(self, needed: int) -> None:
+        previous = self.features
         super()._grow(needed)
+        if self._feature_width:
+            self.features = np.zeros((self.max_batch, self.capacity, self._feature_width), "f4")
+            keep = min(self.capacity, previous.shape[1])
+            self.features[:, :keep] = previous[:, :keep]
         self._bound = None  # bound again at the next call (its masks fitted to the capacity)
         self._rows = None
         self._views.clear()
@@ -223,8 +237,20 @@ class BatchedDecoder(RowsDecoder):
                     visible[: max(0, position + 1 - self.window)] = False
         return arrays
 
+    def move_row(self, source: int, dest: int) -> None:
+        if self._feature_width:
+            length = int(self.lengths[source])
+            self.features[dest, :length] = self.features[source, :length]
+        super().move_row(source, dest)
+
     def _run(self, start: int, n: int, fed: int | np.ndarray) -> None:
         self._timed(self.session.run_with_iobinding, self._binding)
+        if self._feature_width:  # each row's real positions, at their places
+            counts = [fed] * n if isinstance(fed, int) else np.broadcast_to(fed, n).tolist()
+            lengths = self.lengths[start : start + n].tolist()
+            computed = self._bound.features
+            for i, (length, count) in enumerate(zip(lengths, counts)):
+                self.features[start + i, length : length + count] = computed[i, :count]
         if n == 1 and isinstance(fed, int):
             self.lengths[start] += fed
         else:
@@ -251,6 +277,7 @@ class BatchedDecoder(RowsDecoder):
     def _new_arrays(self, key: tuple, width: int) -> _CallArrays:
         arrays = _CallArrays(key[:3], width, self._local)
         arrays.host_outputs(self.spec.vocab_size, self.vocab_size, self._with_probabilities)
+        arrays.eagle_arrays(self._feature_width, self._hidden_width)
         return arrays
 
     def _bind(self, key: tuple, width: int) -> _CallArrays:
@@ -273,6 +300,8 @@ class BatchedDecoder(RowsDecoder):
             self._binding.bind_ortvalue_output(getattr(io, name), value)
         if self._local:
             inputs.bind(io.local_attention_mask, arrays.local_mask, arrays.local_value)
+        if self._hidden_width:
+            inputs.bind(io.hidden_states, arrays.hidden, arrays.hidden_value)
         self._bound = arrays
         return arrays
 
@@ -319,3 +348,26 @@ class _CallArrays:
             self.outputs["probabilities"] = shared_ortvalue(kept)
             self.result.probabilities = kept[:, :, :vocab]
             self.row_result.probabilities = kept[0, :, :vocab]
+
+    def eagle_arrays(self, features: int, hidden: int) -> None:
+        """A target's features of every position fed ``[rows, tokens, features]``; an EAGLE
+        head's input features ``[rows, tokens, hidden]`` and hidden states out ``[rows, kept,
+        hidden]``."""
+        n, count, keep_last = self.shape
+        if features:
+            self.features = np.empty((n, count, features), dtype=np.float32)
+            self.outputs["features"] = shared_ortvalue(self.features)
+        if hidden:
+            self.hidden = np.zeros((n, count, hidden), dtype=np.float32)
+            self.hidden_value = shared_ortvalue(self.hidden)
+            out = np.empty((n, keep_last, hidden), dtype=np.float32)
+            self.outputs["hidden_out"] = shared_ortvalue(out)
+            self.result.hidden, self.row_result.hidden = out, out[0]
+
+
+def _width(session: ort.InferenceSession, name: str | None) -> int:
+    """The last dimension of the graph's input or output ``name`` (0: the graph has none)."""
+    if not name:
+        return 0
+    found = [v for v in (*session.get_inputs(), *session.get_outputs()) if v.name == name]
+    return int(found[0].shape[-1]) if found else 0

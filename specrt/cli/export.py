@@ -34,6 +34,11 @@ from specrt.export.options import (
     type=click.Path(path_type=Path),
     help="HF checkpoint dir of the draft, or a GGUF file (or a folder holding one).",
 )
+@click.option(
+    "--eagle",
+    type=click.Path(path_type=Path),
+    help="An EAGLE-3 head's dir (its authors' layout) to draft with, in place of --draft.",
+)
 @click.option("--out", type=click.Path(path_type=Path), help="Bundle directory to write.")
 @click.option(
     "--recipe",
@@ -62,8 +67,13 @@ from specrt.export.options import (
 )
 @click.option("--force", is_flag=True, help="Replace an existing bundle at --out.")
 @_friendly_errors
-def export(target, draft, out, recipe, force, **given) -> None:
-    """Export a target/draft pair of HF checkpoints into one ONNX bundle."""
+def export(target, draft, eagle, out, recipe, force, **given) -> None:
+    """Export a target/draft pair of HF checkpoints (or a target and its EAGLE-3 head) into one
+    ONNX bundle."""
+    if eagle is not None:
+        if draft is not None:
+            raise click.UsageError("give either --draft or --eagle: a bundle drafts with one")
+        draft = eagle
     _require_export_extra("export", portable=False)  # the rest, once the options are known
     from specrt.export.options import ExportOptions
     from specrt.export.pipeline import export_bundle
@@ -75,7 +85,7 @@ def export(target, draft, out, recipe, force, **given) -> None:
             raise click.UsageError("give either --recipe or --target/--draft, not both")
         target, draft, out, recipe_options = resolve_recipe(recipe, out)
     elif not (target and draft and out):
-        raise click.UsageError("give --target, --draft and --out (or --recipe)")
+        raise click.UsageError("give --target, --draft (or --eagle) and --out (or --recipe)")
     given["slim"] = given["slim"] or None  # an absent flag leaves the recipe's choice
     given["devices"] = given["devices"] or None
     options = ExportOptions.from_settings(recipe_options, given)

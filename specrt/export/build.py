@@ -23,10 +23,11 @@ from specrt.bundle import (
 )
 from specrt.checksums import sha256_file
 from specrt.errors import ExportError
+from specrt.export.checkpoint_hash import checkpoint_hashes
 from specrt.export.checkpoints import load_causal_lm, text_config
 from specrt.export.gguf_checkpoints import as_folders
 from specrt.export.options import ExportOptions
-from specrt.export.pipeline import Log, add_ort_engine, checkpoint_hashes
+from specrt.export.pipeline import Log, add_ort_engine
 from specrt.staging import publish, staging
 
 
@@ -42,6 +43,12 @@ def build_engines(
     root = Path(bundle_dir)
     manifest = read_manifest(root)
     verify_checksums(manifest, root)
+    if manifest.models["draft"].model_type == "eagle3":
+        raise ExportError(
+            "this bundle drafts with an EAGLE head, whose engines `specrt build` does not "
+            "rebuild yet: re-export it with `specrt export --target T --eagle HEAD` and the "
+            "options wanted"
+        )
     sources = {role: Path(manifest.models[role].source) for role in ROLES}
     ggufs = {role: source for role, source in sources.items() if source.is_file()}
     for role, source in sources.items():

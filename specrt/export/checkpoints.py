@@ -7,6 +7,7 @@ vision tower and its projector are left out.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,21 @@ TOKENIZER_FILES = (  # what a bundle takes of a checkpoint's tokenizer
     "special_tokens_map.json",
     "chat_template.jinja",  # where newer checkpoints keep their chat template
 )
+
+
+# A checkpoint that is an EAGLE-3 head (config.architectures), not a model of its own.
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+
+
+def is_head(path: Path) -> bool:
+    """Whether ``path`` is an EAGLE-3 head's directory (by its config's architecture)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and any(
+        a in EAGLE3_ARCHITECTURES for a in config.get("architectures") or []
+    )
 
 
 def is_multimodal(config) -> bool:

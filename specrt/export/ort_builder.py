@@ -28,6 +28,15 @@ PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxrun
 ARGMAX = "argmax"  # int64 [1, n]: each kept row's best token (greedy_outputs)
 MAX_LOGIT = "max_logit"  # float32 [1, n]: its logit, so the host can refuse NaN/inf
 MAX_PROBABILITY = "max_probability"  # float32 [1, n]: its probability (the draft's confidence)
+# An EAGLE head's input: the features it drafts from [B, S, hidden] (the target's, or its own
+# output of the step before), and its output: the hidden state of the kept positions.
+HIDDEN_STATES = "hidden_states"
+HIDDEN_OUT = "hidden_out"
+# The target's output for an EAGLE head: the head's input features at every position fed.
+FEATURES = "eagle_features"
+# The logit of a token an EAGLE head never proposes (outside its reduced vocabulary): finite, so
+# NaN/inf checks pass, and its probability is 0 after any temperature.
+UNPROPOSED = -1e30
 # int64 [1]: -n, logits for the last n positions fed (prefill: -1). The Slice that keeps them
 # reads its start on the host on CUDA: fed as it is, no node computes it on the device (a
 # MemcpyToHost in every call, which also bars CUDA graphs).
@@ -99,20 +108,35 @@ class DecoderShape:
         return 0 < len(self.local_layers) < self.num_layers
 
 
-def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderShape) -> None:
+def _lm_head(
+    b: _GraphBuilder,
+    normed: str,
+    matrix: np.ndarray,
+    shape: DecoderShape,
+    vocab_map: np.ndarray | None = None,
+) -> None:
     """Logits ``[1, n, vocab]`` of the last n = ``-logits_start`` positions (``matrix``:
     ``[hidden, vocab]``) and their softmax, in float32. A prompt needs none of its logits, and
-    on a large vocabulary the head is a good part of a prefill's work."""
+    on a large vocabulary the head is a good part of a prefill's work. ``vocab_map`` (an EAGLE
+    head's reduced vocabulary): each token's column of ``matrix``, or its width for a token
+    the head never proposes (logit `UNPROPOSED`: probability 0 after any warp)."""
     b.constant("positions_end", np.array([2**62], dtype=np.int64))
     b.constant("positions_axis", np.array([1], dtype=np.int64))
     b.node("Slice", [normed, LOGITS_START, "positions_end", "positions_axis"], ["head_in"])
     b.initializer("lm_head.MatMul", matrix)
     logits = "logits_uncapped" if shape.logit_softcap else "logits"
+    own = logits if vocab_map is None else "head_logits"
     if shape.dtype == "float32":
-        b.node("MatMul", ["head_in", "lm_head.MatMul"], [logits])
+        b.node("MatMul", ["head_in", "lm_head.MatMul"], [own])
     else:
         b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits_half"])
-        b.node("Cast", ["logits_half"], [logits], to=TensorProto.FLOAT)
+        b.node("Cast", ["logits_half"], [own], to=TensorProto.FLOAT)
+    if vocab_map is not None:  # [.., head vocab] -> [.., vocab]: one more column, gathered
+        b.constant("unproposed_pads", np.array([0, 0, 0, 0, 0, 1], dtype=np.int64))
+        b.constant("unproposed", np.array(UNPROPOSED, dtype=np.float32))
+        b.node("Pad", [own, "unproposed_pads", "unproposed"], ["head_logits_padded"])
+        b.constant("vocab_map", vocab_map.astype(np.int64))
+        b.node("Gather", ["head_logits_padded", "vocab_map"], [logits], axis=-1)
     if shape.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
         b.constant("logit_softcap", np.array(shape.logit_softcap, dtype=np.float32))
         b.node("Div", [logits, "logit_softcap"], ["logits_scaled"])
@@ -126,7 +150,15 @@ def _lm_head(b: _GraphBuilder, normed: str, matrix: np.ndarray, shape: DecoderSh
         b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
 
 
-def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
+def _save(
+    b: _GraphBuilder,
+    shape: DecoderShape,
+    out_path: Path,
+    extra_inputs: tuple[onnx.ValueInfoProto, ...] = (),
+    extra_outputs: tuple[onnx.ValueInfoProto, ...] = (),
+) -> Path:
+    """Declare the graph's inputs and outputs (``extra_*``: an EAGLE head's hidden states, the
+    target's features for it) and write it with its weights as external data."""
     cache_type = TENSOR_TYPES[shape.dtype]
     kv_dims = ["batch", shape.num_kv_heads, "past_sequence_length", shape.head_dim]
     present_dims = ["batch", shape.num_kv_heads, "total_sequence_length", shape.head_dim]
@@ -164,6 +196,8 @@ def _save(b: _GraphBuilder, shape: DecoderShape, out_path: Path) -> Path:
             outputs.append(
                 helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "kept"])
             )
+    inputs += extra_inputs
+    outputs += extra_outputs
     for i in range(shape.num_layers):
         for kind in ("key", "value"):
             inputs.append(

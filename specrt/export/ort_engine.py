@@ -15,6 +15,7 @@ from specrt.export.ort_builder import (
     ARGMAX,
     ATTENTION_MASK,
     CACHE_INDICES,
+    FEATURES,
     LOCAL_ATTENTION_MASK,
     LOGITS_START,
     MAX_LOGIT,
@@ -27,6 +28,7 @@ from specrt.export.ort_builder import (
 )
 from specrt.export.ort_graph import (
     ACTIVATIONS,
+    EagleFeatures,
     activation,
     build_decoder_graph,
     build_gpt2_graph,
@@ -45,6 +47,7 @@ def build_ort_engine(
     precision: str = "float32",
     device: str = "cpu",
     cuda_attention: str = "batched",
+    features: EagleFeatures | None = None,
 ) -> EngineSpec:
     """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
     (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
@@ -52,7 +55,8 @@ def build_ort_engine(
 
     ``precision`` int8/int4 quantises a CPU engine's weights (see `specrt.export.quantize`);
     the check then reports the difference without a bound.
-    ``cuda_attention``: see `ExportOptions`."""
+    ``cuda_attention``: see `ExportOptions`. ``features``: what an EAGLE head reads of the
+    target (the CPU engine's output `FEATURES`)."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
@@ -102,7 +106,9 @@ def build_ort_engine(
         if shape.local_rope_layers:
             local = _rope_tables(model.model.rotary_emb_local, positions)
         cos, sin = _rope_tables(model.model.rotary_emb, positions)
-        graph = build_decoder_graph(shape, weights, cos, sin, out, local_rope=local)
+        graph = build_decoder_graph(
+            shape, weights, cos, sin, out, local_rope=local, features=features
+        )
     if device == "cpu":
         target = role == "target"
         quantize_weights(graph, precision, TARGET_BLOCK_SIZE if target else BLOCK_SIZE, not target)
@@ -131,6 +137,7 @@ def build_ort_engine(
             argmax=ARGMAX if shape.greedy_outputs else None,
             max_logit=MAX_LOGIT if shape.greedy_outputs else None,
             max_probability=MAX_PROBABILITY if shape.greedy_outputs else None,
+            features=FEATURES if features is not None else None,
         ),
         vocab_size=vocab,
         cache="batched" if batched else "in_place",

@@ -30,15 +30,18 @@ The graph's input and output names, `DecoderShape`, the builder, the head and th
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto
+import onnx
+from onnx import TensorProto, helper
 
 from specrt.export.options import ENGINE_MODEL_TYPES
 from specrt.export.ort_attention import _attention, _normed_qkv
 from specrt.export.ort_builder import (
     _MS,
+    FEATURES,
     POSITION_IDS,
     TOTAL_LENGTH,
     DecoderShape,
@@ -46,6 +49,18 @@ from specrt.export.ort_builder import (
     _lm_head,
     _save,
 )
+
+
+@dataclass(frozen=True)
+class EagleFeatures:
+    """What a target computes for an EAGLE-3 head: the residual stream entering each of
+    ``layers`` (the hidden states HF's ``output_hidden_states`` lists at those indices),
+    concatenated and multiplied by ``fc`` ``[len(layers) * hidden, head hidden]`` (the head's
+    ``fc.weight``, transposed)."""
+
+    layers: tuple[int, ...]
+    fc: np.ndarray
+
 
 WINDOWED_TYPES = ("mistral", "phi3")  # one sliding window for every layer, whenever it is set
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -132,12 +147,14 @@ def build_decoder_graph(
     sin: np.ndarray,
     out_path: Path,
     local_rope: tuple[np.ndarray, np.ndarray] | None = None,
+    features: EagleFeatures | None = None,
 ) -> Path:
     """Llama-family graph: write it (and its weights as external data) to ``out_path``.
 
     ``weights`` uses the HF state-dict names (``model.layers.0.self_attn.q_proj.weight`` …, each
     ``[out, in]``); ``cos``/``sin`` are ``[positions, rotary_dim / 2]`` (rotary, scaled);
-    ``local_rope``: the (cos, sin) of ``shape.local_rope_layers``.
+    ``local_rope``: the (cos, sin) of ``shape.local_rope_layers``; ``features``: an EAGLE
+    head's input, computed here at every position fed (`FEATURES`).
     """
     b = _GraphBuilder(weights, shape.dtype)
     b.initializer("cos_cache", cos)
@@ -207,7 +224,23 @@ def build_decoder_graph(
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     _lm_head(b, normed, weights[head][: shape.vocab_size].T, shape)
-    return _save(b, shape, out_path)
+    outputs = () if features is None else (_features(b, features, shape.dtype),)
+    return _save(b, shape, out_path, extra_outputs=outputs)
+
+
+def _features(b: _GraphBuilder, features: EagleFeatures, dtype: str) -> onnx.ValueInfoProto:
+    """The head's features: the residual stream entering each of ``features.layers``, side by
+    side, through the head's ``fc`` (EAGLE-3), in float32 whatever the graph's precision (only
+    ``hidden`` numbers a position leave the target, not three times that)."""
+    states = ["embedded" if i == 0 else f"residual.{i}" for i in features.layers]
+    b.node("Concat", states, ["eagle_states"], axis=-1)
+    b.initializer("eagle.fc.MatMul", features.fc)
+    projected = FEATURES if dtype == "float32" else "eagle_features_half"
+    b.node("MatMul", ["eagle_states", "eagle.fc.MatMul"], [projected])
+    if dtype != "float32":
+        b.node("Cast", [projected], [FEATURES], to=TensorProto.FLOAT)
+    width = features.fc.shape[1]
+    return helper.make_tensor_value_info(FEATURES, TensorProto.FLOAT, ["batch", "sequence", width])
 
 
 def build_gpt2_graph(

@@ -7,12 +7,12 @@ never destroys a bundle that was already there.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,10 @@ from specrt.bundle import (
 )
 from specrt.checksums import sha256_file
 from specrt.errors import ExportError, PairMismatchError
+from specrt.export.checkpoint_hash import checkpoint_sha256
 from specrt.export.checkpoints import (
     TOKENIZER_FILES,
+    is_head,
     is_multimodal,
     save_text_decoder,
     text_config,
@@ -62,9 +64,14 @@ def export_bundle(
     out = Path(os.path.abspath(out_dir))
     given = {"target": Path(target_dir), "draft": Path(draft_dir)}
     check_destination(out, list(given.values()), force)
+    if is_head(given["draft"]):  # an EAGLE-3 head drafts: the target computes its features
+        given.pop("draft")
     ggufs = {role: found for role, path in given.items() if (found := gguf_file(path, role))}
     with as_folders(given, ggufs, out, log) as sources:
-        manifest = _export_pair(sources, ggufs, out, options, log)
+        if "draft" not in sources:
+            manifest = _export_with_head(sources["target"], Path(draft_dir), out, options, log)
+        else:
+            manifest = _export_pair(sources, ggufs, out, options, log)
     log(f"bundle written to {out}")
     return manifest
 
@@ -118,18 +125,49 @@ def _export_pair(
                 log(f"  {role} {name}: max |logit diff| vs PyTorch {diff:.2e}")
         for role, found in ggufs.items():
             specs[role].source, specs[role].source_sha256 = str(found.resolve()), sha256_file(found)
-        manifest = Manifest(
-            models=specs,
-            tokenizer=_copy_tokenizer(
-                sources["target"], scratch / "tokenizer", text_config(configs["target"])
-            ),
-            vocab_size=vocab,
-            specrt_version=__version__,
-        )
-        write_manifest(scratch, manifest)
-        kept = keep_users_files(out, scratch, log)
-        publish(scratch, out, kept)
+        return _publish(specs, sources["target"], configs["target"], vocab, scratch, out, log)
+
+
+def _publish(specs, target: Path, config, vocab: int, scratch: Path, out: Path, log) -> Manifest:
+    """Write the manifest (and the target's tokenizer) into ``scratch`` and move it to ``out``."""
+    manifest = Manifest(
+        models=specs,
+        tokenizer=_copy_tokenizer(target, scratch / "tokenizer", text_config(config)),
+        vocab_size=vocab,
+        specrt_version=__version__,
+    )
+    write_manifest(scratch, manifest)
+    kept = keep_users_files(out, scratch, log)
+    publish(scratch, out, kept)
     return manifest
+
+
+def _export_with_head(target: Path, head_dir: Path, out: Path, options, log: Log) -> Manifest:
+    """The bundle of ``target`` drafted for by the EAGLE-3 head at ``head_dir``: the target's
+    onnxruntime CPU engine computes the head's features (no portable graph computes them yet),
+    and the head gets its own engine (`specrt.export.eagle_export`)."""
+    from specrt.export.checkpoints import load_causal_lm
+    from specrt.export.eagle import head_features, read_head
+    from specrt.export.eagle_export import export_head
+
+    config = _load_config(target, "target")
+    head = read_head(head_dir, text_config(config))
+    vocab = _tokenizer_vocab_size(target)
+    tokenizer_hash = canonical_hash(load_tokenizer_json(target))
+    options = replace(options, portable=False, ort_engine=True, devices=("cpu",))
+    model = load_causal_lm(target, config)
+    with staging(out, "partial") as scratch:
+        log(f"exporting target ({config.model_type}) from {target}, with the head's features")
+        spec = _engines_only(
+            model, text_config(config), scratch, "target", tokenizer_hash, vocab, options, log,
+            target, head_features(head),
+        )  # fmt: skip
+        log(f"exporting the EAGLE head from {head_dir}")
+        head_spec = export_head(head, head_dir, model, spec, scratch, vocab, tokenizer_hash)
+        diff = head_spec.export_check["max_abs_logit_diff"]
+        log(f"  EAGLE head: max |logit diff| vs PyTorch {diff:.2e}")
+        return _publish({"target": spec, "draft": head_spec}, target, config, vocab, scratch,
+                        out, log)  # fmt: skip
 
 
 def _export_role(source: Path, config, bundle_root: Path, role: str, *rest) -> ModelSpec:
@@ -258,9 +296,10 @@ def _engines_only(
     options: ExportOptions,
     log: Log,
     source: Path,
+    features=None,
 ) -> ModelSpec:
     """A model without the portable graph (no optimum needed): its own graph is its first
-    engine, a GPU one where asked for."""
+    engine, a GPU one where asked for (``features``: see `add_ort_engine`)."""
     heads = int(config.num_attention_heads)
     spec = ModelSpec(
         path="",
@@ -278,7 +317,7 @@ def _engines_only(
         source=str(source.resolve()),
         source_sha256=checkpoint_sha256(source),
     )
-    add_ort_engine(model, spec, config, bundle_root, role, token_range, options, log)
+    add_ort_engine(model, spec, config, bundle_root, role, token_range, options, log, features)
     if not spec.engines:
         raise ExportError(
             f"{role}: {config.model_type} gets no engine here, and without the portable graph "
@@ -303,8 +342,10 @@ def add_ort_engine(
     token_range: int,
     options: ExportOptions,
     log: Log,
+    features=None,
 ) -> None:
-    """Build, check and record ``role``'s onnxruntime engine where the architecture allows."""
+    """Build, check and record ``role``'s onnxruntime engine where the architecture allows
+    (``features``: an EAGLE head's, `ort_graph.EagleFeatures`, computed by the CPU engine)."""
     from specrt.export.ort_engine import build_ort_engine
     from specrt.export.ort_graph import unsupported_reason
     from specrt.export.quantize import not_invariant
@@ -316,7 +357,9 @@ def add_ort_engine(
             log(f"  {role}: no {device} engine ({reason}); the portable graph will run there")
     if options.cpu_engine and not unsupported_reason(config, spec.max_positions, "cpu"):
         precision = options.draft_precision if role == "draft" else options.target_precision
-        engine = build_ort_engine(model, spec, bundle_root, role, token_range, precision)
+        engine = build_ort_engine(
+            model, spec, bundle_root, role, token_range, precision, features=features
+        )
         # a quantised engine is not meant to match PyTorch; it only has to be a number
         atol = options.atol if precision == "float32" else math.inf
         require_close(engine.export_check, atol, f"{role} onnxruntime engine", source)
@@ -351,53 +394,6 @@ def require_close(check: dict[str, float], atol: float, what: str, source: Path)
             "--atol if the difference is acceptable for this model"
         )
     return check
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-
-
-def checkpoint_sha256(checkpoint: Path) -> str:
-    """One hash over a checkpoint's config and weight files (names and contents): what decides
-    the model an engine is built from. config.json counts by what it says (its parsed JSON, less
-    the transformers version that saved it), not by its layout: re-indenting it changes no
-    model."""
-    return checkpoint_hashes(checkpoint)[0]
-
-
-def checkpoint_hashes(checkpoint: Path) -> tuple[str, str]:
-    """`checkpoint_sha256`, and the hash earlier versions recorded (config.json's bytes), the
-    weights read once for both."""
-    names = sorted(
-        p.name
-        for p in checkpoint.iterdir()
-        if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
-    )
-    as_written = {name: sha256_file(checkpoint / name) for name in names}
-    as_said = dict(as_written)
-    said = "config.json" in names and _config_sha256(checkpoint / "config.json")
-    if said:
-        as_said["config.json"] = said
-    return _combined(as_said), _combined(as_written)
-
-
-def _combined(files: dict[str, str]) -> str:
-    digest = hashlib.sha256()
-    for name, sha256 in sorted(files.items()):
-        digest.update(f"{name}\0{sha256}\n".encode())
-    return digest.hexdigest()
-
-
-def _config_sha256(path: Path) -> str | None:
-    """The hash of what a config.json says; None where it is not a JSON object (its bytes then
-    stand for it, and reading it as a config fails later with its own message)."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    config.pop("transformers_version", None)  # which release saved it, not the model
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
 def _tokenizer_vocab_size(checkpoint: Path) -> int:

@@ -238,3 +238,79 @@ def make_tiny_pair(
         tokenizer.save_pretrained(path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+def make_tiny_head(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    seed: int = 0,
+    head_vocab: int | None = None,
+    layers: tuple[int, ...] | None = None,
+    peak: float = 4.0,
+    norm_before_residual: bool = False,
+) -> Path:
+    """Write a random EAGLE-3 head for the target at ``target_dir`` into ``out_dir``, in the
+    layout its authors publish (config ``LlamaForCausalLMEagle3``; weights ``fc``,
+    ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` in ``model.safetensors``).
+    ``head_vocab``: the head proposes that many of the target's tokens (every other one first);
+    ``layers``: the target layers it reads (``eagle_aux_hidden_state_layer_ids``; None: the
+    authors' default, which needs 7 layers or more to name three); ``norm_before_residual``:
+    the variant whose residual stream starts from the normed features."""
+    import json
+
+    from safetensors.torch import save_file
+
+    target = LlamaConfig.from_pretrained(target_dir)
+    hidden, vocab = target.hidden_size, target.vocab_size
+    head_vocab = head_vocab or vocab
+    heads, kv_heads = target.num_attention_heads, target.num_key_value_heads
+    head_dim = hidden // heads
+    proposed = sorted([*range(0, vocab, 2), *range(1, vocab, 2)][:head_vocab])
+    generator = torch.Generator().manual_seed(seed)
+
+    def random(*shape: int, std: float = 0.05) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    count = 3 if layers is None else len(layers)
+    weights = {
+        "fc.weight": random(hidden, count * hidden, std=1 / (count * hidden) ** 0.5),
+        "midlayer.self_attn.q_proj.weight": random(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": random(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": random(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": random(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": random(target.intermediate_size, hidden),
+        "midlayer.mlp.up_proj.weight": random(target.intermediate_size, hidden),
+        "midlayer.mlp.down_proj.weight": random(hidden, target.intermediate_size),
+        "midlayer.hidden_norm.weight": 1 + random(hidden),
+        "midlayer.input_layernorm.weight": 1 + random(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + random(hidden),
+        "norm.weight": 1 + random(hidden),
+        "lm_head.weight": random(head_vocab, hidden, std=peak / hidden**0.5),
+        "d2t": torch.tensor(proposed) - torch.arange(head_vocab),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(proposed), True),
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": target.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": getattr(target, "rope_theta", 10000.0),
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": vocab,
+        "draft_vocab_size": head_vocab,
+        "target_hidden_size": hidden,
+        "tie_word_embeddings": False,
+    }
+    if layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(layers)}
+    if norm_before_residual:
+        config["norm_before_residual"] = True
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES, Decoder, open_decoder
+from specrt.backends import (
+    DEFAULT_MAX_LENGTH,
+    ENGINE_CHOICES,
+    BatchedDecoder,
+    Decoder,
+    open_decoder,
+)
+from specrt.backends.eagle import EagleDraft
 from specrt.backends.session import (
     GPU_PROVIDERS,
     default_providers,
@@ -127,10 +134,25 @@ def _load(
     }
     for decoder in decoders.values():
         check_cache_dtype(decoder)
+    if manifest.models["draft"].architecture in EAGLE_ARCHITECTURES:
+        decoders["draft"] = eagle_draft(decoders["draft"], decoders["target"])
     tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
     )
+
+
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3",)  # a bundle's draft that is an EAGLE head
+
+
+def eagle_draft(head: Decoder, target: Decoder) -> EagleDraft:
+    """The head drafting from the target's features; both must be batched engines."""
+    if not (isinstance(head, BatchedDecoder) and isinstance(target, BatchedDecoder)):
+        raise BundleError(
+            "the bundle's draft is an EAGLE head, which runs on the onnxruntime CPU engine only "
+            "for now: load it without engine= or providers= that choose another graph"
+        )
+    return EagleDraft(head, target)
 
 
 # How onnxruntime names the element types a manifest's dtype stands for.

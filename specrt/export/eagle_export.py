@@ -1,0 +1,208 @@
+"""export_bundle with an EAGLE-3 head as the draft: the target's CPU engine computes the head's
+features (`ort_graph.EagleFeatures`), the head gets its own engine (`ort_eagle`), and both are
+checked against PyTorch (`Eagle3Head`) before the bundle is published.
+
+The bundle's ``draft`` is then the head (``architecture`` "LlamaForCausalLMEagle3"); the runtime
+drafts with it through `specrt.backends.eagle.EagleDraft`, on the onnxruntime CPU engine.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specrt.backends.base import NEED_LOGITS
+from specrt.backends.batched import BatchedDecoder
+from specrt.backends.eagle import EagleDraft
+from specrt.backends.session import create_session
+from specrt.bundle import (
+    ONNXRUNTIME_ENGINE,
+    EngineSpec,
+    ModelIO,
+    ModelSpec,
+)
+from specrt.checksums import sha256_file
+from specrt.export.checkpoint_hash import checkpoint_sha256
+from specrt.export.eagle import (
+    Eagle3Head,
+    HeadCheckpoint,
+    head_weights_numpy,
+    target_features,
+)
+from specrt.export.ort_builder import (
+    ATTENTION_MASK,
+    CACHE_INDICES,
+    HIDDEN_OUT,
+    HIDDEN_STATES,
+    LOGITS_START,
+    POSITION_IDS,
+    PROBABILITIES,
+    UNPROPOSED,
+    DecoderShape,
+)
+from specrt.export.ort_eagle import build_head_graph, vocab_map
+
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
+CHECK_TOKENS = 12
+
+
+def export_head(
+    head: HeadCheckpoint,
+    head_dir: Path,
+    model: torch.nn.Module,
+    target: ModelSpec,
+    bundle_root: Path,
+    vocab: int,
+    tokenizer_hash: str,
+    atol: float = 1e-3,
+) -> ModelSpec:
+    """Write ``draft/onnxruntime/model.onnx``, the head's engine, check it with the target's
+    engine against PyTorch, and return its spec."""
+    config = head.config
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv_heads = int(config.num_key_value_heads or heads)
+    shape = DecoderShape(
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        norm_eps=float(config.rms_norm_eps),
+        vocab_size=vocab,
+        attention="batched",
+    )
+    positions = target.max_positions
+    reference = Eagle3Head(head, model.get_input_embeddings().weight.detach())
+    with torch.no_grad():
+        cos, sin = reference.rotary(torch.zeros(1), torch.arange(positions)[None])
+    half = cos.shape[-1] // 2
+    embedding = reference.embedding[:vocab].numpy()
+    columns = vocab_map(head.weights["d2t"].numpy(), vocab)
+    out = bundle_root / "draft" / ONNXRUNTIME_ENGINE / "model.onnx"
+    graph = build_head_graph(
+        shape,
+        head_weights_numpy(head),
+        embedding,
+        cos[0, :, :half].numpy(),
+        sin[0, :, :half].numpy(),
+        columns,
+        out,
+        head.norm_before_residual,
+    )
+    files = {str(f.relative_to(bundle_root)): sha256_file(f) for f in sorted(out.parent.iterdir())}
+    io = ModelIO(
+        input_ids="input_ids",
+        attention_mask=ATTENTION_MASK,
+        position_ids=POSITION_IDS,
+        past_keys=["past_key_values.0.key"],
+        past_values=["past_key_values.0.value"],
+        logits="logits",
+        present_keys=["present.0.key"],
+        present_values=["present.0.value"],
+        probabilities=PROBABILITIES,
+        logits_start=LOGITS_START,
+        cache_indices=CACHE_INDICES,
+        hidden_states=HIDDEN_STATES,
+        hidden_out=HIDDEN_OUT,
+    )
+    engine = EngineSpec(path=str(graph.relative_to(bundle_root)), files=files, io=io,
+                        vocab_size=vocab, cache="batched")  # fmt: skip
+    spec = ModelSpec(
+        path=engine.path,
+        files=files,
+        architecture=EAGLE_ARCHITECTURE,
+        model_type="eagle3",
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_positions=positions,
+        dtype="float32",
+        io=io,
+        tokenizer_hash=tokenizer_hash,
+        source=str(Path(head_dir).resolve()),
+        source_sha256=checkpoint_sha256(Path(head_dir)),
+        cache="batched",
+        engines={ONNXRUNTIME_ENGINE: engine},
+    )
+    check = head_check(model, reference, head, spec, target, bundle_root, columns)
+    check["atol"] = atol
+    if not math.isfinite(check["max_abs_logit_diff"]) or check["max_abs_logit_diff"] > atol:
+        from specrt.errors import ExportError
+
+        raise ExportError(
+            f"EAGLE head: ONNX logits differ from PyTorch by {check['max_abs_logit_diff']:.3g} "
+            f"(> atol {atol}); the export is numerically wrong. Report it"
+        )
+    spec.export_check = engine.export_check = check
+    return spec
+
+
+def head_check(
+    model: torch.nn.Module,
+    reference: Eagle3Head,
+    head: HeadCheckpoint,
+    spec: ModelSpec,
+    target: ModelSpec,
+    bundle_root: Path,
+    columns: np.ndarray,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The head as the runtime runs it (`EagleDraft` over both engines) against PyTorch on
+    random tokens: the target's features, the head over the positions the target read (one
+    call, as a round's catch-up), then one chained step from the head's own hidden state."""
+    vocab = spec.vocab_size
+    ids = np.random.default_rng(seed).integers(0, vocab, size=CHECK_TOKENS).tolist()
+    features = target_features(model, ids, head)  # [n, hidden]
+    positions = torch.arange(CHECK_TOKENS)
+    logits, hidden = reference(features[:-1], torch.tensor(ids[1:]), positions[:-1])
+    chained = ids[-1]
+    step_logits, _ = reference(
+        torch.cat([features[:-1], hidden[-1:]]),
+        torch.tensor(ids[1:] + [chained]),
+        positions,
+    )
+    expected = _on_target_vocab(logits.numpy(), columns)
+    expected_step = _on_target_vocab(step_logits[-1:].numpy(), columns)
+
+    engine = target.engine_view(ONNXRUNTIME_ENGINE)
+    target_decoder = BatchedDecoder(
+        create_session(bundle_root / engine.path, providers=["CPUExecutionProvider"]),
+        engine,
+        vocab,
+        "check",
+    )
+    target_decoder.forward(ids, keep_last=1)
+    feature_diff = float(np.abs(target_decoder.features[0, :CHECK_TOKENS] - features.numpy()).max())
+    head_decoder = BatchedDecoder(
+        create_session(bundle_root / spec.path, providers=["CPUExecutionProvider"]),
+        spec,
+        vocab,
+        "check",
+    )
+    draft = EagleDraft(head_decoder, target_decoder)
+    tokens = np.array([ids[1:]], dtype=np.int64)
+    got = draft.forward_rows(tokens, keep_last=len(ids) - 1, need=NEED_LOGITS).logits[0].copy()
+    target_decoder.set_length(0, CHECK_TOKENS - 1)  # the next slot chains on the head's state
+    got_step = draft.forward_rows(np.array([[chained]]), keep_last=1).logits[0].copy()
+    proposed = columns < len(head.weights["d2t"])
+    catch_up_diff = float(np.abs(got[:, proposed] - expected[:, proposed]).max())
+    step_diff = float(np.abs(got_step[:, proposed] - expected_step[:, proposed]).max())
+    return {
+        "features_max_abs_diff": feature_diff,
+        "prefill_max_abs_logit_diff": catch_up_diff,
+        "step_max_abs_logit_diff": step_diff,
+        "max_abs_logit_diff": float(np.max([catch_up_diff, step_diff])),
+        "unproposed_logit": float(UNPROPOSED),
+    }
+
+
+def _on_target_vocab(head_logits: np.ndarray, columns: np.ndarray) -> np.ndarray:
+    """``[n, head vocab]`` logits at the target's ids (`UNPROPOSED` where the head has none)."""
+    padded = np.concatenate(
+        [head_logits, np.full((len(head_logits), 1), UNPROPOSED, dtype=np.float32)], axis=1
+    )
+    return padded[:, columns]

@@ -1,0 +1,243 @@
+"""EAGLE-3 heads: imported in their authors' layout, checked against PyTorch at export, drafting
+from the target's features in the one-row and batched rounds, and exactly lossless.
+
+The heads are random (no download), in the exact layout published heads have
+(`specrt.export.tiny.make_tiny_head`). A random head drafts badly, so the drafting itself is
+checked against a PyTorch reference of the head round after round (`test_the_head_drafts_...`),
+and the output's exactness the way every drafter's is: greedy and seeded output equal to the
+target alone's, and sampled tokens following the target's law (chi-square, false-alarm rate
+ALPHA per test, 2 tests: at most 2e-4 for the module; seeds fixed, so an outcome is
+reproducible)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from specrt.bundle import read_manifest
+from specrt.cli import main
+from specrt.errors import ExportError
+from specrt.export import export_bundle
+from specrt.export.eagle import Eagle3Head, read_head, target_features
+from specrt.export.eagle_export import _on_target_vocab
+from specrt.export.ort_eagle import vocab_map
+from specrt.export.tiny import make_tiny_head, make_tiny_pair
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.batching import Request
+from specrt.runtime.config import SamplingParams
+from specrt.runtime.round import RowRound, catch_up, draft_rows
+from specrt.runtime.sampling import warp
+from tests.stats import chi_square_pvalue
+from tests.test_greedy import PROMPTS
+
+ALPHA = 1e-4
+SAMPLES = 4000
+HEAD_VOCAB = 40  # of the tiny tokenizer's ~60: the head never proposes the others
+MODEL_DRAFTS = dict(proposer="model", draft_schedule="fixed")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    target, _ = make_tiny_pair("llama", root / "src", seed=5, peak=6.0, config=LAYERS)
+    head = make_tiny_head(target, root / "head", seed=1, head_vocab=HEAD_VOCAB, layers=(0, 2, 3),
+                          peak=2.0)  # fmt: skip
+    return root, target, head
+
+
+LAYERS = dict(num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def bundle(sources):
+    root, target, head = sources
+    out = root / "bundle"
+    args = ["export", "--target", str(target), "--eagle", str(head), "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "draft: LlamaForCausalLMEagle3, 1 layers" in result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def generators(bundle):
+    return {
+        "one row": SpeculativeGenerator.from_bundle(bundle, threads=1),
+        "batched": SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=8),
+    }
+
+
+def test_the_export_checks_the_head_and_the_target_s_features(bundle, sources):
+    manifest = read_manifest(bundle)
+    head, target = manifest.models["draft"], manifest.models["target"]
+    assert head.architecture == "LlamaForCausalLMEagle3" and head.num_layers == 1
+    check = head.export_check
+    assert check["features_max_abs_diff"] < 1e-5
+    assert check["max_abs_logit_diff"] < 1e-4  # a catch-up call and a chained step
+    assert target.engines["onnxruntime"].io.features == "eagle_features"
+    assert head.io.hidden_states and head.io.hidden_out
+    assert head.source == str(sources[2].resolve())
+
+
+@pytest.mark.parametrize("variant", ["default layers", "norm before residual"])
+def test_heads_of_either_variant_export_within_the_check(tmp_path, variant):
+    """The authors' default layers (2, L/2, L-3: a target of 8 layers) read from a config
+    without ids; the variant whose residual starts from the normed features."""
+    default = variant == "default layers"
+    layers = dict(num_hidden_layers=8 if default else 4)
+    target, _ = make_tiny_pair("llama", tmp_path / "src", seed=2, config=layers)
+    head = make_tiny_head(
+        target, tmp_path / "head", layers=None if default else (1, 2, 3),
+        norm_before_residual=not default,
+    )  # fmt: skip
+    manifest = export_bundle(target, head, tmp_path / "bundle")
+    assert manifest.models["draft"].export_check["max_abs_logit_diff"] < 1e-4
+    if default:
+        config = AutoModelForCausalLM.from_pretrained(target).config
+        assert read_head(head, config).layers == (2, 4, 5)
+
+
+def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp_path):
+    _, target, head = sources
+    wrong = tmp_path / "wrong"
+    shutil.copytree(head, wrong)
+    config = json.loads((wrong / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1]  # fc reads three
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="does not fit this target: fc takes 192 features"):
+        export_bundle(target, wrong, tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
+    (wrong / "model.safetensors").unlink()
+    args = ["export", "--target", str(target), "--eagle", str(wrong), "--out", str(tmp_path / "b")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "has no weights" in result.output
+    assert "Traceback" not in result.output
+    result = CliRunner().invoke(main, [*args, "--draft", str(target)])
+    assert result.exit_code != 0 and "either --draft or --eagle" in result.output
+
+
+def test_specrt_build_says_it_does_not_rebuild_a_head_s_bundle(bundle):
+    result = CliRunner().invoke(main, ["build", "--bundle", str(bundle)])
+    assert result.exit_code != 0 and "EAGLE head" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_head_drafts_what_its_pytorch_reference_drafts_round_after_round(sources, bundle):
+    """Two rows in shared calls, rounds that keep a random part of their drafts: the runtime's
+    drafts (the target's features of verified positions, the head's own state while chaining,
+    its cache rolled back to verified slots) are the PyTorch head's, recomputed from scratch."""
+    _, target_dir, head_dir = sources
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    head = read_head(head_dir, model.config)
+    reference = Eagle3Head(head, model.get_input_embeddings().weight.detach())
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=2)
+    target, draft = generator.target, generator.draft
+    vocab = draft.vocab_size
+    columns = vocab_map(head.weights["d2t"].numpy(), vocab)
+    rng = np.random.default_rng(0)
+    rows = [
+        RowRound(tokens, SamplingParams(), rng, k=3)
+        for tokens in generator.encode_prompts(["Simple is better", "def f"])
+    ]
+    target.prefill_rows(0, [row.tokens[:-1] for row in rows])
+    k = 3
+    for _ in range(6):
+        catch_up(draft, rows)
+        drafts, _ = draft_rows(draft, rows, k)
+        for i, row in enumerate(rows):
+            assert drafts[i].tolist() == _reference_chain(model, reference, head, row.tokens, k,
+                                                          columns)  # fmt: skip
+        # verification's part: the target reads the proposal, part of it stands
+        ids = np.concatenate([[[row.tokens[-1]] for row in rows], drafts], axis=1)
+        target.forward_rows(ids, keep_last=1)
+        for i, row in enumerate(rows):
+            kept = int(rng.integers(0, k + 1))
+            row.tokens += [*drafts[i, :kept].tolist(), int(rng.integers(3, vocab))]
+            target.set_length(i, len(row.tokens) - 1)
+            draft.set_length(i, len(row.tokens) - 1)
+
+
+def _reference_chain(model, reference, head, tokens: list[int], k: int, columns) -> list[int]:
+    """The head's K greedy drafts after ``tokens`` in PyTorch, without a cache: features of
+    every position the target holds (all but the newest token), then the head's own."""
+    held = len(tokens) - 1
+    features = target_features(model, tokens[:held], head)
+    ids, drafted = list(tokens[1:]), []
+    for step in range(k):
+        positions = torch.arange(held + step)
+        logits, hidden = reference(features, torch.tensor(ids), positions)
+        token = int(_on_target_vocab(logits[-1:].numpy(), columns).argmax())
+        drafted.append(token)
+        features = torch.cat([features, hidden[-1:]])
+        ids.append(token)
+    return drafted
+
+
+@pytest.mark.parametrize("path", ["one row", "batched"])
+def test_greedy_output_equals_the_target_alone(generators, path):
+    generator = generators[path]
+    prompts = PROMPTS[:12]
+
+    def run(**options):
+        config = GenerationConfig(max_new_tokens=40, ignore_eos=True, **options)
+        if path == "batched":
+            return [r.token_ids for r in generator.generate(prompts, config)]
+        return [generator.generate([p], config)[0].token_ids for p in prompts]
+
+    alone = run(num_draft_tokens=0)
+    for options in (dict(MODEL_DRAFTS, num_draft_tokens=4), dict(MODEL_DRAFTS, num_draft_tokens=1),
+                    {}):  # fmt: skip
+        generator.forget_learning()
+        assert run(**options) == alone, options
+
+
+@pytest.mark.parametrize("path", ["one row", "batched"])
+def test_seeded_sampling_equals_the_target_alone(generators, path):
+    generator = generators[path]
+    sampled = dict(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=11)
+    prompts = PROMPTS[:8]
+    alone = generator.generate(prompts, GenerationConfig(num_draft_tokens=0, **sampled))
+    results = generator.generate(prompts, GenerationConfig(**sampled, **MODEL_DRAFTS))
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert 0 < accepted < sum(r.stats.drafted_tokens for r in results)
+
+
+@pytest.mark.parametrize("path", ["one row", "batched"])
+def test_sampled_tokens_follow_the_target(generators, path):
+    """The 2nd new token is the first one the head drafts and rejection sampling decides;
+    its law is computed from the target alone (its engine, one prefix at a time)."""
+    generator = generators[path]
+    prompt = generator.encode_prompts(["Simple is"])[0]
+    expected = _second_token_law(generator.target, prompt, temperature=1.0)
+    assert expected.max() > 0.05  # far from uniform over ~60 tokens
+    config = GenerationConfig(max_new_tokens=3, num_draft_tokens=2, ignore_eos=True,
+                              temperature=1.0, **MODEL_DRAFTS)  # fmt: skip
+    streams = (np.random.default_rng([7, i]) for i in range(SAMPLES))
+    results = dict(generator.run(Request(i, prompt, config, r) for i, r in enumerate(streams)))
+    drafted = sum(r.stats.drafted_tokens for r in results.values())
+    accepted = sum(r.stats.accepted_tokens for r in results.values())
+    assert 0.2 < accepted / drafted < 0.95  # the accept and the reject paths both run
+    second = np.array([results[i].token_ids[1] for i in range(SAMPLES)])
+    counts = np.bincount(second, minlength=len(expected))
+    assert chi_square_pvalue(counts, expected) > ALPHA
+
+
+def _second_token_law(target, prompt: list[int], temperature: float) -> np.ndarray:
+    def law(ids: list[int]) -> np.ndarray:
+        target.set_length(0, 0)
+        logits = target.forward(ids, keep_last=1).logits[-1]
+        return warp(logits[None], temperature)[0]
+
+    first = law(prompt)
+    second = np.zeros_like(first)
+    for token in np.flatnonzero(first):
+        second += first[token] * law(prompt + [int(token)])
+    target.set_length(0, 0)
+    return second
