@@ -153,3 +153,51 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
     assert result.exit_code != 0
     assert message in result.output and "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_an_eagle3_head_resumes_after_a_kill_learns_and_drafts_losslessly(target, tmp_path):
+    """`--kind eagle3`: the same kill-and-resume promise, then the head exported with its
+    target (`specrt export --eagle`) drafts what the target alone would say."""
+    eagle = ["--kind", "eagle3", "--lr", "2e-3"]
+    whole = run(command(*target, tmp_path / "whole", *eagle))
+    assert whole.returncode == 0, whole.stderr
+    report = json.loads((tmp_path / "whole" / "distill_report.json").read_text())
+    before, after = report["heldout_before"], report["heldout_after"]
+    assert after["acceptance_per_token"] > before["acceptance_per_token"] + 0.3
+    assert report["kind"] == "eagle3" and report["loss_last_steps"] < report["loss_first_steps"]
+
+    out = tmp_path / "resumed"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command(*target, out, *eagle), env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if list(state_dir(out).glob("train-*.pt")):
+            break
+        time.sleep(0.01)
+    assert process.poll() is None  # the kill hits a run still training
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not out.exists()
+    resumed = run(command(*target, out, *eagle))
+    assert resumed.returncode == 0, resumed.stderr
+    mine, theirs = (load_file(str(d / "model.safetensors")) for d in (out, tmp_path / "whole"))
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+    assert {"fc.weight", "lm_head.weight", "d2t", "t2d"} <= mine.keys()
+
+    bundle = tmp_path / "bundle"
+    args = ["export", "--target", str(target[0]), "--eagle", str(out), "--out", str(bundle)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    prompts = target[2].read_text().splitlines()
+    settings = dict(max_new_tokens=24, proposer="model", draft_schedule="fixed")
+    alone = generator.generate(prompts, GenerationConfig(num_draft_tokens=0, **settings))
+    drafted = generator.generate(prompts, GenerationConfig(num_draft_tokens=4, **settings))
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+    accepted = sum(r.stats.accepted_per_position[0] for r in drafted)
+    rounds = sum(r.stats.drafted_tokens for r in drafted) / 4
+    # the report replays the rounds a run makes: its first position's acceptance is the run's
+    assert abs(accepted / rounds - after["acceptance_per_position"][0]) < 0.15

@@ -135,7 +135,7 @@ def test_the_head_drafts_what_its_pytorch_reference_drafts_round_after_round(sou
     _, target_dir, head_dir = sources
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     head = read_head(head_dir, model.config)
-    reference = Eagle3Head(head, model.get_input_embeddings().weight.detach())
+    reference = Eagle3Head.from_checkpoint(head, model.get_input_embeddings().weight.detach())
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=2)
     target, draft = generator.target, generator.draft
     vocab = draft.vocab_size
@@ -241,3 +241,24 @@ def _second_token_law(target, prompt: list[int], temperature: float) -> np.ndarr
         second += first[token] * law(prompt + [int(token)])
     target.set_length(0, 0)
     return second
+
+
+def test_the_training_time_test_chain_is_what_drafting_computes(sources):
+    """`Eagle3Head.chain` (what `specrt distill --kind eagle3` trains, every position at
+    once) gives at base p, step j, what drafting computes slot by slot: the target's features
+    up to p, then the head's own hidden states."""
+    _, target_dir, head_dir = sources
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    head = read_head(head_dir, model.config)
+    reference = Eagle3Head.from_checkpoint(head, model.get_input_embeddings().weight.detach())
+    tokens = np.random.default_rng(3).integers(3, 40, size=14).tolist()
+    features = target_features(model, tokens, head)
+    with torch.no_grad():
+        chained = reference.chain(features[None], torch.tensor([tokens[1:] + [0]]), 3)
+    for base in (0, 5, 9):
+        slots, ids = features[: base + 1], tokens[1 : base + 2]
+        for step in range(3):
+            logits, hidden = reference(slots, torch.tensor(ids), torch.arange(len(ids)))
+            assert torch.allclose(logits[-1], chained[step][0][0, base], atol=1e-5)
+            slots = torch.cat([slots, hidden[-1:]])
+            ids.append(tokens[base + step + 2])

@@ -91,6 +91,21 @@ from specrt.cli.common import _friendly_errors, _prompts
     help="Own weights (own_weights.safetensors) to start from; with --steps 0, the "
     "draft they make, put together again with the target.",
 )
+@click.option(
+    "--kind",
+    type=click.Choice(["draft", "eagle3"]),
+    default="draft",
+    show_default=True,
+    help="draft: a draft model cut from the target; eagle3: an EAGLE-3 head, for "
+    "`specrt export --eagle`.",
+)
+@click.option(
+    "--head-vocab",
+    type=click.IntRange(min=2),
+    default=8192,
+    show_default=True,
+    help="--kind eagle3: the tokens the head proposes (the answers' most used).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @_friendly_errors
 def distill(
@@ -108,6 +123,8 @@ def distill(
     seed,
     save_every,
     init_from,
+    kind,
+    head_vocab,
     force,
 ) -> None:
     """Train a draft for a target from the target's own answers (sequence-level distillation).
@@ -130,6 +147,8 @@ def distill(
     if steps and not prompts:
         raise click.UsageError(f"{prompt_file} holds no prompts")
     settings = DistillSettings(
+        kind=kind,
+        head_vocab=head_vocab,
         layers=layers,
         max_new_tokens=max_new_tokens,
         top_k=top_k,
@@ -161,4 +180,4 @@ def distill(
             f"-> {after['acceptance_per_token']:.3f}; per position (K={after['num_draft_tokens']}) "
             f"{positions}; {after['tokens_per_round']:.2f} tokens per round"
         )
-    click.echo(f"draft: {out}")
+    click.echo(f"{'EAGLE-3 head' if kind == 'eagle3' else 'draft'}: {out}")

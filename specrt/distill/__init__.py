@@ -33,6 +33,8 @@ class DistillSettings:
     top_k: int = 16  # soft targets kept per answer token
     num_draft_tokens: int = 4  # the rounds the acceptance report replays
     train: TrainSettings = field(default_factory=TrainSettings)
+    kind: str = "draft"  # or "eagle3": an EAGLE-3 head (`specrt.distill.eagle`)
+    head_vocab: int = 8192  # an EAGLE-3 head's vocabulary: the answers' most used tokens
 
 
 def state_dir(out: Path) -> Path:
@@ -65,15 +67,21 @@ def distill(
 
     # 1. The target, and the draft cut from it (its own weights from --init-from if given).
     target, tokenizer, identity = _load_target(target_source, out, log)
-    draft = drafts.truncated(target, settings.layers)
-    if init_from is not None:
-        drafts.load_own(draft, init_from)
     state = state_dir(out)
     state.mkdir(parents=True, exist_ok=True)
-    log(
-        f"draft: the target's first {settings.layers} of {target.config.num_hidden_layers} "
-        f"layers; progress kept in {state}"
-    )
+    eagle3 = settings.kind == "eagle3"
+    if eagle3:
+        if not settings.train.steps or init_from is not None:
+            raise ExportError("--kind eagle3 trains a new head: give --steps > 0, no --init-from")
+        log(f"draft: an EAGLE-3 head for the target; progress kept in {state}")
+    else:
+        draft = drafts.truncated(target, settings.layers)
+        if init_from is not None:
+            drafts.load_own(draft, init_from)
+        log(
+            f"draft: the target's first {settings.layers} of {target.config.num_hidden_layers} "
+            f"layers; progress kept in {state}"
+        )
 
     # 2. The target's answers to the training and held-out prompts.
     def answers(name: str, texts: list[str]) -> list[data.Example]:
@@ -93,6 +101,9 @@ def distill(
 
     # 3. Training, from the checkpoint a killed run left.
     k = settings.num_draft_tokens
+    if eagle3:
+        return _distill_head(target, identity, examples, held, settings, out, log, prompts,
+                             started, progress)  # fmt: skip
     before = acceptance.report(draft, held, k) if held else None
     losses: list[float] = []
     checkpoint = None
@@ -138,6 +149,47 @@ def distill(
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)  # done: the draft is written
     log(f"the target's answers stay in {state} for another run; remove it when done")
+    return report
+
+
+def _distill_head(target, identity, examples, held, settings, out, log, prompts, started,
+                  progress) -> dict:  # fmt: skip
+    """Steps 3 and 4 for an EAGLE-3 head (`specrt.distill.eagle`)."""
+    from specrt.distill import eagle
+    from specrt.staging import publish, staging
+
+    head = eagle.new_head(target, examples, settings.head_vocab)
+    k = settings.num_draft_tokens
+    before = eagle.report(head, target, held, k) if held else None
+    key = _key(identity, prompts, "eagle3", settings.head_vocab, settings.max_new_tokens,
+               settings.top_k, settings.train.as_dict())  # fmt: skip
+    checkpoint = state_dir(out) / f"train-{key}.pt"
+    losses = eagle.train_head(head, target, examples, settings.train, checkpoint, progress)
+    after = eagle.report(head, target, held, k) if held else None
+    report = {
+        "target": identity["name"],
+        "kind": "eagle3",
+        "head_vocab": int(head.lm_head.weight.shape[0]),
+        "layers_read": list(head.layers),
+        "settings": {
+            "max_new_tokens": settings.max_new_tokens,
+            "top_k": settings.top_k,
+            **settings.train.as_dict(),
+        },  # fmt: skip
+        "train_prompts": len(prompts),
+        "heldout_prompts": len(held),
+        "loss_first_steps": _mean(losses[:20]),
+        "loss_last_steps": _mean(losses[-20:]),
+        "heldout_before": before,
+        "heldout_after": after,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    with staging(out, "partial") as staged:
+        eagle.save_head(head, staged, target.config)
+        (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        publish(staged, out)
+    checkpoint.unlink(missing_ok=True)  # done: the head is written
+    log(f"the target's answers stay in {state_dir(out)} for another run; remove it when done")
     return report
 
 

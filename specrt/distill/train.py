@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,58 +97,77 @@ def train(
     checkpoint: Path,
     progress: bool = True,
 ) -> list[float]:
-    """Train ``draft`` in place for ``settings.steps`` steps, from ``checkpoint`` where a killed
-    run left one (saved every ``save_every`` steps, atomically); the loss of every step."""
+    """Train ``draft``'s own weights in place for ``settings.steps`` steps (see
+    `checkpointed_steps`); the loss of every step."""
+    params = dict(draft.named_parameters())
+    own = own_names(draft)
+    for name, param in params.items():
+        param.requires_grad_(name in own)
+    trained = {name: params[name] for name in own}
+    step_loss = lambda step: loss_of(draft, examples, settings, step)  # noqa: E731
+    losses = checkpointed_steps(draft, trained, step_loss, settings, checkpoint, progress)
+    for param in params.values():
+        param.requires_grad_(False)
+    return losses
+
+
+def checkpointed_steps(
+    model: torch.nn.Module,
+    trained: dict[str, torch.nn.Parameter],
+    step_loss: Callable[[int], torch.Tensor],
+    settings: TrainSettings,
+    checkpoint: Path,
+    progress: bool = True,
+) -> list[float]:
+    """AdamW on ``trained`` for ``settings.steps`` steps of ``step_loss(step)``, from
+    ``checkpoint`` where a killed run left one (saved every ``save_every`` steps,
+    atomically), with a progress bar; the loss of every step."""
     import torch
     from tqdm import tqdm
 
-    params = dict(draft.named_parameters())
-    own = own_names(draft)
-    trained = [params[name] for name in own]
-    for name, param in params.items():
-        param.requires_grad_(name in own)
-    optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
+    for param in trained.values():
+        param.requires_grad_(True)
+    optimizer = torch.optim.AdamW(list(trained.values()), lr=settings.lr, weight_decay=0.0)
     step, losses = 0, []
     if checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=True)
         with torch.no_grad():
             for name, tensor in state["weights"].items():
-                params[name].copy_(tensor)
+                trained[name].copy_(tensor)
         optimizer.load_state_dict(state["optimizer"])
         step, losses = state["step"], list(state["losses"])
-    draft.train()
+    model.train()
     bar = tqdm(
         total=settings.steps, initial=step, unit="step", desc="training", disable=not progress
     )
     while step < settings.steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(settings, step)
-        loss = loss_of(draft, examples, settings, step)
+        loss = step_loss(step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        torch.nn.utils.clip_grad_norm_(list(trained.values()), 1.0)
         optimizer.step()
         step += 1
         losses.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
         if step % settings.save_every == 0 or step == settings.steps:
-            _save(checkpoint, draft, optimizer, step, losses)
+            _save(checkpoint, trained, optimizer, step, losses)
     bar.close()
-    draft.eval()
-    for param in params.values():
+    model.eval()
+    for param in trained.values():
         param.requires_grad_(False)
     return losses
 
 
-def _save(path: Path, draft, optimizer, step: int, losses: list[float]) -> None:
+def _save(path: Path, trained: dict, optimizer, step: int, losses: list[float]) -> None:
     import torch
 
-    params = dict(draft.named_parameters())
     state = {
         "step": step,
         "losses": losses,
-        "weights": {name: params[name].detach().clone() for name in own_names(draft)},
+        "weights": {name: param.detach().clone() for name, param in trained.items()},
         "optimizer": optimizer.state_dict(),
     }
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")

@@ -102,70 +102,150 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in weights.items()}
 
 
-def target_features(model: torch.nn.Module, ids: list[int], head: HeadCheckpoint) -> torch.Tensor:
-    """The head's input at each position of ``ids``: the residual stream entering each of the
-    head's target layers (HF's ``hidden_states[i]``), side by side, through ``fc``;
-    ``[len(ids), hidden]``."""
+def target_states(model: torch.nn.Module, ids: torch.Tensor, layers: tuple[int, ...]):
+    """The residual stream entering each of ``layers`` (HF's ``hidden_states[i]``), side by
+    side: ``[batch, positions, len(layers) * hidden]`` for ``ids [batch, positions]``."""
     with torch.no_grad():
-        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        joined = torch.cat([states[i][0].float() for i in head.layers], dim=-1)
-        return joined @ head.weights["fc.weight"].float().T
+        states = model(ids, output_hidden_states=True).hidden_states
+        return torch.cat([states[i].float() for i in layers], dim=-1)
+
+
+def target_features(model: torch.nn.Module, ids: list[int], head: HeadCheckpoint) -> torch.Tensor:
+    """The head's input at each position of ``ids``: `target_states` through the head's
+    ``fc``; ``[len(ids), hidden]``."""
+    joined = target_states(model, torch.tensor([ids]), head.layers)[0]
+    return joined @ head.weights["fc.weight"].float().T
 
 
 class Eagle3Head(torch.nn.Module):
-    """The head's layer in PyTorch: ``forward(features, ids, positions)`` -> (logits over the
-    head's vocabulary, hidden states), causal over the positions given (no cache)."""
+    """An EAGLE-3 head in PyTorch, its parameters named as the layout names them (``fc``,
+    ``midlayer.*``, ``norm``, ``lm_head``; buffers ``d2t``, ``t2d``): the reference the export
+    checks against, and what `specrt distill --kind eagle3` trains. The embedding is the
+    target's, frozen and not saved."""
 
-    def __init__(self, head: HeadCheckpoint, embedding: torch.Tensor) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        embedding: torch.Tensor,
+        layers: tuple[int, ...],
+        head_vocab: int,
+        target_hidden: int,
+        norm_before_residual: bool = False,
+    ) -> None:
         super().__init__()
-        config, w = head.config, {k: v.float() for k, v in head.weights.items()}
-        self.config = config
+        hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
+        self.config, self.layers = config, tuple(layers)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        self.embedding = w.get("embed_tokens.weight", embedding.float())
-        self.norm_before_residual = head.norm_before_residual
-        self.w = w
-        eps = float(config.rms_norm_eps)
-        self.norms = {}
-        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            self.norms[name] = _norm(w[f"midlayer.{name}.weight"], eps)
-        self.norms["norm"] = _norm(w["norm.weight"], eps)
-        self.mlp = LlamaMLP(config)
-        self.mlp.load_state_dict(
-            {k.removeprefix("midlayer.mlp."): v for k, v in w.items() if ".mlp." in k}
-        )
+        self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.heads)
+        self.norm_before_residual = norm_before_residual
+        self.register_buffer("embedding", embedding.detach().float(), persistent=False)
+        self.fc = torch.nn.Linear(len(layers) * target_hidden, hidden, bias=False)
+        self.midlayer = _Layer(config, self.heads * self.head_dim, self.kv_heads * self.head_dim)
+        self.norm = LlamaRMSNorm(hidden, eps=eps)
+        self.lm_head = torch.nn.Linear(hidden, head_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(head_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(int(config.vocab_size), dtype=torch.bool))
         self.rotary = LlamaRotaryEmbedding(config)
+
+    @classmethod
+    def from_checkpoint(cls, head: HeadCheckpoint, embedding: torch.Tensor) -> Eagle3Head:
+        w = head.weights
+        own = w.get("embed_tokens.weight", embedding)
+        target_hidden = w["fc.weight"].shape[1] // len(head.layers)
+        module = cls(head.config, own, head.layers, w["lm_head.weight"].shape[0], target_hidden,
+                     head.norm_before_residual)  # fmt: skip
+        state = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
+        state.pop("embed_tokens.weight", None)
+        state.setdefault("t2d", module.t2d)
+        module.load_state_dict(state)
+        return module.eval()
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor):
-        """``features [S, hidden]``, ``ids [S]``, ``positions [S]``."""
-        w, attn = self.w, "midlayer.self_attn"
-        embedded = self.norms["input_layernorm"](self.embedding[ids])
-        normed = self.norms["hidden_norm"](features)
-        x = torch.cat([embedded, normed], dim=-1)[None]
-        s = x.shape[1]
-        q = (x @ w[f"{attn}.q_proj.weight"].T).view(1, s, self.heads, -1).transpose(1, 2)
-        k = (x @ w[f"{attn}.k_proj.weight"].T).view(1, s, self.kv_heads, -1).transpose(1, 2)
-        v = (x @ w[f"{attn}.v_proj.weight"].T).view(1, s, self.kv_heads, -1).transpose(1, 2)
-        cos, sin = self.rotary(x, positions[None])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        groups = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-        attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, s, -1)
-        start = normed if self.norm_before_residual else features
-        residual = start[None] + attended @ w[f"{attn}.o_proj.weight"].T
-        hidden = residual + self.mlp(self.norms["post_attention_layernorm"](residual))
-        logits = self.norms["norm"](hidden) @ w["lm_head.weight"].T
+        """``features [S, hidden]`` (after ``fc``), ``ids [S]``, ``positions [S]``: one causal
+        pass, as the runtime's slots read them -> (logits over the head's vocabulary, hidden
+        states), ``[S, ...]`` each."""
+        ((logits, hidden),) = self.chain(features[None], ids[None], 1, positions[None])
         return logits[0], hidden[0]
 
+    def chain(
+        self,
+        features: torch.Tensor,
+        ids: torch.Tensor,
+        steps: int,
+        positions: torch.Tensor | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The head's first ``steps`` chained drafts from every position at once (EAGLE-3's
+        training-time test): step j at base p is slot p + j, reading token ``ids[p + j]`` and
+        the head's own hidden state of step j - 1 at p (step 0: ``features[p]``), attending
+        to the slots up to p (step 0's, which read the target's features) and to its own
+        chain's slots p + 1 .. p + j, as drafting at a round whose last verified slot is p
+        does. ``features [B, S, hidden]``, ``ids [B, S]`` (the token after each position);
+        [(logits [B, S, head vocab], hidden [B, S, hidden])] per step, base p's row valid
+        while p + j < S."""
+        batch, length, _ = features.shape
+        if positions is None:
+            positions = torch.arange(length).expand(batch, length)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        keys, values, out = [], [], []
+        x = features
+        for step in range(steps):
+            tokens = torch.nn.functional.pad(ids[:, step:], (0, step))
+            q, k, v, normed = self.midlayer.qkv(self.embedding[tokens], x)
+            cos, sin = self.rotary(x, positions + step)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            groups = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            keys.append(k)
+            values.append(v)
+            scale = 1 / math.sqrt(self.head_dim)
+            first = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, S, S]: step 0's slots
+            first = first.masked_fill(~causal, float("-inf"))
+            own = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]  # [B, h, S, 1]
+            weights = torch.cat([first, *own], dim=-1).softmax(-1)
+            attended = weights[..., :length] @ values[0]
+            for i, vv in enumerate(values[1:]):
+                attended = attended + weights[..., length + i, None] * vv
+            attended = attended.transpose(1, 2).reshape(batch, length, -1)
+            start = normed if self.norm_before_residual else x
+            hidden = self.midlayer.rest(start, attended)
+            out.append((self.lm_head(self.norm(hidden)), hidden))
+            x = hidden
+        return out
 
-def _norm(weight: torch.Tensor, eps: float) -> LlamaRMSNorm:
-    norm = LlamaRMSNorm(weight.shape[0], eps=eps)
-    norm.weight.data = weight.clone()
-    return norm
+
+class _Layer(torch.nn.Module):
+    """EAGLE-3's ``midlayer``: attention over the normed embedding and features side by side."""
+
+    def __init__(self, config: LlamaConfig, q_width: int, kv_width: int) -> None:
+        super().__init__()
+        hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
+        self.self_attn = torch.nn.Module()
+        for name, width in (("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)):
+            setattr(self.self_attn, name, torch.nn.Linear(2 * hidden, width, bias=False))
+        self.self_attn.o_proj = torch.nn.Linear(q_width, hidden, bias=False)
+        self.mlp = LlamaMLP(config)
+        for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+            setattr(self, name, LlamaRMSNorm(hidden, eps=eps))
+        self.head_dim = q_width // int(config.num_attention_heads)
+
+    def qkv(self, embedded: torch.Tensor, features: torch.Tensor):
+        """q, k, v ``[B, heads, S, head_dim]`` and the normed features."""
+        normed = self.hidden_norm(features)
+        x = torch.cat([self.input_layernorm(embedded), normed], dim=-1)
+        batch, length, _ = x.shape
+        attn = self.self_attn
+        q, k, v = (
+            proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
+        return q, k, v, normed
+
+    def rest(self, start: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention and the MLP: the head's hidden state."""
+        residual = start + self.self_attn.o_proj(attended)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
 def head_weights_numpy(head: HeadCheckpoint) -> dict[str, np.ndarray]:

@@ -75,7 +75,7 @@ def export_head(
         attention="batched",
     )
     positions = target.max_positions
-    reference = Eagle3Head(head, model.get_input_embeddings().weight.detach())
+    reference = Eagle3Head.from_checkpoint(head, model.get_input_embeddings().weight.detach())
     with torch.no_grad():
         cos, sin = reference.rotary(torch.zeros(1), torch.arange(positions)[None])
     half = cos.shape[-1] // 2
