@@ -1,7 +1,7 @@
 """specrt's command line: one module per command, each parsing its options and printing; the
 work is the library's.
 
-    specrt export | build | distill | generate | batch | serve | bench
+    specrt export | build | distill | generate | batch | serve | bench | verify
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from specrt.cli.distill import distill
 from specrt.cli.export import build, export
 from specrt.cli.generate import generate
 from specrt.cli.serve import serve
+from specrt.cli.verify import verify
 
 __all__ = ["DEFAULTS", "main"]
 
@@ -25,5 +26,5 @@ def main() -> None:
     """Lossless speculative decoding on ONNX Runtime."""
 
 
-for command in (export, build, distill, generate, batch, serve, bench):
+for command in (export, build, distill, generate, batch, serve, bench, verify):
     main.add_command(command)

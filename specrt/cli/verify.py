@@ -1,0 +1,187 @@
+"""`specrt verify`: audit a bundle's losslessness with the user's settings, one line per check."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import (
+    DEFAULTS,
+    _chat_prompts,
+    _friendly_errors,
+    _generation_config,
+    _load,
+    _prompts,
+)
+from specrt.cli.options import PROPOSER_OPTION, load_options
+from specrt.runtime.audit import (
+    AUDIT_BATCH,
+    DEFAULT_ALPHA,
+    DEFAULT_LAW_PROMPTS,
+    DEFAULT_PROMPTS,
+    DEFAULT_SAMPLES,
+    DEFAULT_SEED,
+    DEFAULT_TEMPERATURE,
+    MIN_SAMPLES,
+    run_checks,
+    sampled_config,
+)
+from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationConfig
+
+
+@click.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
+@click.option(
+    "--prompt-file",
+    type=click.Path(path_type=Path),
+    help='Prompts, one per line; a .jsonl file holds {"prompt": ...} objects or JSON strings; '
+    f'"-": stdin. Default: {len(DEFAULT_PROMPTS)} short built-in prompts.',
+)
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Render each prompt as a user's message with the bundle's chat template.",
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=MIN_SAMPLES),
+    default=DEFAULT_SAMPLES,
+    show_default=True,
+    help="Sampled rows per prompt for the law of the first two new tokens.",
+)
+@click.option(
+    "--alpha",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_ALPHA,
+    show_default=True,
+    help="False-alarm rate of each sampled-law check: a correct runtime fails it this often.",
+)
+@click.option(
+    "--law-prompts",
+    type=click.IntRange(min=0),
+    default=DEFAULT_LAW_PROMPTS,
+    show_default=True,
+    help="How many of the prompts (the first) the sampled-law check runs on.",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=DEFAULTS["max_new_tokens"],
+    show_default=True,
+    help="Tokens per prompt compared in the identity checks.",
+)
+@click.option(
+    "--num-draft-tokens",
+    type=click.IntRange(1, MAX_DRAFT_TOKENS),
+    default=DEFAULTS["num_draft_tokens"],
+    show_default=True,
+    help="K, the draft tokens a round (as for generate).",
+)
+@PROPOSER_OPTION
+@click.option(
+    "--draft-schedule",
+    type=click.Choice(DRAFT_SCHEDULES),
+    default=DEFAULTS["draft_schedule"],
+    show_default=True,
+    help="How many tokens each round drafts (the sampled checks draft K every round where it "
+    "is adaptive).",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_TEMPERATURE,
+    show_default=True,
+    help="The sampled checks' temperature (greedy is checked as well).",
+)
+@click.option("--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off.")
+@click.option(
+    "--seed",
+    type=int,
+    default=DEFAULT_SEED,
+    show_default=True,
+    help="The seed of the seeded-identity check.",
+)
+@click.option(
+    "--prompt-lookup-min",
+    type=int,
+    default=DEFAULTS["prompt_lookup_min"],
+    show_default=True,
+    help="Shortest n-gram prompt lookup matches.",
+)
+@click.option(
+    "--prompt-lookup-max",
+    type=int,
+    default=DEFAULTS["prompt_lookup_max"],
+    show_default=True,
+    help="Longest n-gram prompt lookup matches.",
+)
+@load_options
+@_friendly_errors
+def verify(
+    bundle,
+    prompts,
+    prompt_file,
+    chat,
+    samples,
+    alpha,
+    law_prompts,
+    threads,
+    engine,
+    max_length,
+    skip_checksums,
+    **params,
+) -> None:
+    """Audit that speculative decoding gives the target's own output on this bundle.
+
+    Greedy and seeded outputs must equal the target alone's, token for token (a batch, and
+    one prompt at a time); unseeded samples of the first two new tokens must follow the
+    target's exact law (chi-square). Exit status 1 when any check fails."""
+    started = time.perf_counter()
+    texts = list(DEFAULT_PROMPTS)
+    if prompts or prompt_file is not None:
+        texts = _prompts(prompts, prompt_file, chat)
+    if chat:
+        texts = _chat_prompts(bundle, texts)
+    config = _generation_config(params)
+    generator = _load(bundle, threads, engine, max_length, skip_checksums, max_batch=AUDIT_BATCH)
+    inputs = texts
+    if chat:  # the template writes its special tokens out: none added (as the server does)
+        inputs = [generator.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    click.echo(_header(bundle, len(inputs), config))
+    results = []
+    for result in run_checks(generator, inputs, samples, config, alpha, law_prompts):
+        results.append(result)
+        click.echo(str(result))
+        sys.stdout.flush()
+    failed = [result for result in results if not result.passed]
+    laws = sum("law" in result.name for result in results)
+    seconds = time.perf_counter() - started
+    summary = f"{len(results) - len(failed)} of {len(results)} checks passed in {seconds:.0f} s"
+    if laws:  # each law check fails a correct runtime with probability alpha
+        summary += f" (false-alarm rate of the sampled-law checks together <= {laws * alpha:.2g})"
+    if failed:
+        click.echo(f"FAIL: {summary}: the output is not the target's with these settings")
+        sys.exit(1)
+    click.echo(f"PASS: {summary}")
+
+
+def _header(bundle: Path, prompts: int, config: GenerationConfig) -> str:
+    sampled = sampled_config(config)
+    filters = "".join(
+        [
+            f", top-k {sampled.top_k}" if sampled.top_k else "",
+            f", top-p {sampled.top_p:g}" if sampled.top_p < 1 else "",
+        ]
+    )
+    return (
+        f"specrt verify {bundle}: {prompts} prompt{'s' if prompts != 1 else ''}; proposer "
+        f"{config.proposer}, K {'=' if config.draft_schedule == 'fixed' else '<='} "
+        f"{config.num_draft_tokens}, {config.draft_schedule} schedule "
+        f"(sampled checks: {sampled.draft_schedule}, temperature {sampled.temperature:g}"
+        f"{filters})"
+    )
