@@ -12,7 +12,7 @@ DEVICES := --device cpu $(if $(filter cuda,$(DEVICE)),--device cuda)
 PROMPT ?= import os\n\n\ndef read_config(path):\n
 export PROMPT  # read by the recipe from its environment: quotes and % in it stay text
 
-.PHONY: install test lint engines engines-real demo demo-models measure-demo bench bench-all bench-real gpu-check clean
+.PHONY: install test lint engines engines-real demo demo-models demo-head measure-demo bench bench-all bench-real gpu-check clean
 
 # torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build
 # (TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU wheel, where pip has none at hand).
@@ -71,6 +71,15 @@ demo-models: install
 
 measure-demo: engines
 	$(BIN)/python models/measure_demo.py --bundle engines/demo
+
+# Retrain the demo target's EAGLE-3 head (models/demo/head/, about 15 minutes on 2 cores) with
+# the tool users train theirs with; engines/demo-eagle.json exports it with the target.
+demo-head: install
+	$(BIN)/python models/demo_head_prompts.py > models/demo/head_train_prompts.jsonl
+	$(SPECRT) distill --target models/demo/target --out models/demo/head --kind eagle3 \
+		--prompt-file models/demo/head_train_prompts.jsonl \
+		--heldout-file models/demo/heldout_prompts.jsonl --head-vocab 4096 \
+		--max-new-tokens 128 --steps 1000 --batch-size 8 --seq-len 256 --lr 2e-3 --force
 
 # The README's performance table: every contender side by side on the held-out prompts.
 BENCH := $(SPECRT) bench --bundle $(DEMO_BUNDLE) --prompt-file models/demo/heldout_prompts.jsonl \

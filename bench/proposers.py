@@ -1,5 +1,6 @@
 """Proposers side by side on text the demo pair never saw: the target alone, the draft model
-(fixed K, adaptive), prompt lookup, the suffix cache (as in a batch job) and the hybrid.
+(fixed K, adaptive), prompt lookup, the suffix cache (as in a batch job), the hybrid, and the
+demo target's EAGLE-3 head (`engines/demo-eagle`, where it is built).
 
     .venv/bin/python bench/proposers.py [--bundle engines/demo] [--prompts 24] [--repeats 3]
 
@@ -55,6 +56,17 @@ CONTENDERS = {
         num_draft_tokens=4, draft_schedule="adaptive", proposer="hybrid", suffix=True
     ),
 }
+# The same target with an EAGLE-3 head as its draft (--eagle-bundle): the head drafts where the
+# draft model does above ("model" is the bundle's drafter).
+EAGLE_CONTENDERS = {
+    "eagle: target alone": dict(num_draft_tokens=0),
+    "eagle K=4": dict(num_draft_tokens=4, **MODEL),
+    "eagle K=6": dict(num_draft_tokens=6, **MODEL),
+    "eagle adaptive K<=6": dict(num_draft_tokens=6, draft_schedule="adaptive", proposer="model"),
+    "eagle+lookup hybrid K<=6": dict(
+        num_draft_tokens=6, draft_schedule="adaptive", proposer="hybrid"
+    ),
+}
 
 
 def click_sources() -> list[Path]:
@@ -100,23 +112,26 @@ def learning_apart(generator, suffix_cache=None):
 
 
 def run_workload(
-    generator, prompts: list[str], repeats: int, log, temperature: float = 0.0
+    generator, prompts: list[str], repeats: int, log, temperature: float = 0.0, eagle=None
 ) -> dict:
+    """``eagle``: a generator of the same target with an EAGLE-3 head (`EAGLE_CONTENDERS`)."""
     from specrt.runtime import GenerationConfig
     from specrt.runtime.lookup import SuffixCache
 
+    contenders = {**CONTENDERS, **(EAGLE_CONTENDERS if eagle is not None else {})}
+    loaded = {name: eagle if name in EAGLE_CONTENDERS else generator for name in contenders}
     ids = generator.encode_prompts(prompts)
-    seconds = {name: [[] for _ in ids] for name in CONTENDERS}
-    proposers: dict[str, dict] = {name: {} for name in CONTENDERS}
-    runners = {name: learning_apart(generator) for name in CONTENDERS}
+    seconds = {name: [[] for _ in ids] for name in contenders}
+    proposers: dict[str, dict] = {name: {} for name in contenders}
+    runners = {name: learning_apart(loaded[name]) for name in contenders}
     for repeat in range(repeats):
         # Each suffix contender learns from its own earlier rows only.
-        for name, options in CONTENDERS.items():
+        for name, options in contenders.items():
             if options.get("suffix"):
-                runners[name] = learning_apart(generator, SuffixCache())
+                runners[name] = learning_apart(loaded[name], SuffixCache())
         for row, prompt in enumerate(ids):
             reference = None
-            for name, options in CONTENDERS.items():
+            for name, options in contenders.items():
                 options = dict(options)
                 options.pop("suffix", None)
                 runner = runners[name]
@@ -138,7 +153,7 @@ def run_workload(
         log(f"  repeat {repeat + 1}/{repeats} done")
     baseline = [statistics.median(times) for times in seconds["target alone"]]
     table = {}
-    for name in CONTENDERS:
+    for name in contenders:
         own = [statistics.median(times) for times in seconds[name]]
         speedups = [b / s for b, s in zip(baseline, own)]
         table[name] = {
@@ -220,12 +235,20 @@ def main() -> None:
     parser.add_argument(
         "--held-out-only", action="store_true", help="Only the click held-out workload."
     )
+    parser.add_argument(
+        "--eagle-bundle",
+        default=str(REPO / "engines" / "demo-eagle"),
+        help="The same target with an EAGLE-3 head (skipped where it is not built).",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "proposers.json"))
     args = parser.parse_args()
 
     from specrt.runtime import SpeculativeGenerator
 
     generator = SpeculativeGenerator.from_bundle(args.bundle)
+    eagle = None
+    if (Path(args.eagle_bundle) / "manifest.json").is_file():
+        eagle = SpeculativeGenerator.from_bundle(args.eagle_bundle)
     results = {"bundle": args.bundle, "new_tokens": NEW_TOKENS, "repeats": args.repeats}
     from specrt.prompts import read_prompt_file
 
@@ -242,7 +265,7 @@ def main() -> None:
             continue
         print(f"{title}: {len(prompts)} prompts", flush=True)
         log = lambda m: print(m, flush=True)  # noqa: E731
-        table = run_workload(generator, prompts, args.repeats, log, args.temperature)
+        table = run_workload(generator, prompts, args.repeats, log, args.temperature, eagle)
         results[title] = table
         print_table(title, table)
     if args.batch_size:

@@ -29,6 +29,9 @@ class EagleDraft(RowsDecoder):
     """The head ``head`` drafting for ``target`` (whose graph computes the head's features):
     the `RowsDecoder` calls the round engine and the runner make of a draft."""
 
+    windowed = False  # its slots are the target's positions: it reads a row whole
+    catch_up_above = 8  # a round's verified tokens (K + 1 at most) in its first call
+
     def __init__(self, head: BatchedDecoder, target: BatchedDecoder) -> None:
         # Not RowsDecoder.__init__: the head's decoder holds the cache and the session.
         if not target._feature_width or target._feature_width != head._hidden_width:

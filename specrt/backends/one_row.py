@@ -20,6 +20,7 @@ class OneRow:
 
     max_batch = 1
     resizes = 0  # a one-row cache is allocated whole: no round pays for growing it
+    windowed, catch_up_above = RowsDecoder.windowed, RowsDecoder.catch_up_above  # a model's
 
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder

@@ -74,6 +74,13 @@ class RowsDecoder(DecoderBase):
     ``_buffer_shape(capacity)`` and ``_call(start, n, tokens, keep_last, fed) -> Forward``."""
 
     POSITION_AXIS = 1
+    # As a draft, it may read a window of a long row, starting over at the row's last tokens
+    # (`batching.BatchRunner._window`); an EAGLE head reads every position.
+    windowed = True
+    # As a draft, tokens beyond its newest that a round's first draft call still reads itself;
+    # further behind, `round.catch_up` feeds them first (logits dropped). An EAGLE head reads
+    # a round's verified positions in that call: one call, where two cost another run.
+    catch_up_above = 1
 
     def __init__(
         self,

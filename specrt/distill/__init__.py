@@ -165,6 +165,7 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
                settings.top_k, settings.train.as_dict())  # fmt: skip
     checkpoint = state_dir(out) / f"train-{key}.pt"
     losses = eagle.train_head(head, target, examples, settings.train, checkpoint, progress)
+    eagle.round_to_saved(head)  # the report is of the head as written
     after = eagle.report(head, target, held, k) if held else None
     report = {
         "target": identity["name"],

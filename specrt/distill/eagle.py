@@ -99,10 +99,11 @@ def head_loss(head: Eagle3Head, target, examples: list[Example], settings: Train
     head_ids = index[top_ids]  # [answers, k]: -1 where the head has no such token
     probs = top_probs * (head_ids >= 0)
     total, weight = 0.0, 1.0
-    for j, (logits, _) in enumerate(head.chain(features, follows, CHAIN_STEPS)):
+    for j, hidden in enumerate(head.chain(features, follows, CHAIN_STEPS)):
         base = cols - 1 - j  # the position whose step j drafts the answer token at cols + 1
         usable = (base >= 0) & (probs.sum(-1) > 0)
-        picked = logits[rows[usable], base[usable]]  # [n, head vocab]
+        # the output layer is most of the work: only where a draft is scored
+        picked = head.logits(hidden[rows[usable], base[usable]])  # [n, head vocab]
         log_q = torch.log_softmax(picked.float(), dim=-1).gather(-1, head_ids[usable].clamp(0))
         p = probs[usable] / probs[usable].sum(-1, keepdim=True)
         total = total + weight * -(p * log_q).sum(-1).mean()
@@ -153,9 +154,10 @@ def report(head: Eagle3Head, target, examples: list[Example], k: int = 4) -> dic
             ids = torch.from_numpy(tokens)[None]
             features = head.fc(_states(target, ids, torch.ones_like(ids), head.layers))
             follows = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-            chained = head.chain(features, follows, k)
-            drafts = [(logits[0].argmax(-1) + head.d2t[logits[0].argmax(-1)]).numpy()
-                      for logits, _ in chained]  # fmt: skip
+            best = [
+                head.logits(hidden[0]).argmax(-1) for hidden in head.chain(features, follows, k)
+            ]
+            drafts = [(b + head.d2t[b]).numpy() for b in best]
             # the first answer token comes from the prompt's pass; rounds start after it
             base, end = len(example.prompt) - 1, len(tokens) - 2
             hits = drafts[0][base:end] == tokens[base + 2 :]
@@ -184,18 +186,37 @@ def report(head: Eagle3Head, target, examples: list[Example], k: int = 4) -> dic
     }
 
 
+SAVED_DTYPE = "float16"  # as published heads are: half the bytes, the same drafts nearly
+
+
+def round_to_saved(head: Eagle3Head) -> None:
+    """Round the head's weights to what `save_head` writes."""
+    import torch
+
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(param.to(getattr(torch, SAVED_DTYPE)).float())
+
+
 def save_head(head: Eagle3Head, out: Path, target_config) -> None:
-    """``out``: the head in its authors' layout (config.json, model.safetensors)."""
+    """``out``: the head in its authors' layout (config.json, model.safetensors; its weights
+    in `SAVED_DTYPE`)."""
+    import torch
     from safetensors.torch import save_file
 
     config = {
         **{k: v for k, v in head.config.to_dict().items() if not k.startswith("_")},
         "architectures": ["LlamaForCausalLMEagle3"],
+        "torch_dtype": SAVED_DTYPE,
         "draft_vocab_size": int(head.lm_head.weight.shape[0]),
         "target_hidden_size": int(target_config.hidden_size),
         "eagle_aux_hidden_state_layer_ids": list(head.layers),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    half = getattr(torch, SAVED_DTYPE)
+    state = {
+        k: (v.to(half) if v.is_floating_point() else v).detach().contiguous()
+        for k, v in head.state_dict().items()
+    }
     save_file(state, str(out / "model.safetensors"))

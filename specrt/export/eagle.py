@@ -166,8 +166,12 @@ class Eagle3Head(torch.nn.Module):
         """``features [S, hidden]`` (after ``fc``), ``ids [S]``, ``positions [S]``: one causal
         pass, as the runtime's slots read them -> (logits over the head's vocabulary, hidden
         states), ``[S, ...]`` each."""
-        ((logits, hidden),) = self.chain(features[None], ids[None], 1, positions[None])
-        return logits[0], hidden[0]
+        [hidden] = self.chain(features[None], ids[None], 1, positions[None])
+        return self.logits(hidden[0]), hidden[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's vocabulary of its hidden states ``[..., hidden]``."""
+        return self.lm_head(self.norm(hidden))
 
     def chain(
         self,
@@ -175,15 +179,15 @@ class Eagle3Head(torch.nn.Module):
         ids: torch.Tensor,
         steps: int,
         positions: torch.Tensor | None = None,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> list[torch.Tensor]:
         """The head's first ``steps`` chained drafts from every position at once (EAGLE-3's
         training-time test): step j at base p is slot p + j, reading token ``ids[p + j]`` and
         the head's own hidden state of step j - 1 at p (step 0: ``features[p]``), attending
         to the slots up to p (step 0's, which read the target's features) and to its own
         chain's slots p + 1 .. p + j, as drafting at a round whose last verified slot is p
         does. ``features [B, S, hidden]``, ``ids [B, S]`` (the token after each position);
-        [(logits [B, S, head vocab], hidden [B, S, hidden])] per step, base p's row valid
-        while p + j < S."""
+        the hidden states ``[B, S, hidden]`` of each step (`logits` of them: its drafts), base
+        p's row valid while p + j < S."""
         batch, length, _ = features.shape
         if positions is None:
             positions = torch.arange(length).expand(batch, length)
@@ -210,7 +214,7 @@ class Eagle3Head(torch.nn.Module):
             attended = attended.transpose(1, 2).reshape(batch, length, -1)
             start = normed if self.norm_before_residual else x
             hidden = self.midlayer.rest(start, attended)
-            out.append((self.lm_head(self.norm(hidden)), hidden))
+            out.append(hidden)
             x = hidden
         return out
 

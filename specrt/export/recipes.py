@@ -46,10 +46,12 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
         except (TypeError, ValueError, KeyError) as exc:
             raise ExportError(f'recipe {recipe}: its "tiny" section: {exc}') from exc
         return target, draft, out, options
+    if isinstance(data, dict) and "eagle" in data and "draft" not in data:
+        data["draft"] = data.pop("eagle")  # an EAGLE-3 head drafts (found by its config)
     if not isinstance(data, dict) or not {"target", "draft"} <= set(data):
         raise ExportError(
-            f'recipe {recipe} must be a JSON object with "target" and "draft" paths '
-            '(or a "tiny" section)'
+            f'recipe {recipe} must be a JSON object with "target" and "draft" (or "eagle") '
+            'paths (or a "tiny" section)'
         )
     if not (isinstance(data["target"], str) and isinstance(data["draft"], str)):
         raise ExportError(f'recipe {recipe}: "target" and "draft" must be paths (strings)')

@@ -270,7 +270,9 @@ class BatchRunner:
         """Where the draft is more than `DRAFT_WINDOW` tokens behind a row (rounds without
         drafting, a prompt it skipped), it starts over at the row's last tokens, as the
         one-row hybrid's does: catching up on a whole long row cost more than the rounds it
-        drafts for gain."""
+        drafts for gain. Not for a draft that must read every position (an EAGLE head)."""
+        if not self.draft.windowed:
+            return
         for slot, row in enumerate(rows, start):
             behind = len(row.tokens) - 1 - row.round.offset - int(self.draft.lengths[slot])
             if behind > DRAFT_WINDOW:

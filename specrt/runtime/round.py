@@ -298,12 +298,13 @@ def _flat(out: Forward) -> Forward:
 
 def catch_up(draft: RowsDecoder, rows: list[RowRound], start: int = 0) -> int:
     """Feed the draft all but the newest of the tokens it has not seen, where it is more than
-    one behind (after rounds without drafting, or a prompt it skipped), so that a round's first
-    draft call feeds each row one or two tokens (rows in slots ``start ..``); the tokens fed.
+    ``draft.catch_up_above`` behind (after rounds without drafting, or a prompt it skipped), so
+    that a round's first draft call feeds each row a few tokens (rows in slots ``start ..``);
+    the tokens fed.
     Rows far behind are fed apart from the others (`prefill_rows`)."""
     lengths = draft.lengths[start : start + len(rows)].tolist()
     unseen = [row.tokens[row.offset + length : -1] for row, length in zip(rows, lengths)]
-    if max(map(len, unseen)) <= 1:
+    if max(map(len, unseen)) <= draft.catch_up_above:
         return 0
     draft.prefill_rows(start, unseen)
     return sum(map(len, unseen))
