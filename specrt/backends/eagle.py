@@ -130,6 +130,8 @@ class EagleDraft(RowsDecoder):
         need: str = NEED_LOGITS,
     ) -> Forward:
         n, count = tokens.shape
+        if count == 1 and fed is None:  # a chain step, or a first call of one token a row
+            return self._step(start, tokens, need)
         counts = [count] * n if fed is None else np.broadcast_to(fed, n).tolist()
         rows = [tokens[i, :c].tolist() for i, c in enumerate(counts)]
         return self._feed(start, rows, keep_last or count, need, width=count)
@@ -138,6 +140,31 @@ class EagleDraft(RowsDecoder):
         out = self._feed(0, [list(tokens)], keep_last or len(tokens), need)
         probabilities = None if out.probabilities is None else out.probabilities[0]
         return Forward(out.logits[0], probabilities)
+
+    def _step(self, start: int, tokens: np.ndarray, need: str) -> Forward:
+        """`_feed` of one token a row, without a loop over the rows (a round's chained steps
+        are most of a head's calls)."""
+        n = len(tokens)
+        if n == 1:  # plain Python: numpy's per-call cost, cold after a model call, is more
+            slot = int(self.head.lengths[start])
+            if slot < int(self.target.lengths[start]):
+                hidden = self.target.features[start, slot]
+                self._verified[start] += slot == self._verified[start]
+            else:
+                hidden = self._newest[start]
+            out = self.head._call(start, 1, tokens, 1, 1, need, hidden=hidden)
+            self._newest[start] = out.hidden[0, 0]
+            return out
+        rows = np.arange(start, start + n)
+        slots = self.head.lengths[start : start + n]
+        held = slots < self.target.lengths[start : start + n]  # the target's features there
+        at = np.minimum(slots, self.target.features.shape[1] - 1)
+        hidden = np.where(held[:, None], self.target.features[rows, at], self._newest[rows])
+        grown = held & (slots == self._verified[rows])
+        self._verified[rows[grown]] += 1
+        out = self.head._call(start, n, tokens, 1, 1, need, hidden=hidden[:, None, :])
+        self._newest[rows] = out.hidden[:, 0]
+        return out
 
     def _feed(
         self,
