@@ -57,10 +57,19 @@ $(SMOLLM2): | $(VENV)/.installed
 build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/train_prompts.jsonl
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-draft --force $(DISTILL)
 
-engines-real: install build/smollm2-draft/own_weights.safetensors
+# Its EAGLE-3 head, trained on the same answers of the target (about 50 minutes on 2 cores).
+build/smollm2-head/model.safetensors: build/smollm2-draft/own_weights.safetensors
+	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-head --force --kind eagle3 \
+		--head-vocab 8192 --steps 1200 --lr 1e-3 --state-dir build/.smollm2-draft.distill \
+		--prompt-file models/smollm2/train_prompts.jsonl \
+		--heldout-file models/smollm2/heldout_prompts.jsonl
+
+engines-real: install build/smollm2-draft/own_weights.safetensors build/smollm2-head/model.safetensors
 	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2 --force
 	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2-int4 \
 		--target-precision int4 --no-portable --force
+	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head --out engines/smollm2-eagle \
+		--force
 
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '%b' "$$PROMPT")" --max-new-tokens 96 --compare

@@ -15,6 +15,10 @@ Every output is checked against the target alone's. Prints a table; ``--out`` wr
 builds it) adds that target alone and the default on it, interleaved with the rest and timed
 over the same float32 target alone; their outputs are checked against the int4 target alone's.
 
+``--eagle-bundle`` and ``--eagle-int4-bundle`` (the target, float32 and int4, with its EAGLE-3
+head: `specrt export --eagle`; `make engines-real` builds them) add the head's rows, interleaved
+and checked the same way (the int4 ones against the int4 target alone).
+
 ``--peers`` adds, on the same prompts (their token ids), timed the same way (over the median
 of specrt's target alone on that prompt):
 
@@ -46,6 +50,14 @@ CONTENDERS = {
     "default (hybrid, adaptive, K <= 4)": {},
     "draft model, adaptive": dict(proposer="model"),
     "prompt lookup, adaptive": dict(proposer="lookup"),
+}
+
+
+# The same float32 target with its EAGLE-3 head as the draft (--eagle-bundle).
+EAGLE_CONTENDERS = {
+    "EAGLE-3 head, K = 4": dict(proposer="model", draft_schedule="fixed"),
+    "EAGLE-3 head, adaptive, K <= 6": dict(proposer="model", num_draft_tokens=6),
+    "default with the head (hybrid, adaptive, K <= 4)": {},
 }
 
 
@@ -195,6 +207,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--int4-bundle", type=Path, default=REPO / "engines" / "smollm2-int4")
+    parser.add_argument("--eagle-bundle", type=Path, default=REPO / "engines" / "smollm2-eagle")
+    parser.add_argument(
+        "--eagle-int4-bundle", type=Path, default=REPO / "engines" / "smollm2-eagle-int4"
+    )
     parser.add_argument(
         "--peers", nargs="*", default=[], choices=["genai", "llama.cpp", "transformers"]
     )
@@ -227,6 +243,18 @@ def main() -> None:
         runs["default, int4 target"] = (quantized, runs[next(iter(CONTENDERS))][1], "int4")
     else:
         print(f"no {args.int4_bundle}: the int4 target's rows are left out", flush=True)
+    for bundle, precision in ((args.eagle_bundle, "float32"), (args.eagle_int4_bundle, "int4")):
+        if not (bundle / "manifest.json").exists():
+            print(f"no {bundle}: its EAGLE-3 head's rows are left out", flush=True)
+            continue
+        eagle = SpeculativeGenerator.from_bundle(bundle, threads=args.threads)
+        eagle.generate(ids[:1], alone)
+        # its target computes the head's features too: its own output is the reference
+        own = f"{precision}, with features"
+        runs[f"specrt target alone, {own}"] = (eagle, alone, own)
+        for name, extra in EAGLE_CONTENDERS.items():
+            config = GenerationConfig(**extra, **settings)
+            runs[f"{name}, {precision} target"] = (eagle, config, own)
     generator.generate(ids[:1], alone)  # one-off costs (first calls) out of every timing
     table: dict[str, list[float]] = {name: [] for name in runs if name != "alone"}
     alone_rates, alone_seconds, references = [], [], []

@@ -159,8 +159,11 @@ def test_an_eagle3_head_resumes_after_a_kill_learns_and_drafts_losslessly(target
     """`--kind eagle3`: the same kill-and-resume promise, then the head exported with its
     target (`specrt export --eagle`) drafts what the target alone would say."""
     eagle = ["--kind", "eagle3", "--lr", "2e-3"]
-    whole = run(command(*target, tmp_path / "whole", *eagle))
+    shared = tmp_path / "answers"  # --state-dir: where a draft's run left the answers, say
+    whole = run(command(*target, tmp_path / "whole", *eagle, "--state-dir", str(shared)))
     assert whole.returncode == 0, whole.stderr
+    assert len(list(shared.glob("answers-*/*.npz"))) == 24
+    assert not state_dir(tmp_path / "whole").exists()
     report = json.loads((tmp_path / "whole" / "distill_report.json").read_text())
     before, after = report["heldout_before"], report["heldout_after"]
     assert after["acceptance_per_token"] > before["acceptance_per_token"] + 0.3

@@ -262,3 +262,14 @@ def test_the_training_time_test_chain_is_what_drafting_computes(sources):
             assert torch.allclose(logits[-1], reference.logits(chained[step][0, base]), atol=1e-5)
             slots = torch.cat([slots, hidden[-1:]])
             ids.append(tokens[base + step + 2])
+
+
+def test_a_recipe_names_its_head_eagle(sources, tmp_path):
+    from specrt.export.recipes import resolve_recipe
+
+    _, target, head = sources
+    recipe = tmp_path / "pair.json"
+    recipe.write_text(json.dumps({"target": str(target), "eagle": str(head), "atol": 0.01}))
+    found_target, found_draft, out, options = resolve_recipe(recipe)
+    assert (found_target, found_draft, out) == (target, head, tmp_path / "pair")
+    assert options == {"atol": 0.01}

@@ -106,6 +106,12 @@ from specrt.cli.common import _friendly_errors, _prompts
     show_default=True,
     help="--kind eagle3: the tokens the head proposes (the answers' most used).",
 )
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Where the target's answers and the training checkpoint are kept [.OUT.distill beside "
+    "--out]; a draft and a head of one target can share the answers.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @_friendly_errors
 def distill(
@@ -125,6 +131,7 @@ def distill(
     init_from,
     kind,
     head_vocab,
+    state_dir,
     force,
 ) -> None:
     """Train a draft for a target from the target's own answers (sequence-level distillation).
@@ -169,6 +176,7 @@ def distill(
         settings,
         init_from=init_from,
         force=force,
+        state=state_dir,
         log=lambda message: click.echo(message, err=True),
     )
     after = report["heldout_after"]

@@ -52,8 +52,11 @@ def distill(
     force: bool = False,
     log: Callable[[str], None] = print,
     progress: bool = True,
+    state: Path | None = None,
 ) -> dict:
-    """Make the draft at ``out``; return the report written beside it."""
+    """Make the draft at ``out``; return the report written beside it. ``state``: where the
+    answers and the training checkpoint are kept (default `state_dir`; the draft and the head
+    of one target can share the target's answers)."""
     import torch
 
     from specrt.distill import acceptance, data, train
@@ -67,7 +70,7 @@ def distill(
 
     # 1. The target, and the draft cut from it (its own weights from --init-from if given).
     target, tokenizer, identity = _load_target(target_source, out, log)
-    state = state_dir(out)
+    state = state or state_dir(out)
     state.mkdir(parents=True, exist_ok=True)
     eagle3 = settings.kind == "eagle3"
     if eagle3:
@@ -103,7 +106,7 @@ def distill(
     k = settings.num_draft_tokens
     if eagle3:
         return _distill_head(target, identity, examples, held, settings, out, log, prompts,
-                             started, progress)  # fmt: skip
+                             started, progress, state)  # fmt: skip
     before = acceptance.report(draft, held, k) if held else None
     losses: list[float] = []
     checkpoint = None
@@ -153,7 +156,7 @@ def distill(
 
 
 def _distill_head(target, identity, examples, held, settings, out, log, prompts, started,
-                  progress) -> dict:  # fmt: skip
+                  progress, state) -> dict:  # fmt: skip
     """Steps 3 and 4 for an EAGLE-3 head (`specrt.distill.eagle`)."""
     from specrt.distill import eagle
     from specrt.staging import publish, staging
@@ -163,7 +166,7 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     before = eagle.report(head, target, held, k) if held else None
     key = _key(identity, prompts, "eagle3", settings.head_vocab, settings.max_new_tokens,
                settings.top_k, settings.train.as_dict())  # fmt: skip
-    checkpoint = state_dir(out) / f"train-{key}.pt"
+    checkpoint = state / f"train-{key}.pt"
     losses = eagle.train_head(head, target, examples, settings.train, checkpoint, progress)
     eagle.round_to_saved(head)  # the report is of the head as written
     after = eagle.report(head, target, held, k) if held else None
@@ -190,7 +193,7 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         publish(staged, out)
     checkpoint.unlink(missing_ok=True)  # done: the head is written
-    log(f"the target's answers stay in {state_dir(out)} for another run; remove it when done")
+    log(f"the target's answers stay in {state} for another run; remove it when done")
     return report
 
 

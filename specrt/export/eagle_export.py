@@ -152,11 +152,22 @@ def head_check(
     seed: int = 0,
 ) -> dict[str, float]:
     """The head as the runtime runs it (`EagleDraft` over both engines) against PyTorch on
-    random tokens: the target's features, the head over the positions the target read (one
-    call, as a round's catch-up), then one chained step from the head's own hidden state."""
+    random tokens: the target engine's features against PyTorch's (reported: a quantised
+    target's are another model's), then the head on the engine's features, over the positions
+    the target read (one call, as a round's catch-up) and one chained step from its own state."""
     vocab = spec.vocab_size
     ids = np.random.default_rng(seed).integers(0, vocab, size=CHECK_TOKENS).tolist()
-    features = target_features(model, ids, head)  # [n, hidden]
+    engine = target.engine_view(ONNXRUNTIME_ENGINE)
+    target_decoder = BatchedDecoder(
+        create_session(bundle_root / engine.path, providers=["CPUExecutionProvider"]),
+        engine,
+        vocab,
+        "check",
+    )
+    target_decoder.forward(ids, keep_last=1)
+    computed = target_decoder.features[0, :CHECK_TOKENS].copy()
+    feature_diff = float(np.abs(computed - target_features(model, ids, head).numpy()).max())
+    features = torch.from_numpy(computed)  # [n, hidden]: the head's input, as the engine has it
     positions = torch.arange(CHECK_TOKENS)
     logits, hidden = reference(features[:-1], torch.tensor(ids[1:]), positions[:-1])
     chained = ids[-1]
@@ -167,16 +178,6 @@ def head_check(
     )
     expected = _on_target_vocab(logits.numpy(), columns)
     expected_step = _on_target_vocab(step_logits[-1:].numpy(), columns)
-
-    engine = target.engine_view(ONNXRUNTIME_ENGINE)
-    target_decoder = BatchedDecoder(
-        create_session(bundle_root / engine.path, providers=["CPUExecutionProvider"]),
-        engine,
-        vocab,
-        "check",
-    )
-    target_decoder.forward(ids, keep_last=1)
-    feature_diff = float(np.abs(target_decoder.features[0, :CHECK_TOKENS] - features.numpy()).max())
     head_decoder = BatchedDecoder(
         create_session(bundle_root / spec.path, providers=["CPUExecutionProvider"]),
         spec,

@@ -69,7 +69,9 @@ def export_bundle(
     ggufs = {role: found for role, path in given.items() if (found := gguf_file(path, role))}
     with as_folders(given, ggufs, out, log) as sources:
         if "draft" not in sources:
-            manifest = _export_with_head(sources["target"], Path(draft_dir), out, options, log)
+            manifest = _export_with_head(
+                sources["target"], Path(draft_dir), out, options, log, ggufs.get("target")
+            )
         else:
             manifest = _export_pair(sources, ggufs, out, options, log)
     log(f"bundle written to {out}")
@@ -142,10 +144,12 @@ def _publish(specs, target: Path, config, vocab: int, scratch: Path, out: Path, 
     return manifest
 
 
-def _export_with_head(target: Path, head_dir: Path, out: Path, options, log: Log) -> Manifest:
-    """The bundle of ``target`` drafted for by the EAGLE-3 head at ``head_dir``: the target's
-    onnxruntime CPU engine computes the head's features (no portable graph computes them yet),
-    and the head gets its own engine (`specrt.export.eagle_export`)."""
+def _export_with_head(
+    target: Path, head_dir: Path, out: Path, options, log: Log, gguf: Path | None
+) -> Manifest:
+    """The bundle of ``target`` (read from ``gguf`` where given) drafted for by the EAGLE-3 head
+    at ``head_dir``: the target's CPU engine computes the head's features (no portable graph
+    does yet); the head gets its own engine (`specrt.export.eagle_export`)."""
     from specrt.export.checkpoints import load_causal_lm
     from specrt.export.eagle import head_features, read_head
     from specrt.export.eagle_export import export_head
@@ -162,10 +166,11 @@ def _export_with_head(target: Path, head_dir: Path, out: Path, options, log: Log
             model, text_config(config), scratch, "target", tokenizer_hash, vocab, options, log,
             target, head_features(head),
         )  # fmt: skip
+        if gguf is not None:
+            spec.source, spec.source_sha256 = str(gguf.resolve()), sha256_file(gguf)
         log(f"exporting the EAGLE head from {head_dir}")
         head_spec = export_head(head, head_dir, model, spec, scratch, vocab, tokenizer_hash)
-        diff = head_spec.export_check["max_abs_logit_diff"]
-        log(f"  EAGLE head: max |logit diff| vs PyTorch {diff:.2e}")
+        log(f"  EAGLE head: max |logit diff| {head_spec.export_check['max_abs_logit_diff']:.2e}")
         return _publish({"target": spec, "draft": head_spec}, target, config, vocab, scratch,
                         out, log)  # fmt: skip
 
