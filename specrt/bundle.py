@@ -28,6 +28,8 @@ from specrt.staging import recover
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 ROLES = ("target", "draft")
+# The architecture of a draft that is an EAGLE-3 head (config.architectures, its authors' name).
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 ONNXRUNTIME_ENGINE = "onnxruntime"  # the key of the onnxruntime CPU engine in ModelSpec.engines
 CUDA_ENGINE = "cuda"  # the key of the fp16 onnxruntime engine for the CUDA provider
 
@@ -116,6 +118,11 @@ class ModelSpec:
     cache: str = "concat"
     engines: dict[str, EngineSpec] = field(default_factory=dict)
     sliding_window: int | None = None  # see EngineSpec; the portable graph applies its own
+
+    @property
+    def eagle_head(self) -> bool:
+        """Whether this model is an EAGLE-3 head (it drafts from the target's features)."""
+        return self.architecture == EAGLE3_ARCHITECTURE
 
     def engine_view(self, name: str) -> ModelSpec:
         """This model as seen through engine ``name``'s graph (its path, files, I/O, cache)."""

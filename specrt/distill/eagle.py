@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from specrt.bundle import EAGLE3_ARCHITECTURE
 from specrt.distill.data import Example
 from specrt.distill.train import TrainSettings, batch, checkpointed_steps
 
@@ -206,7 +207,7 @@ def save_head(head: Eagle3Head, out: Path, target_config) -> None:
 
     config = {
         **{k: v for k, v in head.config.to_dict().items() if not k.startswith("_")},
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": [EAGLE3_ARCHITECTURE],
         "torch_dtype": SAVED_DTYPE,
         "draft_vocab_size": int(head.lm_head.weight.shape[0]),
         "target_hidden_size": int(target_config.hidden_size),

@@ -43,7 +43,7 @@ def build_engines(
     root = Path(bundle_dir)
     manifest = read_manifest(root)
     verify_checksums(manifest, root)
-    if manifest.models["draft"].model_type == "eagle3":
+    if manifest.models["draft"].eagle_head:
         raise ExportError(
             "this bundle drafts with an EAGLE head, whose engines `specrt build` does not "
             "rebuild yet: re-export it with `specrt export --target T --eagle HEAD` and the "

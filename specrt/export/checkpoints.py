@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specrt.bundle import EAGLE3_ARCHITECTURE
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,10 +27,6 @@ TOKENIZER_FILES = (  # what a bundle takes of a checkpoint's tokenizer
 )
 
 
-# A checkpoint that is an EAGLE-3 head (config.architectures), not a model of its own.
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-
-
 def is_head(path: Path) -> bool:
     """Whether ``path`` is an EAGLE-3 head's directory (by its config's architecture)."""
     try:
@@ -36,7 +34,7 @@ def is_head(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and any(
-        a in EAGLE3_ARCHITECTURES for a in config.get("architectures") or []
+        a == EAGLE3_ARCHITECTURE for a in config.get("architectures") or []
     )
 
 

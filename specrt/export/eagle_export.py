@@ -19,6 +19,7 @@ from specrt.backends.batched import BatchedDecoder
 from specrt.backends.eagle import EagleDraft
 from specrt.backends.session import create_session
 from specrt.bundle import (
+    EAGLE3_ARCHITECTURE,
     ONNXRUNTIME_ENGINE,
     EngineSpec,
     ModelIO,
@@ -45,7 +46,6 @@ from specrt.export.ort_builder import (
 )
 from specrt.export.ort_eagle import build_head_graph, vocab_map
 
-EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
 CHECK_TOKENS = 12
 
 
@@ -113,7 +113,7 @@ def export_head(
     spec = ModelSpec(
         path=engine.path,
         files=files,
-        architecture=EAGLE_ARCHITECTURE,
+        architecture=EAGLE3_ARCHITECTURE,
         model_type="eagle3",
         num_layers=1,
         num_kv_heads=kv_heads,

@@ -134,15 +134,12 @@ def _load(
     }
     for decoder in decoders.values():
         check_cache_dtype(decoder)
-    if manifest.models["draft"].architecture in EAGLE_ARCHITECTURES:
+    if manifest.models["draft"].eagle_head:
         decoders["draft"] = eagle_draft(decoders["draft"], decoders["target"])
     tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
     )
-
-
-EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3",)  # a bundle's draft that is an EAGLE head
 
 
 def eagle_draft(head: Decoder, target: Decoder) -> EagleDraft:
