@@ -122,23 +122,8 @@ def distill(
     after = acceptance.report(draft, held, k) if held else None
 
     # 4. The checkpoint, its own weights and the report, put in place at once.
-    report = {
-        "target": identity["name"],
-        "layers": settings.layers,
-        "init_from": str(init_from) if init_from else None,
-        "settings": {
-            "max_new_tokens": settings.max_new_tokens,
-            "top_k": settings.top_k,
-            **settings.train.as_dict(),
-        },
-        "train_prompts": len(prompts),
-        "heldout_prompts": len(heldout),
-        "loss_first_steps": _mean(losses[:20]),
-        "loss_last_steps": _mean(losses[-20:]),
-        "heldout_before": before,
-        "heldout_after": after,
-        "seconds": round(time.monotonic() - started, 1),
-    }
+    own = {"layers": settings.layers, "init_from": str(init_from) if init_from else None}
+    report = _report(identity, own, settings, prompts, heldout, losses, before, after, started)
     with staging(out, "partial") as staged:
         draft.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
@@ -170,24 +155,12 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     losses = eagle.train_head(head, target, examples, settings.train, checkpoint, progress)
     eagle.round_to_saved(head)  # the report is of the head as written
     after = eagle.report(head, target, held, k) if held else None
-    report = {
-        "target": identity["name"],
+    own = {
         "kind": "eagle3",
         "head_vocab": int(head.lm_head.weight.shape[0]),
         "layers_read": list(head.layers),
-        "settings": {
-            "max_new_tokens": settings.max_new_tokens,
-            "top_k": settings.top_k,
-            **settings.train.as_dict(),
-        },  # fmt: skip
-        "train_prompts": len(prompts),
-        "heldout_prompts": len(held),
-        "loss_first_steps": _mean(losses[:20]),
-        "loss_last_steps": _mean(losses[-20:]),
-        "heldout_before": before,
-        "heldout_after": after,
-        "seconds": round(time.monotonic() - started, 1),
     }
+    report = _report(identity, own, settings, prompts, held, losses, before, after, started)
     with staging(out, "partial") as staged:
         eagle.save_head(head, staged, target.config)
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
@@ -195,6 +168,26 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     checkpoint.unlink(missing_ok=True)  # done: the head is written
     log(f"the target's answers stay in {state} for another run; remove it when done")
     return report
+
+
+def _report(identity, own: dict, settings, prompts, heldout, losses, before, after, started):
+    """What `distill_report.json` says of a draft or a head (``own``: what is its alone)."""
+    return {
+        "target": identity["name"],
+        **own,
+        "settings": {
+            "max_new_tokens": settings.max_new_tokens,
+            "top_k": settings.top_k,
+            **settings.train.as_dict(),
+        },
+        "train_prompts": len(prompts),
+        "heldout_prompts": len(heldout),
+        "loss_first_steps": _mean(losses[:20]),
+        "loss_last_steps": _mean(losses[-20:]),
+        "heldout_before": before,
+        "heldout_after": after,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def _load_target(source: Path, out: Path, log: Callable[[str], None]):

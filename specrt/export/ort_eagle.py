@@ -33,6 +33,7 @@ from specrt.export.ort_builder import (
     _lm_head,
     _save,
 )
+from specrt.export.ort_graph import gated_mlp
 
 LAYER = "midlayer"  # the head's one layer, as its published checkpoints name it
 
@@ -93,13 +94,7 @@ def build_head_graph(
         domain=_MS,
         epsilon=eps,
     )
-    mlp = f"{LAYER}.mlp"
-    gate = b.linear("mlp_in", [f"{mlp}.gate_proj"], "gate")
-    up = b.linear("mlp_in", [f"{mlp}.up_proj"], "up")
-    b.node("Sigmoid", [gate], ["gate_sigmoid"])
-    b.node("Mul", [gate, "gate_sigmoid"], ["gate_act"])
-    b.node("Mul", ["gate_act", up], ["gated"])
-    down = b.linear("gated", [f"{mlp}.down_proj"], "mlp_out")
+    down = gated_mlp(b, "mlp_in", f"{LAYER}.mlp", 0)
     b.node(  # the head's hidden state (the next step's features), and its norm for the logits
         "SkipSimplifiedLayerNormalization",
         ["residual_mid", down, b.weight("norm.weight")],

@@ -199,16 +199,7 @@ def build_decoder_graph(
             domain=_MS,
             epsilon=eps,
         )
-        mlp = f"{prefix}.mlp"
-        gate = b.linear(f"mlp_in.{i}", [f"{mlp}.gate_proj"], f"gate.{i}")
-        up = b.linear(f"mlp_in.{i}", [f"{mlp}.up_proj"], f"up.{i}")
-        if shape.activation == "gelu_tanh":
-            b.node("FastGelu", [gate], [f"gate_act.{i}"], domain=_MS)
-        else:  # SiLU
-            b.node("Sigmoid", [gate], [f"gate_sigmoid.{i}"])
-            b.node("Mul", [gate, f"gate_sigmoid.{i}"], [f"gate_act.{i}"])
-        b.node("Mul", [f"gate_act.{i}", up], [f"gated.{i}"])
-        down = b.linear(f"gated.{i}", [f"{mlp}.down_proj"], f"mlp_out.{i}")
+        down = gated_mlp(b, f"mlp_in.{i}", f"{prefix}.mlp", i, shape.activation)
         if shape.sandwich_norms:
             down = _rms_norm(b, down, f"{prefix}.post_feedforward_layernorm", eps)
         last = i == shape.num_layers - 1
@@ -319,6 +310,20 @@ def build_gpt2_graph(
     head = "lm_head.weight" if "lm_head.weight" in weights else "transformer.wte.weight"
     _lm_head(b, normed, weights[head][: shape.vocab_size].T, shape)
     return _save(b, shape, out_path)
+
+
+def gated_mlp(b: _GraphBuilder, x: str, mlp: str, tag: object, activation: str = "silu") -> str:
+    """The Llama family's MLP on ``x``: down(act(gate(x)) * up(x)), weights ``{mlp}.*_proj``;
+    the name of its output (``tag`` tells this MLP's names from the others')."""
+    gate = b.linear(x, [f"{mlp}.gate_proj"], f"gate.{tag}")
+    up = b.linear(x, [f"{mlp}.up_proj"], f"up.{tag}")
+    if activation == "gelu_tanh":
+        b.node("FastGelu", [gate], [f"gate_act.{tag}"], domain=_MS)
+    else:  # SiLU
+        b.node("Sigmoid", [gate], [f"gate_sigmoid.{tag}"])
+        b.node("Mul", [gate, f"gate_sigmoid.{tag}"], [f"gate_act.{tag}"])
+    b.node("Mul", [f"gate_act.{tag}", up], [f"gated.{tag}"])
+    return b.linear(f"gated.{tag}", [f"{mlp}.down_proj"], f"mlp_out.{tag}")
 
 
 def _rms_norm(b: _GraphBuilder, x: str, module: str, eps: float) -> str:
