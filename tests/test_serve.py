@@ -326,22 +326,29 @@ def test_a_client_gone_before_its_answer_cancels_it_streaming_or_not(server):
         ended = [v for k, v in metrics.items() if k.startswith("vllm:request_success_total{")]
         return metrics.get('vllm:request_success_total{finished_reason="abort"}', 0.0), sum(ended)
 
-    cancelled_before, ended_before = finished()
     body = json.dumps({"model": "tiny", "prompt": PROMPTS[5], "max_tokens": 100}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
-    for _ in range(12):  # 4 slots: most wait, and a waiting one is cancelled for sure
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(head + body)
-    # the server may not have read every request yet when the last socket closes: wait for
-    # all 12 to end, not for an idle moment (which can come before the last ones arrive)
-    deadline = time.monotonic() + 60
-    while finished()[1] - ended_before < 12 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    cancelled, ended = finished()
-    assert ended - ended_before == 12
+    # A tiny model's answer takes milliseconds, about as long as the server takes to see a
+    # hang-up on a loaded machine: bursts until 4 are cancelled (none ever is, if hang-ups
+    # are not noticed), each waited out whole.
+    cancelled_before, _ = finished()
+    for _ in range(20):
+        _, ended_before = finished()
+        for _ in range(12):  # 4 slots: most wait
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(head + body)
+        # the server may not have read every request yet when the last socket closes: wait
+        # for all 12 to end, not for an idle moment (which can come before the last arrive)
+        deadline = time.monotonic() + 60
+        while finished()[1] - ended_before < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cancelled, ended = finished()
+        assert ended - ended_before == 12
+        if cancelled - cancelled_before >= 4:
+            break
     assert cancelled - cancelled_before >= 4
 
 
