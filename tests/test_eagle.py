@@ -15,6 +15,7 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -59,7 +60,8 @@ def bundle(sources):
     root, target, head = sources
     out = root / "bundle"
     args = ["export", "--target", str(target), "--eagle", str(head), "--out", str(out)]
-    result = CliRunner().invoke(main, args)
+    # float32: its drafts are compared with the PyTorch head's, token for token
+    result = CliRunner().invoke(main, [*args, "--draft-precision", "float32"])
     assert result.exit_code == 0, result.output
     assert "draft: LlamaForCausalLMEagle3, 1 layers" in result.output
     return out
@@ -97,7 +99,21 @@ def test_heads_of_either_variant_export_within_the_check(tmp_path, variant):
         norm_before_residual=not default,
     )  # fmt: skip
     manifest = export_bundle(target, head, tmp_path / "bundle")
-    assert manifest.models["draft"].export_check["max_abs_logit_diff"] < 1e-4
+    engine = manifest.models["draft"].engines["onnxruntime"]
+    assert engine.precision == "int8"  # a draft's default: checked in float32 first
+    assert engine.export_check["float32_max_abs_logit_diff"] < 1e-4
+    assert 0 < engine.export_check["max_abs_logit_diff"] < 1.0
+    graph = onnx.load(str(tmp_path / "bundle" / engine.path), load_external_data=False)
+    kinds = {node.op_type for node in graph.graph.node}
+    assert "MatMulNBits" in kinds and "MatMul" not in kinds
+    assert "Pad" not in kinds  # a head over the whole vocabulary, in order: no mapping
+    generator = SpeculativeGenerator.from_bundle(tmp_path / "bundle", threads=1)
+    alone, drafted = (
+        generator.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, num_draft_tokens=k))
+        for k in (0, 4)
+    )
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+    assert sum(r.stats.accepted_tokens for r in drafted) > 0
     if default:
         config = AutoModelForCausalLM.from_pretrained(target).config
         assert read_head(head, config).layers == (2, 4, 5)

@@ -26,6 +26,7 @@ from specrt.bundle import (
     ModelSpec,
 )
 from specrt.checksums import sha256_file
+from specrt.errors import ExportError
 from specrt.export.checkpoint_hash import checkpoint_sha256
 from specrt.export.eagle import (
     Eagle3Head,
@@ -45,6 +46,7 @@ from specrt.export.ort_builder import (
     DecoderShape,
 )
 from specrt.export.ort_eagle import build_head_graph, vocab_map
+from specrt.export.quantize import quantize_weights
 
 CHECK_TOKENS = 12
 
@@ -58,9 +60,12 @@ def export_head(
     vocab: int,
     tokenizer_hash: str,
     atol: float = 1e-3,
+    precision: str = "float32",
 ) -> ModelSpec:
     """Write ``draft/onnxruntime/model.onnx``, the head's engine, check it with the target's
-    engine against PyTorch, and return its spec."""
+    engine against PyTorch, and return its spec. ``precision``: its weights', as a draft
+    model's (`specrt.export.quantize`): checked in float32 first (within ``atol``: the graph
+    is right), then quantised (its logits must only be numbers: a draft's guesses)."""
     config = head.config
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -92,7 +97,6 @@ def export_head(
         out,
         head.norm_before_residual,
     )
-    files = {str(f.relative_to(bundle_root)): sha256_file(f) for f in sorted(out.parent.iterdir())}
     io = ModelIO(
         input_ids="input_ids",
         attention_mask=ATTENTION_MASK,
@@ -108,11 +112,11 @@ def export_head(
         hidden_states=HIDDEN_STATES,
         hidden_out=HIDDEN_OUT,
     )
-    engine = EngineSpec(path=str(graph.relative_to(bundle_root)), files=files, io=io,
+    engine = EngineSpec(path=str(graph.relative_to(bundle_root)), files={}, io=io,
                         vocab_size=vocab, cache="batched")  # fmt: skip
     spec = ModelSpec(
         path=engine.path,
-        files=files,
+        files={},
         architecture=EAGLE3_ARCHITECTURE,
         model_type="eagle3",
         num_layers=1,
@@ -131,12 +135,24 @@ def export_head(
     check = head_check(model, reference, head, spec, target, bundle_root, columns)
     check["atol"] = atol
     if not math.isfinite(check["max_abs_logit_diff"]) or check["max_abs_logit_diff"] > atol:
-        from specrt.errors import ExportError
-
         raise ExportError(
             f"EAGLE head: ONNX logits differ from PyTorch by {check['max_abs_logit_diff']:.3g} "
             f"(> atol {atol}); the export is numerically wrong. Report it"
         )
+    if precision != "float32":
+        quantize_weights(graph, precision)
+        check["float32_max_abs_logit_diff"] = check["max_abs_logit_diff"]
+        check["max_abs_logit_diff"] = head_check(
+            model, reference, head, spec, target, bundle_root, columns
+        )["max_abs_logit_diff"]
+        if not math.isfinite(check["max_abs_logit_diff"]):
+            raise ExportError(
+                f"EAGLE head: its {precision} engine gives NaN/inf logits; export it with "
+                "--draft-precision float32"
+            )
+    files = {str(f.relative_to(bundle_root)): sha256_file(f) for f in sorted(out.parent.iterdir())}
+    spec.files = engine.files = files
+    engine.precision = precision
     spec.export_check = engine.export_check = check
     return spec
 

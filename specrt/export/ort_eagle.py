@@ -102,7 +102,11 @@ def build_head_graph(
         domain=_MS,
         epsilon=eps,
     )
-    _lm_head(b, "normed", weights["lm_head.weight"].T, shape, vocab_map=columns)
+    # a head over the whole vocabulary in the target's order needs no mapping (a Gather over the
+    # vocabulary costs a good part of a small head's step)
+    identity = np.array_equal(columns, np.arange(len(columns)))
+    matrix = weights["lm_head.weight"].T
+    _lm_head(b, "normed", matrix, shape, vocab_map=None if identity else columns)
     b.node("Slice", ["hidden", LOGITS_START, "positions_end", "positions_axis"], ["hidden_kept"])
     if shape.dtype == "float32":
         b.node("Identity", ["hidden_kept"], [HIDDEN_OUT])

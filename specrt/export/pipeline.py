@@ -148,8 +148,7 @@ def _export_with_head(
     target: Path, head_dir: Path, out: Path, options, log: Log, gguf: Path | None
 ) -> Manifest:
     """The bundle of ``target`` (read from ``gguf`` where given) drafted for by the EAGLE-3 head
-    at ``head_dir``: the target's CPU engine computes the head's features (no portable graph
-    does yet); the head gets its own engine (`specrt.export.eagle_export`)."""
+    at ``head_dir``: the target's CPU engine computes its features, the head has its own."""
     from specrt.export.checkpoints import load_causal_lm
     from specrt.export.eagle import head_features, read_head
     from specrt.export.eagle_export import export_head
@@ -168,8 +167,9 @@ def _export_with_head(
         )  # fmt: skip
         if gguf is not None:
             spec.source, spec.source_sha256 = str(gguf.resolve()), sha256_file(gguf)
-        log(f"exporting the EAGLE head from {head_dir}")
-        head_spec = export_head(head, head_dir, model, spec, scratch, vocab, tokenizer_hash)
+        log(f"exporting the EAGLE head from {head_dir} ({options.draft_precision})")
+        head_spec = export_head(head, head_dir, model, spec, scratch, vocab, tokenizer_hash,
+                                precision=options.draft_precision)  # fmt: skip
         log(f"  EAGLE head: max |logit diff| {head_spec.export_check['max_abs_logit_diff']:.2e}")
         return _publish({"target": spec, "draft": head_spec}, target, config, vocab, scratch,
                         out, log)  # fmt: skip
