@@ -15,11 +15,11 @@ import sysconfig
 from pathlib import Path
 
 HELDOUT_EVERY = 50  # as models/train_demo.py: a file is held out when hash(path) % 50 == 0
-PER_FILE = 2
+PER_FILE = 4
 CONTEXT_LINES = 8
 
 
-def prompts(count: int = 800) -> list[dict]:
+def prompts(count: int = 2000) -> list[dict]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found: list[dict] = []
     for path in sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts):

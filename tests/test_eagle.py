@@ -138,10 +138,38 @@ def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp
     assert result.exit_code != 0 and "either --draft or --eagle" in result.output
 
 
-def test_specrt_build_says_it_does_not_rebuild_a_head_s_bundle(bundle):
-    result = CliRunner().invoke(main, ["build", "--bundle", str(bundle)])
-    assert result.exit_code != 0 and "EAGLE head" in result.output
+def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources, tmp_path):
+    """In another precision, in place (a user's file in it kept); refused in one line where
+    the head changed since, or for a GPU engine, the bundle left as it was."""
+    _, target, head = sources
+    copy = tmp_path / "head"
+    shutil.copytree(head, copy)
+    out = tmp_path / "bundle"
+    export_bundle(target, copy, out, draft_precision="float32")
+    (out / "NOTES.md").write_text("mine")
+    result = CliRunner().invoke(main, ["build", "--bundle", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "draft: engines onnxruntime (int8)" in result.output
+    manifest = read_manifest(out)
+    assert manifest.models["draft"].engines["onnxruntime"].precision == "int8"
+    assert manifest.models["target"].engines["onnxruntime"].io.features == "eagle_features"
+    assert (out / "NOTES.md").read_text() == "mine"
+    generator = SpeculativeGenerator.from_bundle(out, threads=1)
+    alone, drafted = (
+        generator.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=16, num_draft_tokens=k))
+        for k in (0, 3)
+    )
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+    before = sorted(p.name for p in out.rglob("*"))
+    result = CliRunner().invoke(main, ["build", "--bundle", str(out), "--device", "cuda"])
+    assert result.exit_code != 0 and "CPU engine only" in result.output
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    result = CliRunner().invoke(main, ["build", "--bundle", str(out)])
+    assert result.exit_code != 0 and "draft checkpoint at" in result.output
+    assert "changed since this bundle was exported" in result.output
     assert "Traceback" not in result.output
+    assert sorted(p.name for p in out.rglob("*")) == before
 
 
 def test_the_head_drafts_what_its_pytorch_reference_drafts_round_after_round(sources, bundle):

@@ -43,25 +43,11 @@ def build_engines(
     root = Path(bundle_dir)
     manifest = read_manifest(root)
     verify_checksums(manifest, root)
-    if manifest.models["draft"].eagle_head:
-        raise ExportError(
-            "this bundle drafts with an EAGLE head, whose engines `specrt build` does not "
-            "rebuild yet: re-export it with `specrt export --target T --eagle HEAD` and the "
-            "options wanted"
-        )
     sources = {role: Path(manifest.models[role].source) for role in ROLES}
     ggufs = {role: source for role, source in sources.items() if source.is_file()}
-    for role, source in sources.items():
-        if not (source / "config.json").is_file() and role not in ggufs:
-            raise ExportError(
-                f"the {role} checkpoint this bundle was exported from ({source}) is gone; "
-                "engines are built from it: re-export with `specrt export`"
-            )
-    for role, source in sources.items():
-        recorded = manifest.models[role].source_sha256
-        if recorded and not _same_checkpoint(source, recorded):
-            raise ExportError(changed_message(role, source))
-
+    _check_sources(manifest, sources, ggufs)
+    if manifest.models["draft"].eagle_head:
+        return _rebuild_with_head(root, sources, options, log)
     with as_folders(sources, ggufs, root, log) as folders, staging(root, "build") as scratch:
         shutil.copytree(root, scratch, dirs_exist_ok=True)
         for role in ROLES:
@@ -94,6 +80,36 @@ def build_engines(
         write_manifest(scratch, manifest)
         publish(scratch, root)
     return manifest
+
+
+def _check_sources(manifest: Manifest, sources: dict[str, Path], ggufs: dict[str, Path]) -> None:
+    """Refuse checkpoints that are gone, or are no longer the ones the bundle was made from."""
+    for role, source in sources.items():
+        if not (source / "config.json").is_file() and role not in ggufs:
+            raise ExportError(
+                f"the {role} checkpoint this bundle was exported from ({source}) is gone; "
+                "engines are built from it: re-export with `specrt export`"
+            )
+    for role, source in sources.items():
+        recorded = manifest.models[role].source_sha256
+        if recorded and not _same_checkpoint(source, recorded):
+            raise ExportError(changed_message(role, source))
+
+
+def _rebuild_with_head(
+    root: Path, sources: dict[str, Path], options: ExportOptions, log: Log
+) -> Manifest:
+    """A bundle drafted for by an EAGLE head, exported anew in place from its target and head:
+    their engines go together (the target's computes the head's features), on the CPU only."""
+    from specrt.export.pipeline import export_bundle
+
+    if options.cuda_engine:
+        raise ExportError(
+            "this bundle drafts with an EAGLE head, whose engines run on the onnxruntime CPU "
+            "engine only for now: build it with --device cpu"
+        )
+    log(f"exporting the bundle anew from {sources['target']} and its head {sources['draft']}")
+    return export_bundle(sources["target"], sources["draft"], root, options, force=True, log=log)
 
 
 def _same_checkpoint(source: Path, recorded: str) -> bool:
