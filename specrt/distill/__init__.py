@@ -150,7 +150,7 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     k = settings.num_draft_tokens
     before = eagle.report(head, target, held, k) if held else None
     key = _key(identity, prompts, "eagle3", settings.head_vocab, settings.max_new_tokens,
-               settings.top_k, settings.train.as_dict())  # fmt: skip
+               settings.top_k, settings.train.as_dict(), head.layers)  # fmt: skip
     checkpoint = state / f"train-{key}.pt"
     losses = eagle.train_head(head, target, examples, settings.train, checkpoint, progress)
     eagle.round_to_saved(head)  # the report is of the head as written

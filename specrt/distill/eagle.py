@@ -38,8 +38,11 @@ DEFAULT_HEAD_VOCAB = 8192
 
 
 def default_layers(target_layers: int) -> tuple[int, ...]:
-    """The authors' choice of target layers (HF's ``hidden_states`` indices): 2, L/2, L-3."""
-    return tuple(sorted({2, target_layers // 2, target_layers - 3}))
+    """Low, middle and high target layers (HF's ``hidden_states`` indices): the authors' 2, L/2
+    and L-3, the high one at most L/10 below the top, so that a shallow target's is still high
+    (6 layers: 5, where L-3 is the middle one)."""
+    high = target_layers - min(3, max(1, round(target_layers / 10)))
+    return tuple(sorted({min(2, high), target_layers // 2, high}))
 
 
 def new_head(target: torch.nn.Module, examples: list[Example], head_vocab: int) -> Eagle3Head:
