@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,3 +205,40 @@ def test_an_eagle3_head_resumes_after_a_kill_learns_and_drafts_losslessly(target
     rounds = sum(r.stats.drafted_tokens for r in drafted) / 4
     # the report replays the rounds a run makes: its first position's acceptance is the run's
     assert abs(accepted / rounds - after["acceptance_per_position"][0]) < 0.15
+
+
+def test_prompts_go_through_the_chat_template_unless_told_not_to(target, tmp_path):
+    """The target answers what it will be sent: chat prompts through its template, or with
+    --no-chat-template the plain text a completion sends (each kept apart)."""
+    from transformers import AutoTokenizer
+
+    from specrt.distill.data import load
+
+    chat = tmp_path / "chat-target"
+    shutil.copytree(target[0], chat)
+    (chat / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    first = target[2].read_text().splitlines()[0]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": first}], add_generation_prompt=True, tokenize=False
+    )
+    expected = {
+        "chat": tokenizer(text, add_special_tokens=False)["input_ids"],
+        "plain": tokenizer(first)["input_ids"],
+    }
+    assert expected["chat"] != expected["plain"]
+    state = tmp_path / "state"
+    for name, flags in (("chat", []), ("plain", ["--no-chat-template"])):
+        out, before = tmp_path / name, set(state.glob("heldout-*"))
+        args = ["distill", "--target", str(chat), "--out", str(out), "--steps", "0"]
+        args += ["--prompt-file", str(target[1]), "--heldout-file", str(target[2])]
+        args += ["--max-new-tokens", "4", "--state-dir", str(state), *flags]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        report = json.loads((out / "distill_report.json").read_text())
+        assert report["settings"]["chat_template"] == (name == "chat")
+        [answers] = set(state.glob("heldout-*")) - before  # apart from the other kind's
+        assert load(sorted(answers.glob("*.npz"))[0]).prompt.tolist() == expected[name]

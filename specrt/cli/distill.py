@@ -112,6 +112,13 @@ from specrt.cli.common import _friendly_errors, _prompts
     help="Where the target's answers and the training checkpoint are kept [.OUT.distill beside "
     "--out]; a draft and a head of one target can share the answers.",
 )
+@click.option(
+    "--chat-template/--no-chat-template",
+    default=True,
+    show_default=True,
+    help="Send the prompts through the target's chat template where it has one; "
+    "--no-chat-template: as plain text, as completions do (train on the text it will serve).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @_friendly_errors
 def distill(
@@ -132,6 +139,7 @@ def distill(
     kind,
     head_vocab,
     state_dir,
+    chat_template,
     force,
 ) -> None:
     """Train a draft for a target from the target's own answers (sequence-level distillation).
@@ -159,6 +167,7 @@ def distill(
         layers=layers,
         max_new_tokens=max_new_tokens,
         top_k=top_k,
+        chat_template=chat_template,
         train=TrainSettings(
             steps=steps,
             batch_size=batch_size,

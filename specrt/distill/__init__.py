@@ -35,6 +35,9 @@ class DistillSettings:
     train: TrainSettings = field(default_factory=TrainSettings)
     kind: str = "draft"  # or "eagle3": an EAGLE-3 head (`specrt.distill.eagle`)
     head_vocab: int = 8192  # an EAGLE-3 head's vocabulary: the answers' most used tokens
+    # The prompts go through the target's chat template where it has one; False: as plain text,
+    # as completions send them (drafts learn the text they will see).
+    chat_template: bool = True
 
 
 def state_dir(out: Path) -> Path:
@@ -88,7 +91,7 @@ def distill(
 
     # 2. The target's answers to the training and held-out prompts.
     def answers(name: str, texts: list[str]) -> list[data.Example]:
-        key = _key(identity, texts, settings.max_new_tokens, settings.top_k)
+        key = _key(identity, texts, settings.max_new_tokens, settings.top_k, *_plain(settings))
         return data.answer(
             target,
             tokenizer,
@@ -97,6 +100,7 @@ def distill(
             settings.max_new_tokens,
             settings.top_k,
             progress=progress,
+            chat_template=settings.chat_template,
         )
 
     examples = answers("answers", prompts) if settings.train.steps else []
@@ -114,7 +118,7 @@ def distill(
         init_key = _file_key(init_from) if init_from else ""
         train_key = _key(
             identity, prompts, settings.layers, init_key, settings.max_new_tokens,
-            settings.top_k, settings.train.as_dict(),
+            settings.top_k, settings.train.as_dict(), *_plain(settings),
         )  # fmt: skip
         checkpoint = state / f"train-{train_key}.pt"
         losses = train.train(draft, examples, settings.train, checkpoint, progress)
@@ -150,7 +154,8 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     k = settings.num_draft_tokens
     before = eagle.report(head, target, held, k) if held else None
     key = _key(identity, prompts, "eagle3", settings.head_vocab, settings.max_new_tokens,
-               settings.top_k, settings.train.as_dict(), head.layers)  # fmt: skip
+               settings.top_k, settings.train.as_dict(), head.layers,
+               *_plain(settings))  # fmt: skip
     checkpoint = state / f"train-{key}.pt"
     losses = eagle.train_head(head, target, examples, settings.train, checkpoint, progress)
     eagle.round_to_saved(head)  # the report is of the head as written
@@ -178,6 +183,7 @@ def _report(identity, own: dict, settings, prompts, heldout, losses, before, aft
         "settings": {
             "max_new_tokens": settings.max_new_tokens,
             "top_k": settings.top_k,
+            "chat_template": settings.chat_template,
             **settings.train.as_dict(),
         },
         "train_prompts": len(prompts),
@@ -226,6 +232,12 @@ def _file_key(path: Path) -> str:
 
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
+
+
+def _plain(settings: DistillSettings) -> tuple[str, ...]:
+    """What the keys of answers and checkpoints add for plain prompts (none for the default, so
+    that answers kept by earlier versions are found again)."""
+    return () if settings.chat_template else ("plain prompts",)
 
 
 def _key(*parts) -> str:

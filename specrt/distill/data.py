@@ -32,10 +32,11 @@ class Example:
     top_probs: np.ndarray  # (N, k) float32
 
 
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the target reads it: through its chat template where it has one (special
-    tokens written by the template, none added), as plain text otherwise."""
-    if getattr(tokenizer, "chat_template", None):
+def prompt_ids(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
+    """The prompt as the target reads it: through its chat template where it has one and
+    ``chat_template`` (special tokens written by the template, none added), as plain text
+    otherwise."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
@@ -52,6 +53,7 @@ def answer(
     top_k: int,
     batch_size: int = 32,
     progress: bool = True,
+    chat_template: bool = True,
 ) -> list[Example]:
     """The target's greedy answers to ``prompts``, those not yet in ``folder`` generated (a batch
     at a time, left-padded) and written there; all of them returned in prompt order."""
@@ -82,7 +84,7 @@ def answer(
     )
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        ids = [prompt_ids(tokenizer, prompts[i]) for i in chunk]
+        ids = [prompt_ids(tokenizer, prompts[i], chat_template) for i in chunk]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
         mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
