@@ -83,14 +83,15 @@ demo-models: install
 measure-demo: engines
 	$(BIN)/python models/measure_demo.py --bundle engines/demo
 
-# Retrain the demo target's EAGLE-3 head (models/demo/head/, about 15 minutes on 2 cores) with
-# the tool users train theirs with; engines/demo-eagle.json exports it with the target.
+# Retrain the demo target's EAGLE-3 head (models/demo/head/, about 30 minutes on 2 cores) with
+# the tool users train theirs with; engines/demo-eagle.json exports it with the target. Plain
+# prompts: the demo pair is sent code to complete, not chats.
 demo-head: install
 	$(BIN)/python models/demo_head_prompts.py > models/demo/head_train_prompts.jsonl
 	$(SPECRT) distill --target models/demo/target --out models/demo/head --kind eagle3 \
-		--prompt-file models/demo/head_train_prompts.jsonl \
+		--prompt-file models/demo/head_train_prompts.jsonl --no-chat-template \
 		--heldout-file models/demo/heldout_prompts.jsonl --head-vocab 4096 \
-		--max-new-tokens 128 --steps 1000 --batch-size 8 --seq-len 256 --lr 2e-3 --force
+		--max-new-tokens 128 --steps 2000 --batch-size 8 --seq-len 256 --lr 2e-3 --force
 
 # The README's performance table: every contender side by side on the held-out prompts.
 BENCH := $(SPECRT) bench --bundle $(DEMO_BUNDLE) --prompt-file models/demo/heldout_prompts.jsonl \
