@@ -196,13 +196,23 @@ def held(handle) -> threading.Event:
     return release
 
 
+def admitted(handle) -> None:
+    """Wait until ``handle`` has left the queue for the batch (its first text may be empty, and
+    held back with its first round)."""
+    deadline = time.monotonic() + 30
+    while handle.admitted_at is None:
+        assert time.monotonic() < deadline, "never admitted"
+        time.sleep(0.001)
+
+
 def test_a_full_service_is_overloaded(llama_bundle):
     generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=1)
     long = GenerationConfig(max_new_tokens=100, num_draft_tokens=2, ignore_eos=True)
     with Service(generator, max_waiting=1) as service:
         first = service.submit(PROMPTS[0], long)
-        next(iter(first))  # admitted: the batch of one is full
-        release = held(first)  # 100 tokens of a tiny model could end before the next submit
+        # held at its first round: 100 tokens of a tiny model could end before the next submit
+        release = held(first)
+        admitted(first)  # the batch of one is full
         queued = service.submit(PROMPTS[1], long)
         with pytest.raises(OverloadedError, match="overloaded: 1 requests running and 1 waiting"):
             service.submit(PROMPTS[2], long)
@@ -214,8 +224,8 @@ def test_a_full_service_is_overloaded(llama_bundle):
         service.submit(PROMPTS[0], long)
     with Service(generator, max_waiting=0) as service:  # no queue: only a free slot takes one
         first = service.submit(PROMPTS[0], long)
-        next(iter(first))
         release = held(first)
+        admitted(first)
         with pytest.raises(OverloadedError, match="overloaded: 1 requests running and 0 waiting"):
             service.submit(PROMPTS[1], long)
         first.cancel()
