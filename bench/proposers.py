@@ -16,12 +16,14 @@ specrt is; the pair was trained on the standard library only):
 Every contender runs every prompt (greedy unless --temperature, 128 new tokens, EOS ignored),
 interleaved prompt by prompt, ``--repeats`` times; a contender's time on a prompt is its median
 over the repeats and its speed-up is the target alone's time over it. Every greedy output is
-checked against the target alone's. Each contender learns (its schedules, the hybrid's rates)
-from its own rounds only, as alone in a process; the suffix cache starts empty in each repeat
-and learns from the rows before (a batch job's order). Prints a table per workload and writes
-JSON (--out). Then the held-out set once more, ``--batch-size`` rows per model call (`specrt
-batch`'s path): each contender's tokens/s over two runs against the target alone batched the
-same way.
+checked against the target alone's. Where the bundle changes (the head's), an untimed pass of
+16 tokens runs first: one bundle's weights push the other's out of the CPU caches, which made
+the first contender after a switch up to a quarter slower. Each contender learns (its
+schedules, the hybrid's rates) from its own rounds only, as alone in a process; the suffix
+cache starts empty in each repeat and learns from the rows before (a batch job's order).
+Prints a table per workload and writes JSON (--out). Then the held-out set once more,
+``--batch-size`` rows per model call (`specrt batch`'s path): each contender's tokens/s over
+two runs against the target alone batched the same way.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def run_workload(
     seconds = {name: [[] for _ in ids] for name in contenders}
     proposers: dict[str, dict] = {name: {} for name in contenders}
     runners = {name: learning_apart(loaded[name]) for name in contenders}
+    previous = None  # the generator that ran last
     for repeat in range(repeats):
         # Each suffix contender learns from its own earlier rows only.
         for name, options in contenders.items():
@@ -135,6 +138,10 @@ def run_workload(
                 options = dict(options)
                 options.pop("suffix", None)
                 runner = runners[name]
+                if loaded[name] is not previous:  # another bundle's weights: out of the caches
+                    previous = loaded[name]
+                    warm = GenerationConfig(max_new_tokens=16, num_draft_tokens=0, ignore_eos=True)
+                    previous.generate([prompt], warm)
                 config = GenerationConfig(
                     max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=temperature, **options
                 )
