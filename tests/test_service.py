@@ -127,12 +127,14 @@ def test_seeded_requests_beside_greedy_ones(service, serial):
         max_new_tokens=200, temperature=1.0, num_draft_tokens=3, seed=9, ignore_eos=True
     )
     cancelled = service.submit(PROMPTS[5], long)
-    next(iter(cancelled))  # it is running
+    release = held(cancelled)  # running until it is cancelled, however fast its tokens come
+    admitted(cancelled)
 
     def client(item: tuple[str, str]):
         prompt, kind = item
         if kind == "cancel":
             cancelled.cancel()
+            release.set()
             return cancelled.result(timeout=30)
         return service.submit(prompt, seeded if kind == "seeded" else greedy).result(timeout=60)
 
