@@ -85,6 +85,32 @@ PROPOSER_OPTION = click.option(
 )
 
 
+TOP_K_TOP_P_OPTIONS = _stack(
+    click.option(
+        "--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off."
+    ),
+    click.option(
+        "--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off."
+    ),
+)
+PROMPT_LOOKUP_OPTIONS = _stack(
+    click.option(
+        "--prompt-lookup-min",
+        type=int,
+        default=DEFAULTS["prompt_lookup_min"],
+        show_default=True,
+        help="Shortest n-gram prompt lookup matches.",
+    ),
+    click.option(
+        "--prompt-lookup-max",
+        type=int,
+        default=DEFAULTS["prompt_lookup_max"],
+        show_default=True,
+        help="Longest n-gram prompt lookup matches (the longest match wins).",
+    ),
+)
+
+
 def suffix_cache_options(default: bool, note: str):
     return _stack(
         click.option(
@@ -123,12 +149,7 @@ generation_options = _stack(
         show_default=True,
         help="0 = greedy.",
     ),
-    click.option(
-        "--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off."
-    ),
-    click.option(
-        "--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off."
-    ),
+    TOP_K_TOP_P_OPTIONS,
     click.option(
         "--seed",
         type=int,
@@ -156,20 +177,7 @@ generation_options = _stack(
         help="How many tokens each round drafts (adaptive = --adaptive-draft).",
     ),
     PROPOSER_OPTION,
-    click.option(
-        "--prompt-lookup-min",
-        type=int,
-        default=DEFAULTS["prompt_lookup_min"],
-        show_default=True,
-        help="Shortest n-gram prompt lookup matches.",
-    ),
-    click.option(
-        "--prompt-lookup-max",
-        type=int,
-        default=DEFAULTS["prompt_lookup_max"],
-        show_default=True,
-        help="Longest n-gram prompt lookup matches (the longest match wins).",
-    ),
+    PROMPT_LOOKUP_OPTIONS,
 )
 
 

@@ -16,7 +16,12 @@ from specrt.cli.common import (
     _load,
     _prompts,
 )
-from specrt.cli.options import PROPOSER_OPTION, load_options
+from specrt.cli.options import (
+    PROMPT_LOOKUP_OPTIONS,
+    PROPOSER_OPTION,
+    TOP_K_TOP_P_OPTIONS,
+    load_options,
+)
 from specrt.runtime.audit import (
     AUDIT_BATCH,
     DEFAULT_ALPHA,
@@ -97,8 +102,7 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationC
     show_default=True,
     help="The sampled checks' temperature (greedy is checked as well).",
 )
-@click.option("--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off.")
+@TOP_K_TOP_P_OPTIONS
 @click.option(
     "--seed",
     type=int,
@@ -106,20 +110,7 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationC
     show_default=True,
     help="The seed of the seeded-identity check.",
 )
-@click.option(
-    "--prompt-lookup-min",
-    type=int,
-    default=DEFAULTS["prompt_lookup_min"],
-    show_default=True,
-    help="Shortest n-gram prompt lookup matches.",
-)
-@click.option(
-    "--prompt-lookup-max",
-    type=int,
-    default=DEFAULTS["prompt_lookup_max"],
-    show_default=True,
-    help="Longest n-gram prompt lookup matches.",
-)
+@PROMPT_LOOKUP_OPTIONS
 @load_options
 @_friendly_errors
 def verify(
