@@ -28,6 +28,6 @@ trap 'rm -rf "$tree"' EXIT
 unzip -q "$wheel" -d "$tree"
 mkdir -p "$OUT"
 rm -f "$OUT"/onnxruntime-gpu-"$VERSION".tar.xz.part-*  # our own earlier pieces only
-tar -C "$tree" -cf - . | xz -6 -T0 | split -b 28M - "$OUT/onnxruntime-gpu-$VERSION.tar.xz.part-"
+tar -C "$tree" -cf - . | xz -6 -T0 | split -b "${PIECE:-28M}" - "$OUT/onnxruntime-gpu-$VERSION.tar.xz.part-"
 ls -l "$OUT"
 echo "gpu_pack: $(ls "$OUT" | wc -l) pieces in $OUT: carry one per command, the last with bash bench/gpu_check.sh"
