@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=${SPECRT_GPU_SITE:-/tmp/specrt-gpu-site}
+SCRIPT=${SPECRT_GPU_SCRIPT:-bench/gpu_check.py}  # or another probe, e.g. bench/gpu_attention.py
 
 # Whether the CUDA provider really runs here: listed is not enough (onnxruntime-gpu lists it
 # without a GPU, and falls back to the CPU when a CUDA library does not load), so a model of one
@@ -78,6 +79,6 @@ PYLIBS
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if ! cuda_works; then
   echo "gpu_check: onnxruntime's CUDA provider does not run here even so (above); running the CPU dry run" >&2
-  exec timeout 480 "$PY" bench/gpu_check.py --dry-run "$@"
+  exec timeout 480 "$PY" "$SCRIPT" --dry-run "$@"
 fi
-exec timeout 480 "$PY" bench/gpu_check.py "$@"
+exec timeout 480 "$PY" "$SCRIPT" "$@"

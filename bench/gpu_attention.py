@@ -1,0 +1,392 @@
+"""Where a verification pass's time goes on the CUDA provider, and what each attention form costs.
+
+    SPECRT_GPU_SCRIPT=bench/gpu_attention.py bash bench/gpu_check.sh --out DIR   # a GPU
+    .venv/bin/python bench/gpu_attention.py --dry-run --out DIR   # anywhere: tiny shapes, the CPU
+
+The first device check (docs/gpu.md) found a pass over 2 new positions costing 5.8 times a pass
+over 1 on a Llama-3.2-1B-shaped target's batched cuda engine (1.4 times on the demo target), flat
+from 2 to 9 positions. This probe answers why, in one short run:
+
+1. ``steps``: the engine (a 1B-shaped target of ``--layers`` layers, float16, through the export
+   path) timed per call at 1, 2, 3, 5 and 9 new positions on a warm cache of 256, as
+   `specrt.bench.costs.step_seconds` times it; again with onnxruntime's memory-efficient and
+   flash attention kernels turned off by their environment switches (each in its own process:
+   onnxruntime reads them once).
+2. ``kernels``: the GPU kernels of 20 such calls at 1 and at 2 new positions, by GPU time
+   (torch's profiler, which records every CUDA kernel of the process through CUPTI).
+3. ``ops``: each attention form alone at the 1B shape (32 query heads, 8 kv heads, head 64, a
+   cache of 512 positions, 256 of them filled), 1 and 8 rows, 1, 2 and 5 new positions: the
+   Attention op under a boolean mask (the engine's form), under an additive float16 mask, with
+   opset 24's ``nonpad_kv_seqlen`` and ``is_causal`` (no mask), contrib GroupQueryAttention;
+   and the cache writes, ScatterND (the engine's) and opset 24's TensorScatter. Each form's
+   output is compared with the boolean-mask form's.
+
+Writes DIR/gpu_attention.json after each part; prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STEP_TOKENS = (1, 2, 3, 5, 9)
+SWITCHES = {
+    "default": {},
+    "no memory-efficient attention": {"ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION": "1"},
+    "no flash attention": {"ORT_DISABLE_FLASH_ATTENTION": "1"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, on the CPU")
+    parser.add_argument("--out", type=Path, default=REPO / "build" / "gpu_attention")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps-only", type=Path, help=argparse.SUPPRESS)  # a bundle: part 1
+    args = parser.parse_args()
+    if args.steps_only:
+        print(json.dumps(step_costs(args.steps_only, args.dry_run)))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"dry_run": args.dry_run}
+    started = time.monotonic()
+    bundle = build_engine(args.out / "work", args.layers, args.dry_run)
+    report["build_s"] = round(time.monotonic() - started, 1)
+    report["steps"] = {}
+    for label, env in SWITCHES.items():
+        report["steps"][label] = steps_in_process(bundle, env, args.dry_run)
+        save(report, args.out)
+    report["ops"] = attention_ops(args.dry_run)
+    save(report, args.out)
+    try:
+        report["kernels"] = kernel_profile(bundle, args.dry_run)
+    except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
+        report["kernels"] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    save(report, args.out)
+    print(summary(report))
+
+
+def save(report: dict, out: Path) -> None:
+    (out / "gpu_attention.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def build_engine(work: Path, layers: int, dry_run: bool) -> Path:
+    """A random 1B-shaped target of ``layers`` layers and a tiny draft; their cuda engines."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check import LLAMA_1B, REAL_VOCAB, TINY
+
+    from specrt.export import export_bundle
+    from specrt.export.tiny import make_tokenizer
+
+    base = make_tokenizer()
+    vocab = 4096 if dry_run else REAL_VOCAB
+    tokenizer = make_tokenizer(extra_tokens=max(0, vocab - len(base)))
+    shapes = {"target": TINY if dry_run else {**LLAMA_1B, "num_hidden_layers": layers}}
+    shapes["draft"] = TINY
+    for role, shape in shapes.items():
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), max_position_embeddings=2048,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **shape,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).eval().save_pretrained(work / role)
+        tokenizer.save_pretrained(work / role)
+    out = work / "bundle"
+    export_bundle(work / "target", work / "draft", out, force=True, portable=False,
+                  devices=("cuda",))  # fmt: skip
+    return out
+
+
+def open_target(bundle: Path, dry_run: bool):
+    from specrt.runtime.loading import load_pair
+
+    if dry_run:  # the CUDA path on the CPU, as bench/gpu_check.py --dry-run runs it
+        from pytest import MonkeyPatch
+
+        from tests.cuda_rule import cuda_on_cpu
+
+        cuda_on_cpu(MonkeyPatch()).__enter__()
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return load_pair(bundle, engine="cuda", providers=providers).target
+
+
+def step_costs(bundle: Path, dry_run: bool) -> dict:
+    from specrt.bench.costs import step_seconds
+
+    target = open_target(bundle, dry_run)
+    return {str(n): step_seconds(target, context=256, tokens=n, repeats=60) * 1e3
+            for n in STEP_TOKENS}  # fmt: skip
+
+
+def steps_in_process(bundle: Path, env: dict, dry_run: bool) -> dict:
+    """Part 1 in a process of its own with ``env`` set: ms per call by new positions."""
+    command = [sys.executable, __file__, "--steps-only", str(bundle)]
+    command += ["--dry-run"] if dry_run else []
+    done = subprocess.run(
+        command, env={**os.environ, **env}, capture_output=True, text=True, timeout=240
+    )
+    if done.returncode:
+        return {"failed": done.stderr[-1500:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def kernel_profile(bundle: Path, dry_run: bool, calls: int = 20) -> dict:
+    """The GPU kernels of ``calls`` calls at 1 and at 2 new positions: per call, by GPU time."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError as exc:
+        return {"skipped": str(exc)}
+    if dry_run or not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from specrt.backends.base import NEED_ARGMAX
+
+    target = open_target(bundle, dry_run)
+    rng = np.random.default_rng(0)
+    history = rng.integers(0, target.vocab_size, 256).tolist()
+    out = {}
+    for n in (1, 2):
+        step = rng.integers(0, target.vocab_size, n).tolist()
+        target.reset()
+        target.prefill(history)
+        for _ in range(3):  # warm: this shape's arrays and kernels
+            target.forward(step, need=NEED_ARGMAX)
+            target.rollback(256)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                target.forward(step, need=NEED_ARGMAX)
+                target.rollback(256)
+            torch.cuda.synchronize()
+        rows = []
+        for event in prof.key_averages():
+            device_us = getattr(event, "device_time_total", None)
+            if device_us is None:
+                device_us = getattr(event, "cuda_time_total", 0)
+            if device_us:
+                rows.append((device_us / calls, event.count / calls, event.key[:120]))
+        rows.sort(reverse=True)
+        out[str(n)] = {
+            "gpu_us_per_call": round(sum(r[0] for r in rows), 1),
+            "top": [
+                {"us": round(us, 1), "per_call": per, "kernel": key} for us, per, key in rows[:14]
+            ],  # fmt: skip
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 3: each attention form alone
+
+
+def attention_ops(dry_run: bool) -> dict:
+    import onnxruntime as ort
+
+    heads, kv_heads, head = (4, 2, 32) if dry_run else (32, 8, 64)
+    capacity, context = 512, 256
+    providers = ["CPUExecutionProvider"] if dry_run else ["CUDAExecutionProvider"]
+    device = "cpu" if dry_run else "cuda"
+    out: dict = {}
+    for rows in (1, 8):
+        for n in (1, 2, 5):
+            shape = dict(rows=rows, n=n, heads=heads, kv_heads=kv_heads, head=head,
+                         capacity=capacity, context=context)  # fmt: skip
+            feeds = _feeds(**shape)
+            results, reference = {}, None
+            for label, graph in _forms(**shape).items():
+                try:
+                    session = ort.InferenceSession(graph, providers=providers)
+                    ms, value = _time(session, feeds, device)
+                    entry = {"ms": round(ms, 4)}
+                    if reference is None and label == "mask23":
+                        reference = value
+                    if reference is not None and value.shape == reference.shape:
+                        diff = np.abs(value.astype(np.float32) - reference.astype(np.float32))
+                        entry["max_diff_vs_mask23"] = float(diff.max())
+                    results[label] = entry
+                except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
+                    results[label] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            out[f"rows={rows} n={n}"] = results
+    return out
+
+
+def _feeds(rows, n, heads, kv_heads, head, capacity, context) -> dict:
+    rng = np.random.default_rng(0)
+
+    def f16(*shape):
+        return (rng.standard_normal(shape) * 0.5).astype(np.float16)
+
+    cache_k, cache_v = f16(rows, capacity, kv_heads * head), f16(rows, capacity, kv_heads * head)
+    k_new, v_new = f16(rows, n, kv_heads * head), f16(rows, n, kv_heads * head)
+    total = context + n  # the new k and v already written, as the engine attends after writing
+    cache_k[:, context:total], cache_v[:, context:total] = k_new, v_new
+    mask = np.zeros((rows, 1, n, capacity), dtype=bool)
+    for i in range(n):
+        mask[:, :, i, : context + i + 1] = True
+    indices = np.zeros((rows, n, 2), dtype=np.int64)
+    indices[..., 0] = np.arange(rows)[:, None]
+    indices[..., 1] = context + np.arange(n)
+    bnsh = (rows, kv_heads, capacity, head)
+    return {
+        "q": f16(rows, n, heads * head),
+        "k_new": k_new,
+        "v_new": v_new,
+        "cache_k": cache_k,
+        "cache_v": cache_v,
+        "mask": mask,
+        "bias": np.where(mask, 0.0, -10000.0).astype(np.float16),
+        "nonpad": np.full((rows,), total, dtype=np.int64),
+        "indices": indices,
+        "write_at": np.full((rows,), context, dtype=np.int64),
+        "past_k": np.ascontiguousarray(
+            cache_k.reshape(rows, capacity, kv_heads, head).transpose(0, 2, 1, 3)
+        ).reshape(bnsh),  # noqa: E501
+        "past_v": np.ascontiguousarray(
+            cache_v.reshape(rows, capacity, kv_heads, head).transpose(0, 2, 1, 3)
+        ).reshape(bnsh),  # noqa: E501
+        "seqlens_k": np.full((rows,), total - 1, dtype=np.int32),
+        "total_length": np.array(capacity, dtype=np.int32),
+    }
+
+
+def _forms(rows, n, heads, kv_heads, head, capacity, context) -> dict:
+    """Each form as model bytes; every one reads some of `_feeds`' names and writes "y"."""
+    from onnx import TensorProto, helper
+
+    f16, i64 = TensorProto.FLOAT16, TensorProto.INT64
+    types = {
+        "q": (f16, [rows, n, heads * head]),
+        "k_new": (f16, [rows, n, kv_heads * head]),
+        "v_new": (f16, [rows, n, kv_heads * head]),
+        "cache_k": (f16, [rows, capacity, kv_heads * head]),
+        "cache_v": (f16, [rows, capacity, kv_heads * head]),
+        "mask": (TensorProto.BOOL, [rows, 1, n, capacity]),
+        "bias": (f16, [rows, 1, n, capacity]),
+        "nonpad": (i64, [rows]),
+        "indices": (i64, [rows, n, 2]),
+        "write_at": (i64, [rows]),
+        "past_k": (f16, [rows, kv_heads, capacity, head]),
+        "past_v": (f16, [rows, kv_heads, capacity, head]),
+        "seqlens_k": (TensorProto.INT32, [rows]),
+        "total_length": (TensorProto.INT32, []),
+    }
+    scale = 1.0 / head**0.5
+    attention = dict(q_num_heads=heads, kv_num_heads=kv_heads, scale=scale)
+
+    def model(nodes, inputs, opset, y_shape, domain_ms=False):
+        graph = helper.make_graph(
+            nodes, "form", [helper.make_tensor_value_info(i, *types[i]) for i in inputs],
+            [helper.make_tensor_value_info("y", f16, y_shape)],
+        )  # fmt: skip
+        opsets = [helper.make_opsetid("", opset)]
+        if domain_ms:
+            opsets.append(helper.make_opsetid("com.microsoft", 1))
+        built = helper.make_model(graph, opset_imports=opsets)
+        built.ir_version = 10
+        return built.SerializeToString()
+
+    y = [rows, n, heads * head]
+    forms = {
+        "mask23": model(
+            [helper.make_node("Attention", ["q", "cache_k", "cache_v", "mask"], ["y"],
+                              **attention)], ["q", "cache_k", "cache_v", "mask"], 23, y),
+        "bias23": model(
+            [helper.make_node("Attention", ["q", "cache_k", "cache_v", "bias"], ["y"],
+                              **attention)], ["q", "cache_k", "cache_v", "bias"], 23, y),
+        "nonpad24": model(
+            [helper.make_node("Attention", ["q", "cache_k", "cache_v", "", "", "", "nonpad"],
+                              ["y"], is_causal=1, **attention)],
+            ["q", "cache_k", "cache_v", "nonpad"], 24, y),
+        "group_query": model(
+            [helper.make_node(
+                "GroupQueryAttention",
+                ["q", "k_new", "v_new", "past_k", "past_v", "seqlens_k", "total_length"],
+                ["y", "present_k", "present_v"], domain="com.microsoft", num_heads=heads,
+                kv_num_heads=kv_heads, scale=scale)],
+            ["q", "k_new", "v_new", "past_k", "past_v", "seqlens_k", "total_length"], 21, y,
+            domain_ms=True),
+        "scatter_nd_write": model(
+            [helper.make_node("ScatterND", ["cache_k", "indices", "k_new"], ["y"])],
+            ["cache_k", "indices", "k_new"], 21, [rows, capacity, kv_heads * head]),
+        "tensor_scatter_write": model(
+            [helper.make_node("TensorScatter", ["cache_k", "k_new", "write_at"], ["y"],
+                              axis=1)],
+            ["cache_k", "k_new", "write_at"], 24, [rows, capacity, kv_heads * head]),
+    }  # fmt: skip
+    return forms
+
+
+def _time(session, feeds: dict, device: str, runs: int = 50) -> tuple[float, np.ndarray]:
+    """Median ms of a run with every input on ``device`` (bound once) and "y" there too; the
+    cache writes write in place, as the engine's do."""
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    values = {}
+    for meta in session.get_inputs():
+        array = feeds[meta.name]
+        host_only = meta.name == "total_length"  # read on the host by the kernel
+        value = ort.OrtValue.ortvalue_from_numpy(array, "cpu" if host_only else device, 0)
+        values[meta.name] = value
+        binding.bind_ortvalue_input(meta.name, value)
+    if session.get_inputs()[0].name == "cache_k":  # a cache write: in place
+        binding.bind_ortvalue_output("y", values["cache_k"])
+    else:
+        binding.bind_output("y", device)
+    for name in ("present_k", "present_v"):
+        if name in [o.name for o in session.get_outputs()]:
+            binding.bind_ortvalue_output(name, values["past_" + name[-1]])
+    times = []
+    for _ in range(runs + 5):
+        t0 = time.perf_counter()
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        times.append(time.perf_counter() - t0)
+    result = binding.get_outputs()[0].numpy()
+    return statistics.median(times[5:]) * 1e3, result
+
+
+def summary(report: dict) -> str:
+    lines = [f"built in {report['build_s']} s, all in {report.get('elapsed_s')} s"]
+    for label, steps in report["steps"].items():
+        if "failed" in steps:
+            lines.append(f"steps, {label}: failed: {steps['failed'][-300:]}")
+            continue
+        one = steps["1"]
+        costs = ", ".join(f"{n}: {ms:.2f} ms ({ms / one:.2f}x)" for n, ms in steps.items())
+        lines.append(f"steps, {label}: {costs}")
+    for n, entry in (report.get("kernels") or {}).items():
+        if not isinstance(entry, dict) or "top" not in entry:
+            lines.append(f"kernels: {entry}")
+            continue
+        lines.append(f"kernels at {n} new: {entry['gpu_us_per_call']} us GPU per call")
+        for row in entry["top"][:10]:
+            lines.append(f"  {row['us']:9.1f} us  x{row['per_call']:<5} {row['kernel']}")
+    for case, forms in report["ops"].items():
+        cells = []
+        for label, entry in forms.items():
+            if "ms" in entry:
+                diff = entry.get("max_diff_vs_mask23")
+                cells.append(f"{label} {entry['ms']:.3f}" + (f" (d {diff:.1e})" if diff else ""))
+            else:
+                cells.append(f"{label} FAILED {entry['failed'][:120]}")
+        lines.append(f"ops {case}: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
