@@ -11,7 +11,8 @@ from 2 to 9 positions. This probe answers why, in one short run:
    path) timed per call at 1, 2, 3, 5 and 9 new positions on a warm cache of 256, as
    `specrt.bench.costs.step_seconds` times it; again with onnxruntime's memory-efficient and
    flash attention kernels turned off by their environment switches (each in its own process:
-   onnxruntime reads them once).
+   onnxruntime reads them once); and the engine whose greedy outputs reduce the vocabulary in
+   two stages (`ExportOptions.cuda_reductions` "chunked").
 2. ``kernels``: the GPU kernels of 20 such calls at 1 and at 2 new positions, by GPU time
    (torch's profiler, which records every CUDA kernel of the process through CUPTI).
 3. ``ops``: each attention form alone at the 1B shape (32 query heads, 8 kv heads, head 64, a
@@ -20,6 +21,9 @@ from 2 to 9 positions. This probe answers why, in one short run:
    opset 24's ``nonpad_kv_seqlen`` and ``is_causal`` (no mask), contrib GroupQueryAttention;
    and the cache writes, ScatterND (the engine's) and opset 24's TensorScatter. Each form's
    output is compared with the boolean-mask form's.
+4. ``tail``: the greedy outputs' reductions over a 128256-wide vocabulary alone, by form and
+   number of rows: the engine's, each op alone, TopK(1), the two-stage argmax; whether each
+   index form gives numpy's argmax on rows holding ties.
 
 Writes DIR/gpu_attention.json after each part; prints a summary.
 """
@@ -61,16 +65,20 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"dry_run": args.dry_run}
     started = time.monotonic()
-    bundle = build_engine(args.out / "work", args.layers, args.dry_run)
+    bundles = build_engines(args.out / "work", args.layers, args.dry_run)
     report["build_s"] = round(time.monotonic() - started, 1)
     report["steps"] = {}
     for label, env in SWITCHES.items():
-        report["steps"][label] = steps_in_process(bundle, env, args.dry_run)
+        report["steps"][f"direct, {label}"] = steps_in_process(bundles["direct"], env, args.dry_run)
         save(report, args.out)
+    report["steps"]["chunked, default"] = steps_in_process(bundles["chunked"], {}, args.dry_run)
+    save(report, args.out)
     report["ops"] = attention_ops(args.dry_run)
     save(report, args.out)
+    report["tail"] = tail_ops(args.dry_run)
+    save(report, args.out)
     try:
-        report["kernels"] = kernel_profile(bundle, args.dry_run)
+        report["kernels"] = kernel_profile(bundles["direct"], args.dry_run)
     except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
         report["kernels"] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
     report["elapsed_s"] = round(time.monotonic() - started, 1)
@@ -82,8 +90,9 @@ def save(report: dict, out: Path) -> None:
     (out / "gpu_attention.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def build_engine(work: Path, layers: int, dry_run: bool) -> Path:
-    """A random 1B-shaped target of ``layers`` layers and a tiny draft; their cuda engines."""
+def build_engines(work: Path, layers: int, dry_run: bool) -> dict[str, Path]:
+    """A random 1B-shaped target of ``layers`` layers and a tiny draft; their cuda engines with
+    each form of greedy outputs (`ExportOptions.cuda_reductions`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -106,10 +115,12 @@ def build_engine(work: Path, layers: int, dry_run: bool) -> Path:
         torch.manual_seed(0)
         LlamaForCausalLM(config).eval().save_pretrained(work / role)
         tokenizer.save_pretrained(work / role)
-    out = work / "bundle"
-    export_bundle(work / "target", work / "draft", out, force=True, portable=False,
-                  devices=("cuda",))  # fmt: skip
-    return out
+    bundles = {}
+    for reductions in ("direct", "chunked"):
+        bundles[reductions] = work / f"bundle-{reductions}"
+        export_bundle(work / "target", work / "draft", bundles[reductions], force=True,
+                      portable=False, devices=("cuda",), cuda_reductions=reductions)  # fmt: skip
+    return bundles
 
 
 def open_target(bundle: Path, dry_run: bool):
@@ -330,6 +341,104 @@ def _forms(rows, n, heads, kv_heads, head, capacity, context) -> dict:
     return forms
 
 
+def tail_ops(dry_run: bool) -> dict:
+    """The greedy outputs' reductions over the vocabulary alone (``[rows, 1, V]`` float32 logits,
+    V = 128256), by form: ms per run, and whether the index forms give numpy's argmax (the
+    first of equal maxima: each row holds a planted tie)."""
+    import onnxruntime as ort
+
+    vocab = 4096 if dry_run else 128256
+    providers = ["CPUExecutionProvider"] if dry_run else ["CUDAExecutionProvider"]
+    device = "cpu" if dry_run else "cuda"
+    out: dict = {}
+    for rows, positions in ((1, 1), (2, 1), (1, 2), (9, 1), (1, 9), (64, 1)):
+        rng = np.random.default_rng(0)
+        logits = rng.standard_normal((rows, positions, vocab)).astype(np.float32)
+        top = logits.max(axis=-1, keepdims=True) + 1.0
+        logits[..., 100], logits[..., vocab - 7] = top[..., 0], top[..., 0]  # a tie: 100 wins
+        expected = logits.argmax(axis=-1)
+        results = {}
+        for label, graph in _tail_forms(rows, positions, vocab).items():
+            try:
+                session = ort.InferenceSession(graph, providers=providers)
+                ms, value = _time(session, {"logits": logits}, device)
+                entry: dict = {"ms": round(ms, 4)}
+                if value.dtype == np.int64:
+                    entry["equals_numpy_argmax"] = bool(
+                        np.array_equal(value.reshape(expected.shape), expected)
+                    )
+                results[label] = entry
+            except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
+                results[label] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        out[f"rows={rows} positions={positions}"] = results
+    return out
+
+
+def _tail_forms(rows: int, positions: int, vocab: int, chunk: int = 256) -> dict:
+    """The engine's tail (Softmax, ArgMax, ReduceMax of logits and of probabilities) and each
+    reduction alone; TopK(1); and a two-stage argmax (the first maximum of each chunk of
+    ``chunk`` columns, then the first chunk holding the row's maximum)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    x = helper.make_tensor_value_info("logits", f32, [rows, positions, vocab])
+    lead = [rows, positions]
+
+    def model(nodes, y_type, y_shape, initializers=()):
+        graph = helper.make_graph(
+            nodes, "tail", [x], [helper.make_tensor_value_info("y", y_type, y_shape)],
+            initializer=list(initializers),
+        )  # fmt: skip
+        built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        built.ir_version = 10
+        return built.SerializeToString()
+
+    def const(name, values):
+        return numpy_helper.from_array(np.array(values, dtype=np.int64), name)
+
+    padded = -(-vocab // chunk) * chunk
+    two_stage = [
+        helper.make_node("Pad", ["logits", "pads", "lowest"], ["padded"]),
+        helper.make_node("Reshape", ["padded", "chunked_shape"], ["chunked"]),
+        helper.make_node("ArgMax", ["chunked"], ["local"], axis=-1, keepdims=1),
+        helper.make_node("ReduceMax", ["chunked", "last"], ["chunk_max"], keepdims=0),
+        helper.make_node("ArgMax", ["chunk_max"], ["best_chunk"], axis=-1, keepdims=1),
+        helper.make_node("Squeeze", ["local", "last"], ["local_flat"]),
+        helper.make_node("GatherElements", ["local_flat", "best_chunk"], ["in_chunk"], axis=-1),
+        helper.make_node("Mul", ["best_chunk", "chunk"], ["chunk_start"]),
+        helper.make_node("Add", ["chunk_start", "in_chunk"], ["index"]),
+        helper.make_node("Squeeze", ["index", "last"], ["y"]),
+    ]
+    two_stage_init = [
+        const("pads", [0, 0, 0, 0, 0, padded - vocab]),
+        numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "lowest"),
+        const("chunked_shape", [rows, positions, padded // chunk, chunk]),
+        const("last", [-1]),
+        const("chunk", [chunk]),
+    ]
+    engine_tail = [
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1),
+        helper.make_node("ArgMax", ["logits"], ["y"], axis=-1, keepdims=0),
+        helper.make_node("ReduceMax", ["logits", "last"], ["max_logit"], keepdims=0),
+        helper.make_node("ReduceMax", ["probabilities", "last"], ["max_probability"], keepdims=0),
+    ]
+    topk = [
+        helper.make_node("TopK", ["logits", "one"], ["values", "indices"], axis=-1),
+        helper.make_node("Squeeze", ["indices", "last"], ["y"]),
+    ]
+    return {
+        "engine_tail": model(engine_tail, i64, lead, [const("last", [-1])]),
+        "argmax": model([helper.make_node("ArgMax", ["logits"], ["y"], axis=-1, keepdims=0)],
+                        i64, lead),
+        "reduce_max": model([helper.make_node("ReduceMax", ["logits", "last"], ["y"],
+                                              keepdims=0)], f32, lead, [const("last", [-1])]),
+        "softmax": model([helper.make_node("Softmax", ["logits"], ["y"], axis=-1)], f32,
+                         [*lead, vocab]),
+        "topk1": model(topk, i64, lead, [const("one", [1]), const("last", [-1])]),
+        "argmax_two_stage": model(two_stage, i64, lead, two_stage_init),
+    }  # fmt: skip
+
+
 def _time(session, feeds: dict, device: str, runs: int = 50) -> tuple[float, np.ndarray]:
     """Median ms of a run with every input on ``device`` (bound once) and "y" there too; the
     cache writes write in place, as the engine's do."""
@@ -376,12 +485,14 @@ def summary(report: dict) -> str:
         lines.append(f"kernels at {n} new: {entry['gpu_us_per_call']} us GPU per call")
         for row in entry["top"][:10]:
             lines.append(f"  {row['us']:9.1f} us  x{row['per_call']:<5} {row['kernel']}")
-    for case, forms in report["ops"].items():
+    for case, forms in [*report["ops"].items(), *report.get("tail", {}).items()]:
         cells = []
         for label, entry in forms.items():
             if "ms" in entry:
                 diff = entry.get("max_diff_vs_mask23")
                 cells.append(f"{label} {entry['ms']:.3f}" + (f" (d {diff:.1e})" if diff else ""))
+                if entry.get("equals_numpy_argmax") is False:
+                    cells[-1] += " (NOT numpy's argmax)"
             else:
                 cells.append(f"{label} FAILED {entry['failed'][:120]}")
         lines.append(f"ops {case}: " + "; ".join(cells))

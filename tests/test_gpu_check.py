@@ -82,3 +82,30 @@ def test_a_failing_phase_costs_only_itself(tmp_path):
         assert "max_batch=0" in entry["batches_failed"]
         assert entry["greedy_equals_target_only"] is True  # the next phase ran
     assert "batches_failed" in done.stdout
+
+
+def test_the_verification_probe_runs_as_a_dry_run(tmp_path):
+    """bench/gpu_attention.py (why a pass over several positions costs what it does on CUDA)
+    runs end to end here: every part, every form; the index forms of the greedy tail give
+    numpy's argmax on rows holding ties."""
+    command = [sys.executable, str(REPO / "bench" / "gpu_attention.py"), "--dry-run"]
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_attention.json").read_text())
+    assert set(report["steps"]) == {
+        "direct, default",
+        "direct, no memory-efficient attention",
+        "direct, no flash attention",
+        "chunked, default",
+    }
+    for steps in report["steps"].values():
+        assert set(steps) == {"1", "2", "3", "5", "9"} and all(ms > 0 for ms in steps.values())
+    forms = report["ops"]["rows=1 n=2"]
+    for label in ("mask23", "bias23", "nonpad24", "scatter_nd_write", "tensor_scatter_write"):
+        assert forms[label]["ms"] > 0, (label, forms[label])
+    assert forms["nonpad24"]["max_diff_vs_mask23"] == 0  # the same attention, without a mask
+    for case in report["tail"].values():
+        indices = [entry for entry in case.values() if "equals_numpy_argmax" in entry]
+        assert len(indices) == 4 and all(entry["equals_numpy_argmax"] for entry in indices)

@@ -33,6 +33,7 @@ DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larg
 DEFAULT_DRAFT_PRECISION = "int8"
 DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines
 CUDA_ATTENTIONS = ("batched", "group_query")  # the cuda engine's graph (see ExportOptions)
+CUDA_REDUCTIONS = ("direct", "chunked")  # how its greedy outputs reduce (see ExportOptions)
 MIN_OPSET = 14  # what the exported attention and norms need (optimum's own floor for them)
 
 
@@ -50,7 +51,9 @@ class ExportOptions:
     TensorRT takes; needs optimum-onnx); without it a model's own graph is its first engine.
     ``cuda_attention``: the cuda engine's graph, "batched" (many rows per call, the Attention op
     under a mask) or "group_query" (one row per call, GroupQueryAttention's kernels, what
-    models with attention soft-capping always get), to compare the two on a GPU."""
+    models with attention soft-capping always get), to compare the two on a GPU.
+    ``cuda_reductions``: how the cuda engines' greedy outputs reduce the vocabulary, "direct"
+    or "chunked" (two stages; the same numbers), to compare the two on a GPU (docs/gpu.md)."""
 
     atol: float = DEFAULT_ATOL
     opset: int | None = None
@@ -62,6 +65,7 @@ class ExportOptions:
     fp16_atol: float = DEFAULT_FP16_ATOL
     portable: bool = True
     cuda_attention: str = "batched"
+    cuda_reductions: str = "direct"
 
     @property
     def cpu_engine(self) -> bool:
@@ -98,6 +102,11 @@ class ExportOptions:
         if self.cuda_attention not in CUDA_ATTENTIONS:
             raise ExportError(
                 f"cuda_attention={self.cuda_attention!r}: use one of {', '.join(CUDA_ATTENTIONS)}"
+            )
+        if self.cuda_reductions not in CUDA_REDUCTIONS:
+            raise ExportError(
+                f"cuda_reductions={self.cuda_reductions!r}: use one of "
+                + ", ".join(CUDA_REDUCTIONS)
             )
         if self.cuda_attention != "batched" and "cuda" not in self.devices:
             raise ExportError(

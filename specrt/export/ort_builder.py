@@ -41,6 +41,7 @@ UNPROPOSED = -1e30
 # reads its start on the host on CUDA: fed as it is, no node computes it on the device (a
 # MemcpyToHost in every call, which also bars CUDA graphs).
 LOGITS_START = "logits_start"
+REDUCTION_CHUNK = 256  # columns per first-stage reduction of the chunked greedy outputs
 # The batched engine's inputs, computed by the host from each row's length:
 POSITION_IDS = "position_ids"  # int64 [B, S]: each new token's position
 CACHE_INDICES = "cache_indices"  # int64 [B, S, 2]: (row, position) its k and v are written at
@@ -66,6 +67,9 @@ class DecoderShape:
     # Also output each kept row's argmax and max logit: a device backend copies back those few
     # numbers for greedy decoding instead of the logits.
     greedy_outputs: bool = False
+    # How the greedy outputs reduce the vocabulary: "direct" (one ArgMax / ReduceMax per row)
+    # or "chunked" (`_chunked_greedy_outputs`; docs/gpu.md says why).
+    greedy_reductions: str = "direct"
     # "batched": attention from standard ops over a cache indexed per row, so a call feeds
     # several tokens to each of several rows (GroupQueryAttention refuses batch > 1 when more
     # than one token follows a cached prefix).
@@ -144,10 +148,41 @@ def _lm_head(
         b.node("Mul", ["logits_tanh", "logit_softcap"], ["logits"])
     b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
     if shape.greedy_outputs:
-        b.node("ArgMax", ["logits"], [ARGMAX], axis=-1, keepdims=0)
         b.constant("vocab_axis", np.array([-1], dtype=np.int64))
-        b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
-        b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
+        if shape.greedy_reductions == "chunked":
+            _chunked_greedy_outputs(b, shape.vocab_size)
+        else:
+            b.node("ArgMax", ["logits"], [ARGMAX], axis=-1, keepdims=0)
+            b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
+            b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
+
+
+def _chunked_greedy_outputs(b: _GraphBuilder, vocab: int) -> None:
+    """The greedy outputs in two stages: over each chunk of `REDUCTION_CHUNK` columns, then
+    over the chunks. The same numbers as one reduction (a maximum is exact; the argmax is the
+    first chunk holding the row's maximum, and its first column there: numpy's first of equal
+    maxima), from kernels whose many outputs each read few inputs, where one reduction per row
+    reads the whole vocabulary."""
+    chunks = -(-vocab // REDUCTION_CHUNK)
+    b.constant("chunked_shape", np.array([0, 0, chunks, REDUCTION_CHUNK], dtype=np.int64))
+    b.constant("chunk_width", np.array([REDUCTION_CHUNK], dtype=np.int64))
+    pads = [0, 0, 0, 0, 0, chunks * REDUCTION_CHUNK - vocab]
+    b.constant("vocab_pads", np.array(pads, dtype=np.int64))
+    per_chunk = {}
+    for source, pad in (("logits", np.finfo(np.float32).min), (PROBABILITIES, 0.0)):
+        b.constant(f"{source}_pad", np.array(pad, dtype=np.float32))  # never above a real one
+        b.node("Pad", [source, "vocab_pads", f"{source}_pad"], [f"{source}_padded"])
+        b.node("Reshape", [f"{source}_padded", "chunked_shape"], [f"{source}_chunked"])
+        per_chunk[source] = f"{source}_chunk_max"
+        b.node("ReduceMax", [f"{source}_chunked", "vocab_axis"], [per_chunk[source]], keepdims=0)
+    b.node("ReduceMax", [per_chunk["logits"], "vocab_axis"], [MAX_LOGIT], keepdims=0)
+    b.node("ReduceMax", [per_chunk[PROBABILITIES], "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
+    b.node("ArgMax", ["logits_chunked"], ["in_each_chunk"], axis=-1, keepdims=0)  # [B, n, C]
+    b.node("ArgMax", [per_chunk["logits"]], ["best_chunk"], axis=-1, keepdims=1)  # [B, n, 1]
+    b.node("GatherElements", ["in_each_chunk", "best_chunk"], ["in_best_chunk"], axis=-1)
+    b.node("Mul", ["best_chunk", "chunk_width"], ["best_chunk_start"])
+    b.node("Add", ["best_chunk_start", "in_best_chunk"], ["argmax_kept"])
+    b.node("Squeeze", ["argmax_kept", "vocab_axis"], [ARGMAX])
 
 
 def _save(

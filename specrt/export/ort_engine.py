@@ -47,6 +47,7 @@ def build_ort_engine(
     precision: str = "float32",
     device: str = "cpu",
     cuda_attention: str = "batched",
+    cuda_reductions: str = "direct",
     features: EagleFeatures | None = None,
 ) -> EngineSpec:
     """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
@@ -55,8 +56,8 @@ def build_ort_engine(
 
     ``precision`` int8/int4 quantises a CPU engine's weights (see `specrt.export.quantize`);
     the check then reports the difference without a bound.
-    ``cuda_attention``: see `ExportOptions`. ``features``: what an EAGLE head reads of the
-    target (the CPU engine's output `FEATURES`)."""
+    ``cuda_attention``, ``cuda_reductions``: see `ExportOptions`. ``features``: what an EAGLE
+    head reads of the target (the CPU engine's output `FEATURES`)."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
@@ -78,6 +79,7 @@ def build_ort_engine(
         vocab_size=vocab,
         dtype=dtype,
         greedy_outputs=device == "cuda",
+        greedy_reductions=cuda_reductions,
         # Any rows and tokens per call (the Attention op); attention soft-capping (Gemma 2)
         # keeps GroupQueryAttention on CUDA (one row per call) until a GPU has run the batched
         # graph with it: CUDA's Attention kernels take softcap, but none has checked it yet.

@@ -372,14 +372,9 @@ def add_ort_engine(
             log(f"  warning: {warning}")
     if options.cuda_engine and not unsupported_reason(config, spec.max_positions, "cuda"):
         engine = build_ort_engine(
-            model,
-            spec,
-            bundle_root,
-            role,
-            token_range,
-            device="cuda",
-            cuda_attention=options.cuda_attention,
-        )
+            model, spec, bundle_root, role, token_range, device="cuda",
+            cuda_attention=options.cuda_attention, cuda_reductions=options.cuda_reductions,
+        )  # fmt: skip
         require_close(engine.export_check, options.fp16_atol, f"{role} cuda engine", source)
 
 
