@@ -52,8 +52,9 @@ class ExportOptions:
     ``cuda_attention``: the cuda engine's graph, "batched" (many rows per call, the Attention op
     under a mask) or "group_query" (one row per call, GroupQueryAttention's kernels, what
     models with attention soft-capping always get), to compare the two on a GPU.
-    ``cuda_reductions``: how the cuda engines' greedy outputs reduce the vocabulary, "direct"
-    or "chunked" (two stages; the same numbers), to compare the two on a GPU (docs/gpu.md)."""
+    ``cuda_reductions``: how the cuda engines' greedy outputs reduce the vocabulary, "chunked"
+    (two stages) or "direct" (one ArgMax / ReduceMax a row): the same numbers; docs/gpu.md
+    says why chunked is the default and how a GPU compares the two."""
 
     atol: float = DEFAULT_ATOL
     opset: int | None = None
@@ -65,7 +66,7 @@ class ExportOptions:
     fp16_atol: float = DEFAULT_FP16_ATOL
     portable: bool = True
     cuda_attention: str = "batched"
-    cuda_reductions: str = "direct"
+    cuda_reductions: str = "chunked"
 
     @property
     def cpu_engine(self) -> bool:

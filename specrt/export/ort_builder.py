@@ -161,8 +161,8 @@ def _chunked_greedy_outputs(b: _GraphBuilder, vocab: int) -> None:
     """The greedy outputs in two stages: over each chunk of `REDUCTION_CHUNK` columns, then
     over the chunks. The same numbers as one reduction (a maximum is exact; the argmax is the
     first chunk holding the row's maximum, and its first column there: numpy's first of equal
-    maxima), from kernels whose many outputs each read few inputs, where one reduction per row
-    reads the whole vocabulary."""
+    maxima). On CUDA one reduction a row is a long serial scan in some onnxruntime kernels
+    (docs/gpu.md); here each output reads at most a chunk or a row of chunk maxima."""
     chunks = -(-vocab // REDUCTION_CHUNK)
     b.constant("chunked_shape", np.array([0, 0, chunks, REDUCTION_CHUNK], dtype=np.int64))
     b.constant("chunk_width", np.array([REDUCTION_CHUNK], dtype=np.int64))

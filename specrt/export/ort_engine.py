@@ -47,7 +47,7 @@ def build_ort_engine(
     precision: str = "float32",
     device: str = "cpu",
     cuda_attention: str = "batched",
-    cuda_reductions: str = "direct",
+    cuda_reductions: str = "chunked",
     features: EagleFeatures | None = None,
 ) -> EngineSpec:
     """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
