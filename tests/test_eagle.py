@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -38,6 +39,7 @@ from tests.stats import chi_square_pvalue
 from tests.test_greedy import PROMPTS
 
 ALPHA = 1e-4
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 SAMPLES = 4000
 HEAD_VOCAB = 40  # of the tiny tokenizer's ~60: the head never proposes the others
 MODEL_DRAFTS = dict(proposer="model", draft_schedule="fixed")
@@ -139,8 +141,8 @@ def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp
 
 
 def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources, tmp_path):
-    """In another precision, in place (a user's file in it kept); refused in one line where
-    the head changed since, or for a GPU engine, the bundle left as it was."""
+    """In another precision, in place (a user's file in it kept), with GPU engines too;
+    refused in one line where the head changed since, the bundle left as it was."""
     _, target, head = sources
     copy = tmp_path / "head"
     shutil.copytree(head, copy)
@@ -160,9 +162,11 @@ def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources,
         for k in (0, 3)
     )
     assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
-    before = sorted(p.name for p in out.rglob("*"))
     result = CliRunner().invoke(main, ["build", "--bundle", str(out), "--device", "cuda"])
-    assert result.exit_code != 0 and "CPU engine only" in result.output
+    assert result.exit_code == 0, result.output
+    assert "draft: engines onnxruntime (int8), cuda (float16)" in result.output
+    assert (out / "NOTES.md").read_text() == "mine"
+    before = sorted(p.name for p in out.rglob("*"))
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
     result = CliRunner().invoke(main, ["build", "--bundle", str(out)])
@@ -317,3 +321,62 @@ def test_a_recipe_names_its_head_eagle(sources, tmp_path):
     found_target, found_draft, out, options = resolve_recipe(recipe)
     assert (found_target, found_draft, out) == (target, head, tmp_path / "pair")
     assert options == {"atol": 0.01}
+
+
+@pytest.mark.usefixtures("cuda_rule")
+def test_the_head_drafts_on_the_cuda_engines(sources, tmp_path):
+    """`--device cuda` builds the target's float16 engine with the head's features and the
+    head's own float16 engine, each checked against PyTorch; on the device backend (CUDA's
+    rule for host inputs, `tests/cuda_rule.py`) the head drafts from the features the target
+    computed there: greedy and seeded output equal to the target alone, one row and batched."""
+    from specrt.backends.device_rows import DeviceRowsDecoder
+    from specrt.backends.eagle import EagleDraft
+
+    _, target, head = sources
+    out = tmp_path / "bundle"
+    args = ["export", "--target", str(target), "--eagle", str(head), "--out", str(out)]
+    result = CliRunner().invoke(main, [*args, "--device", "cpu", "--device", "cuda"])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(out)
+    draft, target_spec = manifest.models["draft"], manifest.models["target"]
+    assert target_spec.engines["cuda"].io.features == "eagle_features"
+    cuda = draft.engines["cuda"]
+    assert cuda.dtype == "float16" and cuda.provider == "CUDAExecutionProvider"
+    assert cuda.export_check["max_abs_logit_diff"] <= cuda.export_check["atol"]
+    assert cuda.export_check["features_max_abs_diff"] < 0.05  # float16 features
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    for batch in (1, 4):
+        generator = SpeculativeGenerator.from_bundle(out, providers=providers, max_batch=batch)
+        assert isinstance(generator.draft, EagleDraft)
+        assert isinstance(generator.draft.head, DeviceRowsDecoder)
+        assert isinstance(generator.target, DeviceRowsDecoder)
+        for options in (dict(max_new_tokens=30), dict(max_new_tokens=30, temperature=1.0, seed=3)):
+            config = dict(ignore_eos=True, **options)
+            alone = generator.generate(PROMPTS[:6], GenerationConfig(num_draft_tokens=0, **config))
+            drafted = generator.generate(PROMPTS[:6], GenerationConfig(**config, **MODEL_DRAFTS))
+            assert [r.token_ids for r in drafted] == [r.token_ids for r in alone], (batch, options)
+
+
+@pytest.mark.usefixtures("cuda_rule")
+def test_the_demo_head_keeps_its_drafts_on_the_cuda_engines(tmp_path):
+    """The shipped demo head, which drafts well: on the cuda engines (CUDA's rule) it keeps
+    about as many drafts as on the CPU engines (float16 against float32 and int8: not the
+    same numbers); a head reading wrong or stale features there would keep next to none."""
+    from specrt.prompts import read_prompt_file
+
+    out = tmp_path / "demo"
+    export_bundle(DEMO / "target", DEMO / "head", out, devices=("cpu", "cuda"))
+    texts = read_prompt_file(DEMO / "heldout_prompts.jsonl")[:4]
+    config = GenerationConfig(max_new_tokens=32, ignore_eos=True, num_draft_tokens=4,
+                              **MODEL_DRAFTS)  # fmt: skip
+    rates = {}
+    for engine, providers in (
+        ("cpu", ["CPUExecutionProvider"]),
+        ("cuda", ["CUDAExecutionProvider"]),
+    ):
+        generator = SpeculativeGenerator.from_bundle(out, threads=1, providers=providers)
+        assert getattr(generator.target, "device", "cpu") == engine
+        results = generator.generate(generator.encode_prompts(texts), config)
+        drafted = sum(r.stats.drafted_tokens for r in results)
+        rates[engine] = sum(r.stats.accepted_tokens for r in results) / drafted
+    assert rates["cpu"] > 0.3 and abs(rates["cuda"] - rates["cpu"]) < 0.1, rates

@@ -244,7 +244,7 @@ class BatchedDecoder(RowsDecoder):
         super().move_row(source, dest)
 
     def _run(self, start: int, n: int, fed: int | np.ndarray) -> None:
-        self._timed(self.session.run_with_iobinding, self._binding)
+        self._execute()
         if self._feature_width:  # each row's real positions, at their places
             counts = [fed] * n if isinstance(fed, int) else np.broadcast_to(fed, n).tolist()
             lengths = self.lengths[start : start + n].tolist()
@@ -255,6 +255,10 @@ class BatchedDecoder(RowsDecoder):
             self.lengths[start] += fed
         else:
             self.lengths[start : start + n] += fed
+
+    def _execute(self) -> None:
+        """Run the bound call; its host outputs are written when this returns."""
+        self._timed(self.session.run_with_iobinding, self._binding)
 
     def _bind_rows(self, start: int, n: int, width: int) -> None:
         key = (start, n, width)

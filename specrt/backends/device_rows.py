@@ -85,6 +85,8 @@ class DeviceRowsDecoder(BatchedDecoder):
 
     def move_row(self, source: int, dest: int) -> None:
         length = int(self.lengths[source])
+        if self._feature_width:  # an EAGLE head's features stay on the host
+            self.features[dest, :length] = self.features[source, :length]
         for buffer in self._buffers:
             self._ops.rows(buffer, source, buffer, dest, length)
         self.lengths[dest] = length
@@ -176,6 +178,11 @@ class DeviceRowsDecoder(BatchedDecoder):
                 arrays.outputs[name] = value
         arrays.host_bytes = sum(array.nbytes for array in host.values())
         arrays.result = Forward(host.pop("logits", None), **host)
+        # An EAGLE head's features (a target's output, every position fed) and hidden states
+        # (a head's input and output) are read on the host by `EagleDraft`.
+        arrays.eagle_arrays(self._feature_width, self._hidden_width)
+        eagle = (getattr(arrays, "features", None), arrays.result.hidden)
+        arrays.host_bytes += sum(array.nbytes for array in eagle if array is not None)
         return arrays
 
     def _bind_rows(self, start: int, n: int, width: int) -> None:
@@ -188,11 +195,11 @@ class DeviceRowsDecoder(BatchedDecoder):
             self._binding.bind_output(present, device, device_id, dtype, shape, address)
         self._rows = (start, n, width)
 
-    def _run(self, start: int, n: int, fed: int | np.ndarray) -> None:
+    def _execute(self) -> None:
         self._inputs.push()
         if self.device != "cpu":
             self._binding.synchronize_inputs()
-        super()._run(start, n, fed)
+        super()._execute()
         if self.device != "cpu":
             self._binding.synchronize_outputs()
         self.calls += 1

@@ -100,14 +100,10 @@ def _rebuild_with_head(
     root: Path, sources: dict[str, Path], options: ExportOptions, log: Log
 ) -> Manifest:
     """A bundle drafted for by an EAGLE head, exported anew in place from its target and head:
-    their engines go together (the target's computes the head's features), on the CPU only."""
+    their engines go together (the target's computes the head's features), the CPU ones
+    always, the cuda ones where asked for."""
     from specrt.export.pipeline import export_bundle
 
-    if options.cuda_engine:
-        raise ExportError(
-            "this bundle drafts with an EAGLE head, whose engines run on the onnxruntime CPU "
-            "engine only for now: build it with --device cpu"
-        )
     log(f"exporting the bundle anew from {sources['target']} and its head {sources['draft']}")
     return export_bundle(sources["target"], sources["draft"], root, options, force=True, log=log)
 

@@ -9,6 +9,7 @@ drafts with it through `specrt.backends.eagle.EagleDraft`, on the onnxruntime CP
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from specrt.backends.batched import BatchedDecoder
 from specrt.backends.eagle import EagleDraft
 from specrt.backends.session import create_session
 from specrt.bundle import (
+    CUDA_ENGINE,
     EAGLE3_ARCHITECTURE,
     ONNXRUNTIME_ENGINE,
     EngineSpec,
@@ -35,11 +37,14 @@ from specrt.export.eagle import (
     target_features,
 )
 from specrt.export.ort_builder import (
+    ARGMAX,
     ATTENTION_MASK,
     CACHE_INDICES,
     HIDDEN_OUT,
     HIDDEN_STATES,
     LOGITS_START,
+    MAX_LOGIT,
+    MAX_PROBABILITY,
     POSITION_IDS,
     PROBABILITIES,
     UNPROPOSED,
@@ -61,11 +66,14 @@ def export_head(
     tokenizer_hash: str,
     atol: float = 1e-3,
     precision: str = "float32",
+    fp16_atol: float | None = None,
 ) -> ModelSpec:
     """Write ``draft/onnxruntime/model.onnx``, the head's engine, check it with the target's
     engine against PyTorch, and return its spec. ``precision``: its weights', as a draft
     model's (`specrt.export.quantize`): checked in float32 first (within ``atol``: the graph
-    is right), then quantised (its logits must only be numbers: a draft's guesses)."""
+    is right), then quantised (its logits must only be numbers: a draft's guesses).
+    ``fp16_atol``: also write ``draft/cuda/model.onnx``, the head in float16 for the CUDA
+    provider beside the target's cuda engine, checked with it within that bound."""
     config = head.config
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -83,7 +91,7 @@ def export_head(
     reference = Eagle3Head.from_checkpoint(head, model.get_input_embeddings().weight.detach())
     with torch.no_grad():
         cos, sin = reference.rotary(torch.zeros(1), torch.arange(positions)[None])
-    half = cos.shape[-1] // 2
+    half_dim = cos.shape[-1] // 2
     embedding = reference.embedding[:vocab].numpy()
     columns = vocab_map(head.weights["d2t"].numpy(), vocab)
     out = bundle_root / "draft" / ONNXRUNTIME_ENGINE / "model.onnx"
@@ -91,8 +99,8 @@ def export_head(
         shape,
         head_weights_numpy(head),
         embedding,
-        cos[0, :, :half].numpy(),
-        sin[0, :, :half].numpy(),
+        cos[0, :, :half_dim].numpy(),
+        sin[0, :, :half_dim].numpy(),
         columns,
         out,
         head.norm_before_residual,
@@ -154,6 +162,30 @@ def export_head(
     spec.files = engine.files = files
     engine.precision = precision
     spec.export_check = engine.export_check = check
+    if fp16_atol is not None:
+        half = replace(shape, dtype="float16", greedy_outputs=True, greedy_reductions="chunked")
+        graph = build_head_graph(
+            half, head_weights_numpy(head), embedding, cos[0, :, :half_dim].numpy(),
+            sin[0, :, :half_dim].numpy(), columns,
+            bundle_root / "draft" / CUDA_ENGINE / "model.onnx", head.norm_before_residual,
+        )  # fmt: skip
+        files = {str(f.relative_to(bundle_root)): sha256_file(f) for f in graph.parent.iterdir()}
+        greedy = dict(argmax=ARGMAX, max_logit=MAX_LOGIT, max_probability=MAX_PROBABILITY)
+        spec.engines[CUDA_ENGINE] = cuda = EngineSpec(
+            path=str(graph.relative_to(bundle_root)), files=files, io=replace(io, **greedy),
+            vocab_size=vocab, cache="batched", precision="float16",
+            provider="CUDAExecutionProvider", dtype="float16",
+        )  # fmt: skip
+        cuda.export_check = head_check(
+            model, reference, head, spec, target, bundle_root, columns, engine=CUDA_ENGINE
+        )
+        cuda.export_check["atol"] = fp16_atol
+        if not cuda.export_check["max_abs_logit_diff"] <= fp16_atol:
+            raise ExportError(
+                f"EAGLE head: its float16 cuda engine's logits differ from PyTorch by "
+                f"{cuda.export_check['max_abs_logit_diff']:.3g} (> fp16_atol {fp16_atol}); "
+                "export it without --device cuda, or with a larger fp16_atol"
+            )
     return spec
 
 
@@ -166,17 +198,19 @@ def head_check(
     bundle_root: Path,
     columns: np.ndarray,
     seed: int = 0,
+    engine: str = ONNXRUNTIME_ENGINE,
 ) -> dict[str, float]:
-    """The head as the runtime runs it (`EagleDraft` over both engines) against PyTorch on
-    random tokens: the target engine's features against PyTorch's (reported: a quantised
-    target's are another model's), then the head on the engine's features, over the positions
-    the target read (one call, as a round's catch-up) and one chained step from its own state."""
+    """The head as the runtime runs it (`EagleDraft` over both models' ``engine``, on this
+    machine's CPU) against PyTorch on random tokens: the target engine's features against
+    PyTorch's (reported: a quantised target's are another model's), then the head on the
+    engine's features, over the positions the target read (one call, as a round's catch-up)
+    and one chained step from its own state."""
     vocab = spec.vocab_size
     ids = np.random.default_rng(seed).integers(0, vocab, size=CHECK_TOKENS).tolist()
-    engine = target.engine_view(ONNXRUNTIME_ENGINE)
+    target_view = target.engine_view(engine)
     target_decoder = BatchedDecoder(
-        create_session(bundle_root / engine.path, providers=["CPUExecutionProvider"]),
-        engine,
+        create_session(bundle_root / target_view.path, providers=["CPUExecutionProvider"]),
+        target_view,
         vocab,
         "check",
     )
@@ -194,9 +228,10 @@ def head_check(
     )
     expected = _on_target_vocab(logits.numpy(), columns)
     expected_step = _on_target_vocab(step_logits[-1:].numpy(), columns)
+    head_view = spec.engine_view(engine) if engine in spec.engines else spec
     head_decoder = BatchedDecoder(
-        create_session(bundle_root / spec.path, providers=["CPUExecutionProvider"]),
-        spec,
+        create_session(bundle_root / head_view.path, providers=["CPUExecutionProvider"]),
+        head_view,
         vocab,
         "check",
     )

@@ -71,8 +71,12 @@ def build_head_graph(
     b.initializer("sin_cache", sin)
     b.initializer("embed_tokens", embedding)
     b.node("Gather", ["embed_tokens", "input_ids"], ["embedded"])
+    features = HIDDEN_STATES  # float32 in and out, whatever the graph computes in
+    if shape.dtype != "float32":
+        features = f"{HIDDEN_STATES}.half"
+        b.node("Cast", [HIDDEN_STATES], [features], to=TensorProto.FLOAT16)
     eps = float(shape.norm_eps)
-    for x, norm in (("embedded", "input_layernorm"), (HIDDEN_STATES, "hidden_norm")):
+    for x, norm in (("embedded", "input_layernorm"), (features, "hidden_norm")):
         b.node(
             "SimplifiedLayerNormalization",
             [x, b.weight(f"{LAYER}.{norm}.weight")],
@@ -81,8 +85,8 @@ def build_head_graph(
             axis=-1,
             stash_type=1,
         )
-    b.node("Concat", ["embedded.normed", f"{HIDDEN_STATES}.normed"], ["layer_in"], axis=-1)
-    residual = f"{HIDDEN_STATES}.normed" if norm_before_residual else HIDDEN_STATES
+    b.node("Concat", ["embedded.normed", f"{features}.normed"], ["layer_in"], axis=-1)
+    residual = f"{features}.normed" if norm_before_residual else features
     attn = f"{LAYER}.self_attn"
     qkv = b.linear("layer_in", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], "qkv.0")
     _attention(b, shape, 0, qkv, rotary=True)
@@ -113,9 +117,10 @@ def build_head_graph(
     else:
         b.node("Cast", ["hidden_kept"], [HIDDEN_OUT], to=TensorProto.FLOAT)
     hidden = int(embedding.shape[1])
-    float_type = TensorProto.FLOAT if shape.dtype == "float32" else TensorProto.FLOAT16
     inputs = (
-        helper.make_tensor_value_info(HIDDEN_STATES, float_type, ["batch", "sequence", hidden]),
+        helper.make_tensor_value_info(
+            HIDDEN_STATES, TensorProto.FLOAT, ["batch", "sequence", hidden]
+        ),
     )
     outputs = (
         helper.make_tensor_value_info(HIDDEN_OUT, TensorProto.FLOAT, ["batch", "kept", hidden]),

@@ -157,7 +157,8 @@ def _export_with_head(
     head = read_head(head_dir, text_config(config))
     vocab = _tokenizer_vocab_size(target)
     tokenizer_hash = canonical_hash(load_tokenizer_json(target))
-    options = replace(options, portable=False, ort_engine=True, devices=("cpu",))
+    cuda = "cuda" in options.devices  # the head in float16 too, beside the target's
+    options = replace(options, portable=False, ort_engine=True, devices=("cpu",) + ("cuda",) * cuda)
     model = load_causal_lm(target, config)
     with staging(out, "partial") as scratch:
         log(f"exporting target ({config.model_type}) from {target}, with the head's features")
@@ -169,7 +170,8 @@ def _export_with_head(
             spec.source, spec.source_sha256 = str(gguf.resolve()), sha256_file(gguf)
         log(f"exporting the EAGLE head from {head_dir} ({options.draft_precision})")
         head_spec = export_head(head, head_dir, model, spec, scratch, vocab, tokenizer_hash,
-                                precision=options.draft_precision)  # fmt: skip
+                                precision=options.draft_precision,
+                                fp16_atol=options.fp16_atol if cuda else None)  # fmt: skip
         log(f"  EAGLE head: max |logit diff| {head_spec.export_check['max_abs_logit_diff']:.2e}")
         return _publish({"target": spec, "draft": head_spec}, target, config, vocab, scratch,
                         out, log)  # fmt: skip
@@ -374,6 +376,7 @@ def add_ort_engine(
         engine = build_ort_engine(
             model, spec, bundle_root, role, token_range, device="cuda",
             cuda_attention=options.cuda_attention, cuda_reductions=options.cuda_reductions,
+            features=features,
         )  # fmt: skip
         require_close(engine.export_check, options.fp16_atol, f"{role} cuda engine", source)
 

@@ -146,8 +146,9 @@ def eagle_draft(head: Decoder, target: Decoder) -> EagleDraft:
     """The head drafting from the target's features; both must be batched engines."""
     if not (isinstance(head, BatchedDecoder) and isinstance(target, BatchedDecoder)):
         raise BundleError(
-            "the bundle's draft is an EAGLE head, which runs on the onnxruntime CPU engine only "
-            "for now: load it without engine= or providers= that choose another graph"
+            "the bundle's draft is an EAGLE head, which runs on the batched onnxruntime "
+            "engines (CPU or cuda) only: load it without engine= or providers= that choose "
+            "another graph"
         )
     return EagleDraft(head, target)
 
