@@ -76,6 +76,7 @@ DRAFT_01B = dict(
     tie_word_embeddings=True,
 )
 REAL_VOCAB = 128256
+DEMO_HEAD = REPO / "models" / "demo" / "head"  # the demo target's EAGLE-3 head
 TINY = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -158,9 +159,10 @@ def phases(name: str, entry: dict, report: dict, args):
     return step
 
 
-def build_pair(name: str, source, step, args) -> tuple[Path, Path, Path, Path | None] | None:
-    """The pair's checkpoints and cuda bundles (the demo pair's GroupQueryAttention one too):
-    (target, draft, bundle, group-query bundle or None), or None where a build failed."""
+def build_pair(name: str, source, step, args) -> tuple | None:
+    """The pair's checkpoints and cuda bundles (the demo pair's GroupQueryAttention one and its
+    EAGLE head's too): (target, draft, bundle, group-query bundle or None, head bundle or
+    None), or None where a build failed."""
     started = time.monotonic()
     log(f"{name}: building cuda engines")
     pair = step("source", *source) if callable(source[0]) else source
@@ -168,18 +170,19 @@ def build_pair(name: str, source, step, args) -> tuple[Path, Path, Path, Path | 
     if bundle is None:
         return None
     target, draft = pair
-    one_row = None
+    one_row = head = None
     if name == "demo":
         one_row_dir = args.work / "demo-group-query-bundle"
         one_row = step("group_query_build", build, target, draft, one_row_dir, "group_query")
+        head = step("eagle_build", build, target, DEMO_HEAD, args.work / "demo-eagle-bundle")
     log(f"{name}: built in {time.monotonic() - started:.1f} s")
-    return target, draft, bundle, one_row
+    return target, draft, bundle, one_row, head
 
 
 def check_pair(name: str, built: tuple, entry: dict, step, args, budget_s: float) -> None:
     """Every measuring phase for one built pair, within its budget (the phases after the
     one-row contenders start only while it lasts)."""
-    target, draft, bundle, one_row = built
+    target, draft, bundle, one_row, head = built
     clock = Clock(budget_s)
     entry["budget_s"] = budget_s
     if not args.dry_run:
@@ -187,7 +190,10 @@ def check_pair(name: str, built: tuple, entry: dict, step, args, budget_s: float
         log(f"{name}: every node on CUDA: {entry['every_node_on_cuda']}")
     entry["batches"] = step("batches", batches, bundle, name, args, clock) or {}
     step("measure", measure, bundle, name, entry, args, clock)
-    probes = [("host_inputs", host_transfer, bundle, name, args)]  # (report key, work, inputs)
+    probes = []  # (report key, work, inputs)
+    if head is not None and "prompt_ids" in entry:
+        probes.append(("eagle_head", eagle_head, head, entry, args))
+    probes.append(("host_inputs", host_transfer, bundle, name, args))
     if one_row is not None and "prompt_ids" in entry:
         probes.append(("group_query_one_row", group_query_one_row, one_row, entry, args))
     if not args.dry_run:
@@ -297,6 +303,44 @@ def group_query_one_row(bundle: Path, entry: dict, args) -> dict:
             [result] = generator.generate([prompt], config)
             rates.append(len(result.token_ids) / (time.perf_counter() - t0))
         out[label] = statistics.median(rates)
+    return out
+
+
+def eagle_head(bundle: Path, entry: dict, args) -> dict:
+    """The demo target drafted for by its EAGLE-3 head (`models/demo/head`), both on their
+    cuda engines, one row, the same prompts: median tokens/s and drafts kept of the target
+    alone, the head at K = 2 and 4 and adaptive; whether every output equals the target's."""
+    generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run))
+    out: dict = {}
+    alone = None
+    for label, k, schedule in (
+        ("target only", 0, "fixed"),
+        ("head K=2", 2, "fixed"),
+        ("head K=4", 4, "fixed"),
+        ("head adaptive", 6, "adaptive"),
+    ):
+        config = GenerationConfig(
+            max_new_tokens=args.new_tokens, num_draft_tokens=k, ignore_eos=True,
+            proposer="model", draft_schedule=schedule,
+        )  # fmt: skip
+        generator.generate(entry["prompt_ids"][:1], config)  # warm-up
+        rates, tokens, kept, drafted = [], [], 0, 0
+        for prompt in entry["prompt_ids"]:
+            t0 = time.perf_counter()
+            [result] = generator.generate([prompt], config)
+            rates.append(len(result.token_ids) / (time.perf_counter() - t0))
+            tokens.append(result.token_ids)
+            kept += result.stats.accepted_tokens
+            drafted += result.stats.drafted_tokens
+        alone = alone or tokens
+        out[label] = {
+            "tokens_per_second": statistics.median(rates),
+            "acceptance_rate": kept / drafted if drafted else None,
+            "equals_target_only": tokens == alone,
+        }
+    base = out["target only"]["tokens_per_second"]
+    for result in out.values():
+        result["speedup"] = result["tokens_per_second"] / base
     return out
 
 
@@ -601,6 +645,15 @@ def table(report: dict) -> str:
                 continue
             base = entry["results"]["target only"]["tokens_per_second"]
             lines.append(f"{'GQA graph ' + label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
+        for label, result in (entry.get("eagle_head") or {}).items():
+            if label == "skipped" or label == "target only":
+                continue
+            kept = result["acceptance_rate"]  # None: it drafted nothing
+            lines.append(
+                f"{'EAGLE ' + label:<22}{result['tokens_per_second']:>10.1f}"
+                f"{result['speedup']:>9.2f}x  kept {'-' if kept is None else f'{kept:.2f}'}, "
+                f"== target {result['equals_target_only']}"
+            )
         for label, rate in (entry.get("transformers") or {}).items():
             if label == "skipped":
                 continue

@@ -37,6 +37,10 @@ def test_gpu_check_dry_run(tmp_path):
                 assert result[mode]["rows_equal_one_row_target_only"] == result[mode]["rows"] == 5
     assert "greedy == target-only True" in done.stdout
     assert "group_query_one_row" in report["pairs"]["demo"]
+    head = report["pairs"]["demo"]["eagle_head"]  # the demo head, on the cuda engines
+    assert set(head) == {"target only", "head K=2", "head K=4", "head adaptive"}
+    assert all(result["equals_target_only"] for result in head.values())
+    assert head["head K=4"]["acceptance_rate"] > 0.2
 
 
 def test_pairs_are_built_before_their_budgets(tmp_path):
