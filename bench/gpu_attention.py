@@ -56,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, on the CPU")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "gpu_attention")
+    parser.add_argument("--work", type=Path, default=REPO / "build" / "gpu_attention_work")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps-only", type=Path, help=argparse.SUPPRESS)  # a bundle: part 1
     args = parser.parse_args()
@@ -65,7 +66,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"dry_run": args.dry_run}
     started = time.monotonic()
-    bundles = build_engines(args.out / "work", args.layers, args.dry_run)
+    bundles = build_engines(args.work, args.layers, args.dry_run)  # not under --out: its
+    # files come back from a GPU machine, and engines are hundreds of MB
     report["build_s"] = round(time.monotonic() - started, 1)
     report["steps"] = {}
     for label, env in SWITCHES.items():

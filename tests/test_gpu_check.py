@@ -94,7 +94,10 @@ def test_the_verification_probe_runs_as_a_dry_run(tmp_path):
     numpy's argmax on rows holding ties."""
     command = [sys.executable, str(REPO / "bench" / "gpu_attention.py"), "--dry-run"]
     done = subprocess.run(
-        [*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+        [*command, "--out", str(tmp_path), "--work", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_attention.json").read_text())
