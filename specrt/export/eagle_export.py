@@ -3,7 +3,8 @@ features (`ort_graph.EagleFeatures`), the head gets its own engine (`ort_eagle`)
 checked against PyTorch (`Eagle3Head`) before the bundle is published.
 
 The bundle's ``draft`` is then the head (``architecture`` "LlamaForCausalLMEagle3"); the runtime
-drafts with it through `specrt.backends.eagle.EagleDraft`, on the onnxruntime CPU engine.
+drafts with it through `specrt.backends.eagle.EagleDraft`, on the onnxruntime CPU engines or
+(``--device cuda``) the float16 cuda engines of both.
 """
 
 from __future__ import annotations
@@ -169,7 +170,9 @@ def export_head(
             sin[0, :, :half_dim].numpy(), columns,
             bundle_root / "draft" / CUDA_ENGINE / "model.onnx", head.norm_before_residual,
         )  # fmt: skip
-        files = {str(f.relative_to(bundle_root)): sha256_file(f) for f in graph.parent.iterdir()}
+        files = {
+            str(f.relative_to(bundle_root)): sha256_file(f) for f in sorted(graph.parent.iterdir())
+        }
         greedy = dict(argmax=ARGMAX, max_logit=MAX_LOGIT, max_probability=MAX_PROBABILITY)
         spec.engines[CUDA_ENGINE] = cuda = EngineSpec(
             path=str(graph.relative_to(bundle_root)), files=files, io=replace(io, **greedy),
