@@ -12,8 +12,10 @@ from 2 to 9 positions. This probe answers why, in one short run:
    `specrt.bench.costs.step_seconds` times it; again with onnxruntime's memory-efficient and
    flash attention kernels turned off by their environment switches (each in its own process:
    onnxruntime reads them once); and the engine whose greedy outputs reduce the vocabulary in
-   two stages (`ExportOptions.cuda_reductions` "chunked").
-2. ``kernels``: the GPU kernels of 20 such calls at 1 and at 2 new positions, by GPU time
+   two stages (`ExportOptions.cuda_reductions` "chunked", the default), and that one attending
+   by each row's length (`cuda_attention` "batched_lengths").
+2. ``kernels``: the GPU kernels of 20 such calls at 1 and at 2 new positions, by GPU time, on
+   the direct and the chunked engine
    (torch's profiler, which records every CUDA kernel of the process through CUPTI).
 3. ``ops``: each attention form alone at the 1B shape (32 query heads, 8 kv heads, head 64, a
    cache of 512 positions, 256 of them filled), 1 and 8 rows, 1, 2 and 5 new positions: the
@@ -45,6 +47,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 STEP_TOKENS = (1, 2, 3, 5, 9)
+# The engine variants part 1 times: the greedy outputs in one stage and in two (the default);
+# attention by each row's length (flash attention's form) with the two-stage outputs.
+VARIANTS = {
+    "direct": dict(cuda_reductions="direct"),
+    "chunked": dict(cuda_reductions="chunked"),
+    "by length": dict(cuda_reductions="chunked", cuda_attention="batched_lengths"),
+}
 SWITCHES = {
     "default": {},
     "no memory-efficient attention": {"ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION": "1"},
@@ -73,16 +82,20 @@ def main() -> None:
     for label, env in SWITCHES.items():
         report["steps"][f"direct, {label}"] = steps_in_process(bundles["direct"], env, args.dry_run)
         save(report, args.out)
-    report["steps"]["chunked, default"] = steps_in_process(bundles["chunked"], {}, args.dry_run)
-    save(report, args.out)
+    for name in ("chunked", "by length"):
+        report["steps"][f"{name}, default"] = steps_in_process(bundles[name], {}, args.dry_run)
+        save(report, args.out)
     report["ops"] = attention_ops(args.dry_run)
     save(report, args.out)
     report["tail"] = tail_ops(args.dry_run)
     save(report, args.out)
-    try:
-        report["kernels"] = kernel_profile(bundles["direct"], args.dry_run)
-    except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
-        report["kernels"] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    report["kernels"] = {}
+    for name in ("direct", "chunked"):
+        try:
+            report["kernels"][name] = kernel_profile(bundles[name], args.dry_run)
+        except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
+            report["kernels"][name] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        save(report, args.out)
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     save(report, args.out)
     print(summary(report))
@@ -118,10 +131,10 @@ def build_engines(work: Path, layers: int, dry_run: bool) -> dict[str, Path]:
         LlamaForCausalLM(config).eval().save_pretrained(work / role)
         tokenizer.save_pretrained(work / role)
     bundles = {}
-    for reductions in ("direct", "chunked"):
-        bundles[reductions] = work / f"bundle-{reductions}"
-        export_bundle(work / "target", work / "draft", bundles[reductions], force=True,
-                      portable=False, devices=("cuda",), cuda_reductions=reductions)  # fmt: skip
+    for name, options in VARIANTS.items():
+        bundles[name] = work / f"bundle-{name}"
+        export_bundle(work / "target", work / "draft", bundles[name], force=True,
+                      portable=False, devices=("cuda",), **options)  # fmt: skip
     return bundles
 
 
@@ -480,13 +493,14 @@ def summary(report: dict) -> str:
         one = steps["1"]
         costs = ", ".join(f"{n}: {ms:.2f} ms ({ms / one:.2f}x)" for n, ms in steps.items())
         lines.append(f"steps, {label}: {costs}")
-    for n, entry in (report.get("kernels") or {}).items():
-        if not isinstance(entry, dict) or "top" not in entry:
-            lines.append(f"kernels: {entry}")
-            continue
-        lines.append(f"kernels at {n} new: {entry['gpu_us_per_call']} us GPU per call")
-        for row in entry["top"][:10]:
-            lines.append(f"  {row['us']:9.1f} us  x{row['per_call']:<5} {row['kernel']}")
+    for name, profile in (report.get("kernels") or {}).items():
+        for n, entry in profile.items():
+            if not isinstance(entry, dict) or "top" not in entry:
+                lines.append(f"kernels, {name}: {n}: {entry}")
+                continue
+            lines.append(f"kernels, {name}, {n} new: {entry['gpu_us_per_call']} us GPU a call")
+            for row in entry["top"][:10]:
+                lines.append(f"  {row['us']:9.1f} us  x{row['per_call']:<5} {row['kernel']}")
     for case, forms in [*report["ops"].items(), *report.get("tail", {}).items()]:
         cells = []
         for label, entry in forms.items():

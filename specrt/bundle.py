@@ -61,6 +61,9 @@ class ModelIO:
     cache_indices: str | None = None
     # Batched graphs with local and global layers: the local (sliding-window) layers' mask.
     local_attention_mask: str | None = None
+    # Batched graphs that attend by each row's length, not under the mask: the keys each row
+    # holds after the call (its length + the tokens fed, padding included).
+    kv_lengths: str | None = None
     # A target exported with an EAGLE head: the head's input features at every position fed.
     features: str | None = None
     # An EAGLE head: the features it drafts from (input), its hidden states (output).

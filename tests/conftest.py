@@ -97,7 +97,13 @@ def in_threads(work, items, timeout: float = 120) -> dict:
 
 # The CUDA engines ------------------------------------------------------------------------------
 @pytest.fixture(
-    scope="session", params=[("llama", "batched"), ("gpt2", "batched"), ("llama", "group_query")]
+    scope="session",
+    params=[
+        ("llama", "batched"),
+        ("gpt2", "batched"),
+        ("llama", "group_query"),
+        ("llama", "batched_lengths"),
+    ],
 )
 def cuda_bundle(request, tmp_path_factory):
     """The cuda engines of a tiny pair: the batched graph (the default), or the one-row

@@ -51,6 +51,12 @@ def test_export_records_the_cuda_engines(cuda_bundle):
         assert types["past_key_values.0.key"] == onnx.TensorProto.FLOAT16
         assert types["logits"] == types["probabilities"] == onnx.TensorProto.FLOAT
         assert "onnxruntime" in spec.engines  # the CPU engines are built as well
+        attention = [node for node in graph.node if node.op_type == "Attention"]
+        if "batched_lengths" in cuda_bundle.parent.name:  # by each row's length, no mask read
+            assert engine.io.kv_lengths == "kv_lengths"
+            assert all(node.input[6] == "kv_lengths" and node.input[3] == "" for node in attention)
+        elif attention:
+            assert engine.io.kv_lengths is None and attention[0].input[3] == "attention_mask"
 
 
 def cpu_twin(bundle, max_batch: int = 1) -> SpeculativeGenerator:

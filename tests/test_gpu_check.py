@@ -106,6 +106,7 @@ def test_the_verification_probe_runs_as_a_dry_run(tmp_path):
         "direct, no memory-efficient attention",
         "direct, no flash attention",
         "chunked, default",
+        "by length, default",
     }
     for steps in report["steps"].values():
         assert set(steps) == {"1", "2", "3", "5", "9"} and all(ms > 0 for ms in steps.values())

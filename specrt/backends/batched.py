@@ -69,6 +69,8 @@ class BatchedDecoder(RowsDecoder):
         self.window = spec.sliding_window  # positions a token attends to, at most
         # Local and global layers: the window goes into the local layers' mask only.
         self._local = bool(io.local_attention_mask)
+        # A graph attending by each row's length (`kv_lengths`): its padding needs its slots.
+        self._by_length = bool(io.kv_lengths)
         # A target with an EAGLE head keeps the head's features of every position it holds,
         # [rows, capacity, width] (`features`), as it keeps k and v; a head reads them there.
         self._feature_width = _width(session, io.features)
@@ -193,7 +195,8 @@ class BatchedDecoder(RowsDecoder):
         self._check_room(longest, count)
         if longest + count > self.capacity:
             real_end = longest + count
-            if fed is not None and not isinstance(fed, int):  # rows padded past their tokens
+            padded = fed is not None and not isinstance(fed, int)  # rows past their tokens
+            if padded and not self._by_length:  # (by length, padding is attended over)
                 real_end = int(np.max(self.lengths[start : start + n] + fed))
             if real_end >= self.capacity:  # a real token needs the slots (or the last one)
                 self._grow(longest + count)
@@ -206,6 +209,8 @@ class BatchedDecoder(RowsDecoder):
         key = self._call_key(n, count, keep_last, need)
         if arrays is None or arrays.key != key or arrays.capacity != width:
             arrays = self._bind(key, width)
+        if self._by_length:  # every row's keys after the call, its padding's included
+            np.add(self.lengths[start : start + n], count, out=arrays.kv_lengths)
         if n * count > SMALL_CALL:
             np.add(self.lengths[start : start + n, None], arrays.steps, out=arrays.positions)
             np.minimum(arrays.positions, self.capacity - 1, out=arrays.indices[..., 1])
@@ -304,6 +309,8 @@ class BatchedDecoder(RowsDecoder):
             self._binding.bind_ortvalue_output(getattr(io, name), value)
         if self._local:
             inputs.bind(io.local_attention_mask, arrays.local_mask, arrays.local_value)
+        if self._by_length:
+            inputs.bind(io.kv_lengths, arrays.kv_lengths, arrays.kv_value)
         if self._hidden_width:
             inputs.bind(io.hidden_states, arrays.hidden, arrays.hidden_value)
         self._bound = arrays
@@ -324,6 +331,8 @@ class _CallArrays:
         self.indices = np.zeros((n, count, 2), dtype=np.int64)
         self.indices[..., 0] = np.arange(n)[:, None]
         self.values = [shared_ortvalue(a) for a in (self.ids, self.positions, self.indices)]
+        self.kv_lengths = np.zeros(n, dtype=np.int64)
+        self.kv_value = shared_ortvalue(self.kv_lengths)
         self._local = local_mask
         self.fit(capacity)
         self.outputs: dict[str, ort.OrtValue] = {}

@@ -39,8 +39,9 @@ CUDA_ATTENTION_OPTION = click.option(
     "--cuda-attention",
     type=click.Choice(CUDA_ATTENTIONS),
     default=None,
-    help="The cuda engine's graph [batched]: batched runs many rows per call; group_query, one "
-    "row per call on GroupQueryAttention's kernels (what soft-capped models always get).",
+    help="The cuda engine's graph [batched]: batched runs many rows per call; batched_lengths "
+    "too, attending by each row's length (flash attention's form); group_query, one row per call "
+    "on GroupQueryAttention's kernels (what soft-capped models always get).",
 )
 
 

@@ -32,7 +32,7 @@ DEFAULT_ATOL = 1e-3
 DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larger models
 DEFAULT_DRAFT_PRECISION = "int8"
 DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines
-CUDA_ATTENTIONS = ("batched", "group_query")  # the cuda engine's graph (see ExportOptions)
+CUDA_ATTENTIONS = ("batched", "batched_lengths", "group_query")  # the cuda graph (ExportOptions)
 CUDA_REDUCTIONS = ("direct", "chunked")  # how its greedy outputs reduce (see ExportOptions)
 MIN_OPSET = 14  # what the exported attention and norms need (optimum's own floor for them)
 
@@ -50,8 +50,10 @@ class ExportOptions:
     PyTorch within ``fp16_atol``). ``portable``: also write the portable standard-op graph (what
     TensorRT takes; needs optimum-onnx); without it a model's own graph is its first engine.
     ``cuda_attention``: the cuda engine's graph, "batched" (many rows per call, the Attention op
-    under a mask) or "group_query" (one row per call, GroupQueryAttention's kernels, what
-    models with attention soft-capping always get), to compare the two on a GPU.
+    under a mask), "batched_lengths" (the same, attending by each row's length: the form the
+    CUDA provider's flash attention takes; models with sliding windows keep the mask) or
+    "group_query" (one row per call, GroupQueryAttention's kernels, what models with attention
+    soft-capping always get), to compare them on a GPU.
     ``cuda_reductions``: how the cuda engines' greedy outputs reduce the vocabulary, "chunked"
     (two stages) or "direct" (one ArgMax / ReduceMax a row): the same numbers; docs/gpu.md
     says why chunked is the default and how a GPU compares the two."""

@@ -14,6 +14,7 @@ from specrt.export.ort_builder import (
     _MS,
     ATTENTION_MASK,
     CACHE_INDICES,
+    KV_LENGTHS,
     LOCAL_ATTENTION_MASK,
     POSITION_IDS,
     SEQLENS_K,
@@ -85,6 +86,9 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
         attention["softcap"] = shape.attention_softcap
     if shape.per_query_attention:
         return _per_query_attention(b, shape, i, q, mask, attention)
+    if shape.attend_by_length:  # row r's query j sees keys 0 .. kv_lengths[r] - S + j
+        keys = [f"present.{i}.key", f"present.{i}.value", "", "", "", KV_LENGTHS]
+        return b.node("Attention", [q, *keys], [f"attn.{i}"], is_causal=1, **attention)
     b.node(
         "Attention",
         [q, f"present.{i}.key", f"present.{i}.value", mask],

@@ -21,7 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 21
 BATCHED_OPSET = 23  # the Attention op
-IR_VERSIONS = {OPSET: 10, BATCHED_OPSET: 11}
+BY_LENGTH_OPSET = 24  # its nonpad_kv_seqlen input
+IR_VERSIONS = {OPSET: 10, BATCHED_OPSET: 11, BY_LENGTH_OPSET: 12}
 SEQLENS_K = "seqlens_k"  # int32 [batch]: valid positions after this call, minus one
 TOTAL_LENGTH = "total_sequence_length"  # int32 scalar: valid positions after this call
 PROBABILITIES = "probabilities"  # softmax of the logits, computed where onnxruntime's code is hot
@@ -45,6 +46,7 @@ REDUCTION_CHUNK = 256  # columns per first-stage reduction of the chunked greedy
 # The batched engine's inputs, computed by the host from each row's length:
 POSITION_IDS = "position_ids"  # int64 [B, S]: each new token's position
 CACHE_INDICES = "cache_indices"  # int64 [B, S, 2]: (row, position) its k and v are written at
+KV_LENGTHS = "kv_lengths"  # int64 [B]: keys each row holds after the call (`attend_by_length`)
 ATTENTION_MASK = "attention_mask"  # bool [B, 1, S, L]: which cache slots each new token sees
 # Models whose local (sliding-window) and global layers alternate: the local layers' mask.
 LOCAL_ATTENTION_MASK = "attention_mask_local"
@@ -67,6 +69,10 @@ class DecoderShape:
     # Also output each kept row's argmax and max logit: a device backend copies back those few
     # numbers for greedy decoding instead of the logits.
     greedy_outputs: bool = False
+    # Batched attention by each row's length (opset 24's nonpad_kv_seqlen, causal from the
+    # bottom right) instead of under the mask: the CUDA provider's flash attention takes that
+    # form, and no mask (models without sliding windows only).
+    attend_by_length: bool = False
     # How the greedy outputs reduce the vocabulary: "direct" (one ArgMax / ReduceMax per row)
     # or "chunked" (`_chunked_greedy_outputs`; docs/gpu.md says why).
     greedy_reductions: str = "direct"
@@ -221,6 +227,8 @@ def _save(
                     LOCAL_ATTENTION_MASK, TensorProto.BOOL, ["batch", 1, "sequence", "max_length"]
                 )
             )
+        if shape.attend_by_length:  # the mask stays an input (the runtime binds it), unread
+            inputs.append(helper.make_tensor_value_info(KV_LENGTHS, TensorProto.INT64, ["batch"]))
     outputs = [
         helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "kept", shape.vocab_size])
         for name in ("logits", PROBABILITIES)
@@ -243,6 +251,7 @@ def _save(
             )
     graph = helper.make_graph(b.nodes, "specrt_decoder", inputs, outputs, b.initializers)
     opset = BATCHED_OPSET if shape.attention == "batched" else OPSET
+    opset = BY_LENGTH_OPSET if shape.attend_by_length else opset
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(_MS, 1)],

@@ -16,6 +16,7 @@ from specrt.export.ort_builder import (
     ATTENTION_MASK,
     CACHE_INDICES,
     FEATURES,
+    KV_LENGTHS,
     LOCAL_ATTENTION_MASK,
     LOGITS_START,
     MAX_LOGIT,
@@ -69,6 +70,8 @@ def build_ort_engine(
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
     one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
+    # by each row's length: no window to mask (the host's mask carries sliding windows)
+    by_length = device == "cuda" and cuda_attention == "batched_lengths" and not window
     per_query_attention = device == "cpu" and role == "target" and precision != "float32"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
@@ -84,6 +87,7 @@ def build_ort_engine(
         # keeps GroupQueryAttention on CUDA (one row per call) until a GPU has run the batched
         # graph with it: CUDA's Attention kernels take softcap, but none has checked it yet.
         attention="group_query" if one_row else "batched",
+        attend_by_length=by_length and not one_row,
         per_query_attention=per_query_attention,
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
@@ -134,6 +138,7 @@ def build_ort_engine(
             seqlens_k=None if batched else SEQLENS_K,
             total_length=None if batched else TOTAL_LENGTH,
             cache_indices=CACHE_INDICES if batched else None,
+            kv_lengths=KV_LENGTHS if shape.attend_by_length else None,
             probabilities=PROBABILITIES,
             logits_start=LOGITS_START,
             argmax=ARGMAX if shape.greedy_outputs else None,
