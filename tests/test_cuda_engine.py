@@ -448,3 +448,26 @@ def test_chunked_greedy_outputs_decode_as_the_direct_ones(tmp_path):
                 results = generator.generate(PROMPTS, config)
                 tokens[reductions, batch, k] = [r.token_ids for r in results]
     assert len({str(picked) for picked in tokens.values()}) == 1
+
+
+def test_the_cli_chooses_how_the_greedy_outputs_reduce(tmp_path):
+    """`--cuda-reductions` reaches the cuda engines: two stages by default (a GatherElements
+    picks each row's chunk), one ArgMax a row with `direct`."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    target, draft = make_tiny_pair("llama", tmp_path / "src", seed=3, draft_noise=0.3)
+    ops = {}
+    for reductions in (None, "direct"):
+        out = tmp_path / str(reductions)
+        args = ["export", "--target", str(target), "--draft", str(draft), "--out", str(out)]
+        args += ["--device", "cuda", "--no-portable"]
+        args += ["--cuda-reductions", reductions] if reductions else []
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        path = out / read_manifest(out).models["target"].engines["cuda"].path
+        graph = onnx.load(str(path), load_external_data=False).graph
+        ops[reductions] = [node.op_type for node in graph.node]
+    assert ops[None].count("ArgMax") == 2 and "GatherElements" in ops[None]
+    assert ops["direct"].count("ArgMax") == 1 and "GatherElements" not in ops["direct"]

@@ -10,6 +10,7 @@ import click
 from specrt.cli.common import EXPORT_EXTRA, EXPORT_MODULES, _friendly_errors
 from specrt.cli.options import (
     CUDA_ATTENTION_OPTION,
+    CUDA_REDUCTIONS_OPTION,
     DEVICE_OPTION,
     draft_precision_option,
     target_precision_option,
@@ -59,6 +60,7 @@ from specrt.export.options import (
 @target_precision_option(None)
 @DEVICE_OPTION
 @CUDA_ATTENTION_OPTION
+@CUDA_REDUCTIONS_OPTION
 @click.option(
     "--portable/--no-portable",
     default=None,
@@ -123,6 +125,7 @@ def _require_export_extra(command: str, portable: bool = True) -> None:
 @target_precision_option("float32")
 @DEVICE_OPTION
 @CUDA_ATTENTION_OPTION
+@CUDA_REDUCTIONS_OPTION
 @click.option(
     "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Max |logit diff|."
 )
@@ -134,14 +137,22 @@ def _require_export_extra(command: str, portable: bool = True) -> None:
 )
 @_friendly_errors
 def build(
-    bundle, draft_precision, target_precision, devices, cuda_attention, atol, tensorrt
+    bundle,
+    draft_precision,
+    target_precision,
+    devices,
+    cuda_attention,
+    cuda_reductions,
+    atol,
+    tensorrt,
 ) -> None:
     """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
     if tensorrt:
-        if devices or cuda_attention:
+        if devices or cuda_attention or cuda_reductions:
             raise click.UsageError(
-                "--tensorrt builds plans of the portable graphs: --device and --cuda-attention "
-                "are for the onnxruntime engines; give them in a build of their own"
+                "--tensorrt builds plans of the portable graphs: --device, --cuda-attention and "
+                "--cuda-reductions are for the onnxruntime engines; give them in a build of "
+                "their own"
             )
         from specrt.export.tensorrt_plans import build_plans
 
@@ -162,6 +173,7 @@ def build(
             target_precision=target_precision,
             devices=devices or ("cpu",),
             cuda_attention=cuda_attention or "batched",
+            cuda_reductions=cuda_reductions or "chunked",
         )
     except ExportError as exc:
         raise click.UsageError(str(exc)) from exc

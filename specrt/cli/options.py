@@ -10,6 +10,7 @@ from specrt.backends import DEFAULT_MAX_LENGTH, ENGINE_CHOICES
 from specrt.cli.common import DEFAULTS
 from specrt.export.options import (
     CUDA_ATTENTIONS,
+    CUDA_REDUCTIONS,
     DEFAULT_DRAFT_PRECISION,
     DEVICES,
     PRECISIONS,
@@ -42,6 +43,14 @@ CUDA_ATTENTION_OPTION = click.option(
     help="The cuda engine's graph [batched]: batched runs many rows per call; batched_lengths "
     "too, attending by each row's length (flash attention's form); group_query, one row per call "
     "on GroupQueryAttention's kernels (what soft-capped models always get).",
+)
+
+CUDA_REDUCTIONS_OPTION = click.option(
+    "--cuda-reductions",
+    type=click.Choice(CUDA_REDUCTIONS),
+    default=None,
+    help="How the cuda engines' greedy outputs reduce the vocabulary [chunked]: in two stages, "
+    "or direct (one reduction a row); the same numbers (docs/gpu.md).",
 )
 
 
