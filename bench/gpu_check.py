@@ -198,6 +198,7 @@ def check_pair(name: str, built: tuple, entry: dict, step, args, budget_s: float
         probes.append(("group_query_one_row", group_query_one_row, one_row, entry, args))
     if not args.dry_run:
         probes.append(("cuda_graph_draft_step", cuda_graph_probe, bundle))
+        probes.append(("cuda_graph_target_step", cuda_graph_probe, bundle, 64, "target"))
         if "prompt_ids" in entry:
             probes.append(("transformers", transformers_assisted, target, draft, entry, args))
     for key, work, *inputs in probes:
@@ -504,15 +505,15 @@ def host_transfer(bundle: Path, name: str, args) -> dict:
     return out
 
 
-def cuda_graph_probe(bundle: Path, steps: int = 64) -> dict:
-    """The draft's one-token step with onnxruntime's CUDA graphs off and on: everything bound
+def cuda_graph_probe(bundle: Path, steps: int = 64, role: str = "draft") -> dict:
+    """``role``'s one-token step with onnxruntime's CUDA graphs off and on: everything bound
     once on the device (a captured graph replays the same addresses), the lengths advanced
     between replays. Reports the median step time of each and whether they chose the same
     tokens (a replay that ignored the new lengths would not)."""
     out = {}
     for label, enabled in (("off", False), ("on", True)):
         try:
-            out[label] = _draft_steps(bundle, enabled, steps)
+            out[label] = _one_token_steps(bundle, enabled, steps, role)
         except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
             out[label] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if "tokens" in out.get("off", {}) and "tokens" in out.get("on", {}):
@@ -520,13 +521,14 @@ def cuda_graph_probe(bundle: Path, steps: int = 64) -> dict:
     return out
 
 
-def _draft_steps(bundle: Path, cuda_graph: bool, steps: int) -> dict:
-    """The batched cuda engine's draft, one row, one token a step, everything on the device."""
+def _one_token_steps(bundle: Path, cuda_graph: bool, steps: int, role: str) -> dict:
+    """The batched cuda engine of ``role``, one row, one token a step, everything on the
+    device."""
     import onnxruntime as ort
 
     from specrt.bundle import read_manifest
 
-    spec = read_manifest(bundle).models["draft"].engine_view("cuda")
+    spec = read_manifest(bundle).models[role].engine_view("cuda")
     io = spec.io
     provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})
     session = ort.InferenceSession(str(bundle / spec.path), providers=[provider])
@@ -660,6 +662,12 @@ def table(report: dict) -> str:
             base = entry["results"]["target only"]["tokens_per_second"]
             lines.append(f"{label:<22}{rate:>10.1f}{rate / base:>9.2f}x")
         lines.append(f"host inputs, target alone: {host_line(entry.get('host_inputs'))}")
+        for role in ("draft", "target"):
+            probe = entry.get(f"cuda_graph_{role}_step") or {}
+            steps = {k: v.get("step_ms") for k, v in probe.items() if isinstance(v, dict)}
+            if steps:
+                lines.append(f"CUDA graphs, {role} step ms: {steps}, same tokens "
+                             f"{probe.get('same_tokens')}")  # fmt: skip
         verify = ", ".join(f"K={k} {v:.2f}" for k, v in entry["verify_cost_ratio"].items())
         lines.append(f"v_K: {verify}")
         lines.append(
