@@ -15,7 +15,7 @@ from 2 to 9 positions. This probe answers why, in one short run:
    two stages (`ExportOptions.cuda_reductions` "chunked", the default), and that one attending
    by each row's length (`cuda_attention` "batched_lengths").
 2. ``kernels``: the GPU kernels of 20 such calls at 1 and at 2 new positions, by GPU time, on
-   the direct and the chunked engine
+   each engine of part 1
    (torch's profiler, which records every CUDA kernel of the process through CUPTI).
 3. ``ops``: each attention form alone at the 1B shape (32 query heads, 8 kv heads, head 64, a
    cache of 512 positions, 256 of them filled), 1 and 8 rows, 1, 2 and 5 new positions: the
@@ -90,7 +90,7 @@ def main() -> None:
     report["tail"] = tail_ops(args.dry_run)
     save(report, args.out)
     report["kernels"] = {}
-    for name in ("direct", "chunked"):
+    for name in VARIANTS:
         try:
             report["kernels"][name] = kernel_profile(bundles[name], args.dry_run)
         except Exception as exc:  # noqa: BLE001 - the probe reports whatever happens
