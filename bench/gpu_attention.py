@@ -106,34 +106,18 @@ def save(report: dict, out: Path) -> None:
 
 
 def build_engines(work: Path, layers: int, dry_run: bool) -> dict[str, Path]:
-    """A random 1B-shaped target of ``layers`` layers and a tiny draft; their cuda engines with
-    each form of greedy outputs (`ExportOptions.cuda_reductions`)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """A random 1B-shaped target of ``layers`` layers and its draft (`gpu_check.random_pair`);
+    their cuda engines in each of `VARIANTS`."""
     sys.path.insert(0, str(REPO / "bench"))
-    from gpu_check import LLAMA_1B, REAL_VOCAB, TINY
+    from gpu_check import random_pair
 
     from specrt.export import export_bundle
-    from specrt.export.tiny import make_tokenizer
 
-    base = make_tokenizer()
-    vocab = 4096 if dry_run else REAL_VOCAB
-    tokenizer = make_tokenizer(extra_tokens=max(0, vocab - len(base)))
-    shapes = {"target": TINY if dry_run else {**LLAMA_1B, "num_hidden_layers": layers}}
-    shapes["draft"] = TINY
-    for role, shape in shapes.items():
-        config = LlamaConfig(
-            vocab_size=len(tokenizer), max_position_embeddings=2048,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **shape,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).eval().save_pretrained(work / role)
-        tokenizer.save_pretrained(work / role)
+    target, draft = random_pair(work, dry_run, target_layers=layers)
     bundles = {}
     for name, options in VARIANTS.items():
         bundles[name] = work / f"bundle-{name}"
-        export_bundle(work / "target", work / "draft", bundles[name], force=True,
+        export_bundle(target, draft, bundles[name], force=True,
                       portable=False, devices=("cuda",), **options)  # fmt: skip
     return bundles
 

@@ -222,8 +222,9 @@ def machine() -> dict:
     return info
 
 
-def random_pair(root: Path, dry_run: bool) -> tuple[Path, Path]:
-    """Random-weight Llama checkpoints at real shapes (tiny ones in a dry run)."""
+def random_pair(root: Path, dry_run: bool, target_layers: int | None = None) -> tuple[Path, Path]:
+    """Random-weight Llama checkpoints at real shapes (tiny ones in a dry run); the target with
+    ``target_layers`` layers where given (Llama-3.2-1B has 16)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -234,7 +235,8 @@ def random_pair(root: Path, dry_run: bool) -> tuple[Path, Path]:
     base = make_tokenizer()
     vocab = 4096 if dry_run else REAL_VOCAB
     tokenizer = make_tokenizer(extra_tokens=max(0, vocab - len(base)))
-    for role, shape in (("target", LLAMA_1B), ("draft", DRAFT_01B)):
+    target = {**LLAMA_1B, "num_hidden_layers": target_layers or LLAMA_1B["num_hidden_layers"]}
+    for role, shape in (("target", target), ("draft", DRAFT_01B)):
         shape = TINY if dry_run else shape
         config = LlamaConfig(
             vocab_size=len(tokenizer),

@@ -351,6 +351,26 @@ def test_chunked_greedy_outputs_are_the_direct_ones(vocab):
     numpy's argmax (the first of equal maxima: every row holds planted ties, one across a chunk
     boundary), the max logit and the max probability, bit for bit; a vocabulary that does not
     fill its last chunk included."""
+    from specrt.export.ort_builder import REDUCTION_CHUNK
+
+    logits = np.random.default_rng(0).standard_normal((3, 4, vocab)).astype(np.float32)
+    top = logits.max(axis=-1) + 1
+    logits[0, :, [REDUCTION_CHUNK - 1, REDUCTION_CHUNK]] = top[0]  # a tie across two chunks
+    logits[1, :, [7, vocab - 1]] = top[1]  # the last column, in the last (partial) chunk
+    logits[2, :, vocab - 1] = top[2]  # a maximum alone in the last column
+    argmax, max_logit, max_probability = _greedy_session(vocab, "chunked").run(
+        None, {"logits": logits}
+    )
+    assert argmax.tolist() == logits.argmax(axis=-1).tolist()
+    assert argmax[0].tolist() == [REDUCTION_CHUNK - 1] * 4 and argmax[1].tolist() == [7] * 4
+    assert argmax[2].tolist() == [vocab - 1] * 4
+    direct = _greedy_session(vocab, "direct").run(None, {"logits": logits})
+    for chunked, one_stage in zip((argmax, max_logit, max_probability), direct):
+        np.testing.assert_array_equal(chunked, one_stage)
+
+
+def _greedy_session(vocab: int, reductions: str):
+    """The greedy outputs as the cuda engines compute them from ``logits [B, n, vocab]``."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -359,72 +379,23 @@ def test_chunked_greedy_outputs_are_the_direct_ones(vocab):
         MAX_LOGIT,
         MAX_PROBABILITY,
         PROBABILITIES,
-        REDUCTION_CHUNK,
-        _chunked_greedy_outputs,
         _GraphBuilder,
+        _greedy_outputs,
     )
 
     b = _GraphBuilder({})
-    b.constant("vocab_axis", np.array([-1], dtype=np.int64))
     b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
-    _chunked_greedy_outputs(b, vocab)
-    float_shape = ["batch", "kept"]
-    graph = helper.make_graph(
-        b.nodes,
-        "greedy",
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*float_shape, vocab])],
-        [helper.make_tensor_value_info(ARGMAX, TensorProto.INT64, float_shape)]
-        + [
-            helper.make_tensor_value_info(name, TensorProto.FLOAT, float_shape)
-            for name in (MAX_LOGIT, MAX_PROBABILITY)
-        ],
-        initializer=b.initializers,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    logits = np.random.default_rng(0).standard_normal((3, 4, vocab)).astype(np.float32)
-    top = logits.max(axis=-1) + 1
-    logits[0, :, [REDUCTION_CHUNK - 1, REDUCTION_CHUNK]] = top[0]  # a tie across two chunks
-    logits[1, :, [7, vocab - 1]] = top[1]  # the last column, in the last (partial) chunk
-    logits[2, :, vocab - 1] = top[2]  # a maximum alone in the last column
-    argmax, max_logit, max_probability = session.run(None, {"logits": logits})
-    assert argmax.tolist() == logits.argmax(axis=-1).tolist()
-    assert argmax[0].tolist() == [REDUCTION_CHUNK - 1] * 4 and argmax[1].tolist() == [7] * 4
-    assert argmax[2].tolist() == [vocab - 1] * 4
-    direct = ort.InferenceSession(
-        _direct_greedy_graph(vocab), providers=["CPUExecutionProvider"]
-    ).run(None, {"logits": logits})
-    for chunked, one_stage in zip((argmax, max_logit, max_probability), direct):
-        np.testing.assert_array_equal(chunked, one_stage)
-
-
-def _direct_greedy_graph(vocab: int) -> bytes:
-    """The one-stage greedy outputs, as `_lm_head` writes them by default."""
-    from onnx import TensorProto, helper
-
-    from specrt.export.ort_builder import PROBABILITIES, _GraphBuilder
-
-    b = _GraphBuilder({})
-    b.constant("vocab_axis", np.array([-1], dtype=np.int64))
-    b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
-    b.node("ArgMax", ["logits"], ["argmax"], axis=-1, keepdims=0)
-    b.node("ReduceMax", ["logits", "vocab_axis"], ["max_logit"], keepdims=0)
-    b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], ["max_probability"], keepdims=0)
+    _greedy_outputs(b, vocab, reductions)
     shape = ["batch", "kept"]
-    outputs = [helper.make_tensor_value_info("argmax", TensorProto.INT64, shape)]
+    outputs = [helper.make_tensor_value_info(ARGMAX, TensorProto.INT64, shape)]
     outputs += [
         helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
-        for name in ("max_logit", "max_probability")
+        for name in (MAX_LOGIT, MAX_PROBABILITY)
     ]
-    graph = helper.make_graph(
-        b.nodes,
-        "direct",
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*shape, vocab])],
-        outputs,
-        initializer=b.initializers,
-    )
+    inputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*shape, vocab])]
+    graph = helper.make_graph(b.nodes, "greedy", inputs, outputs, initializer=b.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    return model.SerializeToString()
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.usefixtures("cuda_rule", "small_steps")

@@ -154,13 +154,18 @@ def _lm_head(
         b.node("Mul", ["logits_tanh", "logit_softcap"], ["logits"])
     b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
     if shape.greedy_outputs:
-        b.constant("vocab_axis", np.array([-1], dtype=np.int64))
-        if shape.greedy_reductions == "chunked":
-            _chunked_greedy_outputs(b, shape.vocab_size)
-        else:
-            b.node("ArgMax", ["logits"], [ARGMAX], axis=-1, keepdims=0)
-            b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
-            b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
+        _greedy_outputs(b, shape.vocab_size, shape.greedy_reductions)
+
+
+def _greedy_outputs(b: _GraphBuilder, vocab: int, reductions: str) -> None:
+    """Each kept row's argmax, max logit and max probability, from ``logits`` and
+    `PROBABILITIES`: one reduction a row ("direct") or two stages ("chunked")."""
+    b.constant("vocab_axis", np.array([-1], dtype=np.int64))
+    if reductions == "chunked":
+        return _chunked_greedy_outputs(b, vocab)
+    b.node("ArgMax", ["logits"], [ARGMAX], axis=-1, keepdims=0)
+    b.node("ReduceMax", ["logits", "vocab_axis"], [MAX_LOGIT], keepdims=0)
+    b.node("ReduceMax", [PROBABILITIES, "vocab_axis"], [MAX_PROBABILITY], keepdims=0)
 
 
 def _chunked_greedy_outputs(b: _GraphBuilder, vocab: int) -> None:
