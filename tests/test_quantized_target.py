@@ -95,7 +95,7 @@ def test_seeded_sampling_equals_the_quantized_target_alone(quantized):
 
 @pytest.mark.parametrize("arch", [a for a in ENGINE_MODEL_TYPES if a != "llama"])
 def test_every_family_int4_target_is_verified_exactly(tmp_path, arch):
-    """The per-query attention under each family's own options: soft-capping, sliding windows
+    """The padded queries under each family's own options: soft-capping, sliding windows
     (two masks for Gemma 2), q/k norms, GPT-2's positions."""
     window = 6 if arch in ("mistral", "qwen2", "gemma2") else None
     options = {"target_precision": "int4", "portable": False}
@@ -191,3 +191,40 @@ def test_a_cpu_where_verification_is_not_decoding_alone_is_told_so():
     assert "--target-precision float32" in warning
     assert not_invariant(check, "float32") is None  # a float32 target's rounding: see exactness
     assert not_invariant({"step_vs_one_at_a_time_max_abs_diff": 0.0}, "int4") is None
+
+
+def test_one_query_row_more_gives_each_position_the_bits_of_its_own_call():
+    """Why a target's attention takes a copy of its last query row along
+    (`_padded_query_attention`): the Attention op rounds a call of one position differently
+    from a call of several (MLAS's one-row kernel), and a row more keeps every call on the
+    kernel for several. Layout and heads as SmolLM2's (9 query heads over 3)."""
+    from onnx import TensorProto as T
+
+    inputs = [helper.make_tensor_value_info(n, T.FLOAT, None) for n in ("q", "k", "v")]
+    graph = helper.make_graph(
+        [helper.make_node("Attention", ["q", "k", "v", "m"], ["y"], q_num_heads=9,
+                          kv_num_heads=3, scale=0.125)],
+        "g", [*inputs, helper.make_tensor_value_info("m", T.BOOL, None)],
+        [helper.make_tensor_value_info("y", T.FLOAT, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    length, count = 200, 5
+    k, v = (rng.standard_normal((1, length, 192)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, count, 576)).astype(np.float32)
+    mask = np.arange(length)[None, None, None, :] <= np.arange(count)[None, None, :, None] + 190
+
+    def attend(rows: slice, padded: bool) -> np.ndarray:
+        query, seen = q[:, rows], mask[:, :, rows]
+        if padded:
+            query = np.concatenate([query, query[:, -1:]], axis=1)
+            seen = np.concatenate([seen, seen[:, :, -1:]], axis=2)
+        out = session.run(None, {"q": query, "k": k, "v": v, "m": seen})[0]
+        return out[:, : out.shape[1] - padded]
+
+    for padded in (False, True):
+        together = attend(slice(None), padded)
+        alone = np.concatenate([attend(slice(j, j + 1), padded) for j in range(count)], axis=1)
+        difference = float(np.abs(together - alone).max())
+        assert difference == 0.0 if padded else difference > 0.0

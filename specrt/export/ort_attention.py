@@ -8,7 +8,6 @@ per-head q/k norms, applied before either.
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, helper
 
 from specrt.export.ort_builder import (
     _MS,
@@ -84,8 +83,8 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
     attention = dict(q_num_heads=h, kv_num_heads=kvh, scale=shape.scale)
     if shape.attention_softcap:
         attention["softcap"] = shape.attention_softcap
-    if shape.per_query_attention:
-        return _per_query_attention(b, shape, i, q, mask, attention)
+    if shape.padded_queries:
+        return _padded_query_attention(b, shape, i, q, mask, attention)
     if shape.attend_by_length:  # row r's query j sees keys 0 .. kv_lengths[r] - S + j
         keys = [f"present.{i}.key", f"present.{i}.value", "", "", "", KV_LENGTHS]
         return b.node("Attention", [q, *keys], [f"attn.{i}"], is_causal=1, **attention)
@@ -97,42 +96,31 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
     )
 
 
-def _per_query_attention(
+def _padded_query_attention(
     b: _GraphBuilder, shape: DecoderShape, i: int, q: str, mask: str, attention: dict
 ) -> None:
-    """The Attention op once per query position (a Scan over the positions): its kernels round
-    a call of several positions differently from a call of one, so each position is a call of
-    one, in verification as in decoding alone, and a row's numbers do not depend on how many
-    positions came with it (checked bit for bit at export). One position is one iteration."""
-    h, hd = shape.num_heads, shape.head_dim
-    b.initializer("q_positions_shape", np.array([0, 0, 1, h * hd], dtype=np.int64))
-    b.initializer("attn_out_shape", np.array([0, 0, h * hd], dtype=np.int64))
-    mask5 = f"{mask}.5d"  # [B,1,S,L] -> [B,1,S,1,L], once for the layers that read it
-    if not any(mask5 in node.output for node in b.nodes):
-        b.initializer("mask_position_axis", np.array([3], dtype=np.int64))
-        b.node("Unsqueeze", [mask, "mask_position_axis"], [mask5])
-    body = helper.make_graph(
-        [
-            helper.make_node(
-                "Attention",
-                ["q_t", f"present.{i}.key", f"present.{i}.value", "mask_t"],  # outer scope
-                ["attended_t"],
-                **attention,  # the Attention node's attributes, as one call for all has them
-            ),
-        ],
-        f"attention_per_position.{i}",
-        [
-            helper.make_tensor_value_info("q_t", TensorProto.FLOAT, ["batch", 1, h * hd]),
-            helper.make_tensor_value_info("mask_t", TensorProto.BOOL, ["batch", 1, 1, "length"]),
-        ],
-        [helper.make_tensor_value_info("attended_t", TensorProto.FLOAT, ["batch", 1, h * hd])],
+    """The Attention op on one query row more than the call fed (a copy of its last, whose
+    output is dropped). MLAS multiplies a single row (M = 1: a call of one position) with its own
+    kernel, which rounds differently from the kernel for several rows; with at least two rows
+    every call takes the same kernel, and a position's numbers do not depend on how many came
+    with it (checked bit for bit at export)."""
+    # one row more at the end of the query axis, a copy of the last ("edge")
+    b.initializer("query_row_pad", np.array([0, 0, 0, 0, 1, 0], dtype=np.int64))
+    b.initializer("mask_row_pad", np.array([0, 0, 0, 0, 0, 0, 1, 0], dtype=np.int64))
+    b.initializer("rows_start", np.array([0], dtype=np.int64))
+    b.initializer("fed_rows_end", np.array([-1], dtype=np.int64))
+    b.initializer("query_axis", np.array([1], dtype=np.int64))
+    padded_mask = f"{mask}.padded"  # [B,1,S,L] -> [B,1,S+1,L], once for the layers that read it
+    if not any(padded_mask in node.output for node in b.nodes):
+        b.node("Pad", [mask, "mask_row_pad"], [padded_mask], mode="edge")
+    b.node("Pad", [q, "query_row_pad"], [f"{q}.padded"], mode="edge")  # [B,S+1,h*hd]
+    b.node(
+        "Attention",
+        [f"{q}.padded", f"present.{i}.key", f"present.{i}.value", padded_mask],
+        [f"attn.{i}.padded"],
+        **attention,
     )
-    b.node("Reshape", [q, "q_positions_shape"], [f"q_positions.{i}"])  # [B,S,1,h*hd]
-    b.node(  # each position's q [B,1,h*hd] and mask [B,1,1,L]; out [B,S,1,h*hd]
-        "Scan", [f"q_positions.{i}", mask5], [f"attended.{i}"], body=body, num_scan_inputs=2,
-        scan_input_axes=[1, 2], scan_output_axes=[1],
-    )  # fmt: skip
-    b.node("Reshape", [f"attended.{i}", "attn_out_shape"], [f"attn.{i}"])
+    b.node("Slice", [f"attn.{i}.padded", "rows_start", "fed_rows_end", "query_axis"], [f"attn.{i}"])
 
 
 def _rope_tables(shape: DecoderShape, i: int) -> tuple[str, str]:

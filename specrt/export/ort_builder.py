@@ -80,11 +80,11 @@ class DecoderShape:
     # several tokens to each of several rows (GroupQueryAttention refuses batch > 1 when more
     # than one token follows a cached prefix).
     attention: str = "group_query"
-    # Batched attention as one Attention call per query position (a Scan): the op's kernels
-    # round a call of several positions differently from a call of one, and a quantised
+    # Batched attention on one query row more than fed (`_padded_query_attention`): the op's
+    # kernels round a call of one position differently from a call of several, and a quantised
     # target's int8 activations magnify that into other tokens, so its verification must
     # compute what decoding alone does.
-    per_query_attention: bool = False
+    padded_queries: bool = False
     # Qwen3: each head's q and k RMS-normalised (weights ``self_attn.q_norm`` / ``k_norm``,
     # over head_dim) before the rotation.
     qk_norm: bool = False

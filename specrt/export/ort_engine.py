@@ -72,7 +72,7 @@ def build_ort_engine(
     one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
     # by each row's length: no window to mask (the host's mask carries sliding windows)
     by_length = device == "cuda" and cuda_attention == "batched_lengths" and not window
-    per_query_attention = device == "cpu" and role == "target" and precision != "float32"
+    padded_queries = device == "cpu" and role == "target" and precision != "float32"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -88,7 +88,7 @@ def build_ort_engine(
         # graph with it: CUDA's Attention kernels take softcap, but none has checked it yet.
         attention="group_query" if one_row else "batched",
         attend_by_length=by_length and not one_row,
-        per_query_attention=per_query_attention,
+        padded_queries=padded_queries,
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         activation=ACTIVATIONS.get(activation(config), "silu"),

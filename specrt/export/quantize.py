@@ -8,7 +8,7 @@ weights, so 8-bit weights make the draft step several times cheaper (demo pair, 
 A quantised target is a different model: the output is then exactly that engine's own
 target-alone output, not the float32 checkpoint's. That holds only if verifying several
 positions in one call computes each position's logits bit for bit as decoding it alone does:
-hence the target's block size here, and its per-query attention (`specrt.export.ort_attention`).
+hence the target's block size here, and its padded queries (`specrt.export.ort_attention`).
 """
 
 from __future__ import annotations
