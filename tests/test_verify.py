@@ -21,6 +21,7 @@ from click.testing import CliRunner
 import specrt.runtime.round as round_module
 import specrt.runtime.verification as verification
 from specrt.cli import main
+from specrt.runtime import GenerationConfig
 from specrt.runtime.chi_square import chi2_sf, goodness_of_fit
 
 DEMO = Path(__file__).resolve().parents[1] / "engines" / "demo"
@@ -186,3 +187,15 @@ def test_a_missing_bundle_is_one_clear_line(tmp_path):
         f"Error: bundle directory '{tmp_path / 'nothing'}' does not exist; build it with "
         "`specrt export --target DIR --draft DIR --out DIR` or `make engines`"
     ]
+
+
+@pytest.mark.parametrize("schedule", ["adaptive", "heuristic", "fixed"])
+def test_the_sampled_checks_draft_every_round_whatever_the_schedule(schedule):
+    """In a batch of sampled rows any schedule but "fixed" leaves K to the load schedule, which
+    drafted nothing on a busy host: the law check then audited the target alone."""
+    from specrt.runtime.audit import sampled_config
+
+    config = GenerationConfig(proposer="model", draft_schedule=schedule, num_draft_tokens=3)
+    sampled = sampled_config(config)
+    assert sampled.draft_schedule == "fixed" and sampled.num_draft_tokens == 3
+    assert not sampled.greedy and sampled.seed is not None

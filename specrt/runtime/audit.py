@@ -15,8 +15,9 @@ give the target's own output here, with these settings?
   (Pearson's chi-square, small cells pooled). A correct runtime fails it with probability
   ``alpha``, the false-alarm rate.
 
-The sampled checks draft every round: an ``"adaptive"`` schedule, which may choose to draft
-nothing in a batch of sampled rows (where drafting does not pay), is replaced by ``"fixed"``.
+The sampled checks draft every round: any schedule but ``"fixed"`` is replaced by it, since
+in a batch of sampled rows the load schedule chooses instead, and it may draft nothing where
+drafting does not pay (as it did for ``"heuristic"`` on a busy host).
 A schedule chooses only how many tokens are drafted, never which are kept, and a check that
 verified no draft token would audit nothing. Each line says how many draft tokens were verified.
 """
@@ -137,7 +138,7 @@ def sampled_config(config: GenerationConfig) -> GenerationConfig:
         sampled = replace(sampled, temperature=DEFAULT_TEMPERATURE)
     if sampled.seed is None:
         sampled = replace(sampled, seed=DEFAULT_SEED)
-    if sampled.draft_schedule == "adaptive":
+    if sampled.draft_schedule != "fixed":
         sampled = replace(sampled, draft_schedule="fixed")
     return sampled
 
