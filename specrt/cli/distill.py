@@ -119,6 +119,12 @@ from specrt.cli.common import _friendly_errors, _prompts
     help="Send the prompts through the target's chat template where it has one; "
     "--no-chat-template: as plain text, as completions do (train on the text it will serve).",
 )
+@click.option(
+    "--bf16/--no-bf16",
+    default=None,
+    help="Matrix products in bfloat16 while training (weights stay float32) [on where the CPU "
+    "has bfloat16 instructions].",
+)
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @_friendly_errors
 def distill(
@@ -140,6 +146,7 @@ def distill(
     head_vocab,
     state_dir,
     chat_template,
+    bf16,
     force,
 ) -> None:
     """Train a draft for a target from the target's own answers (sequence-level distillation).
@@ -153,7 +160,7 @@ def distill(
     _require_export_extra("distill", portable=False)
     from specrt.distill import DistillSettings
     from specrt.distill import distill as run
-    from specrt.distill.train import TrainSettings
+    from specrt.distill.train import TrainSettings, native_bf16
 
     if steps and prompt_file is None:
         raise click.UsageError("give --prompt-file (the prompts the target answers), or --steps 0")
@@ -175,6 +182,7 @@ def distill(
             lr=lr,
             seed=seed,
             save_every=save_every,
+            bf16=native_bf16() if bf16 is None else bf16,
         ),
     )
     report = run(

@@ -147,17 +147,20 @@ def distill(
 def _distill_head(target, identity, examples, held, settings, out, log, prompts, started,
                   progress, state) -> dict:  # fmt: skip
     """Steps 3 and 4 for an EAGLE-3 head (`specrt.distill.eagle`)."""
-    from specrt.distill import eagle
+    from specrt.distill import eagle, features
     from specrt.staging import publish, staging
 
     head = eagle.new_head(target, examples, settings.head_vocab)
+    states_key = _key(identity, prompts, settings.max_new_tokens, settings.top_k, head.layers,
+                      *_plain(settings))  # fmt: skip
+    kept = features.states(target, examples, head.layers, state / f"states-{states_key}", progress)
     k = settings.num_draft_tokens
     before = eagle.report(head, target, held, k) if held else None
     key = _key(identity, prompts, "eagle3", settings.head_vocab, settings.max_new_tokens,
                settings.top_k, settings.train.as_dict(), head.layers,
                *_plain(settings))  # fmt: skip
     checkpoint = state / f"train-{key}.pt"
-    losses = eagle.train_head(head, target, examples, settings.train, checkpoint, progress)
+    losses = eagle.train_head(head, kept, examples, settings.train, checkpoint, progress)
     eagle.round_to_saved(head)  # the report is of the head as written
     after = eagle.report(head, target, held, k) if held else None
     own = {

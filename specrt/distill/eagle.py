@@ -26,6 +26,7 @@ import numpy as np
 from specrt.bundle import EAGLE3_ARCHITECTURE
 from specrt.distill.data import Example
 from specrt.distill.train import TrainSettings, batch, checkpointed_steps
+from specrt.distill.train import spans as train_spans
 
 if TYPE_CHECKING:
     import torch
@@ -88,13 +89,22 @@ def new_head(target: torch.nn.Module, examples: list[Example], head_vocab: int) 
     return head
 
 
-def head_loss(head: Eagle3Head, target, examples: list[Example], settings: TrainSettings, step):
-    """Step ``step``'s loss: the head's chained drafts against the target's soft targets."""
+def head_loss(
+    head: Eagle3Head,
+    kept: list[np.ndarray],
+    examples: list[Example],
+    settings: TrainSettings,
+    step: int,
+):
+    """Step ``step``'s loss: the head's chained drafts against the target's soft targets;
+    ``kept``: the target's states of every example (`specrt.distill.features.states`)."""
     import torch
 
-    ids, mask, (rows, cols), top_ids, top_probs = batch(examples, settings, step)
-    states = _states(target, ids, mask, head.layers)
-    features = head.fc(states)
+    from specrt.distill import features as target_features
+
+    ids, _, (rows, cols), top_ids, top_probs = batch(examples, settings, step)
+    spans = train_spans(examples, settings, step)
+    features = head.fc(target_features.rows(examples, kept, spans, ids.shape[1]))
     # column c of the batch predicts the token at c + 1 (`batch`); the head at base p reads
     # token p + 1 and drafts token p + 2 (step 0), p + 3 (step 1) ...
     follows = torch.nn.functional.pad(ids[:, 1:], (0, 1))
@@ -125,17 +135,18 @@ def _states(target, ids, mask, layers):
 
 def train_head(
     head: Eagle3Head,
-    target,
+    kept: list[np.ndarray],
     examples: list[Example],
     settings: TrainSettings,
     checkpoint: Path,
     progress: bool = True,
 ) -> list[float]:
-    """Train ``head`` in place (every parameter: the embedding is a buffer), resumable."""
+    """Train ``head`` in place (every parameter: the embedding is a buffer), resumable;
+    ``kept``: the target's states of every example."""
     return checkpointed_steps(
         head,
         dict(head.named_parameters()),
-        lambda step: head_loss(head, target, examples, settings, step),
+        lambda step: head_loss(head, kept, examples, settings, step),
         settings,
         checkpoint,
         progress,
