@@ -45,6 +45,10 @@ def command(target, prompts, heldout, out: Path, *extra) -> list[str]:
     return [sys.executable, "-m", "specrt.cli", *args, *extra]
 
 
+def prompts_of(path: Path) -> set[str]:
+    return {json.loads(line)["prompt"] for line in path.read_text().splitlines()}
+
+
 def run(cmd: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -74,7 +78,7 @@ def test_a_killed_run_goes_on_to_the_draft_an_uninterrupted_run_makes(target, tm
     process.wait()
     assert not out.exists()  # nothing half-written at --out
     answers = sorted(state_dir(out).glob("answers-*/*.npz"))
-    assert len(answers) == 24  # every answer kept: the rerun does not ask the target again
+    assert len(answers) == len(prompts_of(target[1]))  # all kept: the rerun does not ask again
     stamps = [path.stat().st_mtime_ns for path in answers]
 
     resumed = run(command(*target, out))
@@ -163,7 +167,7 @@ def test_an_eagle3_head_resumes_after_a_kill_learns_and_drafts_losslessly(target
     shared = tmp_path / "answers"  # --state-dir: where a draft's run left the answers, say
     whole = run(command(*target, tmp_path / "whole", *eagle, "--state-dir", str(shared)))
     assert whole.returncode == 0, whole.stderr
-    assert len(list(shared.glob("answers-*/*.npz"))) == 24
+    assert len(list(shared.glob("answers-*/*.npz"))) == len(prompts_of(target[1]))
     assert not state_dir(tmp_path / "whole").exists()
     report = json.loads((tmp_path / "whole" / "distill_report.json").read_text())
     before, after = report["heldout_before"], report["heldout_after"]
@@ -212,7 +216,7 @@ def test_prompts_go_through_the_chat_template_unless_told_not_to(target, tmp_pat
     --no-chat-template the plain text a completion sends (each kept apart)."""
     from transformers import AutoTokenizer
 
-    from specrt.distill.data import load
+    from specrt.distill.data import _path, load
 
     chat = tmp_path / "chat-target"
     shutil.copytree(target[0], chat)
@@ -241,7 +245,7 @@ def test_prompts_go_through_the_chat_template_unless_told_not_to(target, tmp_pat
         report = json.loads((out / "distill_report.json").read_text())
         assert report["settings"]["chat_template"] == (name == "chat")
         [answers] = set(state.glob("heldout-*")) - before  # apart from the other kind's
-        assert load(sorted(answers.glob("*.npz"))[0]).prompt.tolist() == expected[name]
+        assert load(_path(answers, first)).prompt.tolist() == expected[name]
 
 
 def test_a_head_reads_the_target_s_states_kept_once_and_a_lost_chunk_is_made_again(
@@ -287,3 +291,34 @@ def test_a_head_reads_the_target_s_states_kept_once_and_a_lost_chunk_is_made_aga
         t for c, t in zip(chunks, times) if c != lost
     ]
     assert all(np.array_equal(a, b) for a, b in zip(kept, again))
+
+
+def test_a_grown_prompt_set_asks_the_target_for_its_new_prompts_alone(target, tmp_path):
+    """Answers are kept a file per prompt: a prompt set grown by new prompts is answered for
+    those alone (and a prompt given twice once). Answers made in bfloat16, for training, are
+    kept apart from the float32 ones, which they never replace and which are taken where they
+    exist."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrt.distill import data
+
+    model = AutoModelForCausalLM.from_pretrained(target[0]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target[0])
+    prompts = sorted(prompts_of(target[1]))[:10]
+    exact, rounded = tmp_path / "float32", tmp_path / "bfloat16"
+    first = data.answer(model, tokenizer, prompts[:6], exact, 8, 4, progress=False)
+    stamps = {path: path.stat().st_mtime_ns for path in exact.glob("*.npz")}
+    assert len(stamps) == 6
+    grown = data.answer(model, tokenizer, prompts + prompts[:2], exact, 8, 4, progress=False)
+    assert len(list(exact.glob("*.npz"))) == 10
+    assert all(path.stat().st_mtime_ns == stamp for path, stamp in stamps.items())
+    assert [e.tokens.tolist() for e in grown[:6]] == [e.tokens.tolist() for e in first]
+    assert [e.tokens.tolist() for e in grown[10:]] == [e.tokens.tolist() for e in grown[:2]]
+
+    more = [*prompts, "def new_prompt"]
+    trained = data.answer(
+        model, tokenizer, more, rounded, 8, 4, progress=False, bf16=True, exact=exact
+    )
+    assert [path.name for path in rounded.glob("*.npz")] == [data._path(rounded, more[-1]).name]
+    assert [e.tokens.tolist() for e in trained[:10]] == [e.tokens.tolist() for e in grown[:10]]
+    assert len(list(exact.glob("*.npz"))) == 10

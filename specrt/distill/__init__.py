@@ -90,21 +90,26 @@ def distill(
         )
 
     # 2. The target's answers to the training and held-out prompts.
-    def answers(name: str, texts: list[str]) -> list[data.Example]:
-        key = _key(identity, texts, settings.max_new_tokens, settings.top_k, *_plain(settings))
+    def answers(name: str, texts: list[str], bf16: bool) -> list[data.Example]:
+        # a file per prompt in a folder of these settings: a grown prompt set reuses them
+        kept = (identity, settings.max_new_tokens, settings.top_k, *_plain(settings))
+        exact = state / f"{name}-{_key(*kept)}"
         return data.answer(
             target,
             tokenizer,
             texts,
-            state / f"{name}-{key}",
+            state / f"{name}-{_key(*kept, 'bfloat16')}" if bf16 else exact,
             settings.max_new_tokens,
             settings.top_k,
             progress=progress,
             chat_template=settings.chat_template,
+            bf16=bf16,
+            exact=exact,
         )
 
-    examples = answers("answers", prompts) if settings.train.steps else []
-    held = answers("heldout", heldout) if heldout else []
+    # what the draft learns from may be the target's in bfloat16; what it is measured on is not
+    examples = answers("answers", prompts, settings.train.bf16) if settings.train.steps else []
+    held = answers("heldout", heldout, False) if heldout else []
 
     # 3. Training, from the checkpoint a killed run left.
     k = settings.num_draft_tokens
@@ -151,8 +156,10 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     from specrt.staging import publish, staging
 
     head = eagle.new_head(target, examples, settings.head_vocab)
-    states_key = _key(identity, prompts, settings.max_new_tokens, settings.top_k, head.layers,
-                      *_plain(settings))  # fmt: skip
+    read = hashlib.sha256()  # the states are of these tokens, whichever answers they are
+    for example in examples:
+        read.update(example.prompt.tobytes() + b"|" + example.tokens.tobytes() + b"||")
+    states_key = _key(identity, head.layers, read.hexdigest())
     kept = features.states(target, examples, head.layers, state / f"states-{states_key}", progress)
     k = settings.num_draft_tokens
     before = eagle.report(head, target, held, k) if held else None
