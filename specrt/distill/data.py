@@ -61,9 +61,10 @@ def answer(
 ) -> list[Example]:
     """The target's greedy answers to ``prompts``, those not yet in ``folder`` generated (a batch
     at a time, left-padded) and written there; all of them returned in prompt order. ``bf16``:
-    the target multiplies in bfloat16 (1.6-1.8x faster on a CPU with bfloat16 instructions),
-    so the answers are those of the target rounded so: for training, not for measuring; an
-    answer in ``exact`` (the folder of float32 answers) is taken in place of one."""
+    the target multiplies in bfloat16 (faster on a CPU with bfloat16 instructions: the
+    answers are the longest part of a distillation), so the answers are those of the target
+    rounded so: for training, not for measuring; an answer in ``exact`` (the folder of float32
+    answers) is taken in place of one."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig

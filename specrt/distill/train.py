@@ -33,8 +33,8 @@ class TrainSettings:
     lr: float = 5e-4
     seed: int = 0
     save_every: int = 50  # steps between checkpoints
-    # Matrix products in bfloat16 (weights, optimizer and loss in float32): twice the steps an
-    # hour on a CPU that has bfloat16 instructions (`native_bf16`), slower on one without.
+    # Matrix products in bfloat16 (weights, optimizer and loss in float32): more steps an hour
+    # on a CPU that has bfloat16 instructions (`native_bf16`), fewer on one without.
     bf16: bool = False
 
     def as_dict(self) -> dict:
