@@ -181,7 +181,7 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         publish(staged, out)
     checkpoint.unlink(missing_ok=True)  # done: the head is written
-    log(f"the target's answers stay in {state} for another run; remove it when done")
+    log(f"the target's answers and states stay in {state} for another run; remove it when done")
     return report
 
 
