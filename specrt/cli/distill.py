@@ -122,8 +122,9 @@ from specrt.cli.common import _friendly_errors, _prompts
 @click.option(
     "--bf16/--no-bf16",
     default=None,
-    help="Matrix products in bfloat16 while training (weights stay float32) [on where the CPU "
-    "has bfloat16 instructions].",
+    help="Matrix products in bfloat16 while training (weights stay float32) and while the target "
+    "answers the training prompts (held-out ones: float32) [on where the CPU has bfloat16 "
+    "instructions].",
 )
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @_friendly_errors
