@@ -72,7 +72,7 @@ engines-real: install build/smollm2-draft/own_weights.safetensors build/smollm2-
 	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head --out engines/smollm2-eagle \
 		--force
 	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head \
-		--out engines/smollm2-eagle-int4 --target-precision int4 --force
+		--out engines/smollm2-eagle-int4 --target-precision int4 --no-portable --force
 
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '%b' "$$PROMPT")" --max-new-tokens 96 --compare

@@ -22,6 +22,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
+from specrt.backends.tensorrt import ep_options
 from specrt.bundle import read_manifest
 from specrt.cli import main
 from specrt.errors import ExportError
@@ -37,6 +38,7 @@ from specrt.runtime.round import RowRound, catch_up, draft_rows
 from specrt.runtime.sampling import warp
 from tests.stats import chi_square_pvalue
 from tests.test_greedy import PROMPTS
+from tests.test_tensorrt import parse
 
 ALPHA = 1e-4
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
@@ -74,6 +76,9 @@ def generators(bundle):
     return {
         "one row": SpeculativeGenerator.from_bundle(bundle, threads=1),
         "batched": SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=8),
+        "portable": SpeculativeGenerator.from_bundle(
+            bundle, threads=1, max_batch=8, engine="portable"
+        ),
     }
 
 
@@ -87,6 +92,34 @@ def test_the_export_checks_the_head_and_the_target_s_features(bundle, sources):
     assert target.engines["onnxruntime"].io.features == "eagle_features"
     assert head.io.hidden_states and head.io.hidden_out
     assert head.source == str(sources[2].resolve())
+
+
+def test_the_portable_graphs_compute_the_features_and_the_head(bundle):
+    """Standard ops only, checked against PyTorch at export, with what onnxruntime's TensorRT
+    provider needs to compile them: a shape range for every input, the head's features too."""
+    manifest = read_manifest(bundle)
+    target, head = manifest.models["target"], manifest.models["draft"]
+    assert target.path == "target/model.onnx" and target.io.features == "eagle_features"
+    assert head.path == "draft/model.onnx" and head.cache == "concat"
+    assert target.export_check["features_max_abs_diff"] < 1e-5
+    assert target.export_check["max_abs_logit_diff"] < 1e-4
+    assert head.export_check["max_abs_logit_diff"] < 1e-4
+    assert set(head.engines) == {"onnxruntime"}
+    for role, spec in manifest.models.items():
+        graph = onnx.load(str(bundle / spec.path), load_external_data=False).graph
+        assert {node.domain for node in graph.node} <= {"", "ai.onnx"}, role
+        options = ep_options(spec, bundle, role, max_length=64)
+        ranges = [parse(options[f"trt_profile_{key}_shapes"]) for key in ("min", "opt", "max")]
+        assert sorted(name for name, _ in ranges[0]) == sorted([i.name for i in graph.input] * 2)
+        for (name, low), (_, opt), (_, high) in zip(*ranges):
+            assert all(a <= b <= c for a, b, c in zip(low, opt, high)), (name, low, high)
+            if name == head.io.hidden_states:
+                assert low[-1] == high[-1] == 64  # the head's hidden size
+    result = CliRunner().invoke(main, ["build", "--bundle", str(bundle), "--tensorrt"])
+    assert (
+        result.exit_code != 0 and "not built for a bundle drafted for by an EAGLE" in result.output
+    )
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("variant", ["default layers", "norm before residual"])
@@ -147,7 +180,7 @@ def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources,
     copy = tmp_path / "head"
     shutil.copytree(head, copy)
     out = tmp_path / "bundle"
-    export_bundle(target, copy, out, draft_precision="float32")
+    export_bundle(target, copy, out, draft_precision="float32", portable=False)
     (out / "NOTES.md").write_text("mine")
     result = CliRunner().invoke(main, ["build", "--bundle", str(out)])
     assert result.exit_code == 0, result.output
@@ -155,6 +188,7 @@ def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources,
     manifest = read_manifest(out)
     assert manifest.models["draft"].engines["onnxruntime"].precision == "int8"
     assert manifest.models["target"].engines["onnxruntime"].io.features == "eagle_features"
+    assert manifest.models["target"].cache == "batched"  # still without portable graphs
     assert (out / "NOTES.md").read_text() == "mine"
     generator = SpeculativeGenerator.from_bundle(out, threads=1)
     alone, drafted = (
@@ -176,15 +210,21 @@ def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources,
     assert sorted(p.name for p in out.rglob("*")) == before
 
 
-def test_the_head_drafts_what_its_pytorch_reference_drafts_round_after_round(sources, bundle):
+@pytest.mark.parametrize("engine", ["auto", "portable"])
+def test_the_head_drafts_what_its_pytorch_reference_drafts_round_after_round(
+    sources, bundle, engine
+):
     """Two rows in shared calls, rounds that keep a random part of their drafts: the runtime's
     drafts (the target's features of verified positions, the head's own state while chaining,
-    its cache rolled back to verified slots) are the PyTorch head's, recomputed from scratch."""
+    its cache rolled back to verified slots) are the PyTorch head's, recomputed from scratch,
+    on the engines and on the portable graphs."""
     _, target_dir, head_dir = sources
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     head = read_head(head_dir, model.config)
     reference = Eagle3Head.from_checkpoint(head, model.get_input_embeddings().weight.detach())
-    generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=2)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=2, engine=engine)
+    kinds = {"auto": "BatchedDecoder", "portable": "PortableRowsDecoder"}
+    assert type(generator.draft.head).__name__ == kinds[engine]
     target, draft = generator.target, generator.draft
     vocab = draft.vocab_size
     columns = vocab_map(head.weights["d2t"].numpy(), vocab)
@@ -227,14 +267,14 @@ def _reference_chain(model, reference, head, tokens: list[int], k: int, columns)
     return drafted
 
 
-@pytest.mark.parametrize("path", ["one row", "batched"])
+@pytest.mark.parametrize("path", ["one row", "batched", "portable"])
 def test_greedy_output_equals_the_target_alone(generators, path):
     generator = generators[path]
     prompts = PROMPTS[:12]
 
     def run(**options):
         config = GenerationConfig(max_new_tokens=40, ignore_eos=True, **options)
-        if path == "batched":
+        if path != "one row":
             return [r.token_ids for r in generator.generate(prompts, config)]
         return [generator.generate([p], config)[0].token_ids for p in prompts]
 
@@ -245,7 +285,7 @@ def test_greedy_output_equals_the_target_alone(generators, path):
         assert run(**options) == alone, options
 
 
-@pytest.mark.parametrize("path", ["one row", "batched"])
+@pytest.mark.parametrize("path", ["one row", "batched", "portable"])
 def test_seeded_sampling_equals_the_target_alone(generators, path):
     generator = generators[path]
     sampled = dict(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=11)
@@ -365,7 +405,7 @@ def test_the_demo_head_keeps_its_drafts_on_the_cuda_engines(tmp_path):
     from specrt.prompts import read_prompt_file
 
     out = tmp_path / "demo"
-    export_bundle(DEMO / "target", DEMO / "head", out, devices=("cpu", "cuda"))
+    export_bundle(DEMO / "target", DEMO / "head", out, devices=("cpu", "cuda"), portable=False)
     texts = read_prompt_file(DEMO / "heldout_prompts.jsonl")[:4]
     config = GenerationConfig(max_new_tokens=32, ignore_eos=True, num_draft_tokens=4,
                               **MODEL_DRAFTS)  # fmt: skip

@@ -71,11 +71,6 @@ class BatchedDecoder(RowsDecoder):
         self._local = bool(io.local_attention_mask)
         # A graph attending by each row's length (`kv_lengths`): its padding needs its slots.
         self._by_length = bool(io.kv_lengths)
-        # A target with an EAGLE head keeps the head's features of every position it holds,
-        # [rows, capacity, width] (`features`), as it keeps k and v; a head reads them there.
-        self._feature_width = _width(session, io.features)
-        self._hidden_width = _width(session, io.hidden_states)
-        self.features = np.zeros((max_batch, 0, self._feature_width), dtype=np.float32)
         self._binding = session.io_binding()
         self._rows: tuple[int, int, int] | None = None  # rows and positions the binding covers
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
@@ -148,12 +143,7 @@ class BatchedDecoder(RowsDecoder):
         return buffers
 
     def _grow(self, needed: int) -> None:
-        previous = self.features
         super()._grow(needed)
-        if self._feature_width:
-            self.features = np.zeros((self.max_batch, self.capacity, self._feature_width), "f4")
-            keep = min(self.capacity, previous.shape[1])
-            self.features[:, :keep] = previous[:, :keep]
         self._bound = None  # bound again at the next call (its masks fitted to the capacity)
         self._rows = None
         self._views.clear()
@@ -242,20 +232,10 @@ class BatchedDecoder(RowsDecoder):
                     visible[: max(0, position + 1 - self.window)] = False
         return arrays
 
-    def move_row(self, source: int, dest: int) -> None:
-        if self._feature_width:
-            length = int(self.lengths[source])
-            self.features[dest, :length] = self.features[source, :length]
-        super().move_row(source, dest)
-
     def _run(self, start: int, n: int, fed: int | np.ndarray) -> None:
         self._execute()
-        if self._feature_width:  # each row's real positions, at their places
-            counts = [fed] * n if isinstance(fed, int) else np.broadcast_to(fed, n).tolist()
-            lengths = self.lengths[start : start + n].tolist()
-            computed = self._bound.features
-            for i, (length, count) in enumerate(zip(lengths, counts)):
-                self.features[start + i, length : length + count] = computed[i, :count]
+        if self._feature_width:
+            self._keep_features(start, n, fed, self._bound.features)
         if n == 1 and isinstance(fed, int):
             self.lengths[start] += fed
         else:
@@ -376,11 +356,3 @@ class _CallArrays:
             out = np.empty((n, keep_last, hidden), dtype=np.float32)
             self.outputs["hidden_out"] = shared_ortvalue(out)
             self.result.hidden, self.row_result.hidden = out, out[0]
-
-
-def _width(session: ort.InferenceSession, name: str | None) -> int:
-    """The last dimension of the graph's input or output ``name`` (0: the graph has none)."""
-    if not name:
-        return 0
-    found = [v for v in (*session.get_inputs(), *session.get_outputs()) if v.name == name]
-    return int(found[0].shape[-1]) if found else 0

@@ -85,8 +85,7 @@ class DeviceRowsDecoder(BatchedDecoder):
 
     def move_row(self, source: int, dest: int) -> None:
         length = int(self.lengths[source])
-        if self._feature_width:  # an EAGLE head's features stay on the host
-            self.features[dest, :length] = self.features[source, :length]
+        self._move_features(source, dest, length)  # an EAGLE head's: on the host
         for buffer in self._buffers:
             self._ops.rows(buffer, source, buffer, dest, length)
         self.lengths[dest] = length

@@ -130,6 +130,9 @@ class PortableRowsDecoder(RowsDecoder):
                 "batched; load it with max_batch=1 (or re-export the bundle)"
             )
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
+        # a target with an EAGLE head's features; a head's hidden states
+        self._outputs += [io.features] * bool(self._feature_width)
+        self._outputs += [io.hidden_out] * bool(self._hidden_width)
         self._grow(min(self.max_positions, CAPACITY_STEP))
 
     def _buffer_shape(self, capacity: int) -> tuple[int, ...]:
@@ -143,7 +146,9 @@ class PortableRowsDecoder(RowsDecoder):
         keep_last: int,
         fed: int | np.ndarray,
         need: str = NEED_LOGITS,
+        hidden: np.ndarray | None = None,
     ) -> Forward:
+        """``hidden [n, S, width]`` (or one row's ``[width]``): an EAGLE head's input features."""
         io = self.spec.io
         lengths = self.lengths[start : start + n]
         longest, count = int(lengths.max()), tokens.shape[1]
@@ -161,15 +166,23 @@ class PortableRowsDecoder(RowsDecoder):
         }
         if io.position_ids:  # else the graph counts positions along the mask
             feed[io.position_ids] = positions
+        if self._hidden_width:
+            shape = (n, count, self._hidden_width)
+            feed[io.hidden_states] = np.ascontiguousarray(np.broadcast_to(hidden, shape), "f4")
         past = [self._right_aligned(b[start : start + n], lengths, longest) for b in self._buffers]
         feed.update(zip([name for name, _ in self._names], past))
-        logits, *presents = self._timed(self.session.run, self._outputs, feed)
+        logits, *outputs = self._timed(self.session.run, self._outputs, feed)
+        presents = outputs[: len(self._buffers)]
         rows = np.arange(n)[:, None]
         for buffer, present in zip(self._buffers, presents):  # [n, kv_heads, P + S, head_dim]
             new = present[:, :, longest:].transpose(0, 2, 1, 3)  # [n, S, kv_heads, head_dim]
             buffer[start : start + n].transpose(0, 2, 1, 3)[rows, positions] = new
+        if self._feature_width:
+            self._keep_features(start, n, fed, outputs[len(self._buffers)])
         self.lengths[start : start + n] += fed
-        return Forward(logits[:, count - keep_last :, : self.vocab_size])
+        kept = slice(count - keep_last, None)
+        states = outputs[-1][:, kept] if self._hidden_width else None
+        return Forward(logits[:, kept, : self.vocab_size], hidden=states)
 
     @staticmethod
     def _right_aligned(buffer: np.ndarray, lengths: np.ndarray, longest: int) -> np.ndarray:

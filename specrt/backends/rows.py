@@ -40,6 +40,14 @@ CALL_OVERHEAD = 12
 MAX_RUN = 64  # rows a run of `padded_runs` spans at most (its search grows with it)
 
 
+def graph_width(session: ort.InferenceSession, name: str | None) -> int:
+    """The last dimension of the graph's input or output ``name`` (0: the graph has none)."""
+    if not name:
+        return 0
+    found = [v for v in (*session.get_inputs(), *session.get_outputs()) if v.name == name]
+    return int(found[0].shape[-1]) if found else 0
+
+
 def padded_runs(counts: Sequence[int], overhead: int = CALL_OVERHEAD) -> list[tuple[int, int]]:
     """Runs ``[first, end)`` of neighbouring rows that cover every row with a count above 0, for
     calls that pad each row to its run's longest: the fewest positions computed, counting
@@ -103,6 +111,11 @@ class RowsDecoder(DecoderBase):
         self._buffers: list[np.ndarray] = []
         self.capacity = 0
         self.resizes = 0  # times the cache was reallocated (a round that did is not a typical one)
+        # A target with an EAGLE head keeps the head's features of every position it holds,
+        # [rows, capacity, width] (`features`), as it keeps k and v; a head reads them there.
+        self._feature_width = graph_width(session, io.features)
+        self._hidden_width = graph_width(session, io.hidden_states)  # a head's input
+        self.features = np.zeros((max_batch, 0, self._feature_width), dtype=np.float32)
 
     @property
     def cache_bytes_per_row(self) -> int:
@@ -207,6 +220,7 @@ class RowsDecoder(DecoderBase):
     def move_row(self, source: int, dest: int) -> None:
         """Copy ``source``'s cache and length into ``dest`` (packing live rows at the front)."""
         length = int(self.lengths[source])
+        self._move_features(source, dest, length)
         window = (slice(None),) * (self.POSITION_AXIS - 1) + (slice(0, length),)
         for buffer in self._buffers:
             buffer[(dest, *window)] = buffer[(source, *window)]
@@ -221,6 +235,24 @@ class RowsDecoder(DecoderBase):
         self._buffers = self._resized(capacity)
         self.capacity = capacity
         self.resizes += 1
+        if self._feature_width:
+            previous = self.features
+            self.features = np.zeros((self.max_batch, capacity, self._feature_width), "f4")
+            keep = min(capacity, previous.shape[1])
+            self.features[:, :keep] = previous[:, :keep]
+
+    # An EAGLE head's features, kept on the host whatever the graph runs on ------------------
+    def _keep_features(self, start: int, n: int, fed: int | np.ndarray, computed) -> None:
+        """Store ``computed [n, S, width]``, the features of a call's positions, at each row's
+        real positions (``fed`` of them; the lengths not yet grown by the call)."""
+        counts = [fed] * n if isinstance(fed, int) else np.broadcast_to(fed, n).tolist()
+        lengths = self.lengths[start : start + n].tolist()
+        for i, (length, count) in enumerate(zip(lengths, counts)):
+            self.features[start + i, length : length + count] = computed[i, :count]
+
+    def _move_features(self, source: int, dest: int, length: int) -> None:
+        if self._feature_width:
+            self.features[dest, :length] = self.features[source, :length]
 
     def _capacity_step(self) -> int:
         """Positions the cache grows by at a time."""

@@ -114,7 +114,8 @@ def make_decoder(
         return BatchedDecoder(session, spec, vocab_size, role, max_length, max_batch)
     if spec.cache == "in_place":
         return InPlaceDecoder(session, spec, vocab_size, role, max_length)
-    if max_batch > 1 and spec.model_type not in ONE_ROW_PORTABLE:
+    eagle = bool(spec.io.features or spec.io.hidden_states)  # `EagleDraft` reads rows' features
+    if eagle or (max_batch > 1 and spec.model_type not in ONE_ROW_PORTABLE):
         return PortableRowsDecoder(session, spec, vocab_size, role, max_length, max_batch)
     return PortableDecoder(session, spec, vocab_size, role, max_length)
 

@@ -45,10 +45,13 @@ MISSING = (
 )
 
 
-def profiles(spec: ModelSpec, max_length: int, role: str) -> list[dict[str, tuple]]:
+def profiles(
+    spec: ModelSpec, max_length: int, role: str, hidden: int = 0
+) -> list[dict[str, tuple]]:
     """Two optimisation profiles for the portable graph's inputs, each {input: (min, opt, max)}:
     decode/verify (1..K+1 new positions; opt 1 for the draft, 5 for the target: K = 4) and
-    prefill (up to a prompt chunk). The past runs from 0 to max_length - 1 positions in both."""
+    prefill (up to a prompt chunk). The past runs from 0 to max_length - 1 positions in both.
+    ``hidden``: the width of an EAGLE head's input features (`graph_input_width`)."""
     io = spec.io
     past_max = max_length - 1
     decode_opt = 1 if role == "draft" else 5
@@ -65,6 +68,8 @@ def profiles(spec: ModelSpec, max_length: int, role: str) -> list[dict[str, tupl
             profile[io.attention_mask] = ((1, 1), (1, past_opt + new_opt), (1, max_length))
         if io.position_ids:
             profile[io.position_ids] = ((1, 1), (1, new_opt), (1, new_max))
+        if io.hidden_states:
+            profile[io.hidden_states] = ((1, 1, hidden), (1, new_opt, hidden), (1, new_max, hidden))
         for name in [*io.past_keys, *io.past_values]:
             dims = (spec.num_kv_heads, spec.head_dim)
             profile[name] = (
@@ -86,13 +91,25 @@ def ep_options(spec: ModelSpec, bundle_root: Path, role: str, max_length: int) -
         "trt_engine_cache_path": str(bundle_root / role / EP_CACHE),
         "trt_timing_cache_enable": "True",
     }
+    hidden = graph_input_width(bundle_root / spec.path, spec.io.hidden_states)
     for index, key in enumerate(("min", "opt", "max")):
         options[f"trt_profile_{key}_shapes"] = ",".join(
             f"{name}:{'x'.join(str(d) for d in shape[index])}"
-            for profile in profiles(spec, max_length, role)
+            for profile in profiles(spec, max_length, role, hidden)
             for name, shape in profile.items()
         )
     return options
+
+
+def graph_input_width(graph: Path, name: str | None) -> int:
+    """The last dimension of the graph's input ``name`` (0: none named)."""
+    if not name:
+        return 0
+    import onnx
+
+    inputs = onnx.load(str(graph), load_external_data=False).graph.input
+    [found] = [value for value in inputs if value.name == name]
+    return int(found.type.tensor_type.shape.dim[-1].dim_value)
 
 
 def gpu_identity() -> dict[str, str]:

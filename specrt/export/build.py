@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from specrt.bundle import (
@@ -46,8 +47,9 @@ def build_engines(
     sources = {role: Path(manifest.models[role].source) for role in ROLES}
     ggufs = {role: source for role, source in sources.items() if source.is_file()}
     _check_sources(manifest, sources, ggufs)
-    if manifest.models["draft"].eagle_head:
-        return _rebuild_with_head(root, sources, options, log)
+    if manifest.models["draft"].eagle_head:  # its portable graphs kept where it has them
+        portable = manifest.models["target"].cache == "concat"
+        return _rebuild_with_head(root, sources, replace(options, portable=portable), log)
     with as_folders(sources, ggufs, root, log) as folders, staging(root, "build") as scratch:
         shutil.copytree(root, scratch, dirs_exist_ok=True)
         for role in ROLES:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from specrt.backends.base import NEED_LOGITS
-from specrt.backends.batched import BatchedDecoder
 from specrt.backends.eagle import EagleDraft
+from specrt.backends.select import make_decoder
 from specrt.backends.session import create_session
 from specrt.bundle import (
     CUDA_ENGINE,
@@ -52,9 +52,11 @@ from specrt.export.ort_builder import (
     DecoderShape,
 )
 from specrt.export.ort_eagle import build_head_graph, vocab_map
+from specrt.export.portable_eagle import export_portable_head
 from specrt.export.quantize import quantize_weights
 
 CHECK_TOKENS = 12
+PORTABLE = "portable"  # `head_check` of the portable graphs
 
 
 def export_head(
@@ -68,13 +70,17 @@ def export_head(
     atol: float = 1e-3,
     precision: str = "float32",
     fp16_atol: float | None = None,
+    portable: bool = False,
 ) -> ModelSpec:
     """Write ``draft/onnxruntime/model.onnx``, the head's engine, check it with the target's
     engine against PyTorch, and return its spec. ``precision``: its weights', as a draft
     model's (`specrt.export.quantize`): checked in float32 first (within ``atol``: the graph
     is right), then quantised (its logits must only be numbers: a draft's guesses).
     ``fp16_atol``: also write ``draft/cuda/model.onnx``, the head in float16 for the CUDA
-    provider beside the target's cuda engine, checked with it within that bound."""
+    provider beside the target's cuda engine, checked with it within that bound.
+    ``portable``: also write ``draft/model.onnx``, the head's portable graph (standard ops, in
+    float32, what TensorRT takes), checked with the target's portable graph within ``atol``;
+    it is then the spec's own graph, as a draft model's is."""
     config = head.config
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -189,7 +195,42 @@ def export_head(
                 f"{cuda.export_check['max_abs_logit_diff']:.3g} (> fp16_atol {fp16_atol}); "
                 "export it without --device cuda, or with a larger fp16_atol"
             )
+    if portable:
+        _add_portable_head(reference, columns, spec, target, model, head, bundle_root, atol)
     return spec
+
+
+def _add_portable_head(reference, columns, spec: ModelSpec, target: ModelSpec, model, head,
+                       bundle_root: Path, atol: float) -> None:  # fmt: skip
+    """Write and check the head's portable graph, and make it ``spec``'s own graph."""
+    graph = export_portable_head(reference, columns, bundle_root / "draft" / "model.onnx")
+    files = {str(f.relative_to(bundle_root)): sha256_file(f) for f in sorted(graph.parent.glob("*"))
+             if f.is_file()}  # fmt: skip
+    io = ModelIO(
+        input_ids="input_ids",
+        attention_mask="attention_mask",
+        position_ids="position_ids",
+        past_keys=["past_key_values.0.key"],
+        past_values=["past_key_values.0.value"],
+        logits="logits",
+        present_keys=["present.0.key"],
+        present_values=["present.0.value"],
+        hidden_states=HIDDEN_STATES,
+        hidden_out=HIDDEN_OUT,
+    )
+    portable = replace(spec, path=str(graph.relative_to(bundle_root)), files=files, io=io,
+                       cache="concat", engines={})  # fmt: skip
+    check = head_check(model, reference, head, portable, target, bundle_root, columns,
+                       engine=PORTABLE)  # fmt: skip
+    check["atol"] = atol
+    if not check["max_abs_logit_diff"] <= atol:
+        raise ExportError(
+            f"EAGLE head: its portable graph's logits differ from PyTorch by "
+            f"{check['max_abs_logit_diff']:.3g} (> atol {atol}); the export is numerically "
+            "wrong. Report it, or export with --no-portable"
+        )
+    spec.path, spec.files, spec.io, spec.cache = portable.path, files, io, "concat"
+    spec.export_check = check
 
 
 def head_check(
@@ -210,13 +251,7 @@ def head_check(
     and one chained step from its own state."""
     vocab = spec.vocab_size
     ids = np.random.default_rng(seed).integers(0, vocab, size=CHECK_TOKENS).tolist()
-    target_view = target.engine_view(engine)
-    target_decoder = BatchedDecoder(
-        create_session(bundle_root / target_view.path, providers=["CPUExecutionProvider"]),
-        target_view,
-        vocab,
-        "check",
-    )
+    target_decoder = _open(bundle_root, target, engine, vocab)
     target_decoder.forward(ids, keep_last=1)
     computed = target_decoder.features[0, :CHECK_TOKENS].copy()
     feature_diff = float(np.abs(computed - target_features(model, ids, head).numpy()).max())
@@ -231,14 +266,7 @@ def head_check(
     )
     expected = _on_target_vocab(logits.numpy(), columns)
     expected_step = _on_target_vocab(step_logits[-1:].numpy(), columns)
-    head_view = spec.engine_view(engine) if engine in spec.engines else spec
-    head_decoder = BatchedDecoder(
-        create_session(bundle_root / head_view.path, providers=["CPUExecutionProvider"]),
-        head_view,
-        vocab,
-        "check",
-    )
-    draft = EagleDraft(head_decoder, target_decoder)
+    draft = EagleDraft(_open(bundle_root, spec, engine, vocab), target_decoder)
     tokens = np.array([ids[1:]], dtype=np.int64)
     got = draft.forward_rows(tokens, keep_last=len(ids) - 1, need=NEED_LOGITS).logits[0].copy()
     target_decoder.set_length(0, CHECK_TOKENS - 1)  # the next slot chains on the head's state
@@ -253,6 +281,13 @@ def head_check(
         "max_abs_logit_diff": float(np.max([catch_up_diff, step_diff])),
         "unproposed_logit": float(UNPROPOSED),
     }
+
+
+def _open(bundle_root: Path, spec: ModelSpec, engine: str, vocab: int):
+    """The decoder of ``spec``'s graph ``engine`` (`PORTABLE`: its own) on this CPU."""
+    view = spec if engine == PORTABLE or engine not in spec.engines else spec.engine_view(engine)
+    session = create_session(bundle_root / view.path, providers=["CPUExecutionProvider"])
+    return make_decoder(session, view, vocab, "check")
 
 
 def _on_target_vocab(head_logits: np.ndarray, columns: np.ndarray) -> np.ndarray:

@@ -33,12 +33,15 @@ from specrt.export.checkpoints import (
     TOKENIZER_FILES,
     is_head,
     is_multimodal,
+    load_checked,
+    load_config,
     save_text_decoder,
     text_config,
 )
 from specrt.export.destination import check_destination, keep_users_files
 from specrt.export.gguf_checkpoints import as_folders, gguf_file
-from specrt.export.options import SUPPORTED_MODEL_TYPES, ExportOptions
+from specrt.export.options import ExportOptions
+from specrt.export.ort_builder import FEATURES as FEATURE_OUTPUT
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 from specrt.staging import publish, staging
 
@@ -87,7 +90,7 @@ def _export_pair(
 ) -> Manifest:
     """`export_bundle` from Hugging Face folders (``ggufs``: the GGUF files some were read
     from, which the manifest names)."""
-    configs = {role: _load_config(path, role) for role, path in sources.items()}
+    configs = {role: load_config(path, role) for role, path in sources.items()}
 
     tokenizers = {role: load_tokenizer_json(path) for role, path in sources.items()}
     difference = describe_difference(tokenizers["target"], tokenizers["draft"])
@@ -153,26 +156,36 @@ def _export_with_head(
     from specrt.export.eagle import head_features, read_head
     from specrt.export.eagle_export import export_head
 
-    config = _load_config(target, "target")
+    config = load_config(target, "target")
     head = read_head(head_dir, text_config(config))
     vocab = _tokenizer_vocab_size(target)
     tokenizer_hash = canonical_hash(load_tokenizer_json(target))
     cuda = "cuda" in options.devices  # the head in float16 too, beside the target's
-    options = replace(options, portable=False, ort_engine=True, devices=("cpu",) + ("cuda",) * cuda)
+    options = replace(options, ort_engine=True, devices=("cpu",) + ("cuda",) * cuda)
     model = load_causal_lm(target, config)
+    features = head_features(head)
     with staging(out, "partial") as scratch:
         log(f"exporting target ({config.model_type}) from {target}, with the head's features")
-        spec = _engines_only(
-            model, text_config(config), scratch, "target", tokenizer_hash, vocab, options, log,
-            target, head_features(head),
-        )  # fmt: skip
+        if options.portable:
+            spec = _export_checked(target, text_config(config), scratch, "target", tokenizer_hash,
+                                   vocab, options, log, features, model)  # fmt: skip
+        else:
+            spec = _engines_only(
+                model, text_config(config), scratch, "target", tokenizer_hash, vocab, options,
+                log, target, features,
+            )  # fmt: skip
         if gguf is not None:
             spec.source, spec.source_sha256 = str(gguf.resolve()), sha256_file(gguf)
         log(f"exporting the EAGLE head from {head_dir} ({options.draft_precision})")
         head_spec = export_head(head, head_dir, model, spec, scratch, vocab, tokenizer_hash,
                                 precision=options.draft_precision,
-                                fp16_atol=options.fp16_atol if cuda else None)  # fmt: skip
-        log(f"  EAGLE head: max |logit diff| {head_spec.export_check['max_abs_logit_diff']:.2e}")
+                                fp16_atol=options.fp16_atol if cuda else None,
+                                portable=options.portable)  # fmt: skip
+        checks = {f"{name} engine": e.export_check for name, e in head_spec.engines.items()}
+        if options.portable:
+            checks = {"portable graph": head_spec.export_check, **checks}
+        for name, check in checks.items():
+            log(f"  EAGLE head {name}: max |logit diff| {check['max_abs_logit_diff']:.2e}")
         return _publish({"target": spec, "draft": head_spec}, target, config, vocab, scratch,
                         out, log)  # fmt: skip
 
@@ -192,57 +205,6 @@ def _export_role(source: Path, config, bundle_root: Path, role: str, *rest) -> M
     return spec
 
 
-def _load_config(path: Path, role: str):
-    from transformers import AutoConfig
-
-    if not (path / "config.json").is_file():
-        raise ExportError(
-            f"{role} checkpoint {str(path)!r} has no config.json; pass a Hugging Face model "
-            "directory (the output of `save_pretrained`)"
-        )
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors are ValueErrors
-        raise ExportError(
-            f"{role} checkpoint {str(path)!r}: its config.json cannot be read "
-            f"({type(exc).__name__}: {str(exc)[:200]}); repair it or save the model again with "
-            "`save_pretrained`"
-        ) from exc
-    quantized = getattr(config, "quantization_config", None)
-    if quantized:  # transformers would need the quantiser's package, then fail or mis-export
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ExportError(
-            f"{role} checkpoint {str(path)!r} is quantized ({method}); export the unquantized "
-            "model (specrt quantizes the engines itself: --target-precision, --draft-precision)"
-        )
-    heads = [a for a in config.architectures or [] if a.endswith(LANGUAGE_MODEL_CLASSES)]
-    if config.architectures and not heads:
-        raise ExportError(
-            f"{role} checkpoint {str(path)!r} is a {config.architectures[0]}, not a language "
-            "model with its output layer; export the checkpoint saved from its ...ForCausalLM"
-        )
-    if text_config(config).model_type not in SUPPORTED_MODEL_TYPES:
-        raise ExportError(
-            f"{role} model type {config.model_type!r} is not supported yet; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (and gemma3 multimodal checkpoints' text "
-            "decoders)"
-        )
-    # Found now, not after the other model's export (minutes for a large target).
-    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
-        raise ExportError(
-            f"{role} checkpoint {str(path)!r} has no weights ({', '.join(WEIGHT_FILES)}); "
-            "pass the directory `save_pretrained` wrote, weights included"
-        )
-    return config
-
-
-# How a Hugging Face checkpoint's weights are named (one file, or shards and their index).
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
-# Classes (config.architectures) that end in a vocabulary's logits; a base model, classifier
-# or reward model saved from the same family would get a random output layer at load.
-LANGUAGE_MODEL_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
-
-
 def _export_checked(
     source: Path,
     config,
@@ -252,29 +214,14 @@ def _export_checked(
     token_range: int,
     options: ExportOptions,
     log: Log,
+    features=None,
+    model=None,
 ) -> ModelSpec:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as transformers_logging
-
+    """``features``: an EAGLE head's, which every graph of the target then computes
+    (`ort_graph.EagleFeatures`); ``model``: the checkpoint, where it is loaded already."""
     from specrt.export.numeric_check import max_logit_difference
 
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()  # missing weights are reported below, in a line
-    try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch.float32, local_files_only=True, output_loading_info=True
-        )
-    finally:
-        transformers_logging.set_verbosity(verbosity)
-    model.eval()
-    if loading["missing_keys"]:  # transformers fills them with random values
-        missing = sorted(loading["missing_keys"])
-        raise ExportError(
-            f"{role} checkpoint {str(source)!r} lacks weights the model needs "
-            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): they would be "
-            "random; export the checkpoint saved whole from its ...ForCausalLM model"
-        )
+    model = model or load_checked(source, role)
     if not options.portable:
         return _engines_only(
             model, config, bundle_root, role, tokenizer_hash, token_range, options, log, source
@@ -282,14 +229,20 @@ def _export_checked(
     from specrt.export.onnx_export import describe_model, export_onnx
 
     graph = export_onnx(source, bundle_root / role, options.opset, options.slim)
+    if features is not None:
+        from specrt.export.portable_eagle import add_features, features_difference
+
+        add_features(graph, features)
     spec = describe_model(graph, bundle_root, config, tokenizer_hash)
     spec.source = str(source.resolve())
     spec.source_sha256 = checkpoint_sha256(source)
-    spec.export_check = require_close(
-        max_logit_difference(model, graph, spec, token_range), options.atol, role, source
-    )
+    check = max_logit_difference(model, graph, spec, token_range)
+    if features is not None:
+        spec.io.features = FEATURE_OUTPUT
+        check.update(features_difference(model, graph, spec, features))
+    spec.export_check = require_close(check, options.atol, role, source)
     if options.ort_engine:
-        add_ort_engine(model, spec, config, bundle_root, role, token_range, options, log)
+        add_ort_engine(model, spec, config, bundle_root, role, token_range, options, log, features)
     return spec
 
 

@@ -25,6 +25,15 @@ from specrt.staging import publish, staging
 
 
 def build_plans(bundle_dir: str | Path, log=lambda message: None) -> Manifest:
+    root = Path(bundle_dir)
+    manifest = read_manifest(root)
+    if manifest.models["draft"].eagle_head:
+        raise ExportError(
+            "TensorRT plans are not built for a bundle drafted for by an EAGLE head yet; its "
+            "portable graphs run on onnxruntime's TensorRT provider (Python: providers="
+            "['TensorrtExecutionProvider', 'CUDAExecutionProvider']), or build its cuda engines: "
+            f"specrt build --bundle {bundle_dir} --device cuda"
+        )
     try:
         import tensorrt
     except ImportError as exc:
@@ -33,8 +42,6 @@ def build_plans(bundle_dir: str | Path, log=lambda message: None) -> Manifest:
         identity = gpu_identity()
     except InvalidInputError as exc:
         raise ExportError(str(exc)) from exc
-    root = Path(bundle_dir)
-    manifest = read_manifest(root)
     verify_checksums(manifest, root)
     for role, spec in manifest.models.items():
         if spec.cache != "concat":

@@ -14,8 +14,8 @@ import onnxruntime as ort
 from specrt.backends import (
     DEFAULT_MAX_LENGTH,
     ENGINE_CHOICES,
-    BatchedDecoder,
     Decoder,
+    RowsDecoder,
     open_decoder,
 )
 from specrt.backends.eagle import EagleDraft
@@ -143,12 +143,13 @@ def _load(
 
 
 def eagle_draft(head: Decoder, target: Decoder) -> EagleDraft:
-    """The head drafting from the target's features; both must be batched engines."""
-    if not (isinstance(head, BatchedDecoder) and isinstance(target, BatchedDecoder)):
+    """The head drafting from the target's features; both must be decoders of rows (the
+    batched engines, or the portable graphs)."""
+    if not (isinstance(head, RowsDecoder) and isinstance(target, RowsDecoder)):
         raise BundleError(
             "the bundle's draft is an EAGLE head, which runs on the batched onnxruntime "
-            "engines (CPU or cuda) only: load it without engine= or providers= that choose "
-            "another graph"
+            "engines (CPU or cuda) or the portable graphs, not on TensorRT plans: load it "
+            "without engine='tensorrt'"
         )
     return EagleDraft(head, target)
 
