@@ -109,7 +109,10 @@ class PortableRowsDecoder(RowsDecoder):
     shorter row's prefix right-aligned with the padding before it masked through
     ``attention_mask``, gives every token its row's own ``position_ids``, and copies the S new
     positions of ``present`` back to where each row's prefix ends. The copies make it slower
-    than the engine; it is what runs batches for models without one."""
+    than the engine; it is what runs batches for models without one. A bundle with an EAGLE
+    head runs its portable graphs here, one row or many: the target's features of every
+    position are kept (`RowsDecoder.features`), and the head's graph takes ``hidden``, so
+    `EagleDraft` drafts over these as over the engines."""
 
     POSITION_AXIS = 2
 
