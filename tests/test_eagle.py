@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,26 @@ def test_the_portable_graphs_compute_the_features_and_the_head(bundle):
         result.exit_code != 0 and "not built for a bundle drafted for by an EAGLE" in result.output
     )
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_heads_of_other_families_draft_on_the_portable_graphs(tmp_path, family):
+    """The features found in another family's portable graph (Gemma 2: its scaled embedding
+    read as layer 0's input), and Gemma 2's portable graphs run one row per call (a padded past
+    moves their logits), so a batch of them runs a row at a time."""
+    target, _ = make_tiny_pair(family, tmp_path / "src", seed=5, config=LAYERS)
+    head = make_tiny_head(target, tmp_path / "head", seed=1, layers=(0, 2, 3))
+    manifest = export_bundle(target, head, tmp_path / "bundle", draft_precision="float32")
+    assert manifest.models["target"].export_check["features_max_abs_diff"] < 1e-5
+    generator = SpeculativeGenerator.from_bundle(
+        tmp_path / "bundle", threads=1, max_batch=4, engine="portable"
+    )
+    assert generator.max_batch == (1 if family == "gemma2" else 4)
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    alone = generator.generate(PROMPTS[:3], replace(config, num_draft_tokens=0))
+    drafted = generator.generate(PROMPTS[:3], replace(config, num_draft_tokens=3, **MODEL_DRAFTS))
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+    assert sum(r.stats.drafted_tokens for r in drafted) > 0
 
 
 @pytest.mark.parametrize("variant", ["default layers", "norm before residual"])

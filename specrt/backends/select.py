@@ -114,8 +114,11 @@ def make_decoder(
         return BatchedDecoder(session, spec, vocab_size, role, max_length, max_batch)
     if spec.cache == "in_place":
         return InPlaceDecoder(session, spec, vocab_size, role, max_length)
-    eagle = bool(spec.io.features or spec.io.hidden_states)  # `EagleDraft` reads rows' features
-    if eagle or (max_batch > 1 and spec.model_type not in ONE_ROW_PORTABLE):
+    one_row = spec.model_type in ONE_ROW_PORTABLE
+    if spec.io.features or spec.io.hidden_states:  # `EagleDraft` reads a rows decoder's features
+        rows = 1 if one_row else max_batch
+        return PortableRowsDecoder(session, spec, vocab_size, role, max_length, rows)
+    if max_batch > 1 and not one_row:
         return PortableRowsDecoder(session, spec, vocab_size, role, max_length, max_batch)
     return PortableDecoder(session, spec, vocab_size, role, max_length)
 

@@ -167,8 +167,8 @@ def _export_with_head(
     with staging(out, "partial") as scratch:
         log(f"exporting target ({config.model_type}) from {target}, with the head's features")
         if options.portable:
-            spec = _export_checked(target, text_config(config), scratch, "target", tokenizer_hash,
-                                   vocab, options, log, features, model)  # fmt: skip
+            spec = _export_role(target, config, scratch, "target", tokenizer_hash, vocab, options,
+                                log, features, model)  # fmt: skip
         else:
             spec = _engines_only(
                 model, text_config(config), scratch, "target", tokenizer_hash, vocab, options,
