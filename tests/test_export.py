@@ -211,3 +211,39 @@ def test_a_multimodal_checkpoint_smaller_than_its_tokenizer_is_named(tmp_path):
     (target / "config.json").write_text(json.dumps(settings))
     with pytest.raises(PairMismatchError, match="target model has 40 embeddings but the tokenizer"):
         export_bundle(target, draft, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+)
+def test_the_engines_rotary_tables_are_the_models_own_computed_in_float64(scaling):
+    """The engine's cos/sin tables: the model's rotary module's (its scaling applied), with the
+    cosine and sine taken in float64 (torch's float32 cosine has erred by 1.5e-4 on a first
+    call, failing exports now and then)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specrt.export.ort_engine import rope_tables
+
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=2, max_position_embeddings=256, rope_scaling=scaling
+    )
+    rotary = LlamaRotaryEmbedding(config)
+    positions = 512 if scaling and scaling["rope_type"] == "dynamic" else 256
+    cos, sin = rope_tables(rotary, positions)
+    with torch.no_grad():
+        own_cos, own_sin = rotary(torch.zeros(1), torch.arange(positions)[None])
+    half = own_cos.shape[-1] // 2
+    assert cos.shape == sin.shape == (positions, half) and cos.dtype == np.float32
+    # the module's float32 angles (its inv_freq as the call left it), their cosine in float64
+    angles = np.arange(positions, dtype=np.float32)[:, None] * rotary.inv_freq.numpy()
+    exact = np.cos(angles.astype(np.float64)) * rotary.attention_scaling
+    np.testing.assert_array_equal(cos, exact.astype(np.float32))
+    np.testing.assert_allclose(cos, own_cos[0, :, :half].numpy(), atol=2e-4)
+    np.testing.assert_allclose(sin, own_sin[0, :, :half].numpy(), atol=2e-5)

@@ -52,6 +52,7 @@ from specrt.export.ort_builder import (
     DecoderShape,
 )
 from specrt.export.ort_eagle import build_head_graph, vocab_map
+from specrt.export.ort_engine import rope_tables
 from specrt.export.portable_eagle import export_portable_head
 from specrt.export.quantize import quantize_weights
 
@@ -96,9 +97,7 @@ def export_head(
     )
     positions = target.max_positions
     reference = Eagle3Head.from_checkpoint(head, model.get_input_embeddings().weight.detach())
-    with torch.no_grad():
-        cos, sin = reference.rotary(torch.zeros(1), torch.arange(positions)[None])
-    half_dim = cos.shape[-1] // 2
+    cos, sin = rope_tables(reference.rotary, positions)
     embedding = reference.embedding[:vocab].numpy()
     columns = vocab_map(head.weights["d2t"].numpy(), vocab)
     out = bundle_root / "draft" / ONNXRUNTIME_ENGINE / "model.onnx"
@@ -106,8 +105,8 @@ def export_head(
         shape,
         head_weights_numpy(head),
         embedding,
-        cos[0, :, :half_dim].numpy(),
-        sin[0, :, :half_dim].numpy(),
+        cos,
+        sin,
         columns,
         out,
         head.norm_before_residual,
@@ -172,8 +171,7 @@ def export_head(
     if fp16_atol is not None:
         half = replace(shape, dtype="float16", greedy_outputs=True, greedy_reductions="chunked")
         graph = build_head_graph(
-            half, head_weights_numpy(head), embedding, cos[0, :, :half_dim].numpy(),
-            sin[0, :, :half_dim].numpy(), columns,
+            half, head_weights_numpy(head), embedding, cos, sin, columns,
             bundle_root / "draft" / CUDA_ENGINE / "model.onnx", head.norm_before_residual,
         )  # fmt: skip
         files = {
