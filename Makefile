@@ -12,7 +12,7 @@ DEVICES := --device cpu $(if $(filter cuda,$(DEVICE)),--device cuda)
 PROMPT ?= import os\n\n\ndef read_config(path):\n
 export PROMPT  # read by the recipe from its environment: quotes and % in it stay text
 
-.PHONY: install test lint engines engines-real demo demo-models demo-head measure-demo bench bench-all bench-real gpu-check clean
+.PHONY: install test lint engines engines-real demo demo-models demo-head measure-demo bench bench-all bench-real bench-poor gpu-check clean
 
 # torch==2.13.0 first and explicitly: an unpinned torch would pull a multi-GB CUDA build
 # (TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU wheel, where pip has none at hand).
@@ -109,6 +109,17 @@ bench-all: engines
 # SmolLM2 prompt by prompt: specrt's default and int4 target against its target alone,
 # onnxruntime-genai (its own builder and environment), llama.cpp on the same GGUF
 # (llama-cpp-python, compiled from source the first time: minutes) and transformers.
+# A draft that does not pay (the target's first 2 layers, untrained), for the guard's benchmark.
+engines/smollm2-poor/manifest.json: $(SMOLLM2) | $(VENV)/.installed
+	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-poor-draft --layers 2 --steps 0 \
+		--force
+	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-poor-draft --out engines/smollm2-poor \
+		--no-portable --force
+
+# The default with that draft against its target alone, prompt by prompt (about 10 minutes).
+bench-poor: engines/smollm2-poor/manifest.json
+	$(BIN)/python bench/never_slower.py --out build/bench-poor.json
+
 bench-real: engines-real
 	$(BIN)/python -m pip install --quiet llama-cpp-python==0.3.36
 	bash bench/genai_env.sh smollm2

@@ -79,20 +79,22 @@ GUARD_MIN_ROUNDS = 4  # rounds of a kind (model drafts, matches) in a probe, bef
 # Rounds of a kind before its first verdict: the schedules learn the pair in its first rounds
 # (the adaptive one drafts short while its costs are measured on cold caches).
 GUARD_FIRST_ROUNDS = 6
-# Tokens a probe of matches verifies at most: matches that are not kept cost little to probe,
-# and a copy beats plain rounds with its first tokens already. The model's probe drafts what its
+# Tokens a probe of matches verifies at most: a copy beats plain rounds with its first tokens
+# already, and each position a match adds costs a real target's pass a share of a pass whether
+# kept or not (what a poor probe costs: docs/performance.md). The model's probe drafts what its
 # schedule chooses: a draft may pay only at its longer K (the demo pair's drafts cost about a
 # target pass each: one or two tokens a round lose to plain rounds where four win).
-GUARD_PROBE_MATCH = 4
+GUARD_PROBE_MATCH = 2
 GUARD_DECAY = 0.9  # a share: what a kind's round keeps of the older tokens and seconds
 GUARD_PLAIN_SAMPLES = 2  # plain rounds timed before any kind is judged
 GUARD_PLAIN_KEPT = 8  # plain rounds whose median is the target alone's time per token
 GUARD_PLAIN_EVERY = 32  # rounds: the longest without a plain one (the pass cost drifts)
 GUARD_FIRST_WAIT = 4  # rounds of the others before a kind judged a loss is probed
 GUARD_MAX_WAIT = 128  # rounds: the longest wait, doubled after each probe that still lost
-# At most this share of the time goes to probing a kind that loses: a probe that lost n plain
+# At most this share of the time goes to probing a kind that loses (both kinds and the first
+# probes of a request must stay within 3% of the target alone): a probe that lost n plain
 # rounds' worth of time waits n / GUARD_PROBE_BUDGET rounds (a draft catching up after many
 # rounds off costs several passes of a fast target: SmolLM2's int4 one).
-GUARD_PROBE_BUDGET = 0.02
+GUARD_PROBE_BUDGET = 0.01
 GUARD_COPY_SPACING = 4  # rounds off, at least, between probes of matches where a row copies
 GUARD_ROW_PROBE = 4  # a row's round at which a kind that is off is probed anyway
