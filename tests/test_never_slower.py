@@ -12,6 +12,7 @@ import pytest
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.schedules.constants import (
     GUARD_COPY_SPACING,
+    GUARD_EMPTY_ROUNDS,
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
     GUARD_MAX_WAIT,
@@ -102,8 +103,9 @@ def test_a_costly_probe_that_lost_waits_until_it_is_paid_for_and_a_row_probes_on
         kind = MODEL if model_cap else PLAIN
         guard.observe(kind, 1, (6 if kind == MODEL else 1) * PLAIN_S)  # keeps nothing
         log.append(kind)
-    assert log[:2] == [MODEL, MODEL] and log[2:].count(MODEL) == 0, log
-    lost = 2 * 6 - 2  # plain rounds' worth: 2 rounds of 6, 2 tokens emitted
+    assert log[:GUARD_EMPTY_ROUNDS] == [MODEL] * GUARD_EMPTY_ROUNDS, log
+    assert log[GUARD_EMPTY_ROUNDS:].count(MODEL) == 0, log
+    lost = GUARD_EMPTY_ROUNDS * (6 - 1)  # plain rounds' worth: rounds of 6 for 1 token each
     assert guard.kinds[MODEL].wait >= min(GUARD_MAX_WAIT, lost / GUARD_PROBE_BUDGET * 0.9)
 
 
@@ -112,7 +114,7 @@ def test_a_probe_that_keeps_nothing_ends_early_and_a_copy_is_probed_soon():
     guard.plain.extend([PLAIN_S] * 4)
     guard.kinds[MODEL].state = "off"
     guard.kinds[MODEL].wait = 1000
-    for _ in range(2):  # two match rounds keeping nothing: judged at once, a loss
+    for _ in range(GUARD_EMPTY_ROUNDS):  # match rounds keeping nothing: judged at once, a loss
         assert guard.caps() == (0, GUARD_PROBE_MATCH)
         guard.observe(MATCH, 1, 1.1 * PLAIN_S)
     assert guard.caps() == (0, 0) and guard.kinds[MATCH].state == "off"

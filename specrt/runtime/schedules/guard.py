@@ -13,7 +13,7 @@ alone: it is what it does). A kind judged a loss is probed again after `GUARD_FI
 rounds, then twice as long each time it still loses (and never sooner than what the probe lost
 is paid for by the rounds without it), early in each new row (its text may
 repeat where the last did not) and, for matches, where the row starts to repeat its own output
-(`LonePlanner`); a probe that keeps nothing in two rounds ends there. The output is the
+(`LonePlanner`); a probe whose first rounds keep nothing ends there. The output is the
 target's whatever is verified.
 """
 
@@ -26,6 +26,7 @@ from collections import deque
 from specrt.runtime.schedules.constants import (
     GUARD_COPY_SPACING,
     GUARD_DECAY,
+    GUARD_EMPTY_ROUNDS,
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
     GUARD_MAX_WAIT,
@@ -68,10 +69,10 @@ class KindRate:
         self.seconds = GUARD_DECAY * self.seconds + seconds
         self.rounds += 1
         self.kept += tokens - 1  # a round emits the kept tokens and one of the target's
-        # A probe ends at its length, or as soon as it has kept nothing in two rounds: it can
-        # only have lost (its rounds took longer than plain ones for their one token).
+        # A probe ends at its length, or as soon as its first rounds kept nothing: it can only
+        # have lost (its rounds took longer than plain ones for their one token).
         if self.state == "probe" and (
-            self.rounds >= self.probe_rounds or self.rounds >= 2 and not self.kept
+            self.rounds >= self.probe_rounds or self.rounds >= GUARD_EMPTY_ROUNDS and not self.kept
         ):
             self.state = "judge"
 
