@@ -106,20 +106,26 @@ bench-all: engines
 	bash bench/genai_env.sh
 	$(BENCH) --genai-python build/genai-venv/bin/python
 
-# SmolLM2 prompt by prompt: specrt's default and int4 target against its target alone,
-# onnxruntime-genai (its own builder and environment), llama.cpp on the same GGUF
-# (llama-cpp-python, compiled from source the first time: minutes) and transformers.
-# A draft that does not pay (the target's first 2 layers, untrained), for the guard's benchmark.
+# A draft that does not pay (the target's first 2 layers, untrained), for the guard's benchmark,
+# with the float32 and the int4 target.
 engines/smollm2-poor/manifest.json: $(SMOLLM2) | $(VENV)/.installed
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-poor-draft --layers 2 --steps 0 \
 		--force
 	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-poor-draft --out engines/smollm2-poor \
 		--no-portable --force
+	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-poor-draft \
+		--out engines/smollm2-poor-int4 --target-precision int4 --no-portable --force
 
-# The default with that draft against its target alone, prompt by prompt (about 10 minutes).
+# The default with that draft against its target alone, prompt by prompt, on the float32 and
+# the int4 target (about 15 minutes).
 bench-poor: engines/smollm2-poor/manifest.json
 	$(BIN)/python bench/never_slower.py --out build/bench-poor.json
+	$(BIN)/python bench/never_slower.py --bundle engines/smollm2-poor-int4 \
+		--out build/bench-poor-int4.json
 
+# SmolLM2 prompt by prompt: specrt's default and int4 target against its target alone,
+# onnxruntime-genai (its own builder and environment), llama.cpp on the same GGUF
+# (llama-cpp-python, compiled from source the first time: minutes) and transformers.
 bench-real: engines-real
 	$(BIN)/python -m pip install --quiet llama-cpp-python==0.3.36
 	bash bench/genai_env.sh smollm2
