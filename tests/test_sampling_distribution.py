@@ -185,12 +185,15 @@ def test_sampled_tokens_follow_the_target_through_matches(
 ):
     """Prompt lookup and the hybrid propose point masses (the prompt repeats itself, so matches
     fire from the first round on): the emitted tokens still follow the target exactly. (The
-    hybrid, one row or batched, is told to verify every match whole: left to itself it
-    verifies them as often as its timings say they pay.)"""
+    hybrid, one row or batched, is told to verify every match whole, and a lone row's guard to
+    allow them: left to themselves they verify them as often as their timings say they pay,
+    and a guard's probes verify a match's first token only, which is nearly always kept.)"""
     from specrt.runtime.hybrid import HybridChoice
     from specrt.runtime.schedules import LoadSchedule
+    from specrt.runtime.schedules.guard import UNCAPPED, SpeculationGuard
 
     monkeypatch.setattr(HybridChoice, "match_length", lambda self, found, *_: len(found.tokens))
+    monkeypatch.setattr(SpeculationGuard, "caps", lambda self: (UNCAPPED, UNCAPPED))
 
     class EveryMatch(LoadSchedule):
         def match_option(self, rows, curves, probe=False):
