@@ -164,14 +164,15 @@ def test_heads_of_either_variant_export_within_the_check(tmp_path, variant):
     assert "MatMulNBits" in kinds and "MatMul" not in kinds
     assert "Pad" not in kinds  # a head over the whole vocabulary, in order: no mapping
     generator = SpeculativeGenerator.from_bundle(tmp_path / "bundle", threads=1)
-    # the head drafts every round (the default's guard may switch a random head off at once)
+    # the head drafts every round (the default's guard may switch a random head off at once;
+    # a random head's drafts may all be refused: what is checked is the output, exact)
     settings = dict(max_new_tokens=24, proposer="model", draft_schedule="fixed")
     alone, drafted = (
         generator.generate(PROMPTS[:3], GenerationConfig(num_draft_tokens=k, **settings))
         for k in (0, 4)
     )
     assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
-    assert sum(r.stats.accepted_tokens for r in drafted) > 0
+    assert sum(r.stats.drafted_tokens for r in drafted) >= 3 * 4
     if default:
         config = AutoModelForCausalLM.from_pretrained(target).config
         assert read_head(head, config).layers == (2, 4, 5)
