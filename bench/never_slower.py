@@ -3,10 +3,12 @@ by prompt: is it within 3% of the target alone on every prompt?
 
     make bench-poor    # or: .venv/bin/python bench/never_slower.py [--bundle B] [--repeats 8]
 
-The bundle (`make engines/smollm2-poor/manifest.json`): SmolLM2-135M-Instruct's float32 target
-with its own first 2 layers, untrained, as the draft, which keeps almost none of its drafts. The
-prompts are the held-out chat prompts of `models/smollm2/heldout_prompts.jsonl`, rendered with the
-chat template, greedy, 128 new tokens, EOS ignored.
+The bundles (`make engines/smollm2-poor/manifest.json`): SmolLM2-135M-Instruct's float32
+target (`engines/smollm2-poor`) or its int4 one (`engines/smollm2-poor-int4`) with its own first
+2 layers, untrained, as the draft, which keeps almost none of its drafts. `--out` writes the
+results as JSON (`bench/results/never_slower*.json`: docs/performance.md's runs). The prompts
+are the held-out chat prompts of `models/smollm2/heldout_prompts.jsonl`, rendered with the chat
+template, greedy, 128 new tokens, EOS ignored.
 
 Each prompt runs the target alone (A) and the default configuration (B) in the order A B B A,
 ``--repeats`` times, each run in a generator that has learned nothing yet (the strict case: a
