@@ -110,3 +110,29 @@ def test_bench_renders_chats_with_the_bundles_template(llama_bundle, tmp_path):
     genai = [*args, "--bundle", str(bundle), "--chat", "--genai-python", str(tmp_path / "py")]
     refused = CliRunner().invoke(main, genai)
     assert refused.exit_code == 2 and "leave out --genai-python or --chat" in refused.output
+
+
+def test_the_never_slower_bench_runs_and_reports_each_prompt(llama_bundle, tmp_path):
+    """`make bench-poor`'s script on a tiny bundle: a line per prompt, the verdict, the JSON;
+    it checks every output against the target alone's itself."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a b", "c d e")))
+    out = tmp_path / "never_slower.json"
+    args = ["--bundle", str(chat_bundle(llama_bundle, tmp_path)), "--prompt-file", str(prompts)]
+    result = subprocess.run(
+        [sys.executable, str(repo / "bench" / "never_slower.py"), *args, "--repeats", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["prompt 1", "prompt 2"]
+    assert "of the target alone)" in lines[-1] and "worst prompt" in lines[-1]
+    record = json.loads(out.read_text())
+    assert record["prompts"] == ["a b", "c d e"] and len(record["results"]) == 2
+    assert all(len(entry["ratios"]) == 1 for entry in record["results"])
