@@ -184,9 +184,9 @@ def rope_tables(rotary: torch.nn.Module, positions: int) -> tuple[np.ndarray, np
     of that length).
 
     Where the module is the usual one (angles ``position * inv_freq`` in float32, times
-    ``attention_scaling``), the cos and sin of its angles are taken in float64: torch 2.13's
-    CPU cosine has returned errors of 1.5e-4 in a process's first call (about one export in
-    three on SmolLM2, failing the logit check), and the table is built once and kept."""
+    ``attention_scaling``), the cos and sin of its angles are taken in float64: torch's float32
+    CPU cosine has erred in a process's first call now and then, enough to fail the export's
+    logit check (CHANGELOG.md, 2026-12-04), and the table is built once and kept."""
     with torch.no_grad():
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(positions)[None])
     half = cos.shape[-1] // 2

@@ -85,9 +85,9 @@ GUARD_FIRST_ROUNDS = 6
 # schedule chooses: a draft may pay only at its longer K (the demo pair's drafts cost about a
 # target pass each: one or two tokens a round lose to plain rounds where four win).
 GUARD_PROBE_MATCH = 1
-# Rounds of a probe that keep nothing after which it ends: one, as a draft that costs a real
-# int4 target's pass a third of a pass a step (and its prompt a pass more) makes a lost first
-# round cost 3 plain ones; a draft that pays and keeps nothing once is probed again soon.
+# Rounds of a probe that keep nothing after which it ends: one, as a draft's prompt and steps
+# can make a lost first round cost a fast (int4) target several plain rounds; a draft that pays
+# and keeps nothing once is probed again soon.
 GUARD_EMPTY_ROUNDS = 1
 GUARD_DECAY = 0.9  # a share: what a kind's round keeps of the older tokens and seconds
 GUARD_PLAIN_SAMPLES = 2  # plain rounds timed before any kind is judged
