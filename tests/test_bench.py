@@ -136,3 +136,29 @@ def test_the_never_slower_bench_runs_and_reports_each_prompt(llama_bundle, tmp_p
     record = json.loads(out.read_text())
     assert record["prompts"] == ["a b", "c d e"] and len(record["results"]) == 2
     assert all(len(entry["ratios"]) == 1 for entry in record["results"])
+
+
+def test_the_engine_step_bench_times_each_graph_side_by_side(llama_bundle, tmp_path):
+    """`bench/engine_step.py` on a tiny bundle's two engines: a line per call shape, each graph's
+    median with its ratio to the first; a missing graph is named, not a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    graphs = [
+        str(llama_bundle / role / "onnxruntime" / "model.onnx") for role in ("target", "draft")
+    ]
+    script = [sys.executable, str(repo / "bench" / "engine_step.py")]
+    small = ["--positions", "1", "3", "--cached", "5", "--blocks", "2", "--calls", "2"]
+    result = subprocess.run([*script, *graphs, *small], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()[1:]
+    assert [line.split(":")[0] for line in lines] == ["1 positions after 5", "3 positions after 5"]
+    for line in lines:
+        assert "[0]" in line and "(1.000)" in line and "[1]" in line
+    missing = subprocess.run(
+        [*script, str(tmp_path / "none.onnx")], capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode != 0 and "no graph at" in missing.stderr
+    assert "Traceback" not in missing.stderr
