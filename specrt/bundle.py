@@ -86,6 +86,7 @@ class EngineSpec:
     vocab_size: int
     cache: str = "in_place"
     precision: str = "float32"  # of the weights: float32, float16, int8, int4
+    block_size: int | None = None  # int8/int4 weights: how many share a scale (and zero point)
     export_check: dict[str, float | None] = field(default_factory=dict)
     provider: str = "CPUExecutionProvider"  # the onnxruntime provider it is built for
     dtype: str = "float32"  # of its activations and KV cache

@@ -20,7 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 from specrt.bundle import read_manifest
 from specrt.cli import main
 from specrt.export import ENGINE_MODEL_TYPES, export_bundle
-from specrt.export.quantize import BLOCK_SIZE, TARGET_BLOCK_SIZE, not_invariant, quantize_weights
+from specrt.export.options import TARGET_BLOCK_SIZES
+from specrt.export.quantize import TARGET_BLOCK_SIZE, exact_rows, not_invariant, quantize_weights
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
@@ -93,14 +94,17 @@ def test_seeded_sampling_equals_the_quantized_target_alone(quantized):
             assert 0 < accepted < sum(r.stats.drafted_tokens for r in results)
 
 
+@pytest.mark.parametrize("block", [32, 128])
 @pytest.mark.parametrize("arch", [a for a in ENGINE_MODEL_TYPES if a != "llama"])
-def test_every_family_int4_target_is_verified_exactly(tmp_path, arch):
-    """The padded queries under each family's own options: soft-capping, sliding windows
-    (two masks for Gemma 2), q/k norms, GPT-2's positions."""
+def test_every_family_int4_target_is_verified_exactly(tmp_path, arch, block):
+    """The padded queries (blocks of 32) and the even rows (128) under each family's own
+    options: soft-capping, sliding windows (two masks for Gemma 2), q/k norms, GPT-2's
+    positions."""
     window = 6 if arch in ("mistral", "qwen2", "gemma2") else None
-    options = {"target_precision": "int4", "portable": False}
+    options = {"target_precision": "int4", "portable": False, "target_block_size": block}
     bundle = build_bundle(tmp_path, arch, options, arch=arch, sliding_window=window)
     engine = read_manifest(bundle).models["target"].engines["onnxruntime"]
+    assert engine.block_size == block
     assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
 
@@ -108,47 +112,66 @@ def test_every_family_int4_target_is_verified_exactly(tmp_path, arch):
         config = GenerationConfig(max_new_tokens=24, ignore_eos=True, **options)
         return [r.token_ids for r in generator.generate(PROMPTS[:6], config)]
 
-    assert run(**CONTENDERS["draft model, K=4"]) == run(num_draft_tokens=0)
+    alone = run(num_draft_tokens=0)
+    assert run(**CONTENDERS["draft model, K=4"]) == alone  # calls of 5 positions
+    assert run(**CONTENDERS["draft model, K=1"]) == alone  # and of 2
+
+
+def _quantized_matmul(tmp_path: Path, weight: np.ndarray, precision: str, block: int):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", weight.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    path = tmp_path / f"mm{block}.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    quantize_weights(path, precision, block, symmetric=block != TARGET_BLOCK_SIZE)
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("precision", ["int4", "int8"])
-def test_the_target_block_size_is_the_one_whose_rows_do_not_depend_on_each_other(
+def test_each_target_block_size_gives_a_row_the_same_bits_where_its_graph_computes_it(
     tmp_path, precision
 ):
-    """Why the target's blocks are 32: onnxruntime's int8-compute kernel then gives a row the
-    same bits alone or among others; the draft's 128 does not (for int4), which is why the
-    target cannot simply take the draft's setting."""
+    """Why a target's graph with blocks of 32 feeds its matrix products any number of rows and
+    one with blocks of 64 or more an even number (`_even_rows`): onnxruntime's int8-compute
+    kernels give a row the same bits alone or among others for blocks of 32, and for larger
+    blocks compute rows in pairs, a row left alone with a kernel of its own (int4: other
+    bits). Every row of an even count equals that row beside a copy of itself, whichever row
+    it is paired with."""
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((576, 512)) * 0.05).astype(np.float32)
-    rows = rng.standard_normal((8, 576)).astype(np.float32)
-    diffs = {}
-    for block in (TARGET_BLOCK_SIZE, BLOCK_SIZE):
-        graph = helper.make_graph(
-            [helper.make_node("MatMul", ["x", "w"], ["y"])],
-            "g",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 576])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-            [numpy_helper.from_array(weight, "w")],
-        )
-        path = tmp_path / f"mm{block}.onnx"
-        onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-        quantize_weights(path, precision, block, symmetric=block != TARGET_BLOCK_SIZE)
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        together = session.run(None, {"x": rows})[0]
-        alone = np.concatenate([session.run(None, {"x": rows[i : i + 1]})[0] for i in range(8)])
-        diffs[block] = float(np.abs(together - alone).max())
-    assert diffs[TARGET_BLOCK_SIZE] == 0.0
-    if precision == "int4":
-        assert diffs[BLOCK_SIZE] > 0.0
+    rows = rng.standard_normal((9, 576)).astype(np.float32)
+    for block in TARGET_BLOCK_SIZES:
+        session = _quantized_matmul(tmp_path, weight, precision, block)
+
+        def run(x: np.ndarray, session=session) -> np.ndarray:
+            return session.run(None, {"x": x})[0]
+
+        alone = np.concatenate([run(rows[i : i + 1]) for i in range(9)])
+        paired = np.concatenate([run(rows[[i, i]])[:1] for i in range(9)])
+        if exact_rows(block) == "padded_queries":
+            assert np.array_equal(run(rows), alone), block
+            continue
+        if precision == "int4":
+            assert not np.array_equal(alone, paired), block
+        for start, count in ((0, 8), (1, 2), (1, 6), (3, 4)):  # other partners, other counts
+            assert np.array_equal(run(rows[start : start + count]), paired[start : start + count])
 
 
-def test_the_demo_pair_with_an_int4_target_gives_that_target_s_own_output(tmp_path):
+@pytest.mark.parametrize("block", [32, 128])
+def test_the_demo_pair_with_an_int4_target_gives_that_target_s_own_output(tmp_path, block):
     """On the trained demo pair a verification whose logits differ from decoding alone by
     rounding (the Attention op's kernels, blocks of 128) changed 2-3 rows of these 24: the
     check the tiny random pairs above are too peaked to make."""
     demo = Path(__file__).resolve().parents[1] / "models" / "demo"
     bundle = tmp_path / "demo-int4"
-    export_bundle(demo / "target", demo / "draft", bundle, target_precision="int4", portable=False)
+    export_bundle(
+        demo / "target", demo / "draft", bundle, target_precision="int4", portable=False,
+        target_block_size=block,
+    )  # fmt: skip
     lines = (demo / "heldout_prompts.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["prompt"] for line in lines[:24]]
     generator = SpeculativeGenerator.from_bundle(bundle, max_batch=8)
@@ -167,14 +190,17 @@ def test_specrt_build_quantizes_the_target_of_an_existing_bundle(tmp_path, porta
     """Back and forth; without a portable graph the model's graph is the engine rebuilt (its
     check, bounded or not, follows it)."""
     bundle = build_bundle(tmp_path, "llama", {"portable": portable}, arch="llama")
-    for precision in ("int8", "float32"):
+    for precision, block in (("int8", "32"), ("int4", "128"), ("float32", "32")):
         args = ["build", "--bundle", str(bundle), "--target-precision", precision]
-        result = CliRunner().invoke(main, args)
+        result = CliRunner().invoke(main, [*args, "--target-block-size", block])
         assert result.exit_code == 0, result.output
         engine = read_manifest(bundle).models["target"].engines["onnxruntime"]
         assert engine.precision == precision
-        if precision == "int8":
+        assert engine.block_size == (None if precision == "float32" else int(block))
+        if precision != "float32":
             assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
+    result = CliRunner().invoke(main, [*args, "--target-block-size", "48"])
+    assert result.exit_code != 0 and "'48' is not one of '32', '64', '128'" in result.output
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
     settings = dict(max_new_tokens=16, ignore_eos=True)
     config = GenerationConfig(**settings)
@@ -228,3 +254,43 @@ def test_one_query_row_more_gives_each_position_the_bits_of_its_own_call():
         alone = np.concatenate([attend(slice(j, j + 1), padded) for j in range(count)], axis=1)
         difference = float(np.abs(together - alone).max())
         assert difference == 0.0 if padded else difference > 0.0
+
+
+def test_a_target_with_even_rows_computes_an_eagle_head_s_features_exactly(tmp_path):
+    """The features a head reads come out for the positions fed only (the copy a call of an
+    odd count adds is left out), and the head's drafts, verified by that target, give its own
+    output alone."""
+    from specrt.backends.select import make_decoder
+    from specrt.backends.session import create_session
+    from specrt.export.tiny import make_tiny_head
+
+    target, _ = make_tiny_pair("llama", tmp_path / "src", seed=5, config=dict(num_hidden_layers=4))
+    head = make_tiny_head(target, tmp_path / "head", seed=1, layers=(0, 2, 3))
+    bundle = tmp_path / "bundle"
+    manifest = export_bundle(
+        target, head, bundle, target_precision="int4", target_block_size=128, portable=False
+    )
+    engine = manifest.models["target"].engines["onnxruntime"]
+    assert engine.block_size == 128 and engine.io.features
+    assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
+    spec = manifest.models["target"].engine_view("onnxruntime")
+    session = create_session(bundle / spec.path, threads=1)
+    decoder = make_decoder(session, spec, manifest.vocab_size, "target", 64)
+    decoder.forward([1, 5, 7, 9, 11])
+    together = decoder.features[0, 2:5].copy()  # 3 positions in one call
+    decoder.rollback(2)
+    for token in (7, 9, 11):
+        decoder.forward([token])
+    assert np.array_equal(decoder.features[0, 2:5], together)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    settings = dict(max_new_tokens=24, ignore_eos=True, proposer="model", draft_schedule="fixed")
+    alone, drafted = (
+        [
+            r.token_ids
+            for r in generator.generate(
+                PROMPTS[:3], GenerationConfig(**settings, num_draft_tokens=k)
+            )
+        ]
+        for k in (0, 3)
+    )
+    assert drafted == alone

@@ -13,6 +13,7 @@ from specrt.cli.options import (
     CUDA_REDUCTIONS_OPTION,
     DEVICE_OPTION,
     draft_precision_option,
+    target_block_size_option,
     target_precision_option,
 )
 from specrt.errors import (
@@ -21,6 +22,7 @@ from specrt.errors import (
 from specrt.export.options import (
     DEFAULT_ATOL,
     DEFAULT_DRAFT_PRECISION,
+    DEFAULT_TARGET_BLOCK_SIZE,
 )
 
 
@@ -58,6 +60,7 @@ from specrt.export.options import (
 )
 @draft_precision_option(None)
 @target_precision_option(None)
+@target_block_size_option(None)
 @DEVICE_OPTION
 @CUDA_ATTENTION_OPTION
 @CUDA_REDUCTIONS_OPTION
@@ -123,6 +126,7 @@ def _require_export_extra(command: str, portable: bool = True) -> None:
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @draft_precision_option(DEFAULT_DRAFT_PRECISION)
 @target_precision_option("float32")
+@target_block_size_option(DEFAULT_TARGET_BLOCK_SIZE)
 @DEVICE_OPTION
 @CUDA_ATTENTION_OPTION
 @CUDA_REDUCTIONS_OPTION
@@ -140,6 +144,7 @@ def build(
     bundle,
     draft_precision,
     target_precision,
+    target_block_size,
     devices,
     cuda_attention,
     cuda_reductions,
@@ -171,6 +176,7 @@ def build(
             atol=atol,
             draft_precision=draft_precision,
             target_precision=target_precision,
+            target_block_size=target_block_size,
             devices=devices or ("cpu",),
             cuda_attention=cuda_attention or "batched",
             cuda_reductions=cuda_reductions or "chunked",

@@ -12,8 +12,10 @@ from specrt.export.options import (
     CUDA_ATTENTIONS,
     CUDA_REDUCTIONS,
     DEFAULT_DRAFT_PRECISION,
+    DEFAULT_TARGET_BLOCK_SIZE,
     DEVICES,
     PRECISIONS,
+    TARGET_BLOCK_SIZES,
 )
 from specrt.runtime.config import DRAFT_SCHEDULES, PROPOSERS
 from specrt.runtime.lookup import DEFAULT_SUFFIX_TOKENS
@@ -71,6 +73,17 @@ def target_precision_option(default: str | None):
         default=default,
         help="Weights of the target's onnxruntime engine [float32]: int8/int4 make a faster "
         "target; the output then equals that engine's own output alone, not the float32 model's.",
+    )
+
+
+def target_block_size_option(default: int | None):
+    return click.option(
+        "--target-block-size",
+        type=click.Choice([str(size) for size in TARGET_BLOCK_SIZES]),
+        callback=lambda context, parameter, value: None if value is None else int(value),
+        default=None if default is None else str(default),
+        help=f"An int8/int4 target's weights per scale [{DEFAULT_TARGET_BLOCK_SIZE}]: larger "
+        "blocks make each verified position cheaper, and the model further from float32.",
     )
 
 

@@ -31,6 +31,11 @@ PRECISIONS = ("float32", "int8", "int4")  # of a CPU engine's weights
 DEFAULT_ATOL = 1e-3
 DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larger models
 DEFAULT_DRAFT_PRECISION = "int8"
+# A quantised target's weights share a scale (and zero point) in blocks of this many. 32:
+# onnxruntime-genai's, whose int4 output stays closest to the float32 model's (docs/cli.md);
+# larger blocks make each verified position cheaper (`specrt.export.quantize.exact_rows`).
+TARGET_BLOCK_SIZES = (32, 64, 128)
+DEFAULT_TARGET_BLOCK_SIZE = 32
 DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines
 CUDA_ATTENTIONS = ("batched", "batched_lengths", "group_query")  # the cuda graph (ExportOptions)
 CUDA_REDUCTIONS = ("direct", "chunked")  # how its greedy outputs reduce (see ExportOptions)
@@ -45,7 +50,8 @@ class ExportOptions:
     in-place KV cache). ``draft_precision``: the CPU draft engine's weights (a cheaper draft,
     the same output: every token is still decided by the target). ``target_precision``: the CPU
     target engine's weights; int8/int4 make a faster target whose own output (not the float32
-    checkpoint's) the speculative output then equals exactly. ``devices``: "cpu"
+    checkpoint's) the speculative output then equals exactly; ``target_block_size``: how many of
+    its weights share a scale (`TARGET_BLOCK_SIZES`). ``devices``: "cpu"
     builds the CPU engines, "cuda" the float16 engines for the CUDA provider (checked against
     PyTorch within ``fp16_atol``). ``portable``: also write the portable standard-op graph (what
     TensorRT takes; needs optimum-onnx); without it a model's own graph is its first engine.
@@ -64,6 +70,7 @@ class ExportOptions:
     ort_engine: bool = True
     draft_precision: str = DEFAULT_DRAFT_PRECISION
     target_precision: str = "float32"
+    target_block_size: int = DEFAULT_TARGET_BLOCK_SIZE
     devices: tuple[str, ...] = ("cpu",)
     fp16_atol: float = DEFAULT_FP16_ATOL
     portable: bool = True
@@ -115,6 +122,12 @@ class ExportOptions:
             raise ExportError(
                 f"cuda_attention={self.cuda_attention!r} shapes the cuda engines: add --device "
                 "cuda (devices: cuda), or leave it out"
+            )
+        block = self.target_block_size
+        if isinstance(block, bool) or block not in TARGET_BLOCK_SIZES:
+            raise ExportError(
+                f"target_block_size={block!r}: use one of "
+                + ", ".join(str(size) for size in TARGET_BLOCK_SIZES)
             )
         for role in ("draft", "target"):
             precision = getattr(self, f"{role}_precision")

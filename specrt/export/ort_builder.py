@@ -80,11 +80,14 @@ class DecoderShape:
     # several tokens to each of several rows (GroupQueryAttention refuses batch > 1 when more
     # than one token follows a cached prefix).
     attention: str = "group_query"
-    # Batched attention on one query row more than fed (`_padded_query_attention`): the op's
-    # kernels round a call of one position differently from a call of several, and a quantised
-    # target's int8 activations magnify that into other tokens, so its verification must
-    # compute what decoding alone does.
+    # Batched attention on one query row more than fed (`_padded_query_attention`), or every
+    # call computing an even number of positions (`_even_rows`): onnxruntime's kernels
+    # round a position computed alone (or last of an odd count) differently from one computed
+    # beside another, and a quantised target's int8 activations magnify that into other tokens,
+    # so its verification must compute what decoding alone does. Which one depends on the
+    # weights' block size (`specrt.export.quantize.exact_rows`).
     padded_queries: bool = False
+    even_rows: bool = False
     # Qwen3: each head's q and k RMS-normalised (weights ``self_attn.q_norm`` / ``k_norm``,
     # over head_dim) before the rotation.
     qk_norm: bool = False
@@ -246,6 +249,8 @@ def _save(
             )
     inputs += extra_inputs
     outputs += extra_outputs
+    if shape.even_rows:
+        _even_rows(b)
     for i in range(shape.num_layers):
         for kind in ("key", "value"):
             inputs.append(
@@ -278,6 +283,66 @@ def _save(
 
 
 TENSOR_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+# The inputs with a position axis, and that axis.
+_POSITION_AXES = {
+    "input_ids": 1,
+    POSITION_IDS: 1,
+    CACHE_INDICES: 1,
+    ATTENTION_MASK: 2,
+    LOCAL_ATTENTION_MASK: 2,
+}
+
+
+def _even_rows(b: _GraphBuilder) -> None:
+    """Rewrite the graph so that a call fed an odd number of positions computes one more: a
+    copy of its last (the same token at the same position, seeing the same slots, its key and
+    value written over the last's with the same numbers), left out of the outputs.
+
+    onnxruntime's int8-compute MatMulNBits kernels (blocks of 64 and more) compute rows two at a
+    time and a row left alone with a kernel of its own, which rounds differently; the Attention
+    op likewise multiplies a single query row with a kernel of its own. With an even number of
+    rows every row takes the kernel for pairs and gets the same bits whoever its partner is, so
+    a position verified among others equals the same position decoded alone (checked bit for
+    bit at export: `step_vs_one_at_a_time_max_abs_diff`)."""
+    used = {name for node in b.nodes for name in node.input}
+    padded = {name: f"{name}.even" for name in _POSITION_AXES if name in used}
+    for node in b.nodes:
+        node.input[:] = [padded.get(name, name) for name in node.input]
+        node.output[:] = [f"{FEATURES}.even" if name == FEATURES else name for name in node.output]
+    front, b.nodes = b.nodes, []
+    b.initializer("even.two", np.array([2], dtype=np.int64))
+    b.initializer("even.zero", np.array([0], dtype=np.int64))
+    b.initializer("even.position_axis", np.array([1], dtype=np.int64))
+    b.node("Shape", ["input_ids"], ["fed_positions"], start=1, end=2)  # [1]
+    b.node("Mod", ["fed_positions", "even.two"], ["odd_position"])  # 1 where one is added
+    b.node("Concat", ["even.zero", "odd_position"], ["even.pads"], axis=0)  # none before
+    for name, out in padded.items():
+        axis = b.initializer(f"even.axis.{name}", np.array([_POSITION_AXES[name]], np.int64))
+        b.node("Pad", [name, "even.pads", "", axis], [out], mode="edge")
+    b.node("Sub", [LOGITS_START, "odd_position"], ["even.logits_start"])
+    b.node("Neg", [LOGITS_START], ["kept_positions"])  # logits for the last n positions fed
+    b.node("Mod", ["kept_positions", "even.two"], ["odd_kept"])
+    b.node("Concat", ["even.zero", "odd_kept"], ["even.kept_pads"], axis=0)
+    for node in front:
+        b.nodes.append(node)
+        if node.op_type == "Slice" and list(node.output) == ["head_in"]:  # before the one added
+            node.input[1:3] = ["even.logits_start", "fed_positions"]
+        if node.op_type == "MatMul" and node.input[0] == "head_in":  # an even count here too
+            b.nodes.pop()
+            axis = "even.position_axis"
+            b.node("Pad", ["head_in", "even.kept_pads", "", axis], ["head_in.even"], mode="edge")
+            out = node.output[0]
+            node.input[0], node.output[0] = "head_in.even", f"{out}.even"
+            b.nodes.append(node)
+            b.node("Slice", [f"{out}.even", "even.zero", "kept_positions", axis], [out])
+    if f"{FEATURES}.even" in {name for node in b.nodes for name in node.output}:
+        b.node(
+            "Slice",
+            [f"{FEATURES}.even", "even.zero", "fed_positions", "even.position_axis"],
+            [FEATURES],
+        )
+    for number, node in enumerate(b.nodes):  # unique again, in the new order
+        node.name = f"{node.op_type}.{number}"
 
 
 class _GraphBuilder:

@@ -36,7 +36,7 @@ from specrt.export.ort_graph import (
     rope_positions,
     sliding_window,
 )
-from specrt.export.quantize import BLOCK_SIZE, TARGET_BLOCK_SIZE, quantize_weights
+from specrt.export.quantize import BLOCK_SIZE, TARGET_BLOCK_SIZE, exact_rows, quantize_weights
 
 
 def build_ort_engine(
@@ -50,6 +50,7 @@ def build_ort_engine(
     cuda_attention: str = "batched",
     cuda_reductions: str = "chunked",
     features: EagleFeatures | None = None,
+    block_size: int = TARGET_BLOCK_SIZE,
 ) -> EngineSpec:
     """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
     (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
@@ -58,7 +59,8 @@ def build_ort_engine(
     ``precision`` int8/int4 quantises a CPU engine's weights (see `specrt.export.quantize`);
     the check then reports the difference without a bound.
     ``cuda_attention``, ``cuda_reductions``: see `ExportOptions`. ``features``: what an EAGLE
-    head reads of the target (the CPU engine's output `FEATURES`)."""
+    head reads of the target (the CPU engine's output `FEATURES`). ``block_size``: a quantised
+    target's (`specrt.export.quantize.TARGET_BLOCK_SIZES`)."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
@@ -72,7 +74,8 @@ def build_ort_engine(
     one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
     # by each row's length: no window to mask (the host's mask carries sliding windows)
     by_length = device == "cuda" and cuda_attention == "batched_lengths" and not window
-    padded_queries = device == "cpu" and role == "target" and precision != "float32"
+    exact = device == "cpu" and role == "target" and precision != "float32"
+    rows = exact_rows(block_size) if exact else None
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -88,7 +91,8 @@ def build_ort_engine(
         # graph with it: CUDA's Attention kernels take softcap, but none has checked it yet.
         attention="group_query" if one_row else "batched",
         attend_by_length=by_length and not one_row,
-        padded_queries=padded_queries,
+        padded_queries=rows == "padded_queries",
+        even_rows=rows == "even_rows",
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         activation=ACTIVATIONS.get(activation(config), "silu"),
@@ -115,9 +119,9 @@ def build_ort_engine(
         graph = build_decoder_graph(
             shape, weights, cos, sin, out, local_rope=local, features=features
         )
+    quantized_block = block_size if role == "target" else BLOCK_SIZE
     if device == "cpu":
-        target = role == "target"
-        quantize_weights(graph, precision, TARGET_BLOCK_SIZE if target else BLOCK_SIZE, not target)
+        quantize_weights(graph, precision, quantized_block, role != "target")
     layers = range(spec.num_layers)
     batched = shape.attention == "batched"
     engine = EngineSpec(
@@ -152,6 +156,7 @@ def build_ort_engine(
         sliding_window=window if batched else None,
         max_positions=positions if positions < spec.max_positions else None,
         precision=dtype if device == "cuda" else precision,
+        block_size=None if device == "cuda" or precision == "float32" else quantized_block,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,
     )

@@ -318,8 +318,9 @@ def add_ort_engine(
     if options.cpu_engine and not unsupported_reason(config, spec.max_positions, "cpu"):
         precision = options.draft_precision if role == "draft" else options.target_precision
         engine = build_ort_engine(
-            model, spec, bundle_root, role, token_range, precision, features=features
-        )
+            model, spec, bundle_root, role, token_range, precision, features=features,
+            block_size=options.target_block_size,
+        )  # fmt: skip
         # a quantised engine is not meant to match PyTorch; it only has to be a number
         atol = options.atol if precision == "float32" else math.inf
         require_close(engine.export_check, atol, f"{role} onnxruntime engine", source)

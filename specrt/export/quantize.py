@@ -8,7 +8,8 @@ weights, so 8-bit weights make the draft step several times cheaper (demo pair, 
 A quantised target is a different model: the output is then exactly that engine's own
 target-alone output, not the float32 checkpoint's. That holds only if verifying several
 positions in one call computes each position's logits bit for bit as decoding it alone does:
-hence the target's block size here, and its padded queries (`specrt.export.ort_attention`).
+hence the target's graph computes an even number of positions in every call
+(`specrt.export.ort_builder._even_rows`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ from pathlib import Path
 
 import onnx
 
-from specrt.export.options import PRECISIONS
+from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, PRECISIONS
 
 _BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 128  # a draft's: the fastest measured
-# A target's: onnxruntime's int8-compute kernels for blocks of 32 (and 16) give each row the same
-# bits whatever the rows around it, which exact verification needs; blocks of 64 and 128 do not.
-# With a zero point per block its int4 output stays closer to the float32 model's (docs/cli.md).
-TARGET_BLOCK_SIZE = 32
+TARGET_BLOCK_SIZE = DEFAULT_TARGET_BLOCK_SIZE
+PAIRED_ROWS_FROM = 64  # the block size from which the kernels compute rows in pairs
+
+
+def exact_rows(block_size: int) -> str:
+    """How a quantised target's graph makes a position verified among others get the bits of
+    the same position decoded alone, for weights in blocks of ``block_size``: "padded_queries"
+    (its matrix products already do; the Attention op gets one query row more) or "even_rows"
+    (every call computes an even number of positions, so each row takes the kernel for pairs)."""
+    return "even_rows" if block_size >= PAIRED_ROWS_FROM else "padded_queries"
 
 
 def quantize_weights(
