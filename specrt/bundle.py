@@ -87,6 +87,9 @@ class EngineSpec:
     cache: str = "in_place"
     precision: str = "float32"  # of the weights: float32, float16, int8, int4
     block_size: int | None = None  # int8/int4 weights: how many share a scale (and zero point)
+    # Every call computes an even number of positions (a quantised target in blocks of 64 or
+    # more): a call of an odd count costs what the next even count does.
+    even_rows: bool = False
     export_check: dict[str, float | None] = field(default_factory=dict)
     provider: str = "CPUExecutionProvider"  # the onnxruntime provider it is built for
     dtype: str = "float32"  # of its activations and KV cache
@@ -122,6 +125,7 @@ class ModelSpec:
     cache: str = "concat"
     engines: dict[str, EngineSpec] = field(default_factory=dict)
     sliding_window: int | None = None  # see EngineSpec; the portable graph applies its own
+    even_rows: bool = False  # see EngineSpec
 
     @property
     def eagle_head(self) -> bool:
@@ -140,6 +144,7 @@ class ModelSpec:
             cache=engine.cache,
             dtype=engine.dtype,
             sliding_window=engine.sliding_window,
+            even_rows=engine.even_rows,
             max_positions=engine.max_positions or self.max_positions,
             export_check=engine.export_check,
             engines={},

@@ -26,9 +26,13 @@ def controller_with_clock(k_max=8):
     return AdaptiveSchedule(k_max, clock=clock), clock
 
 
-def feed(controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0, per_token=0.1):
+def feed(
+    controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0, per_token=0.1,
+    even_rows=False,
+):  # fmt: skip
     """Run ``rounds`` simulated rounds the way the generator and drafter call the controller;
-    return how many tokens each round drafted."""
+    return how many tokens each round drafted (``even_rows``: a verification of an odd number
+    of positions costs what the next even number does)."""
     clock = getattr(controller, "clock", None)
     drafted_per_round = []
     for _ in range(rounds):
@@ -44,7 +48,8 @@ def feed(controller, rounds, confidence, accepted_of, draft_s=1.0, verify_s=5.0,
         k = len(confidences)
         drafted_per_round.append(k)
         accepted = accepted_of(confidences)
-        controller.update(k, accepted, draft_s * k, verify_s + per_token * k)
+        fed = k + 1 + (k + 1) % 2 if even_rows else k + 1
+        controller.update(k, accepted, draft_s * k, verify_s + per_token * (fed - 1))
     return drafted_per_round
 
 
@@ -100,6 +105,26 @@ def test_stops_at_unconfident_tokens():
     assert controller.keep_drafting(1, 0.95)
     assert controller.keep_drafting(2, 0.95)
     assert not controller.keep_drafting(3, 0.05)
+
+
+def test_a_target_of_even_rows_drafts_on_where_the_verification_is_paid_anyway():
+    """A target whose calls compute an even number of positions verifies an even K (K + 1
+    positions, odd) at the cost of one more token: the schedule that knows it drafts that
+    token for a draft step's price, so its rounds end at odd K, where one that does not know it
+    ends as often at even K."""
+
+    def run(even_rows):
+        rng = random.Random(3)
+        controller = AdaptiveSchedule(6, clock=Clock(), even_rows=even_rows)
+        accepted = leading(lambda c: rng.random() < 0.6)
+        chosen = feed(
+            controller, 600, lambda: 0.6, accepted, draft_s=0.3, per_token=1.0, even_rows=True
+        )
+        between = [k for k in chosen[-300:] if 0 < k < 6]
+        return sum(k % 2 for k in between) / len(between)
+
+    assert run(even_rows=True) > 0.95
+    assert run(even_rows=False) < 0.5
 
 
 def test_line_fit_slope():

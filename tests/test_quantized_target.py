@@ -104,9 +104,10 @@ def test_every_family_int4_target_is_verified_exactly(tmp_path, arch, block):
     options = {"target_precision": "int4", "portable": False, "target_block_size": block}
     bundle = build_bundle(tmp_path, arch, options, arch=arch, sliding_window=window)
     engine = read_manifest(bundle).models["target"].engines["onnxruntime"]
-    assert engine.block_size == block
+    assert engine.block_size == block and engine.even_rows == (block == 128)
     assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    assert generator.target.spec.even_rows == (block == 128)  # what the schedule is told
 
     def run(**options):
         config = GenerationConfig(max_new_tokens=24, ignore_eos=True, **options)

@@ -157,6 +157,7 @@ def build_ort_engine(
         max_positions=positions if positions < spec.max_positions else None,
         precision=dtype if device == "cuda" else precision,
         block_size=None if device == "cuda" or precision == "float32" else quantized_block,
+        even_rows=shape.even_rows,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,
     )

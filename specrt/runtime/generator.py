@@ -325,7 +325,8 @@ class SpeculativeGenerator:
         # Seeded rows' drafts are kept less often (`KeyedDraws`): learnt apart
         key = (name, config.num_draft_tokens, config.greedy, config.reproducible)
         if key not in self._schedules:
-            self._schedules[key] = make_schedule(name, config.num_draft_tokens)
+            even_rows = getattr(getattr(self.target, "spec", None), "even_rows", False)
+            self._schedules[key] = make_schedule(name, config.num_draft_tokens, even_rows)
         return self._schedules[key]
 
     def forget_learning(self) -> None:

@@ -31,8 +31,9 @@ __all__ = [
 ]
 
 
-def make_schedule(name: str, k_max: int) -> DraftSchedule:
-    """The schedule ``name`` (one of `config.DRAFT_SCHEDULES`), drafting at most ``k_max``."""
+def make_schedule(name: str, k_max: int, even_rows: bool = False) -> DraftSchedule:
+    """The schedule ``name`` (one of `config.DRAFT_SCHEDULES`), drafting at most ``k_max``
+    (``even_rows``: the target's calls compute an even number of positions)."""
     if name == "adaptive":
-        return AdaptiveSchedule(k_max)
+        return AdaptiveSchedule(k_max, even_rows=even_rows)
     return {"fixed": FixedSchedule, "heuristic": HeuristicSchedule}[name](k_max)

@@ -16,7 +16,10 @@ Before the first token the gain is the recent first-token acceptance.
 more: it runs on caches the target just evicted), :math:`\Delta v` the slope of a line fitted to
 verification time against tokens fed (bounded: a few slow rounds must not stop drafting for
 good), :math:`R` the ratio of decayed sums of tokens and seconds; so the choice follows the text,
-the pair and the machine. After `ADAPTIVE_EXPLORE_EVERY` (32) rounds without drafting one round
+the pair and the machine. A target whose calls compute an even number of positions
+(``even_rows``) verifies a round of an even K (an odd number of positions) at the cost of one
+more: drafting that token costs only :math:`t_d`. After `ADAPTIVE_EXPLORE_EVERY` (32) rounds
+without drafting one round
 drafts anyway, to measure again. The draft never looks at the target before it stops, so the
 output is the same as with a fixed K.
 """
@@ -53,8 +56,10 @@ class AdaptiveSchedule:
         decay: float = ADAPTIVE_DECAY,
         smoothing: float = ADAPTIVE_SMOOTHING,
         clock: Callable[[], float] = time.perf_counter,
+        even_rows: bool = False,
     ) -> None:
         self.k_max = k_max
+        self.even_rows = even_rows
         self.clock = clock
         self.decay = decay
         self.smoothing = smoothing
@@ -112,7 +117,7 @@ class AdaptiveSchedule:
             return 0
         if self.threshold is None or self.rounds_without_draft >= ADAPTIVE_EXPLORE_EVERY:
             return self._limit  # measuring: _keep_drafting varies K
-        return self._limit if self.first_acceptance >= self.threshold else 0
+        return self._limit if self.first_acceptance >= self._threshold(0) else 0
 
     def _keep_drafting(self, drafted: int, confidence: float) -> bool:
         """Called after each drafted token with its confidence; False stops the round."""
@@ -133,7 +138,14 @@ class AdaptiveSchedule:
             return drafted < 1 + len(self.verify_time) % self.k_max
         if self.rounds_without_draft >= ADAPTIVE_EXPLORE_EVERY:  # re-measure now and then
             return drafted < max(1, self.k_max // 2)
-        return self._survival * acceptance >= self.threshold
+        return self._survival * acceptance >= self._threshold(drafted)
+
+    def _threshold(self, drafted: int) -> float:
+        """What the next draft token must gain per round: the rate times what it adds to the
+        round, only a draft step where its position's verification is computed anyway."""
+        if self.even_rows and drafted % 2 == 0 and self.draft_step_s is not None:
+            return self.rate * self.draft_step_s
+        return self.threshold
 
     def _estimate(self, index: int) -> float:
         weight = self._weight
