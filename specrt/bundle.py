@@ -86,7 +86,7 @@ class EngineSpec:
     vocab_size: int
     cache: str = "in_place"
     precision: str = "float32"  # of the weights: float32, float16, int8, int4
-    block_size: int | None = None  # int8/int4 weights: how many share a scale (and zero point)
+    block_size: int | None = None  # a quantised target's: how many weights share a scale
     # Every call computes an even number of positions (a quantised target in blocks of 64 or
     # more): a call of an odd count costs what the next even count does.
     even_rows: bool = False
@@ -176,7 +176,17 @@ class Manifest:
     specrt_version: str = ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As written to manifest.json: without the fields a graph has only where it differs
+        from the default (a quantised target's ``block_size``, ``even_rows``), nor a model's
+        ``even_rows`` (its engines say), so that older readers take the bundles they can run."""
+        data = asdict(self)
+        for model in data["models"].values():
+            model.pop("even_rows", None)
+            for engine in model["engines"].values():
+                for name, default in (("block_size", None), ("even_rows", False)):
+                    if engine.get(name) == default:
+                        engine.pop(name)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:

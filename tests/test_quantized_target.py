@@ -105,6 +105,10 @@ def test_every_family_int4_target_is_verified_exactly(tmp_path, arch, block):
     bundle = build_bundle(tmp_path, arch, options, arch=arch, sliding_window=window)
     engine = read_manifest(bundle).models["target"].engines["onnxruntime"]
     assert engine.block_size == block and engine.even_rows == (block == 128)
+    written = json.loads((bundle / "manifest.json").read_text())["models"]
+    assert "even_rows" not in written["target"]  # its engines say, where it is true
+    assert written["target"]["engines"]["onnxruntime"].get("even_rows", False) == (block == 128)
+    assert "block_size" not in written["draft"]["engines"].get("portable", {})
     assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
     assert generator.target.spec.even_rows == (block == 128)  # what the schedule is told

@@ -156,7 +156,8 @@ def build_ort_engine(
         sliding_window=window if batched else None,
         max_positions=positions if positions < spec.max_positions else None,
         precision=dtype if device == "cuda" else precision,
-        block_size=None if device == "cuda" or precision == "float32" else quantized_block,
+        # a target's, which the user chose (a draft's are always `BLOCK_SIZE`)
+        block_size=block_size if shape.padded_queries or shape.even_rows else None,
         even_rows=shape.even_rows,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,
