@@ -128,6 +128,41 @@ def test_a_probe_that_keeps_nothing_ends_early_and_a_copy_is_probed_soon():
     assert guard.kinds[MATCH].state == "probe"  # (kept some: the probe runs its length)
 
 
+def test_a_probe_of_matches_runs_where_the_whole_match_would_beat_the_model():
+    """The hybrid weighs a match under probe by all of it, and verifies only the probe's
+    tokens: weighed by a probe of one token, a match never beats a model whose rounds keep a
+    few, so matches were never measured again (the demo pair's answers, whose matches pay
+    most, lost them so)."""
+    from specrt.runtime.hybrid import HybridChoice
+    from specrt.runtime.lookup import NgramIndex
+    from specrt.runtime.planning import LonePlanner
+    from specrt.runtime.requests import LoneLearners, Request, Row
+    from specrt.runtime.results import GenerationStats
+    from specrt.runtime.schedules import make_schedule
+
+    config = GenerationConfig()  # the hybrid, adaptive: the guard's settings
+    tokens = [5, 6, 7, 8, 9, 10, 11] * 5  # the row repeats itself: a long match
+    hybrid = HybridChoice()
+    hybrid._model_rounds, hybrid._model_tokens, hybrid._model_passes = 100, 250.0, 100.0
+    guard = SpeculationGuard()
+    guard.plain.extend([PLAIN_S] * 4)
+    guard.kinds[MODEL].state = "on"
+    assert guard.caps() == (UNCAPPED, GUARD_PROBE_MATCH) and guard.probing(MATCH)
+
+    def plan() -> list[int] | None:
+        request = Request(0, tokens, config)
+        stats = GenerationStats(prompt_tokens=len(tokens))
+        row = Row(request, list(tokens), len(tokens) + 50, True, stats, 0.0)
+        row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        schedule = make_schedule(config.draft_schedule, config.num_draft_tokens)
+        LonePlanner(None).plan(row, 24, LoneLearners(hybrid, schedule, guard))
+        return row.round.match
+
+    assert plan() == [5] * GUARD_PROBE_MATCH  # the next of the loop, no more than the probe's
+    guard.kinds[MATCH].state = "on"  # judged a gain: the whole match
+    assert len(plan()) > 8
+
+
 @pytest.fixture(scope="module")
 def poor_bundles(tmp_path_factory):
     """A tiny Llama target with two drafts that do not pay: its own first layer, untrained (the

@@ -268,9 +268,13 @@ class LonePlanner:
             found = _match(row, self.suffix_cache, min(k, match_cap))
             length = len(found.tokens) if found is not None else 0
         elif config.proposer == "hybrid" and hybrid is not None:
-            cap = min(room, hybrid.max_match_tokens, match_cap)
+            # A probe of matches verifies a few tokens, where the whole match would be worth
+            # verifying: judged by its probe's length, it would never beat the model's rounds.
+            probing = guard is not None and match_cap and guard.probing(MATCH)
+            cap = min(room, hybrid.max_match_tokens, room if probing else match_cap)
             found = _match(row, self.suffix_cache, cap)
             length = hybrid.choose(found, k, row.match_history) if found is not None else 0
+            length = min(length, match_cap)
         if length:  # the round verifies the match: the model does not draft
             part.match, part.k, part.source = found.tokens[:length], length, found.source
             return Plan(0, {0: found}, None)

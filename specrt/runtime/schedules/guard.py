@@ -142,6 +142,10 @@ class SpeculationGuard:
             return 0, 0
         return self.kinds[MODEL].cap, self.kinds[MATCH].cap
 
+    def probing(self, kind: str) -> bool:
+        """Whether ``kind``'s rounds now are a probe's (capped at its probe's tokens)."""
+        return self.kinds[kind].state == "probe"
+
     def copy_probe(self) -> bool:
         """Whether matches, held off, may be probed now because the row seems to copy itself
         (`LonePlanner`): at most once every `GUARD_COPY_SPACING` rounds off."""
