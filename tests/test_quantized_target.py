@@ -20,8 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 from specrt.bundle import read_manifest
 from specrt.cli import main
 from specrt.export import ENGINE_MODEL_TYPES, export_bundle
-from specrt.export.options import TARGET_BLOCK_SIZES
-from specrt.export.quantize import TARGET_BLOCK_SIZE, exact_rows, not_invariant, quantize_weights
+from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, TARGET_BLOCK_SIZES
+from specrt.export.quantize import exact_rows, not_invariant, quantize_weights
 from specrt.export.tiny import make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from tests.conftest import build_bundle
@@ -132,7 +132,7 @@ def _quantized_matmul(tmp_path: Path, weight: np.ndarray, precision: str, block:
     )
     path = tmp_path / f"mm{block}.onnx"
     onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    quantize_weights(path, precision, block, symmetric=block != TARGET_BLOCK_SIZE)
+    quantize_weights(path, precision, block, symmetric=block != DEFAULT_TARGET_BLOCK_SIZE)
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 

@@ -11,6 +11,7 @@ import torch
 from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, EngineSpec, ModelIO, ModelSpec
 from specrt.checksums import sha256_file
 from specrt.export.numeric_check import max_logit_difference
+from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE
 from specrt.export.ort_builder import (
     ARGMAX,
     ATTENTION_MASK,
@@ -36,7 +37,7 @@ from specrt.export.ort_graph import (
     rope_positions,
     sliding_window,
 )
-from specrt.export.quantize import BLOCK_SIZE, TARGET_BLOCK_SIZE, exact_rows, quantize_weights
+from specrt.export.quantize import BLOCK_SIZE, exact_rows, quantize_weights
 
 
 def build_ort_engine(
@@ -50,7 +51,7 @@ def build_ort_engine(
     cuda_attention: str = "batched",
     cuda_reductions: str = "chunked",
     features: EagleFeatures | None = None,
-    block_size: int = TARGET_BLOCK_SIZE,
+    block_size: int = DEFAULT_TARGET_BLOCK_SIZE,
 ) -> EngineSpec:
     """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
     (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
@@ -119,9 +120,9 @@ def build_ort_engine(
         graph = build_decoder_graph(
             shape, weights, cos, sin, out, local_rope=local, features=features
         )
-    quantized_block = block_size if role == "target" else BLOCK_SIZE
     if device == "cpu":
-        quantize_weights(graph, precision, quantized_block, role != "target")
+        target = role == "target"
+        quantize_weights(graph, precision, block_size if target else BLOCK_SIZE, not target)
     layers = range(spec.num_layers)
     batched = shape.attention == "batched"
     engine = EngineSpec(

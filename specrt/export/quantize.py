@@ -8,8 +8,7 @@ weights, so 8-bit weights make the draft step several times cheaper (demo pair, 
 A quantised target is a different model: the output is then exactly that engine's own
 target-alone output, not the float32 checkpoint's. That holds only if verifying several
 positions in one call computes each position's logits bit for bit as decoding it alone does:
-hence the target's graph computes an even number of positions in every call
-(`specrt.export.ort_builder._even_rows`).
+how the target's graph makes sure depends on its block size (`exact_rows`).
 """
 
 from __future__ import annotations
@@ -19,11 +18,10 @@ from pathlib import Path
 
 import onnx
 
-from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, PRECISIONS
+from specrt.export.options import PRECISIONS
 
 _BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 128  # a draft's: the fastest measured
-TARGET_BLOCK_SIZE = DEFAULT_TARGET_BLOCK_SIZE
 PAIRED_ROWS_FROM = 64  # the block size from which the kernels compute rows in pairs
 
 

@@ -19,9 +19,8 @@ good), :math:`R` the ratio of decayed sums of tokens and seconds; so the choice 
 the pair and the machine. A target whose calls compute an even number of positions
 (``even_rows``) verifies a round of an even K (an odd number of positions) at the cost of one
 more: drafting that token costs only :math:`t_d`. After `ADAPTIVE_EXPLORE_EVERY` (32) rounds
-without drafting one round
-drafts anyway, to measure again. The draft never looks at the target before it stops, so the
-output is the same as with a fixed K.
+without drafting one round drafts anyway, to measure again. The draft never looks at the
+target before it stops, so the output is the same as with a fixed K.
 """
 
 from __future__ import annotations
