@@ -12,6 +12,7 @@ import pytest
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.schedules.constants import (
     GUARD_COPY_SPACING,
+    GUARD_EMPTY_LOSS,
     GUARD_EMPTY_ROUNDS,
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
@@ -107,6 +108,28 @@ def test_a_costly_probe_that_lost_waits_until_it_is_paid_for_and_a_row_probes_on
     assert log[GUARD_EMPTY_ROUNDS:].count(MODEL) == 0, log
     lost = GUARD_EMPTY_ROUNDS * (6 - 1)  # plain rounds' worth: rounds of 6 for 1 token each
     assert guard.kinds[MODEL].wait >= min(GUARD_MAX_WAIT, lost / GUARD_PROBE_BUDGET * 0.9)
+
+
+def test_a_cheap_empty_start_does_not_end_a_model_probe_a_costly_one_does():
+    """A draft that keeps half its first tokens starts a probe with nothing kept half the time:
+    a start that lost under `GUARD_EMPTY_LOSS` plain rounds goes on to the probe's end."""
+    cheap = 1 + 0.6 * GUARD_EMPTY_LOSS  # plain rounds' worth of one empty round
+    guard = SpeculationGuard()
+    guard.plain.extend([PLAIN_S] * 4)
+    assert guard.caps()[0] == UNCAPPED
+    guard.observe(MODEL, 1, cheap * PLAIN_S)  # kept nothing, lost 0.6 of a plain round
+    assert guard.caps()[0] == UNCAPPED and guard.kinds[MODEL].state == "probe"
+    for _ in range(GUARD_FIRST_ROUNDS - 1):  # then keeps two tokens a round for 1.4 rounds
+        guard.observe(MODEL, 3, 1.4 * PLAIN_S)
+        guard.caps()
+    assert guard.kinds[MODEL].state == "on"
+    # Two such empty rounds lose a plain round's worth: that ends a probe
+    guard = SpeculationGuard()
+    guard.plain.extend([PLAIN_S] * 4)
+    for _ in range(2):
+        assert guard.caps()[0] == UNCAPPED
+        guard.observe(MODEL, 1, cheap * PLAIN_S)
+    assert guard.caps() == (0, GUARD_PROBE_MATCH) and guard.kinds[MODEL].state == "off"
 
 
 def test_a_probe_that_keeps_nothing_ends_early_and_a_copy_is_probed_soon():

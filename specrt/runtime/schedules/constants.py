@@ -89,6 +89,11 @@ GUARD_PROBE_MATCH = 1
 # can make a lost first round cost a fast (int4) target several plain rounds; a draft that pays
 # and keeps nothing once is probed again soon.
 GUARD_EMPTY_ROUNDS = 1
+# Plain rounds' worth (a count): what a model probe that kept nothing must have lost to end
+# there. A cheaper empty start says little (the demo pair's draft, 1.4x the target alone, keeps
+# nothing in half its first rounds, each losing 0.7 of a plain round); a draft catching up on a
+# fast target loses more in one (SmolLM2's int4 one: 2.8).
+GUARD_EMPTY_LOSS = 1.0
 GUARD_DECAY = 0.9  # a share: what a kind's round keeps of the older tokens and seconds
 GUARD_PLAIN_SAMPLES = 2  # plain rounds timed before any kind is judged
 GUARD_PLAIN_KEPT = 8  # plain rounds whose median is the target alone's time per token

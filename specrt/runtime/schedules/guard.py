@@ -13,7 +13,8 @@ alone: it is what it does). A kind judged a loss is probed again after `GUARD_FI
 rounds, then twice as long each time it still loses (and never sooner than what the probe lost
 is paid for by the rounds without it), early in each new row (its text may
 repeat where the last did not) and, for matches, where the row starts to repeat its own output
-(`LonePlanner`); a probe whose first rounds keep nothing ends there. The output is the
+(`LonePlanner`); a probe whose first rounds keep nothing ends there, the draft model's only
+where they lost a plain round's worth (`GUARD_EMPTY_LOSS`). The output is the
 target's whatever is verified.
 """
 
@@ -26,6 +27,7 @@ from collections import deque
 from specrt.runtime.schedules.constants import (
     GUARD_COPY_SPACING,
     GUARD_DECAY,
+    GUARD_EMPTY_LOSS,
     GUARD_EMPTY_ROUNDS,
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
@@ -48,8 +50,9 @@ class KindRate:
     again after ``wait`` rounds off: `GUARD_MIN_ROUNDS` rounds of at most ``probe_tokens``
     tokens), "judge" (a probe done, waiting for plain rounds to compare with), "on" or "off"."""
 
-    def __init__(self, probe_tokens: int) -> None:
+    def __init__(self, probe_tokens: int, empty_loss: float = 0.0) -> None:
         self.probe_tokens = probe_tokens
+        self.empty_loss = empty_loss  # plain rounds' worth: see `judge`
         self.wait = GUARD_FIRST_WAIT
         self.lost = False  # judged a loss before: a probe that loses again doubles the wait
         self.start_probe(GUARD_FIRST_ROUNDS)
@@ -93,10 +96,16 @@ class KindRate:
         if self.rate >= baseline:
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
+        lost_rounds = self.seconds * baseline - self.tokens  # plain rounds' worth
+        if self.state == "judge" and self.rounds < self.probe_rounds:
+            # A probe that kept nothing yet: a start that lost under ``empty_loss`` says little
+            # (a draft keeping half its first tokens starts so half the time). It goes on.
+            if lost_rounds < self.empty_loss:
+                self.state = "probe"
+                return
         if self.state == "judge":
             if self.lost:
                 self.wait = 2 * self.wait
-            lost_rounds = self.seconds * baseline - self.tokens  # plain rounds' worth
             paid_for = math.ceil(lost_rounds / GUARD_PROBE_BUDGET)
             self.wait = min(max(self.wait, paid_for), GUARD_MAX_WAIT)
         self.state, self.off_for, self.lost = "off", 0, True
@@ -107,7 +116,10 @@ class SpeculationGuard:
     asks before a lone round (`caps`) and tells after it (`observe`)."""
 
     def __init__(self) -> None:
-        self.kinds = {MODEL: KindRate(UNCAPPED), MATCH: KindRate(GUARD_PROBE_MATCH)}
+        self.kinds = {
+            MODEL: KindRate(UNCAPPED, GUARD_EMPTY_LOSS),
+            MATCH: KindRate(GUARD_PROBE_MATCH),  # its probe rounds are cheap: one empty ends it
+        }
         self.plain: deque[float] = deque(maxlen=GUARD_PLAIN_KEPT)  # seconds of plain rounds
         self._since_plain = 0  # rounds since the last plain one
         self._row_rounds = 0  # of the current row
