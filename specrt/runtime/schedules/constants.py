@@ -86,8 +86,8 @@ GUARD_FIRST_ROUNDS = 6
 # target pass each: one or two tokens a round lose to plain rounds where four win).
 GUARD_PROBE_MATCH = 1
 # Rounds of a probe that keep nothing after which it ends: one, as a draft's prompt and steps
-# can make a lost first round cost a fast (int4) target several plain rounds; a draft that pays
-# and keeps nothing once is probed again soon.
+# can make a lost first round cost a fast (int4) target several plain rounds (the draft
+# model's probe: only where those rounds lost `GUARD_EMPTY_LOSS`).
 GUARD_EMPTY_ROUNDS = 1
 # Plain rounds' worth (a count): what a model probe that kept nothing must have lost to end
 # there. A cheaper empty start says little (the demo pair's draft, 1.4x the target alone, keeps

@@ -97,12 +97,16 @@ class KindRate:
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
         lost_rounds = self.seconds * baseline - self.tokens  # plain rounds' worth
-        if self.state == "judge" and self.rounds < self.probe_rounds:
-            # A probe that kept nothing yet: a start that lost under ``empty_loss`` says little
-            # (a draft keeping half its first tokens starts so half the time). It goes on.
-            if lost_rounds < self.empty_loss:
-                self.state = "probe"
-                return
+        # A probe that kept nothing yet (judged before its end): a start that lost under
+        # ``empty_loss`` says little (a draft keeping half its first tokens starts so half
+        # the time). It goes on.
+        if (
+            self.state == "judge"
+            and self.rounds < self.probe_rounds
+            and lost_rounds < self.empty_loss
+        ):
+            self.state = "probe"
+            return
         if self.state == "judge":
             if self.lost:
                 self.wait = 2 * self.wait
