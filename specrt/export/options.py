@@ -33,7 +33,7 @@ DEFAULT_FP16_ATOL = 0.1  # float16 engines: ~1e-2 on the demo pair, more on larg
 DEFAULT_DRAFT_PRECISION = "int8"
 # A quantised target's weights share a scale (and zero point) in blocks of this many. 32:
 # onnxruntime-genai's, whose int4 output stays closest to the float32 model's (docs/cli.md);
-# larger blocks make each verified position cheaper (`specrt.export.quantize.exact_rows`).
+# larger blocks make each verified position cheaper (CHANGELOG.md, 2026-12-05).
 TARGET_BLOCK_SIZES = (32, 64, 128)
 DEFAULT_TARGET_BLOCK_SIZE = 32
 DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines

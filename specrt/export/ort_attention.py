@@ -83,8 +83,6 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
     attention = dict(q_num_heads=h, kv_num_heads=kvh, scale=shape.scale)
     if shape.attention_softcap:
         attention["softcap"] = shape.attention_softcap
-    if shape.padded_queries:
-        return _padded_query_attention(b, shape, i, q, mask, attention)
     if shape.attend_by_length:  # row r's query j sees keys 0 .. kv_lengths[r] - S + j
         keys = [f"present.{i}.key", f"present.{i}.value", "", "", "", KV_LENGTHS]
         return b.node("Attention", [q, *keys], [f"attn.{i}"], is_causal=1, **attention)
@@ -94,33 +92,6 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
         [f"attn.{i}"],
         **attention,
     )
-
-
-def _padded_query_attention(
-    b: _GraphBuilder, shape: DecoderShape, i: int, q: str, mask: str, attention: dict
-) -> None:
-    """The Attention op on one query row more than the call fed (a copy of its last, whose
-    output is dropped). MLAS multiplies a single row (M = 1: a call of one position) with its own
-    kernel, which rounds differently from the kernel for several rows; with at least two rows
-    every call takes the same kernel, and a position's numbers do not depend on how many came
-    with it (checked bit for bit at export)."""
-    # one row more at the end of the query axis, a copy of the last ("edge")
-    b.initializer("query_row_pad", np.array([0, 0, 0, 0, 1, 0], dtype=np.int64))
-    b.initializer("mask_row_pad", np.array([0, 0, 0, 0, 0, 0, 1, 0], dtype=np.int64))
-    b.initializer("rows_start", np.array([0], dtype=np.int64))
-    b.initializer("fed_rows_end", np.array([-1], dtype=np.int64))
-    b.initializer("query_axis", np.array([1], dtype=np.int64))
-    padded_mask = f"{mask}.padded"  # [B,1,S,L] -> [B,1,S+1,L], once for the layers that read it
-    if not any(padded_mask in node.output for node in b.nodes):
-        b.node("Pad", [mask, "mask_row_pad"], [padded_mask], mode="edge")
-    b.node("Pad", [q, "query_row_pad"], [f"{q}.padded"], mode="edge")  # [B,S+1,h*hd]
-    b.node(
-        "Attention",
-        [f"{q}.padded", f"present.{i}.key", f"present.{i}.value", padded_mask],
-        [f"attn.{i}.padded"],
-        **attention,
-    )
-    b.node("Slice", [f"attn.{i}.padded", "rows_start", "fed_rows_end", "query_axis"], [f"attn.{i}"])
 
 
 def _rope_tables(shape: DecoderShape, i: int) -> tuple[str, str]:

@@ -80,13 +80,10 @@ class DecoderShape:
     # several tokens to each of several rows (GroupQueryAttention refuses batch > 1 when more
     # than one token follows a cached prefix).
     attention: str = "group_query"
-    # Batched attention on one query row more than fed (`_padded_query_attention`), or every
-    # call computing an even number of positions (`_even_rows`): onnxruntime's kernels
+    # Every call computing an even number of positions (`_even_rows`): onnxruntime's kernels
     # round a position computed alone (or last of an odd count) differently from one computed
     # beside another, and a quantised target's int8 activations magnify that into other tokens,
-    # so its verification must compute what decoding alone does. Which one depends on the
-    # weights' block size (`specrt.export.quantize.exact_rows`).
-    padded_queries: bool = False
+    # so its verification must compute what decoding alone does.
     even_rows: bool = False
     # Qwen3: each head's q and k RMS-normalised (weights ``self_attn.q_norm`` / ``k_norm``,
     # over head_dim) before the rotation.
@@ -298,10 +295,11 @@ def _even_rows(b: _GraphBuilder) -> None:
     copy of its last (the same token at the same position, seeing the same slots, its key and
     value written over the last's with the same numbers), left out of the outputs.
 
-    onnxruntime's int8-compute MatMulNBits kernels (blocks of 64 and more) compute rows two at a
-    time and a row left alone with a kernel of its own, which rounds differently; the Attention
-    op likewise multiplies a single query row with a kernel of its own. With an even number of
-    rows every row takes the kernel for pairs and gets the same bits whoever its partner is, so
+    onnxruntime's int8-compute MatMulNBits kernels multiply a row alone with a kernel of their
+    own, which rounds differently: on AVX2 a call of one row, with AVX-512 and blocks of 64 or
+    more the last row of an odd count (rows go two at a time); the Attention op likewise
+    multiplies a single query row with a kernel of its own. With an even number of rows every
+    row takes the kernel for several and gets the same bits whoever its partner is, so
     a position verified among others equals the same position decoded alone (checked bit for
     bit at export: `step_vs_one_at_a_time_max_abs_diff`)."""
     used = {name for node in b.nodes for name in node.input}

@@ -37,7 +37,7 @@ from specrt.export.ort_graph import (
     rope_positions,
     sliding_window,
 )
-from specrt.export.quantize import BLOCK_SIZE, exact_rows, quantize_weights
+from specrt.export.quantize import BLOCK_SIZE, quantize_weights
 
 
 def build_ort_engine(
@@ -75,8 +75,8 @@ def build_ort_engine(
     one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
     # by each row's length: no window to mask (the host's mask carries sliding windows)
     by_length = device == "cuda" and cuda_attention == "batched_lengths" and not window
-    exact = device == "cpu" and role == "target" and precision != "float32"
-    rows = exact_rows(block_size) if exact else None
+    # a quantised target verifies exactly only where every call computes an even count
+    even_rows = device == "cpu" and role == "target" and precision != "float32"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -92,8 +92,7 @@ def build_ort_engine(
         # graph with it: CUDA's Attention kernels take softcap, but none has checked it yet.
         attention="group_query" if one_row else "batched",
         attend_by_length=by_length and not one_row,
-        padded_queries=rows == "padded_queries",
-        even_rows=rows == "even_rows",
+        even_rows=even_rows,
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         activation=ACTIVATIONS.get(activation(config), "silu"),
@@ -158,7 +157,7 @@ def build_ort_engine(
         max_positions=positions if positions < spec.max_positions else None,
         precision=dtype if device == "cuda" else precision,
         # a target's, which the user chose (a draft's are always `BLOCK_SIZE`)
-        block_size=block_size if shape.padded_queries or shape.even_rows else None,
+        block_size=block_size if shape.even_rows else None,
         even_rows=shape.even_rows,
         provider="CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider",
         dtype=dtype,

@@ -8,7 +8,9 @@ weights, so 8-bit weights make the draft step several times cheaper (demo pair, 
 A quantised target is a different model: the output is then exactly that engine's own
 target-alone output, not the float32 checkpoint's. That holds only if verifying several
 positions in one call computes each position's logits bit for bit as decoding it alone does:
-how the target's graph makes sure depends on its block size (`exact_rows`).
+the target's graph computes an even number of positions in every call (`ort_builder._even_rows`),
+the one row count whose kernels give a row the same bits whoever its partner is, on every CPU
+measured (AVX-512/AMX and AVX2 alike; CHANGELOG.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -22,15 +24,6 @@ from specrt.export.options import PRECISIONS
 
 _BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 128  # a draft's: the fastest measured
-PAIRED_ROWS_FROM = 64  # the block size from which the kernels compute rows in pairs
-
-
-def exact_rows(block_size: int) -> str:
-    """How a quantised target's graph makes a position verified among others get the bits of
-    the same position decoded alone, for weights in blocks of ``block_size``: "padded_queries"
-    (its matrix products already do; the Attention op gets one query row more) or "even_rows"
-    (every call computes an even number of positions, so each row takes the kernel for pairs)."""
-    return "even_rows" if block_size >= PAIRED_ROWS_FROM else "padded_queries"
 
 
 def quantize_weights(
