@@ -126,6 +126,7 @@ class ModelSpec:
     engines: dict[str, EngineSpec] = field(default_factory=dict)
     sliding_window: int | None = None  # see EngineSpec; the portable graph applies its own
     even_rows: bool = False  # see EngineSpec
+    block_size: int | None = None  # a quantised target engine's (EngineSpec): views only
 
     @property
     def eagle_head(self) -> bool:
@@ -145,6 +146,7 @@ class ModelSpec:
             dtype=engine.dtype,
             sliding_window=engine.sliding_window,
             even_rows=engine.even_rows,
+            block_size=engine.block_size,
             max_positions=engine.max_positions or self.max_positions,
             export_check=engine.export_check,
             engines={},
@@ -178,10 +180,12 @@ class Manifest:
     def to_dict(self) -> dict:
         """As written to manifest.json: without the fields a graph has only where it differs
         from the default (a quantised target's ``block_size``, ``even_rows``), nor a model's
-        ``even_rows`` (its engines say), so that older readers take the bundles they can run."""
+        ``even_rows`` and ``block_size`` (its engines say), so that older readers take the
+        bundles they can run."""
         data = asdict(self)
         for model in data["models"].values():
             model.pop("even_rows", None)
+            model.pop("block_size", None)
             for engine in model["engines"].values():
                 for name, default in (("block_size", None), ("even_rows", False)):
                     if engine.get(name) == default:

@@ -8,6 +8,7 @@ number and the outputs it promises."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specrt.bundle import read_manifest
 from specrt.cli import main
+from specrt.errors import BundleError
 from specrt.export import ENGINE_MODEL_TYPES, export_bundle
 from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, TARGET_BLOCK_SIZES
 from specrt.export.quantize import not_invariant, quantize_weights
@@ -210,6 +212,45 @@ def test_specrt_build_quantizes_the_target_of_an_existing_bundle(tmp_path, porta
     assert [r.token_ids for r in generator.generate(PROMPTS[:4], config)] == [
         r.token_ids for r in alone
     ]
+
+
+def test_a_target_that_verifies_otherwise_than_it_decodes_here_is_refused_at_load(
+    quantized, tmp_path
+):
+    """The export measured its own CPU; the runtime measures the one it runs on. A real graph
+    whose logits move with the number of positions in the call (as a kernel of its own for a
+    row alone makes them move on some CPUs) is refused in one line naming the fix; the
+    bundle as exported loads."""
+    precision, bundle = quantized
+    SpeculativeGenerator.from_bundle(bundle, threads=1)
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle, broken)
+    graph_path = broken / "target" / "onnxruntime" / "model.onnx"
+    model = onnx.load(str(graph_path), load_external_data=False)
+    graph = model.graph
+    for node in graph.node:  # logits + 1e-3 x (positions fed - 1)
+        node.output[:] = ["logits.true" if name == "logits" else name for name in node.output]
+        node.input[:] = ["logits.true" if name == "logits" else name for name in node.input]
+    graph.initializer.extend(
+        [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("one", 1), ("i1", [1]))]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+            helper.make_node("Gather", ["ids_shape", "i1"], ["fed"]),
+            helper.make_node("Sub", ["fed", "one"], ["fed_more"]),
+            helper.make_node("Cast", ["fed_more"], ["fed_float"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["fed_float", "scale"], ["shift"]),
+            helper.make_node("Add", ["logits.true", "shift"], ["logits"]),
+        ]
+    )
+    graph.initializer.append(numpy_helper.from_array(np.array([1e-3], np.float32), "scale"))
+    onnx.save_model(model, str(graph_path))  # its weights stay in the bundle's data file
+    with pytest.raises(BundleError) as failure:
+        SpeculativeGenerator.from_bundle(broken, threads=1, check_files=False)
+    message = str(failure.value)
+    assert "otherwise than the same position decoded alone on this CPU" in message
+    assert f"specrt build --bundle {broken} --target-precision int4" in message
 
 
 def test_a_cpu_where_verification_is_not_decoding_alone_is_told_so():

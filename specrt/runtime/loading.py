@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from specrt.backends import (
@@ -134,12 +135,43 @@ def _load(
     }
     for decoder in decoders.values():
         check_cache_dtype(decoder)
+    check_exact_rows(decoders["target"])
     if manifest.models["draft"].eagle_head:
         decoders["draft"] = eagle_draft(decoders["draft"], decoders["target"])
     tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
     )
+
+
+EXACT_ROWS_TOKENS = 4  # positions verified in one call, then decoded one call each
+
+
+def check_exact_rows(target: Decoder) -> None:
+    """Refuse a quantised target whose verification would not compute what decoding alone does
+    on this CPU: whether a position verified among others gets the bits of the same position
+    decoded alone depends on the CPU's kernels (docs/cli.md), and the export measured the CPU
+    it ran on, not this one. Measured as the export does, on a few arbitrary tokens (tens of
+    milliseconds for a small model), the cache left empty."""
+    if getattr(target.spec, "block_size", None) is None:
+        return  # float weights: their rounding differs by far less than ties (exactness.md)
+    ids = np.random.default_rng(0).integers(0, target.vocab_size, 2 * EXACT_ROWS_TOKENS)
+    prompt, verified = ids[:EXACT_ROWS_TOKENS].tolist(), ids[EXACT_ROWS_TOKENS:].tolist()
+    target.reset()
+    target.prefill(prompt)
+    together = target.forward(verified).logits.copy()  # valid until the next call
+    target.rollback(len(prompt))
+    alone = np.concatenate([target.forward([token]).logits.copy() for token in verified])
+    target.reset()
+    difference = float(np.abs(together - alone).max())
+    if difference:
+        raise BundleError(
+            "the bundle's quantised target engine computes a position verified among others "
+            f"otherwise than the same position decoded alone on this CPU (logits differ by "
+            f"{difference:.1e}), so speculative output would not be its own output alone: "
+            "rebuild it with this specrt (`specrt build --bundle DIR --target-precision int4`, "
+            "or int8 as it was) or use a float32 target (`--target-precision float32`)"
+        )
 
 
 def eagle_draft(head: Decoder, target: Decoder) -> EagleDraft:
