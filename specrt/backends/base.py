@@ -207,3 +207,15 @@ def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) 
                 f"says kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}; "
                 "re-export the bundle"
             )
+
+
+def one_call_against_one_each(decoder: Decoder, tokens: Sequence[int]) -> tuple[np.ndarray, float]:
+    """Feed ``tokens`` after ``decoder``'s cached prefix in one call (as a verification does),
+    then again one call each (as decoding alone does): the one call's logits and the largest
+    difference between the two, 0 where verifying computes what decoding alone does. The
+    cache ends holding the prefix and ``tokens``."""
+    prefix = decoder.length
+    together = decoder.forward(tokens).logits.copy()  # valid until the next call
+    decoder.rollback(prefix)
+    alone = np.concatenate([decoder.forward([token]).logits.copy() for token in tokens])
+    return together, float(np.abs(together - alone).max())

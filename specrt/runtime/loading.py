@@ -19,6 +19,7 @@ from specrt.backends import (
     RowsDecoder,
     open_decoder,
 )
+from specrt.backends.base import one_call_against_one_each
 from specrt.backends.eagle import EagleDraft
 from specrt.backends.session import (
     GPU_PROVIDERS,
@@ -159,11 +160,8 @@ def check_exact_rows(target: Decoder) -> None:
     prompt, verified = ids[:EXACT_ROWS_TOKENS].tolist(), ids[EXACT_ROWS_TOKENS:].tolist()
     target.reset()
     target.prefill(prompt)
-    together = target.forward(verified).logits.copy()  # valid until the next call
-    target.rollback(len(prompt))
-    alone = np.concatenate([target.forward([token]).logits.copy() for token in verified])
+    _, difference = one_call_against_one_each(target, verified)
     target.reset()
-    difference = float(np.abs(together - alone).max())
     if difference:
         raise BundleError(
             "the bundle's quantised target engine computes a position verified among others "
