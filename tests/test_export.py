@@ -54,9 +54,10 @@ def test_bundle_per_architecture(bundles, arch):
         engine = spec.engines["onnxruntime"]
         assert engine.cache == "batched" and engine.vocab_size == 47
         assert engine.export_check["step_tokens"] == 4
-        if role == "target":  # exact up to float rounding
+        if role == "target":  # PyTorch's up to float rounding, itself bit for bit
             assert engine.precision == "float32"
             assert 0 <= engine.export_check["max_abs_logit_diff"] < 1e-4
+            assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
         else:  # the default int8 draft: close, not exact (it only proposes tokens)
             assert engine.precision == "int8"
             assert 1e-4 < engine.export_check["max_abs_logit_diff"] < 2.0
@@ -83,6 +84,29 @@ def test_multi_position_logits_match_pytorch(bundles, tmp_path):
     generator.target.forward(ids[:7])
     logits = generator.target.forward(ids[7:]).logits
     np.testing.assert_allclose(logits, reference[7:], atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)
+def test_the_target_engine_verifies_bit_for_bit_what_it_decodes_alone(bundles, arch):
+    """Rows of several lengths in one call, each with another count of positions fed (1 to
+    5; the rest padding): every position's logits are those of the same row decoded alone one
+    token at a time, to the last bit, so speculation cannot turn a near tie the other way."""
+    from specrt.runtime.loading import load_pair
+
+    batched = load_pair(bundles[arch], threads=1, max_batch=4).target
+    alone = load_pair(bundles[arch], threads=1).target
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 47, n).tolist() for n in (9, 3, 14, 6)]
+    fed = np.array([5, 1, 3, 2])
+    new = rng.integers(3, 47, (4, 5))
+    batched.prefill_rows(0, prompts)
+    together = batched.forward_rows(new, keep_last=5, fed=fed).logits
+    for row, prompt in enumerate(prompts):
+        alone.reset()
+        alone.prefill(prompt)
+        for j in range(fed[row]):
+            logits = alone.forward([int(new[row, j])]).logits[-1]
+            assert np.array_equal(together[row, j], logits), (row, j)
 
 
 def test_padded_vocabularies_are_cut_to_the_shared_tokenizer(tmp_path):

@@ -130,7 +130,9 @@ def test_engines_are_built_or_the_feature_named(family):
             assert result.finish_reason == "length"
             assert result.stats.prompt_tokens + result.stats.new_tokens == limit
         if role == "target":
-            assert 0 <= spec.engines["onnxruntime"].export_check["max_abs_logit_diff"] < 1e-4
+            check = spec.engines["onnxruntime"].export_check
+            assert 0 <= check["max_abs_logit_diff"] < 1e-4
+            assert check["step_vs_one_at_a_time_max_abs_diff"] == 0.0  # bit for bit
             assert 0 < spec.engines["cuda"].export_check["max_abs_logit_diff"] < 0.05
 
 

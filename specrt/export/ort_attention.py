@@ -8,6 +8,7 @@ per-head q/k norms, applied before either.
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from specrt.export.ort_builder import (
     _MS,
@@ -83,6 +84,8 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
     attention = dict(q_num_heads=h, kv_num_heads=kvh, scale=shape.scale)
     if shape.attention_softcap:
         attention["softcap"] = shape.attention_softcap
+    if shape.two_query_rows:
+        return _two_query_rows_attention(b, i, q, mask, attention)
     if shape.attend_by_length:  # row r's query j sees keys 0 .. kv_lengths[r] - S + j
         keys = [f"present.{i}.key", f"present.{i}.value", "", "", "", KV_LENGTHS]
         return b.node("Attention", [q, *keys], [f"attn.{i}"], is_causal=1, **attention)
@@ -91,6 +94,57 @@ def _batched_attention(b: _GraphBuilder, shape: DecoderShape, i: int, qkv: str, 
         [q, f"present.{i}.key", f"present.{i}.value", mask],
         [f"attn.{i}"],
         **attention,
+    )
+
+
+def _two_query_rows_attention(b: _GraphBuilder, i: int, q: str, mask: str, attention: dict):
+    """The Attention op on at least two query rows: a call of one position gets a copy of its
+    query (and of its mask row), whose output is dropped. The op multiplies a single query row
+    with a kernel of its own that rounds differently from the one for several rows; with two
+    or more every position gets the same bits however many came with it (checked bit for bit
+    at export: `step_vs_one_at_a_time_max_abs_diff`)."""
+    if "one_query_row" not in {name for node in b.nodes for name in node.output}:
+        b.initializer("query_rows.two", np.array([2], dtype=np.int64))
+        b.initializer("query_rows.zeros", np.zeros(4, dtype=np.int64))
+        b.initializer("query_rows.axis", np.array([1], dtype=np.int64))
+        b.initializer("query_rows.start", np.array([0], dtype=np.int64))
+        b.node("Shape", [q], ["query_rows"], start=1, end=2)  # [1]: S
+        b.node("Less", ["query_rows", "query_rows.two"], ["one_query_row.bool"])
+        b.node("Cast", ["one_query_row.bool"], ["one_query_row"], to=TensorProto.INT64)
+        # q [B, S, h * hd]: one row more at the end of axis 1 where S is 1
+        b.node(
+            "Concat",
+            ["query_rows.zeros", "one_query_row", "query_rows.start"],
+            ["query_rows.pads"],
+            axis=0,
+        )
+        # masks [B, 1, S, L]: the same on axis 2
+        b.node(
+            "Concat",
+            [
+                "query_rows.zeros",
+                "query_rows.start",
+                "query_rows.start",
+                "one_query_row",
+                "query_rows.start",
+            ],
+            ["mask_rows.pads"],
+            axis=0,
+        )
+    padded_mask = f"{mask}.two_rows"  # once for the layers that read it
+    if not any(padded_mask in node.output for node in b.nodes):
+        b.node("Pad", [mask, "mask_rows.pads"], [padded_mask], mode="edge")
+    b.node("Pad", [q, "query_rows.pads"], [f"{q}.two_rows"], mode="edge")
+    b.node(
+        "Attention",
+        [f"{q}.two_rows", f"present.{i}.key", f"present.{i}.value", padded_mask],
+        [f"attn.{i}.two_rows"],
+        **attention,
+    )
+    b.node(
+        "Slice",
+        [f"attn.{i}.two_rows", "query_rows.start", "query_rows", "query_rows.axis"],
+        [f"attn.{i}"],
     )
 
 

@@ -75,8 +75,10 @@ def build_ort_engine(
     one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
     # by each row's length: no window to mask (the host's mask carries sliding windows)
     by_length = device == "cuda" and cuda_attention == "batched_lengths" and not window
-    # a quantised target verifies exactly only where every call computes an even count
+    # a quantised target verifies bit for bit only where every call computes an even count,
+    # a float32 one where its attention computes two query rows or more
     even_rows = device == "cpu" and role == "target" and precision != "float32"
+    two_query_rows = device == "cpu" and role == "target" and precision == "float32"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
@@ -93,6 +95,7 @@ def build_ort_engine(
         attention="group_query" if one_row else "batched",
         attend_by_length=by_length and not one_row,
         even_rows=even_rows,
+        two_query_rows=two_query_rows,
         qk_norm=config.model_type in ("qwen3", "gemma3_text"),
         embedding_scale=float(config.hidden_size) ** 0.5 if gemma else 1.0,
         activation=ACTIVATIONS.get(activation(config), "silu"),
