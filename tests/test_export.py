@@ -109,6 +109,40 @@ def test_the_target_engine_verifies_bit_for_bit_what_it_decodes_alone(bundles, a
             assert np.array_equal(together[row, j], logits), (row, j)
 
 
+def test_a_float32_target_built_within_rounding_is_named_for_a_rebuild(tmp_path, caplog):
+    """A bundle whose float32 engine verifies within rounding of decoding alone (as engines
+    built before their attention computed two query rows did: its export check says by how
+    much) loads with one warning naming the rebuild; `specrt build` makes it bit for bit."""
+    import logging
+
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    bundle = build_bundle(tmp_path, "old", arch="llama")
+    manifest_path = bundle / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    check = manifest["models"]["target"]["engines"]["onnxruntime"]["export_check"]
+    assert check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
+    with caplog.at_level(logging.WARNING, logger="specrt"):
+        SpeculativeGenerator.from_bundle(bundle, threads=1)
+    assert "not bit for bit" not in caplog.text
+    check["step_vs_one_at_a_time_max_abs_diff"] = 2.9e-5  # what such an engine measured
+    manifest_path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="specrt"):
+        SpeculativeGenerator.from_bundle(bundle, threads=1)
+    assert "within 2.9e-05 of decoding it alone, not bit for bit" in caplog.text
+    assert f"rebuild it with `specrt build --bundle {bundle}`" in caplog.text
+    caplog.clear()
+    result = CliRunner().invoke(main, ["build", "--bundle", str(bundle)])
+    assert result.exit_code == 0, result.output
+    with caplog.at_level(logging.WARNING, logger="specrt"):
+        SpeculativeGenerator.from_bundle(bundle, threads=1)
+    assert "not bit for bit" not in caplog.text
+    engine = read_manifest(bundle).models["target"].engines["onnxruntime"]
+    assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
+
+
 def test_padded_vocabularies_are_cut_to_the_shared_tokenizer(tmp_path):
     """Real Qwen pairs pad their embeddings differently beyond the shared tokenizer."""
     bundle = build_bundle(tmp_path, "qwen", arch="qwen2", target_vocab_pad=16, draft_vocab_pad=8)

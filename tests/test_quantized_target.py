@@ -266,8 +266,9 @@ def test_one_query_row_more_gives_each_position_the_bits_of_its_own_call():
     """Why a quantised target's call of one position (or any odd count) computes a copy of its
     last along (`_even_rows`), for its attention too: the Attention op rounds a call of one
     position differently from a call of several (MLAS's one-row kernel), and a row more keeps
-    every call on the kernel for several. Layout and heads as SmolLM2's (9 query heads over
-    3)."""
+    every call on the kernel for several; a float32 target's attention likewise computes at
+    least two query rows (`_two_query_rows_attention`). Layout and heads as SmolLM2's (9
+    query heads over 3)."""
     from onnx import TensorProto as T
 
     inputs = [helper.make_tensor_value_info(n, T.FLOAT, None) for n in ("q", "k", "v")]

@@ -27,7 +27,13 @@ from specrt.backends.session import (
     provider_names,
     usable_providers,
 )
-from specrt.bundle import MANIFEST_NAME, Manifest, read_manifest, verify_checksums
+from specrt.bundle import (
+    MANIFEST_NAME,
+    ONNXRUNTIME_ENGINE,
+    Manifest,
+    read_manifest,
+    verify_checksums,
+)
 from specrt.errors import BundleError, InvalidInputError, PairMismatchError
 from specrt.runtime.tokenizer import BundleTokenizer
 from specrt.validation import flag, integer
@@ -137,6 +143,7 @@ def _load(
     for decoder in decoders.values():
         check_cache_dtype(decoder)
     check_exact_rows(decoders["target"])
+    warn_rounded_rows(manifest, decoders["target"], root)
     if manifest.models["draft"].eagle_head:
         decoders["draft"] = eagle_draft(decoders["draft"], decoders["target"])
     tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
@@ -169,6 +176,26 @@ def check_exact_rows(target: Decoder) -> None:
             f"{difference:.1e}), so speculative output would not be its own output alone: "
             "rebuild it with this specrt (`specrt build --bundle DIR --target-precision int4`, "
             "or int8 as it was) or use a float32 target (`--target-precision float32`)"
+        )
+
+
+def warn_rounded_rows(manifest: Manifest, target: Decoder, root: Path) -> None:
+    """Say so where the target runs a float32 CPU engine whose verification the export found
+    within rounding of decoding alone, not bit for bit (an engine built before its attention
+    computed two query rows): its output may part from the target alone's at a near tie, and a
+    rebuild makes it exact. Read from the manifest: nothing is run."""
+    engine = manifest.models["target"].engines.get(ONNXRUNTIME_ENGINE)
+    spec = getattr(target, "spec", None)
+    if engine is None or spec is None or engine.path != spec.path or engine.precision != "float32":
+        return
+    difference = engine.export_check.get("step_vs_one_at_a_time_max_abs_diff")
+    if difference:
+        log.warning(
+            "the bundle's float32 target engine verifies a position within %.1e of decoding it "
+            "alone, not bit for bit (built by an older specrt): rebuild it with `specrt build "
+            "--bundle %s` to make speculative output exactly the target alone's",
+            difference,
+            shlex.quote(str(root)),
         )
 
 
