@@ -51,6 +51,8 @@ def feeds(names: list[str], count: int, past: int) -> tuple[dict[str, np.ndarray
             "cache_indices": np.stack([np.zeros(count, np.int64), positions], -1)[None],
             "attention_mask": mask[None, None],
             "logits_start": np.array([-count], dtype=np.int64),
+            # a quantised target's: computing the copy that makes counts even, as on AVX2
+            **({"pair_rows": np.ones(1, dtype=np.int64)} if "pair_rows" in names else {}),
         }, width
     if "seqlens_k" in names:  # an in-place GroupQueryAttention engine
         return {

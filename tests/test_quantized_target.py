@@ -339,3 +339,59 @@ def test_a_target_with_even_rows_computes_an_eagle_head_s_features_exactly(tmp_p
         for k in (0, 3)
     )
     assert drafted == alone
+
+
+@pytest.mark.parametrize(("precision", "block"), [("int4", 32), ("int8", 128)])
+def test_loading_pairs_rows_only_where_this_cpu_needs_it(tmp_path, precision, block):
+    """The graph makes every count even only where its `pair_rows` input says so, and loading
+    says so exactly where this CPU gives a row alone other bits than a row among others
+    (measured here anew, the copy switched off): either way verifying is decoding alone, bit
+    for bit. Which way depends on the CPU (on AVX2 int4 needs the pair; 8-bit weights in
+    blocks of 128 gave every row the same bits), so the test holds the choice to the
+    measurement, not to a CPU."""
+    from specrt.runtime.loading import rows_difference
+
+    bundle = build_bundle(
+        tmp_path, "pair", {"target_precision": precision, "target_block_size": block},
+        arch="llama", seed=3, draft_noise=0.3,
+    )  # fmt: skip
+    target = SpeculativeGenerator.from_bundle(bundle, threads=1).target
+    paired = target.spec.even_rows
+    target.pair_rows(False)
+    needs_pair = rows_difference(target) != 0.0
+    target.pair_rows(True)
+    assert rows_difference(target) == 0.0
+    assert paired == needs_pair
+
+
+def test_a_call_of_one_position_computes_one_row_unless_paired(tmp_path):
+    """onnxruntime's own profile of the int4 target's matrix products: a prompt of 3 positions
+    then a step of one multiply 3 rows and 1 with `pair_rows` 0, 4 and 2 with 1 (the copy of
+    an odd call's last), the logits of the rows fed either way."""
+    from specrt.backends.select import make_decoder
+
+    bundle = build_bundle(
+        tmp_path, "pair", {"target_precision": "int4"}, arch="llama", seed=3, draft_noise=0.3
+    )
+    spec = read_manifest(bundle).models["target"]
+    view = spec.engine_view("onnxruntime")
+    rows, logits = {}, {}
+    for on in (False, True):
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(tmp_path / f"profile-{on}")
+        session = ort.InferenceSession(
+            str(bundle / view.path), options, providers=["CPUExecutionProvider"]
+        )
+        decoder = make_decoder(session, view, spec.vocab_size, "target")
+        decoder.pair_rows(on)
+        decoder.prefill([5, 6, 7])
+        logits[on] = decoder.forward([8]).logits.copy()
+        events = json.loads(Path(session.end_profiling()).read_text())
+        rows[on] = {
+            int(np.prod(next(iter(e["args"]["input_type_shape"][0].values()))[:-1]))
+            for e in events
+            if e.get("cat") == "Node" and e["args"].get("op_name") == "MatMulNBits"
+        }
+        assert logits[on].shape == (1, spec.vocab_size)
+    assert rows == {False: {3, 1}, True: {4, 2}}

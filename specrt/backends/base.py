@@ -24,6 +24,10 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 # in chunks of this; an engine returns the last position's only, and chunks bound its
 # activations.
 PREFILL_CHUNK = 256
+# A quantised target graph's input (`ort_builder._even_rows`): 1, a call of an odd count computes
+# a copy of its last position too; 0, it does not, where the running CPU gives a row alone the
+# bits of a row among others (`loading.check_exact_rows` measures which).
+PAIR_ROWS = "pair_rows"
 
 
 def whole_chunks(prompt: Sequence[int]) -> Sequence[int]:

@@ -25,12 +25,19 @@ graph's side: the cache's memory, the views each call binds, and each call's inp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import onnxruntime as ort
 
 import specrt.backends.rows as rows  # its CAPACITY_STEP read at each init (tests patch it there)
-from specrt.backends.base import NEED_LOGITS, Forward, kept_rows_input, shared_ortvalue
+from specrt.backends.base import (
+    NEED_LOGITS,
+    PAIR_ROWS,
+    Forward,
+    kept_rows_input,
+    shared_ortvalue,
+)
 from specrt.backends.host_inputs import HostInputs
 from specrt.backends.rows import RowsDecoder
 from specrt.bundle import ModelSpec
@@ -81,7 +88,24 @@ class BatchedDecoder(RowsDecoder):
         self._logits_to_keep = np.full(1, self._keep_sign, dtype=np.int64)
         self._inputs = HostInputs(self._binding, self.device, self.device_id)
         self._inputs.bind(kept, self._logits_to_keep, on_host=True)  # Slice's start, on CUDA
+        self._pair_rows: np.ndarray | None = None
+        if PAIR_ROWS in {node.name for node in session.get_inputs()}:
+            self._pair_rows = np.ones(1, dtype=np.int64)  # read by every run, as written now
+            self._inputs.bind(PAIR_ROWS, self._pair_rows)
         self._grow(min(self.max_positions, rows.CAPACITY_STEP))
+
+    @property
+    def can_unpair_rows(self) -> bool:
+        """Whether the graph computes a copy of an odd call's last position only when told."""
+        return self._pair_rows is not None
+
+    def pair_rows(self, on: bool) -> None:
+        """Compute a copy of an odd call's last position (``on``) or not; the spec says which
+        (``even_rows``), so the draft schedule prices calls as they now run."""
+        if self._pair_rows is None:
+            raise ValueError(f"{self.role}: the graph always computes even counts")
+        self._pair_rows[0] = int(on)
+        self.spec = replace(self.spec, even_rows=on)
 
     def forward(
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS

@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from specrt.backends.base import PAIR_ROWS
+
 OPSET = 21
 BATCHED_OPSET = 23  # the Attention op
 BY_LENGTH_OPSET = 24  # its nonpad_kv_seqlen input
@@ -252,6 +254,7 @@ def _save(
     outputs += extra_outputs
     if shape.even_rows:
         _even_rows(b)
+        inputs.append(helper.make_tensor_value_info(PAIR_ROWS, TensorProto.INT64, [1]))
     for i in range(shape.num_layers):
         for kind in ("key", "value"):
             inputs.append(
@@ -305,7 +308,9 @@ def _even_rows(b: _GraphBuilder) -> None:
     multiplies a single query row with a kernel of its own. With an even number of rows every
     row takes the kernel for several and gets the same bits whoever its partner is, so
     a position verified among others equals the same position decoded alone (checked bit for
-    bit at export: `step_vs_one_at_a_time_max_abs_diff`)."""
+    bit at export: `step_vs_one_at_a_time_max_abs_diff`). The copy is made where the input
+    `PAIR_ROWS` is 1: a CPU that gives a row alone the same bits (blocks of 32 with AVX-512
+    VNNI) runs without it, as loading measures."""
     used = {name for node in b.nodes for name in node.input}
     padded = {name: f"{name}.even" for name in _POSITION_AXES if name in used}
     for node in b.nodes:
@@ -316,14 +321,17 @@ def _even_rows(b: _GraphBuilder) -> None:
     b.initializer("even.zero", np.array([0], dtype=np.int64))
     b.initializer("even.position_axis", np.array([1], dtype=np.int64))
     b.node("Shape", ["input_ids"], ["fed_positions"], start=1, end=2)  # [1]
-    b.node("Mod", ["fed_positions", "even.two"], ["odd_position"])  # 1 where one is added
+    # 1 where one is added: an odd count, unless the host says this CPU needs no pair (0)
+    b.node("Mod", ["fed_positions", "even.two"], ["odd_fed"])
+    b.node("Mul", ["odd_fed", PAIR_ROWS], ["odd_position"])
     b.node("Concat", ["even.zero", "odd_position"], ["even.pads"], axis=0)  # none before
     for name, out in padded.items():
         axis = b.initializer(f"even.axis.{name}", np.array([_POSITION_AXES[name]], np.int64))
         b.node("Pad", [name, "even.pads", "", axis], [out], mode="edge")
     b.node("Sub", [LOGITS_START, "odd_position"], ["even.logits_start"])
     b.node("Neg", [LOGITS_START], ["kept_positions"])  # logits for the last n positions fed
-    b.node("Mod", ["kept_positions", "even.two"], ["odd_kept"])
+    b.node("Mod", ["kept_positions", "even.two"], ["odd_kept_count"])
+    b.node("Mul", ["odd_kept_count", PAIR_ROWS], ["odd_kept"])
     b.node("Concat", ["even.zero", "odd_kept"], ["even.kept_pads"], axis=0)
     for node in front:
         b.nodes.append(node)
