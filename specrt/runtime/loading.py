@@ -201,8 +201,7 @@ def warn_rounded_rows(manifest: Manifest, target: Decoder, root: Path) -> None:
     computed two query rows): its output may part from the target alone's at a near tie, and a
     rebuild makes it exact. Read from the manifest: nothing is run."""
     engine = manifest.models["target"].engines.get(ONNXRUNTIME_ENGINE)
-    spec = getattr(target, "spec", None)
-    if engine is None or spec is None or engine.path != spec.path or engine.precision != "float32":
+    if engine is None or engine.path != target.spec.path or engine.precision != "float32":
         return
     difference = engine.export_check.get("step_vs_one_at_a_time_max_abs_diff")
     if difference:
