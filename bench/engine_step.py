@@ -10,7 +10,9 @@ lengths), or onnxruntime-genai's decoder (``build/genai-smollm2/int4/model.onnx`
 attention mask of ones; `bench/genai_env.sh smollm2` builds it). The graphs take turns, blocks of
 ``--calls`` calls each, ``--blocks`` times, so the host's drift falls on all of them alike; each
 graph's time is the median of its blocks, printed with its ratio to the first graph's. The
-tokens and the cache's contents are arbitrary: a call's cost does not depend on them.
+tokens and the cache's contents are arbitrary: a call's cost does not depend on them. A
+quantised target's graph computes the copy that makes an odd count even (``pair_rows``), as
+loading chooses on AVX2 for int4, unless its index is in ``--unpaired``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ def session(path: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def feeds(names: list[str], count: int, past: int) -> tuple[dict[str, np.ndarray], int]:
+def feeds(
+    names: list[str], count: int, past: int, pair_rows: int = 1
+) -> tuple[dict[str, np.ndarray], int]:
     """The host inputs of a call of ``count`` positions after ``past``, and the cache length
-    the call reads (the batched graph's view; in-place graphs take their whole buffer)."""
+    the call reads (the batched graph's view; in-place graphs take their whole buffer).
+    ``pair_rows``: what a quantised target's graph is told (1: compute the copy that makes an
+    odd count even, as loading chooses where a row alone gets other bits)."""
     ids = np.full((1, count), TOKEN, dtype=np.int64)
     positions = np.arange(past, past + count)
     if "position_ids" in names:  # a batched-cache engine: its row's view, in steps
@@ -51,8 +57,7 @@ def feeds(names: list[str], count: int, past: int) -> tuple[dict[str, np.ndarray
             "cache_indices": np.stack([np.zeros(count, np.int64), positions], -1)[None],
             "attention_mask": mask[None, None],
             "logits_start": np.array([-count], dtype=np.int64),
-            # a quantised target's: computing the copy that makes counts even, as on AVX2
-            **({"pair_rows": np.ones(1, dtype=np.int64)} if "pair_rows" in names else {}),
+            **({"pair_rows": np.full(1, pair_rows, np.int64)} if "pair_rows" in names else {}),
         }, width
     if "seqlens_k" in names:  # an in-place GroupQueryAttention engine
         return {
@@ -64,11 +69,13 @@ def feeds(names: list[str], count: int, past: int) -> tuple[dict[str, np.ndarray
     return {"input_ids": ids, "attention_mask": np.ones((1, past + count), np.int64)}, 0
 
 
-def binding(graph: ort.InferenceSession, count: int, past: int, capacity: int, head_dim: int):
+def binding(
+    graph: ort.InferenceSession, count: int, past: int, capacity: int, head_dim: int, pair_rows: int
+):
     """The graph's IO binding for such a call: each past buffer bound as its present too
     (``head_dim``: where the graph leaves it unnamed, as onnxruntime-genai's does)."""
     names = [node.name for node in graph.get_inputs()]
-    host, width = feeds(names, count, past)
+    host, width = feeds(names, count, past, pair_rows)
     bound = graph.io_binding()
     for name, value in host.items():
         bound.bind_cpu_input(name, value)
@@ -108,6 +115,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--capacity", type=int, default=1024, help="in-place graphs' buffer")
+    parser.add_argument(
+        "--unpaired",
+        type=int,
+        nargs="*",
+        default=[],
+        help="indices of quantised targets' graphs run without the copy of an odd count's last"
+        " position (`pair_rows` 0: where loading finds a row alone exact)",
+    )
     args = parser.parse_args()
     for path in args.graphs:
         if not path.is_file():
@@ -117,7 +132,10 @@ def main() -> None:
     print("graphs: " + ", ".join(f"[{i}] {path}" for i, path in enumerate(args.graphs)))
     for past in args.cached:
         for count in args.positions:
-            bound = [binding(g, count, past, args.capacity, d) for g, d in zip(graphs, head_dims)]
+            bound = [
+                binding(g, count, past, args.capacity, d, int(i not in args.unpaired))
+                for i, (g, d) in enumerate(zip(graphs, head_dims))
+            ]
             times: list[list[float]] = [[] for _ in graphs]
             for _ in range(args.blocks):
                 for graph, (call, _), spent in zip(graphs, bound, times):

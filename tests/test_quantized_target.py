@@ -367,7 +367,9 @@ def test_loading_pairs_rows_only_where_this_cpu_needs_it(tmp_path, precision, bl
 def test_a_call_of_one_position_computes_one_row_unless_paired(tmp_path):
     """onnxruntime's own profile of the int4 target's matrix products: a prompt of 3 positions
     then a step of one multiply 3 rows and 1 with `pair_rows` 0, 4 and 2 with 1 (the copy of
-    an odd call's last), the logits of the rows fed either way."""
+    an odd call's last), the logits of the rows fed either way. Its attention takes two query
+    rows or more either way (the Attention op's kernel for one query row rounds otherwise), so
+    weights whose kernels give a row alone its bits need no pair."""
     from specrt.backends.select import make_decoder
 
     bundle = build_bundle(
@@ -375,7 +377,7 @@ def test_a_call_of_one_position_computes_one_row_unless_paired(tmp_path):
     )
     spec = read_manifest(bundle).models["target"]
     view = spec.engine_view("onnxruntime")
-    rows = {}
+    rows, queries = {}, {}
     for on in (False, True):
         options = ort.SessionOptions()
         options.enable_profiling = True
@@ -388,10 +390,12 @@ def test_a_call_of_one_position_computes_one_row_unless_paired(tmp_path):
         decoder.prefill([5, 6, 7])
         logits = decoder.forward([8]).logits
         events = json.loads(Path(session.end_profiling()).read_text())
-        rows[on] = {
-            int(np.prod(next(iter(e["args"]["input_type_shape"][0].values()))[:-1]))
-            for e in events
-            if e.get("cat") == "Node" and e["args"].get("op_name") == "MatMulNBits"
-        }
+        for seen, op in ((rows, "MatMulNBits"), (queries, "Attention")):
+            seen[on] = {
+                int(np.prod(next(iter(e["args"]["input_type_shape"][0].values()))[:-1]))
+                for e in events
+                if e.get("cat") == "Node" and e["args"].get("op_name") == op
+            }
         assert logits.shape == (1, spec.vocab_size)
     assert rows == {False: {3, 1}, True: {4, 2}}
+    assert queries == {False: {3, 2}, True: {4, 2}}

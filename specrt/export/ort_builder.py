@@ -87,9 +87,10 @@ class DecoderShape:
     # beside another, and a quantised target's int8 activations magnify that into other tokens,
     # so its verification must compute what decoding alone does.
     even_rows: bool = False
-    # A float32 target's attention computes at least two query rows
-    # (`_two_query_rows_attention`): its matrix products give a row the same bits whatever
-    # rows come with it, so that alone makes verifying compute what decoding alone does.
+    # A CPU target's attention computes at least two query rows (`_two_query_rows_attention`):
+    # float32 matrix products give a row the same bits whatever rows come with it, so that
+    # alone makes a float32 target verify what it computes decoding alone, and a quantised one
+    # too where its weights' kernels do likewise (8-bit weights on AVX2), without `_even_rows`.
     two_query_rows: bool = False
     # Qwen3: each head's q and k RMS-normalised (weights ``self_attn.q_norm`` / ``k_norm``,
     # over head_dim) before the rotation.

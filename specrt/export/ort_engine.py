@@ -75,10 +75,11 @@ def build_ort_engine(
     one_row = device == "cuda" and (softcap or cuda_attention == "group_query")
     # by each row's length: no window to mask (the host's mask carries sliding windows)
     by_length = device == "cuda" and cuda_attention == "batched_lengths" and not window
-    # a quantised target verifies bit for bit only where every call computes an even count,
-    # a float32 one where its attention computes two query rows or more
+    # a target verifies bit for bit where its attention computes two query rows or more, and a
+    # quantised one where its weights' kernels give a row alone the same bits, else where every
+    # call computes an even count (`pair_rows`, chosen at load by measuring)
     even_rows = device == "cpu" and role == "target" and precision != "float32"
-    two_query_rows = device == "cpu" and role == "target" and precision == "float32"
+    two_query_rows = device == "cpu" and role == "target"
     shape = DecoderShape(  # GPT-2's config answers to these names too
         num_layers=spec.num_layers,
         num_heads=int(config.num_attention_heads),
