@@ -93,7 +93,13 @@ def test_a_killed_run_goes_on_to_the_draft_an_uninterrupted_run_makes(target, tm
 
 def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp_path):
     trained = tmp_path / "trained"
-    assert run(command(*target, trained, "--steps", "40")).returncode == 0
+    more = tmp_path / "more.txt"  # a second set of prompts: both are answered and trained on
+    more.write_text("Beautiful is\nclass Stack\n")
+    result = run(command(*target, trained, "--steps", "40", "--prompt-file", str(more)))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((trained / "distill_report.json").read_text())
+    assert report["train_prompts"] == len(target[1].read_text().splitlines()) + 2
+    assert len(list(state_dir(trained).glob("answers-*/*.npz"))) == len(prompts_of(target[1])) + 2
     own = load_file(str(trained / "own_weights.safetensors"))
     assert not any(name.startswith(("model.embed_tokens", "lm_head")) for name in own)
 

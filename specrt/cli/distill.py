@@ -25,8 +25,9 @@ from specrt.cli.common import _friendly_errors, _prompts
 @click.option(
     "--prompt-file",
     type=click.Path(path_type=Path),
+    multiple=True,
     help='Training prompts (.jsonl of {"prompt": ...}, or one per line), answered by '
-    "the target through its chat template.",
+    "the target through its chat template; repeat it to train on several sets.",
 )
 @click.option(
     "--heldout-file",
@@ -163,12 +164,12 @@ def distill(
     from specrt.distill import distill as run
     from specrt.distill.train import TrainSettings, native_bf16
 
-    if steps and prompt_file is None:
+    if steps and not prompt_file:
         raise click.UsageError("give --prompt-file (the prompts the target answers), or --steps 0")
-    prompts = _prompts((), prompt_file) if prompt_file else []
+    prompts = [prompt for path in prompt_file for prompt in _prompts((), path)]
     heldout = _prompts((), heldout_file) if heldout_file else []
     if steps and not prompts:
-        raise click.UsageError(f"{prompt_file} holds no prompts")
+        raise click.UsageError(f"{', '.join(map(str, prompt_file))}: no prompts in them")
     settings = DistillSettings(
         kind=kind,
         head_vocab=head_vocab,
