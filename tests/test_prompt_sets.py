@@ -1,0 +1,30 @@
+"""The prompt sets the shipped drafts and heads are trained on: a held-out prompt that leaked into
+a training set would make every acceptance reported on it a measure of memory, not of drafting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specrt.prompts import read_prompt_file
+
+SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2"
+TRAINING_SETS = ["train_prompts.jsonl", "diverse_prompts.jsonl"]
+
+
+def _normal(prompt: str) -> str:
+    return " ".join(prompt.lower().split())
+
+
+@pytest.mark.parametrize("name", TRAINING_SETS)
+def test_training_set_never_holds_a_heldout_prompt(name):
+    heldout = {_normal(p) for p in read_prompt_file(SMOLLM2 / "heldout_prompts.jsonl")}
+    prompts = read_prompt_file(SMOLLM2 / name)
+    assert prompts and heldout
+    assert not heldout & {_normal(p) for p in prompts}
+
+
+def test_diverse_set_asks_each_prompt_once():
+    prompts = [_normal(p) for p in read_prompt_file(SMOLLM2 / "diverse_prompts.jsonl")]
+    assert len(set(prompts)) == len(prompts)
