@@ -10,7 +10,7 @@ import pytest
 from specrt.prompts import read_prompt_file
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2"
-TRAINING_SETS = ["train_prompts.jsonl", "diverse_prompts.jsonl"]
+TRAINING_SETS = ["train_prompts.jsonl", "diverse_prompts.jsonl", "head_prompts.jsonl"]
 
 
 def _normal(prompt: str) -> str:
@@ -25,6 +25,11 @@ def test_training_set_never_holds_a_heldout_prompt(name):
     assert not heldout & {_normal(p) for p in prompts}
 
 
-def test_diverse_set_asks_each_prompt_once():
-    prompts = [_normal(p) for p in read_prompt_file(SMOLLM2 / "diverse_prompts.jsonl")]
+def test_diverse_sets_ask_each_prompt_once():
+    """The head trains on both sets at once: a prompt in both would be answered and weighed twice."""
+    prompts = [
+        _normal(p)
+        for name in ["diverse_prompts.jsonl", "head_prompts.jsonl"]
+        for p in read_prompt_file(SMOLLM2 / name)
+    ]
     assert len(set(prompts)) == len(prompts)
