@@ -58,11 +58,13 @@ build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/diverse_p
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-draft --force $(DISTILL)
 
 # Its EAGLE-3 head, trained on the target's answers to the diverse prompts, which teach a head
-# more than the templated ones (about 82 minutes on 2 cores: 40 answering, 42 training).
-build/smollm2-head/model.safetensors: build/smollm2-draft/own_weights.safetensors models/smollm2/diverse_prompts.jsonl
+# more than the templated ones, and to more of them (about 97 minutes on 2 cores after the
+# draft, whose answers it shares: 33 answering, 17 reading the target's states, 47 training).
+build/smollm2-head/model.safetensors: build/smollm2-draft/own_weights.safetensors models/smollm2/diverse_prompts.jsonl models/smollm2/head_prompts.jsonl
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-head --force --kind eagle3 \
 		--head-vocab 8192 --steps 4000 --lr 1e-3 --state-dir build/.smollm2-draft.distill \
 		--prompt-file models/smollm2/diverse_prompts.jsonl \
+		--prompt-file models/smollm2/head_prompts.jsonl \
 		--heldout-file models/smollm2/heldout_prompts.jsonl
 
 engines-real: install build/smollm2-draft/own_weights.safetensors build/smollm2-head/model.safetensors

@@ -26,7 +26,7 @@ def test_training_set_never_holds_a_heldout_prompt(name):
 
 
 def test_diverse_sets_ask_each_prompt_once():
-    """The head trains on both sets at once: a prompt in both would be answered and weighed twice."""
+    """The head trains on both sets at once: a prompt in both would be weighed twice."""
     prompts = [
         _normal(p)
         for name in ["diverse_prompts.jsonl", "head_prompts.jsonl"]
