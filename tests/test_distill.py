@@ -133,6 +133,7 @@ def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp
         (["--layers", "4"], "the draft takes 1 to 3 of the target's 4 layers"),
         (["--steps", "5"], "give --prompt-file"),
         (["--layers", "2", "--init-from", "OWN"], "pass --layers and --target as it was made"),
+        (["--target-precision", "int4"], "use it with --kind eagle3"),
     ],
 )
 def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, message):

@@ -399,3 +399,60 @@ def test_a_call_of_one_position_computes_one_row_unless_paired(tmp_path):
         assert logits.shape == (1, spec.vocab_size)
     assert rows == {False: {3, 1}, True: {4, 2}}
     assert queries == {False: {3, 2}, True: {4, 2}}
+
+
+@pytest.mark.parametrize(("precision", "block"), [("int4", 32), ("int4", 128), ("int8", 32)])
+def test_distill_reads_back_the_very_weights_a_quantized_target_engine_holds(
+    tmp_path, precision, block
+):
+    """`specrt distill --target-precision` trains a head on the target as its engine computes
+    it: `engine_weights` gives the weights MatMulNBits multiplies by (its float32 compute, to
+    rounding), not the float32 ones, whose product is visibly another."""
+    from specrt.distill.quantized import engine_weights
+
+    rng = np.random.default_rng(1)
+    weight = (rng.standard_normal((96, 80)) * 0.05).astype(np.float32)  # [out, in]: in % 32 != 0
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 80])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight.T.copy(), "w")],
+    )
+    path = tmp_path / "mm.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    quantize_weights(path, precision, block, symmetric=False, accuracy_level=0)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((5, 80)).astype(np.float32)
+    [engine] = session.run(None, {"x": x})
+    bits = {"int4": 4, "int8": 8}[precision]
+    assert np.abs(x @ engine_weights(weight, bits, block).T - engine).max() < 1e-5
+    assert np.abs(x @ weight.T - engine).max() > 1e-3
+
+
+def test_a_head_for_a_quantized_target_reads_what_its_engine_computes(quantized):
+    """The target `specrt distill --target-precision` trains on (`quantize_like_engine`) gives
+    the logits of the bundle's quantised engine, up to its 8-bit activations: far closer than
+    the float32 checkpoint's, which the engine's answers part from."""
+    import torch
+    from transformers import AutoConfig
+
+    from specrt.backends import NEED_LOGITS
+    from specrt.distill.quantized import quantize_like_engine
+    from specrt.export.checkpoints import load_causal_lm
+    from specrt.runtime.loading import load_pair
+
+    precision, bundle = quantized
+    if precision != "int4":
+        pytest.skip("8-bit weights are nearer float32 than the engine's 8-bit activations are")
+    source = Path(read_manifest(bundle).models["target"].source)
+    model = load_causal_lm(source, AutoConfig.from_pretrained(source))
+    tokens = list(range(5, 45))
+    pair = load_pair(bundle, threads=1)
+    engine = pair.target.forward(tokens, need=NEED_LOGITS).logits
+    with torch.no_grad():
+        plain = model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+        quantize_like_engine(model, precision, DEFAULT_TARGET_BLOCK_SIZE)
+        like = model(input_ids=torch.tensor([tokens])).logits[0].numpy()
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    assert np.abs(like - engine).max() < 0.25 * np.abs(plain - engine).max()

@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import _friendly_errors, _prompts
+from specrt.cli.options import target_block_size_option
+from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, PRECISIONS
 
 
 @click.command()
@@ -127,6 +129,15 @@ from specrt.cli.common import _friendly_errors, _prompts
     "answers the training prompts (held-out ones: float32) [on where the CPU has bfloat16 "
     "instructions].",
 )
+@click.option(
+    "--target-precision",
+    type=click.Choice(PRECISIONS),
+    default="float32",
+    show_default=True,
+    help="--kind eagle3: train the head for the target engine of this precision (export the "
+    "bundle with the same --target-precision): it learns that engine's answers and states.",
+)
+@target_block_size_option(DEFAULT_TARGET_BLOCK_SIZE)
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @_friendly_errors
 def distill(
@@ -149,6 +160,8 @@ def distill(
     state_dir,
     chat_template,
     bf16,
+    target_precision,
+    target_block_size,
     force,
 ) -> None:
     """Train a draft for a target from the target's own answers (sequence-level distillation).
@@ -177,6 +190,8 @@ def distill(
         max_new_tokens=max_new_tokens,
         top_k=top_k,
         chat_template=chat_template,
+        target_precision=target_precision,
+        target_block_size=target_block_size,
         train=TrainSettings(
             steps=steps,
             batch_size=batch_size,

@@ -38,6 +38,10 @@ class DistillSettings:
     # The prompts go through the target's chat template where it has one; False: as plain text,
     # as completions send them (drafts learn the text they will see).
     chat_template: bool = True
+    # A head for a quantised target engine learns from that engine's weights
+    # (`specrt.distill.quantized`): its precision and block size, as `specrt export` takes them.
+    target_precision: str = "float32"
+    target_block_size: int = 32
 
 
 def state_dir(out: Path) -> Path:
@@ -73,6 +77,21 @@ def distill(
 
     # 1. The target, and the draft cut from it (its own weights from --init-from if given).
     target, tokenizer, identity = _load_target(target_source, out, log)
+    if settings.target_precision != "float32":
+        from specrt.distill.quantized import quantize_like_engine
+
+        if settings.kind != "eagle3":
+            raise ExportError(
+                "--target-precision trains an EAGLE-3 head for a quantised target: use it with "
+                "--kind eagle3 (a draft model learns from the float32 target)"
+            )
+        quantize_like_engine(target, settings.target_precision, settings.target_block_size)
+        # the answers and states are this engine's: kept apart from the float32 target's
+        identity["precision"] = f"{settings.target_precision}/{settings.target_block_size}"
+        log(
+            f"target: its {settings.target_precision} engine's weights (blocks of "
+            f"{settings.target_block_size}), as `specrt export --target-precision` makes them"
+        )
     state = state or state_dir(out)
     state.mkdir(parents=True, exist_ok=True)
     eagle3 = settings.kind == "eagle3"
@@ -174,6 +193,7 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
         "kind": "eagle3",
         "head_vocab": int(head.lm_head.weight.shape[0]),
         "layers_read": list(head.layers),
+        "target_precision": identity.get("precision", "float32"),
     }
     report = _report(identity, own, settings, prompts, held, losses, before, after, started)
     with staging(out, "partial") as staged:

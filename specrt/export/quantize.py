@@ -27,10 +27,16 @@ BLOCK_SIZE = 128  # a draft's: the fastest measured
 
 
 def quantize_weights(
-    graph: Path, precision: str, block_size: int = BLOCK_SIZE, symmetric: bool = True
+    graph: Path,
+    precision: str,
+    block_size: int = BLOCK_SIZE,
+    symmetric: bool = True,
+    accuracy_level: int = 4,
 ) -> None:
     """Rewrite ``graph`` (and its external data) with MatMul weights in ``precision``, in
-    blocks of ``block_size`` along the input dimension (``symmetric``: without zero points)."""
+    blocks of ``block_size`` along the input dimension (``symmetric``: without zero points).
+    ``accuracy_level`` 4: int8 compute, what makes it fast on CPUs with VNNI/AMX (0: float32,
+    the weights' own products, for tests)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if precision == "float32":
@@ -43,14 +49,14 @@ def quantize_weights(
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     bits = _BITS[precision]
     config = DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=symmetric, accuracy_level=4, bits=bits
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
     )
     quantizer = MatMulNBitsQuantizer(
         onnx.load(str(graph)),
         bits=bits,
         block_size=block_size,
         is_symmetric=symmetric,
-        accuracy_level=4,  # int8 compute: what makes it fast on CPUs with VNNI/AMX
+        accuracy_level=accuracy_level,
         algo_config=config,
     )
     quantizer.process()
