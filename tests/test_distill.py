@@ -255,13 +255,14 @@ def test_prompts_go_through_the_chat_template_unless_told_not_to(target, tmp_pat
         assert load(_path(answers, first)).prompt.tolist() == expected[name]
 
 
-def test_a_head_reads_the_target_s_states_kept_once_and_a_lost_chunk_is_made_again(
-    target, tmp_path, monkeypatch
+def test_a_head_reads_the_target_s_states_kept_once_and_only_missing_ones_are_made(
+    target, tmp_path
 ):
     """Head training reads the target's states from disk (`features.states`), not from a pass
     of the target each step: a batch's rows of them are the target's own states of that
-    batch's tokens, and a chunk a killed run did not finish is computed again to the same bits
-    while the finished ones are left as they are."""
+    batch's tokens; an answer whose states a killed run did not write is computed again to the
+    same bits while the others are left as they are, and a grown set computes its new answers'
+    states alone."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -270,34 +271,30 @@ def test_a_head_reads_the_target_s_states_kept_once_and_a_lost_chunk_is_made_aga
 
     model = AutoModelForCausalLM.from_pretrained(target[0]).eval()
     tokenizer = AutoTokenizer.from_pretrained(target[0])
-    prompts = [json.loads(line)["prompt"] for line in target[1].read_text().splitlines()][:12]
+    prompts = [json.loads(line)["prompt"] for line in target[1].read_text().splitlines()][:16]
     examples = data.answer(model, tokenizer, prompts, tmp_path / "answers", 16, 4, progress=False)
-    monkeypatch.setattr(features, "CHUNK_TOKENS", 64)  # several chunks
     folder = tmp_path / "states"
-    kept = features.states(model, examples, (1, 3), folder, progress=False)
-    chunks = sorted(folder.glob("chunk-*.npz"))
-    assert len(chunks) > 2
+    kept = features.states(model, examples[:12], (1, 3), folder, progress=False)
+    files = sorted(folder.glob("*.npy"))
+    assert len(files) == len({features._path(folder, e) for e in examples[:12]}) > 2
 
     settings = train.TrainSettings(batch_size=4, seq_len=64)
-    ids, mask, *_ = train.batch(examples, settings, step=3)
-    rows = features.rows(examples, kept, train.spans(examples, settings, step=3), ids.shape[1])
+    ids, mask, *_ = train.batch(examples[:12], settings, step=3)
+    spans = train.spans(examples[:12], settings, step=3)
+    rows = features.rows(examples[:12], kept, spans, ids.shape[1])
     with torch.no_grad():
         states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     expected = torch.cat([states.hidden_states[i] for i in (1, 3)], dim=-1) * mask[..., None]
     torch.testing.assert_close(rows, expected, rtol=2e-3, atol=2e-3)  # kept as float16
 
-    lost, times = chunks[1], [c.stat().st_mtime_ns for c in chunks]
-    with np.load(lost) as before:
-        made = {name: before[name] for name in before.files}
+    lost, times = files[1], {f: f.stat().st_mtime_ns for f in files}
+    made = np.load(lost)
     lost.unlink()
-    again = features.states(model, examples, (1, 3), folder, progress=False)
-    with np.load(lost) as after:
-        assert made.keys() == set(after.files)
-        assert all(np.array_equal(made[name], after[name]) for name in made)
-    assert [c.stat().st_mtime_ns for c in chunks if c != lost] == [
-        t for c, t in zip(chunks, times) if c != lost
-    ]
-    assert all(np.array_equal(a, b) for a, b in zip(kept, again))
+    grown = features.states(model, examples, (1, 3), folder, progress=False)
+    assert np.array_equal(np.load(lost), made)
+    assert all(f.stat().st_mtime_ns == t for f, t in times.items() if f != lost)
+    assert len(list(folder.glob("*.npy"))) == len({features._path(folder, e) for e in examples})
+    assert all(np.array_equal(a, b) for a, b in zip(kept, grown))
 
 
 def test_a_grown_prompt_set_asks_the_target_for_its_new_prompts_alone(target, tmp_path):

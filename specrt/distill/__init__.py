@@ -175,10 +175,8 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     from specrt.staging import publish, staging
 
     head = eagle.new_head(target, examples, settings.head_vocab)
-    read = hashlib.sha256()  # the states are of these tokens, whichever answers they are
-    for example in examples:
-        read.update(example.prompt.tobytes() + b"|" + example.tokens.tobytes() + b"||")
-    states_key = _key(identity, head.layers, read.hexdigest())
+    # a file per answer, in a folder of this target and these layers: a grown set reuses them
+    states_key = _key(identity, head.layers, "per answer")
     kept = features.states(target, examples, head.layers, state / f"states-{states_key}", progress)
     k = settings.num_draft_tokens
     before = eagle.report(head, target, held, k) if held else None
