@@ -197,6 +197,28 @@ def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp
     assert result.exit_code != 0 and "either --draft or --eagle" in result.output
 
 
+def test_a_head_trained_for_another_target_precision_is_noted_at_export(sources, tmp_path):
+    """`specrt distill --target-precision` records whose engine the head learnt from; exported
+    with a target of another precision it drafts all the same, and the export says it will
+    keep fewer of its drafts."""
+    _, target, head = sources
+    trained = tmp_path / "head"
+    shutil.copytree(head, trained)
+    report = trained / "distill_report.json"
+    args = ["export", "--target", str(target), "--eagle", str(trained), "--no-portable"]
+    for precision, bundle_precision, noted in [
+        ("int4/32", "float32", True),
+        ("int4/32", "int4", False),
+        ("float32", "int4", True),
+    ]:
+        report.write_text(json.dumps({"kind": "eagle3", "target_precision": precision}))
+        out = tmp_path / f"{precision.replace('/', '-')}-{bundle_precision}"
+        made = [*args, "--out", str(out), "--target-precision", bundle_precision]
+        result = CliRunner().invoke(main, made)
+        assert result.exit_code == 0, result.output
+        assert ("trained for the " + precision in result.output) == noted, result.output
+
+
 def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources, tmp_path):
     """In another precision, in place (a user's file in it kept), with GPU engines too;
     refused in one line where the head changed since, the bundle left as it was."""

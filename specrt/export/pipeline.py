@@ -177,6 +177,7 @@ def _export_with_head(
         if gguf is not None:
             spec.source, spec.source_sha256 = str(gguf.resolve()), sha256_file(gguf)
         log(f"exporting the EAGLE head from {head_dir} ({options.draft_precision})")
+        _check_head_precision(head_dir, options, log)
         head_spec = export_head(head, head_dir, model, spec, scratch, vocab, tokenizer_hash,
                                 precision=options.draft_precision,
                                 fp16_atol=options.fp16_atol if cuda else None,
@@ -188,6 +189,26 @@ def _export_with_head(
             log(f"  EAGLE head {name}: max |logit diff| {check['max_abs_logit_diff']:.2e}")
         return _publish({"target": spec, "draft": head_spec}, target, config, vocab, scratch,
                         out, log)  # fmt: skip
+
+
+def _check_head_precision(head_dir: Path, options, log: Log) -> None:
+    """Say so where the head was trained (`specrt distill`'s report) for a target engine of
+    another precision than this bundle's: it drafts all the same, and keeps fewer."""
+    report = head_dir / "distill_report.json"
+    if not report.is_file():
+        return
+    try:
+        trained = json.loads(report.read_text()).get("target_precision", "float32")
+    except (OSError, ValueError, AttributeError):
+        return
+    precision = options.target_precision
+    made = precision if precision == "float32" else f"{precision}/{options.target_block_size}"
+    if trained != made:
+        log(
+            f"  note: the head was trained for the {trained} target (its distill_report.json), "
+            f"this bundle's is {made}: it will keep fewer of its drafts; train one with "
+            f"`specrt distill --kind eagle3 --target-precision {precision}`"
+        )
 
 
 def _export_role(source: Path, config, bundle_root: Path, role: str, *rest) -> ModelSpec:
