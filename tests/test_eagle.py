@@ -199,8 +199,7 @@ def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp
 
 def test_a_head_trained_for_another_target_precision_is_noted_at_export(sources, tmp_path):
     """`specrt distill --target-precision` records whose engine the head learnt from; exported
-    with a target of another precision it drafts all the same, and the export says it will
-    keep fewer of its drafts."""
+    with a target of another precision it drafts all the same, and the export says so."""
     _, target, head = sources
     trained = tmp_path / "head"
     shutil.copytree(head, trained)

@@ -193,7 +193,7 @@ def _export_with_head(
 
 def _check_head_precision(head_dir: Path, options, log: Log) -> None:
     """Say so where the head was trained (`specrt distill`'s report) for a target engine of
-    another precision than this bundle's: it drafts all the same, and keeps fewer."""
+    another precision than this bundle's: it drafts all the same, its acceptance may differ."""
     report = head_dir / "distill_report.json"
     if not report.is_file():
         return
@@ -206,8 +206,8 @@ def _check_head_precision(head_dir: Path, options, log: Log) -> None:
     if trained != made:
         log(
             f"  note: the head was trained for the {trained} target (its distill_report.json), "
-            f"this bundle's is {made}: it will keep fewer of its drafts; train one with "
-            f"`specrt distill --kind eagle3 --target-precision {precision}`"
+            f"this bundle's is {made}: `specrt distill --kind eagle3 --target-precision "
+            f"{precision}` trains one on that engine's weights"
         )
 
 
