@@ -16,6 +16,7 @@ from specrt.runtime.schedules.constants import (
     GUARD_EMPTY_ROUNDS,
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
+    GUARD_MATCH_ON_MARGIN,
     GUARD_MAX_WAIT,
     GUARD_PLAIN_EVERY,
     GUARD_PROBE_BUDGET,
@@ -149,6 +150,25 @@ def test_a_probe_that_keeps_nothing_ends_early_and_a_copy_is_probed_soon():
     guard.observe(MATCH, 1 + GUARD_PROBE_MATCH, 1.2 * PLAIN_S)  # copies pay at once
     guard.observe(MATCH, 1 + GUARD_PROBE_MATCH, 1.2 * PLAIN_S)
     assert guard.kinds[MATCH].state == "probe"  # (kept some: the probe runs its length)
+
+
+def test_one_lucky_match_does_not_turn_matches_on_a_copy_does():
+    """A probe of matches verifies one token a round: one kept in its first six rounds looks
+    like 1.1x plain rounds, and the rounds after it, verifying whole matches, kept nothing on
+    SmolLM2's chat answers. Matches turn on only where the probe beats plain rounds by
+    `GUARD_MATCH_ON_MARGIN`, as a row copying itself does (its token kept every round)."""
+    lucky, copy = [1] + [0] * (GUARD_FIRST_ROUNDS - 1), [1] * GUARD_FIRST_ROUNDS
+    for kept, state in ((lucky, "off"), (copy, "on")):
+        guard = SpeculationGuard()
+        guard.plain.extend([PLAIN_S] * 4)
+        guard.kinds[MODEL].state, guard.kinds[MODEL].wait = "off", 1000
+        for extra in kept:
+            assert guard.caps() == (0, GUARD_PROBE_MATCH)
+            guard.observe(MATCH, 1 + extra, 1.05 * PLAIN_S)
+        guard.caps()
+        ratio = (sum(kept) + len(kept)) / (1.05 * len(kept))  # over plain rounds: above 1
+        assert 1 < ratio and (ratio >= 1 + GUARD_MATCH_ON_MARGIN) == (state == "on")
+        assert guard.kinds[MATCH].state == state, kept
 
 
 def test_a_probe_of_matches_runs_where_the_whole_match_would_beat_the_model():

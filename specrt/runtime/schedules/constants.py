@@ -94,6 +94,11 @@ GUARD_EMPTY_ROUNDS = 1
 # nothing in half its first rounds, each losing 0.7 of a plain round); a draft catching up on a
 # fast target loses more in one (SmolLM2's int4 one: 2.8).
 GUARD_EMPTY_LOSS = 1.0
+# A share: by how much a probe of matches must beat plain rounds to turn them on. Its rounds
+# verify one token each, so one token kept in four rounds already looks like 1.2x plain ones
+# while the match rounds after it keep nothing (SmolLM2's chat answers: turned on 2-3 times an
+# answer, a few percent lost); a row that copies keeps its token every round (about 1.9x).
+GUARD_MATCH_ON_MARGIN = 0.3
 GUARD_DECAY = 0.9  # a share: what a kind's round keeps of the older tokens and seconds
 GUARD_PLAIN_SAMPLES = 2  # plain rounds timed before any kind is judged
 GUARD_PLAIN_KEPT = 8  # plain rounds whose median is the target alone's time per token

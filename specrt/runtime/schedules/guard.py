@@ -31,6 +31,7 @@ from specrt.runtime.schedules.constants import (
     GUARD_EMPTY_ROUNDS,
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
+    GUARD_MATCH_ON_MARGIN,
     GUARD_MAX_WAIT,
     GUARD_MIN_ROUNDS,
     GUARD_PLAIN_EVERY,
@@ -50,9 +51,10 @@ class KindRate:
     again after ``wait`` rounds off: `GUARD_MIN_ROUNDS` rounds of at most ``probe_tokens``
     tokens), "judge" (a probe done, waiting for plain rounds to compare with), "on" or "off"."""
 
-    def __init__(self, probe_tokens: int, empty_loss: float = 0.0) -> None:
+    def __init__(self, probe_tokens: int, empty_loss: float = 0.0, on_margin: float = 0.0) -> None:
         self.probe_tokens = probe_tokens
         self.empty_loss = empty_loss  # plain rounds' worth: see `judge`
+        self.on_margin = on_margin  # a share: by how much a probe must beat plain rounds
         self.wait = GUARD_FIRST_WAIT
         self.lost = False  # judged a loss before: a probe that loses again doubles the wait
         self.start_probe(GUARD_FIRST_ROUNDS)
@@ -90,10 +92,11 @@ class KindRate:
 
     def judge(self, baseline: float) -> None:
         """On where its recent rounds emit at least ``baseline`` tokens a second (the target
-        alone's), else off, until a probe after ``wait`` rounds: twice the last wait where a
-        probe lost again, and long enough that what the probe lost is `GUARD_PROBE_BUDGET` of
-        the time until the next."""
-        if self.rate >= baseline:
+        alone's; after a probe, ``on_margin`` more), else off, until a probe after ``wait``
+        rounds: twice the last wait where a probe lost again, and long enough that what the
+        probe lost is `GUARD_PROBE_BUDGET` of the time until the next."""
+        margin = self.on_margin if self.state == "judge" else 0.0  # a probe's few rounds
+        if self.rate >= baseline * (1 + margin):
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
         lost_rounds = self.seconds * baseline - self.tokens  # plain rounds' worth
@@ -122,7 +125,8 @@ class SpeculationGuard:
     def __init__(self) -> None:
         self.kinds = {
             MODEL: KindRate(UNCAPPED, GUARD_EMPTY_LOSS),
-            MATCH: KindRate(GUARD_PROBE_MATCH),  # its probe rounds are cheap: one empty ends it
+            # its probe rounds are cheap (one empty ends it) and say little each
+            MATCH: KindRate(GUARD_PROBE_MATCH, on_margin=GUARD_MATCH_ON_MARGIN),
         }
         self.plain: deque[float] = deque(maxlen=GUARD_PLAIN_KEPT)  # seconds of plain rounds
         self._since_plain = 0  # rounds since the last plain one
