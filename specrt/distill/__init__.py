@@ -22,6 +22,7 @@ from pathlib import Path
 
 from specrt.distill.train import TrainSettings
 from specrt.errors import ExportError
+from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, target_tag
 
 REPORT = "distill_report.json"
 
@@ -41,7 +42,7 @@ class DistillSettings:
     # A head for a quantised target engine learns from that engine's weights
     # (`specrt.distill.quantized`): its precision and block size, as `specrt export` takes them.
     target_precision: str = "float32"
-    target_block_size: int = 32
+    target_block_size: int = DEFAULT_TARGET_BLOCK_SIZE
 
 
 def state_dir(out: Path) -> Path:
@@ -87,7 +88,7 @@ def distill(
             )
         quantize_like_engine(target, settings.target_precision, settings.target_block_size)
         # the answers and states are this engine's: kept apart from the float32 target's
-        identity["precision"] = f"{settings.target_precision}/{settings.target_block_size}"
+        identity["precision"] = target_tag(settings.target_precision, settings.target_block_size)
         log(
             f"target: its {settings.target_precision} engine's weights (blocks of "
             f"{settings.target_block_size}), as `specrt export --target-precision` makes them"

@@ -40,9 +40,10 @@ def states(
     _remove_partials(folder)
     paths = [_path(folder, example) for example in examples]
     todo = {path: example for path, example in zip(paths, examples) if not path.is_file()}
+    unique = len(set(paths))  # a prompt given twice is one answer
     bar = tqdm(
-        total=len(set(paths)),
-        initial=len(set(paths)) - len(todo),
+        total=unique,
+        initial=unique - len(todo),
         unit="answer",
         desc="target states",
         disable=not progress,

@@ -1,12 +1,13 @@
 """The target as its quantised engine computes it, in PyTorch: a draft for an int4 target.
 
 An int4 target is a different model from its float32 checkpoint: its answers differ, and so do
-the states a head reads. A head trained on the float32 target's keeps far fewer of its drafts
-on the int4 engine (measured in docs/eagle.md). So `specrt distill --target-precision int4`
+the states a head reads, so a head for it should learn from it. `specrt distill
+--target-precision int4`
 gives every linear layer of the target (the output layer too, untied from the embedding, which
 the engine gathers unquantised) the very weights the engine's MatMulNBits holds: quantised by
 onnxruntime's own routine, with the block size and zero points of `specrt export`'s target,
-then read back as float32. What is left between the two is the engine's 8-bit activations.
+then read back as float32. What is left between the two is the engine's 8-bit activations,
+which cost a head more than the weights do (docs/eagle.md).
 """
 
 from __future__ import annotations

@@ -36,6 +36,14 @@ DEFAULT_DRAFT_PRECISION = "int8"
 # larger blocks make each verified position cheaper (CHANGELOG.md, 2026-12-05).
 TARGET_BLOCK_SIZES = (32, 64, 128)
 DEFAULT_TARGET_BLOCK_SIZE = 32
+
+
+def target_tag(precision: str, block_size: int) -> str:
+    """How a target engine's weights are named where a head records what it learnt from:
+    "float32", or the precision and its block size ("int4/32")."""
+    return precision if precision == "float32" else f"{precision}/{block_size}"
+
+
 DEVICES = ("cpu", "cuda")  # what engines are built for: cuda adds the float16 GPU engines
 CUDA_ATTENTIONS = ("batched", "batched_lengths", "group_query")  # the cuda graph (ExportOptions)
 CUDA_REDUCTIONS = ("direct", "chunked")  # how its greedy outputs reduce (see ExportOptions)

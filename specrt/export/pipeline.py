@@ -40,7 +40,7 @@ from specrt.export.checkpoints import (
 )
 from specrt.export.destination import check_destination, keep_users_files
 from specrt.export.gguf_checkpoints import as_folders, gguf_file
-from specrt.export.options import ExportOptions
+from specrt.export.options import ExportOptions, target_tag
 from specrt.export.ort_builder import FEATURES as FEATURE_OUTPUT
 from specrt.export.tokenizer_compare import canonical_hash, describe_difference, load_tokenizer_json
 from specrt.staging import publish, staging
@@ -202,7 +202,7 @@ def _check_head_precision(head_dir: Path, options, log: Log) -> None:
     except (OSError, ValueError, AttributeError):
         return
     precision = options.target_precision
-    made = precision if precision == "float32" else f"{precision}/{options.target_block_size}"
+    made = target_tag(precision, options.target_block_size)
     if trained != made:
         log(
             f"  note: the head was trained for the {trained} target (its distill_report.json), "

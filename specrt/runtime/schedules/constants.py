@@ -95,7 +95,7 @@ GUARD_EMPTY_ROUNDS = 1
 # fast target loses more in one (SmolLM2's int4 one: 2.8).
 GUARD_EMPTY_LOSS = 1.0
 # A share: by how much a probe of matches must beat plain rounds to turn them on. Its rounds
-# verify one token each, so one token kept in four rounds already looks like 1.2x plain ones
+# verify one token each, so one token kept in a probe's rounds looks like 1.1-1.2x plain ones
 # while the match rounds after it keep nothing (SmolLM2's chat answers: turned on 2-3 times an
 # answer, a few percent lost); a row that copies keeps its token every round (about 1.9x).
 GUARD_MATCH_ON_MARGIN = 0.3
