@@ -326,3 +326,36 @@ def test_a_grown_prompt_set_asks_the_target_for_its_new_prompts_alone(target, tm
     assert [path.name for path in rounded.glob("*.npz")] == [data._path(rounded, more[-1]).name]
     assert [e.tokens.tolist() for e in trained[:10]] == [e.tokens.tolist() for e in grown[:10]]
     assert len(list(exact.glob("*.npz"))) == 10
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_answers_made_in_batches_are_the_answers_made_one_prompt_at_a_time(
+    target, tmp_path, family
+):
+    """Prompts of one length are answered together without padding and the rest share padded
+    batches: every answer, its tokens and its top-k, is the one the target gives the prompt
+    alone (a padded row's positions start at its own first token, which GPT-2's learnt
+    positions show where rotary ones would not)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrt.distill import data
+
+    model_dir, _ = make_tiny_pair(family, tmp_path / "pair", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = sorted(prompts_of(target[1]))[:12]
+    ids = {i: data.prompt_ids(tokenizer, p) for i, p in enumerate(prompts)}
+    batches = [{len(ids[i]) for i in batch} for batch in data._batches(list(ids), ids, 4)]
+    assert any(len(lengths) > 1 for lengths in batches)  # some padded, some not
+    assert any(len(lengths) == 1 for lengths in batches)
+    together = data.answer(
+        model, tokenizer, prompts, tmp_path / "a", 12, 4, batch_size=4, progress=False
+    )
+    alone = data.answer(
+        model, tokenizer, prompts, tmp_path / "b", 12, 4, batch_size=1, progress=False
+    )
+    for one, other in zip(together, alone):
+        assert one.tokens.tolist() == other.tokens.tolist()
+        assert one.top_ids.tolist() == other.top_ids.tolist()
+        assert np.allclose(one.top_probs, other.top_probs, atol=1e-5)
