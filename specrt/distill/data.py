@@ -115,8 +115,9 @@ def answer(
 
 def _batches(todo: list[int], ids: dict[int, list[int]], size: int) -> list[list[int]]:
     """Batches of at most ``size`` prompts, those of one length together: a batch of prompts
-    of one length needs no padding and so no attention mask, which on a CPU costs a step a
-    third more (SmolLM2, 32 rows). Lengths too rare to fill half a batch share padded ones."""
+    of one length needs no padding and so no attention mask, which makes every step of a CPU
+    decode slower (docs/performance.md). Lengths too rare to fill half a batch share padded
+    ones."""
     by_length: dict[int, list[int]] = {}
     for index in todo:
         by_length.setdefault(len(ids[index]), []).append(index)
@@ -134,7 +135,7 @@ def _greedy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy decoding of ``rows`` (left-padded where their lengths differ) with the target's
     own cache: (rows, steps) tokens, and each step's top-k token ids and probabilities. A loop
-    of forward calls, not ``generate``: the same argmax, at a third less time a token."""
+    of forward calls, not ``generate``: the same argmax, without its per-step work."""
     import inspect
 
     import torch
