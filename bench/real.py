@@ -159,6 +159,36 @@ def run_genai(args, ids: list[list[int]], alone_seconds: list[float], reference)
     return results
 
 
+def check_peers(args) -> None:
+    """What the peers asked for need, checked before anything is timed: a missing file is one
+    line now, not the end of a run that measured everything else."""
+    import importlib.util
+
+    needs = []
+    if {"llama.cpp", "transformers"} & set(args.peers or []):
+        needs.append((args.gguf.is_file(), f"no GGUF file {args.gguf}: pass --gguf"))
+    if "llama.cpp" in (args.peers or []):
+        found = importlib.util.find_spec("llama_cpp") is not None
+        needs.append((found, "llama.cpp: pip install llama-cpp-python==0.3.36"))
+    if "transformers" in (args.peers or []):
+        found = (args.draft_checkpoint / "config.json").is_file()
+        needs.append(
+            (found, f"no draft checkpoint {args.draft_checkpoint}: pass --draft-checkpoint")
+        )
+    if "genai" in (args.peers or []):
+        models = [args.genai_models / p / "genai_config.json" for p in ("int4", "fp32")]
+        found = args.genai_python.is_file() and all(m.is_file() for m in models)
+        needs.append(
+            (
+                found,
+                f"no {args.genai_models} or {args.genai_python}: bash bench/genai_env.sh smollm2",
+            )
+        )
+    for found, message in needs:
+        if not found:
+            raise SystemExit(message)
+
+
 def run_peers(args, ids: list[list[int]], alone_seconds: list[float], reference) -> dict:
     """Each peer on each prompt: its speed-ups over specrt's target alone (the median of its
     runs), and how many of its outputs equal specrt's."""
@@ -223,6 +253,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.bundle / "manifest.json").exists():
         raise SystemExit(f"no bundle at {args.bundle}: run `make engines-real` first")
+    check_peers(args)
 
     from specrt.runtime import GenerationConfig, SpeculativeGenerator
 
