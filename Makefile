@@ -67,6 +67,8 @@ build/smollm2-head/model.safetensors: build/smollm2-draft/own_weights.safetensor
 		--prompt-file models/smollm2/head_prompts.jsonl \
 		--heldout-file models/smollm2/heldout_prompts.jsonl
 
+# Each bundle gets a corpus of the target's answers to the training prompts (what distilling
+# wrote): prompt lookup and the hybrid draft from it where a row's own text has no match.
 engines-real: install build/smollm2-draft/own_weights.safetensors build/smollm2-head/model.safetensors
 	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2 --force
 	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2-int4 \
@@ -75,6 +77,9 @@ engines-real: install build/smollm2-draft/own_weights.safetensors build/smollm2-
 		--force
 	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head \
 		--out engines/smollm2-eagle-int4 --target-precision int4 --no-portable --force
+	for bundle in smollm2 smollm2-int4 smollm2-eagle smollm2-eagle-int4; do \
+		$(SPECRT) corpus --bundle engines/$$bundle --answers-dir build/.smollm2-draft.distill \
+		|| exit 1; done
 
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '%b' "$$PROMPT")" --max-new-tokens 96 --compare

@@ -10,6 +10,9 @@ alone; each run starts from a generator that has learned nothing (as a fresh `sp
 does: the worst case for the learners, which a service keeps across requests). A contender's
 speed-up on a prompt is the median of the target alone's times over the median of its own.
 Every output is checked against the target alone's. Prints a table; ``--out`` writes JSON.
+Where a bundle has a corpus (`specrt corpus`; `make engines-real` gives each one of the
+target's answers to the training prompts), every contender drafts from it, and the default
+is also run without it.
 
 ``--int4-bundle`` (the same pair exported with ``--target-precision int4``; `make engines-real`
 builds it) adds that target alone and the default on it, interleaved with the rest and timed
@@ -51,6 +54,8 @@ CONTENDERS = {
     "draft model, adaptive": dict(proposer="model"),
     "prompt lookup, adaptive": dict(proposer="lookup"),
 }
+# The default without the bundle's corpus (`specrt corpus`), where it has one.
+NO_CORPUS = "default without the corpus"
 
 
 # The same float32 target with its EAGLE-3 head as the draft (--eagle-bundle).
@@ -61,12 +66,17 @@ EAGLE_CONTENDERS = {
 }
 
 
-def fresh(generator):
-    """A generator over ``generator``'s loaded models that has learned nothing yet."""
+def fresh(generator, corpus: bool = True):
+    """A generator over ``generator``'s loaded models that has learned nothing yet, drafting
+    from the bundle's corpus where it has one (and ``corpus``)."""
     from specrt.runtime import SpeculativeGenerator
 
     return SpeculativeGenerator(
-        generator.target, generator.draft, generator.tokenizer, generator.eos_token_ids
+        generator.target,
+        generator.draft,
+        generator.tokenizer,
+        generator.eos_token_ids,
+        corpus=generator.corpus if corpus else None,
     )
 
 
@@ -263,15 +273,20 @@ def main() -> None:
     ids = chat_ids(generator, args.bundle, prompts)
     settings = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     alone = GenerationConfig(num_draft_tokens=0, **settings)
-    # name -> (generator, config, whose target-alone output it must give)
-    runs = {"alone": (generator, alone, "float32")}
+    default = GenerationConfig(**settings)
+    # name -> (generator, config, whose target-alone output it must give, with the corpus)
+    runs = {"alone": (generator, alone, "float32", True)}
     for name, extra in CONTENDERS.items():
-        runs[name] = (generator, GenerationConfig(**extra, **settings), "float32")
+        runs[name] = (generator, GenerationConfig(**extra, **settings), "float32", True)
+    if generator.corpus is not None:
+        runs[f"{NO_CORPUS}, float32 target"] = (generator, default, "float32", False)
     if (args.int4_bundle / "manifest.json").exists():
         quantized = SpeculativeGenerator.from_bundle(args.int4_bundle, threads=args.threads)
         quantized.generate(ids[:1], alone)
-        runs["specrt target alone, int4 target"] = (quantized, alone, "int4")
-        runs["default, int4 target"] = (quantized, runs[next(iter(CONTENDERS))][1], "int4")
+        runs["specrt target alone, int4 target"] = (quantized, alone, "int4", True)
+        runs["default, int4 target"] = (quantized, default, "int4", True)
+        if quantized.corpus is not None:
+            runs[f"{NO_CORPUS}, int4 target"] = (quantized, default, "int4", False)
     else:
         print(f"no {args.int4_bundle}: the int4 target's rows are left out", flush=True)
     for bundle, precision in ((args.eagle_bundle, "float32"), (args.eagle_int4_bundle, "int4")):
@@ -282,10 +297,10 @@ def main() -> None:
         eagle.generate(ids[:1], alone)
         # its target computes the head's features too: its own output is the reference
         own = f"{precision}, with features"
-        runs[f"specrt target alone, {own}"] = (eagle, alone, own)
+        runs[f"specrt target alone, {own}"] = (eagle, alone, own, True)
         for name, extra in EAGLE_CONTENDERS.items():
             config = GenerationConfig(**extra, **settings)
-            runs[f"{name}, {precision} target"] = (eagle, config, own)
+            runs[f"{name}, {precision} target"] = (eagle, config, own, True)
     generator.generate(ids[:1], alone)  # one-off costs (first calls) out of every timing
     table: dict[str, list[float]] = {name: [] for name in runs if name != "alone"}
     alone_rates, alone_seconds, references = [], [], []
@@ -293,8 +308,8 @@ def main() -> None:
         seconds: dict[str, list[float]] = {name: [] for name in runs}
         reference: dict[str, list[int]] = {}
         for _ in range(args.repeats):
-            for name, (model, config, target) in runs.items():
-                runner = fresh(model)
+            for name, (model, config, target, corpus) in runs.items():
+                runner = fresh(model, corpus)
                 started = time.perf_counter()
                 [result] = runner.generate([prompt], config)
                 seconds[name].append(time.perf_counter() - started)

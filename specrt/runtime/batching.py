@@ -17,6 +17,7 @@ from specrt.backends import RowsDecoder
 from specrt.backends.base import PREFILL_CHUNK, whole_chunks
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
+from specrt.runtime.corpus import CorpusTable
 from specrt.runtime.hybrid import DRAFT_WINDOW, MatchAcceptance
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.planning import BatchPlanner, LonePlanner, Plan
@@ -53,6 +54,7 @@ class BatchRunner:
         eos_token_ids: frozenset[int],
         suffix_cache: SuffixCache | None = None,
         one_row: OneRowLearners | None = None,
+        corpus: CorpusTable | None = None,
     ) -> None:
         """``one_row``: a row's learners for the rounds it runs alone
         (`SpeculativeGenerator.one_row`); without it every round is planned for a batch."""
@@ -62,6 +64,7 @@ class BatchRunner:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.suffix_cache = suffix_cache
+        self.corpus = corpus
         self.planner = BatchPlanner(target, draft, suffix_cache)
         self.lone = LonePlanner(suffix_cache)
         self._left = False  # rows left since the caches last gave back what they had grown
@@ -209,6 +212,7 @@ class BatchRunner:
         row = Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            row.index.corpus = self.corpus
             row.index.prompt_length = len(prompt)  # its first lookup may come rounds later
         if len(prompt) >= limit:
             row.finish_reason = "length"

@@ -19,6 +19,7 @@ from specrt.backends.one_row import as_rows
 from specrt.errors import InvalidInputError, NumericalError, PromptTooLongError
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
+from specrt.runtime.corpus import CorpusTable
 from specrt.runtime.hybrid import HybridChoice
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import SuffixCache
@@ -52,6 +53,7 @@ class SpeculativeGenerator:
         tokenizer: BundleTokenizer | None = None,
         eos_token_ids: Sequence[int] = (),
         suffix_cache: SuffixCache | None = None,
+        corpus: CorpusTable | None = None,
     ) -> None:
         if suffix_cache is not None and not isinstance(suffix_cache, SuffixCache):
             raise InvalidInputError(
@@ -64,6 +66,7 @@ class SpeculativeGenerator:
         self.eos_token_ids = frozenset(eos_token_ids)
         # Off unless given: it shares one request's text with the proposals of the next.
         self.suffix_cache = suffix_cache
+        self.corpus = corpus  # the bundle's (`load_pair`): static, shared by every request
         self._lock = threading.Lock()
         self._holder: int | None = None  # the thread in a call that holds the caches
         self._service: weakref.ref | None = None  # the Service running on them, if any
@@ -92,7 +95,9 @@ class SpeculativeGenerator:
     def from_pair(
         cls, pair: ModelPair, suffix_cache: SuffixCache | None = None
     ) -> SpeculativeGenerator:
-        return cls(pair.target, pair.draft, pair.tokenizer, pair.eos_token_ids, suffix_cache)
+        return cls(
+            pair.target, pair.draft, pair.tokenizer, pair.eos_token_ids, suffix_cache, pair.corpus
+        )
 
     @property
     def max_batch(self) -> int:
@@ -246,7 +251,13 @@ class SpeculativeGenerator:
         """A runner over this generator's caches, keeping what its schedules learn."""
         target, draft = self.rows_decoders
         runner = BatchRunner(
-            target, draft, self.tokenizer, self.eos_token_ids, self.suffix_cache, self.one_row
+            target,
+            draft,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.suffix_cache,
+            self.one_row,
+            self.corpus,
         )
         runner.schedules = self._load_schedules
         return runner

@@ -21,6 +21,8 @@ from __future__ import annotations
 from specrt.runtime.lookup import Proposal
 from specrt.runtime.schedules import LineFit
 from specrt.runtime.schedules.constants import (
+    CORPUS_FIRST_PRIORS,
+    CORPUS_LATER_PRIOR,
     FIRST_MODEL_ROUNDS,
     FIRST_PRIOR,
     HYBRID_EXPLORE_EVERY,
@@ -81,11 +83,17 @@ class HybridChoice:
         measure = self._model_rounds < FIRST_MODEL_ROUNDS
         if k and (measure or self._since_model >= HYBRID_EXPLORE_EVERY):
             return 0
-        return self.match_length(found, history) if found.tokens else 0
+        # Where the model does not draft this round (its guard holds it off), a match need
+        # only beat a plain round: one token a pass.
+        rival = self.model_rate if k else 1.0
+        return self.match_length(found, history, rival) if found.tokens else 0
 
-    def match_length(self, found: Proposal, history: int = NO_MATCH_YET) -> int:
+    def match_length(
+        self, found: Proposal, history: int = NO_MATCH_YET, rival: float | None = None
+    ) -> int:
         """How many of the matched tokens to verify: the most tokens per second, or 0 where
-        the model's rounds do better (``history``: how the row's last match fared)."""
+        ``rival`` (tokens per one-position pass; default: the model's rounds') does better
+        (``history``: how the row's last match fared)."""
         intercept, slope = self._verify_line()  # once: this runs every round, for 24 lengths
         one = max(intercept + slope, 1e-9)
         best, best_rate = 0, 0.0
@@ -94,7 +102,7 @@ class HybridChoice:
             rate = expected * one / max(intercept + slope * (length + 1), 1e-9)
             if rate > best_rate:
                 best, best_rate = length, rate
-        return best if best_rate >= self.model_rate else 0
+        return best if best_rate >= (self.model_rate if rival is None else rival) else 0
 
     def verify_seconds(self, positions: int) -> float:
         """Predicted time of a verification pass over ``positions`` positions."""
@@ -168,14 +176,16 @@ class MatchAcceptance:
         key, length = _key(found, history), len(found.tokens)
         curve = self._curves.get(key)
         if curve is None or len(curve) < length:
-            curve = self._curves[key] = self._curve(self.counts.get(key), length)
+            curve = self._curves[key] = self._curve(self.counts.get(key), length, _priors(key))
         return curve[:length]
 
     @staticmethod
-    def _curve(counts: list[list[float]] | None, length: int) -> list[float]:
+    def _curve(
+        counts: list[list[float]] | None, length: int, priors: tuple[float, float]
+    ) -> list[float]:
         expected, survival, out = 1.0, 1.0, []
         for position in range(length):
-            prior = FIRST_PRIOR if position == 0 else LATER_PRIOR
+            prior = priors[position > 0]
             if counts is None or position >= len(counts):
                 rate = prior
             else:
@@ -206,5 +216,14 @@ def outcome(drafted: int, accepted: int) -> int:
     return 0 if accepted == 0 else 2 if accepted >= drafted else 1
 
 
+def _priors(key: tuple[str, int, int, bool]) -> tuple[float, float]:
+    """The prior acceptance of a proposal's first token and of the ones after it."""
+    if key[0] == "corpus":
+        return CORPUS_FIRST_PRIORS[key[1] - 1], CORPUS_LATER_PRIOR
+    return FIRST_PRIOR, LATER_PRIOR
+
+
 def _key(found: Proposal, history: int) -> tuple[str, int, int, bool]:
+    if found.confidence:  # a corpus's: its backing tells more than the row's last match
+        return found.source, found.confidence, NO_MATCH_YET, False
     return found.source, min(found.match, MATCH_BINS), history, found.from_output

@@ -35,6 +35,7 @@ from specrt.bundle import (
     verify_checksums,
 )
 from specrt.errors import BundleError, InvalidInputError, PairMismatchError
+from specrt.runtime.corpus import CORPUS_FILE, CorpusTable
 from specrt.runtime.tokenizer import BundleTokenizer
 from specrt.validation import flag, integer
 
@@ -49,6 +50,7 @@ class ModelPair:
     draft: Decoder
     tokenizer: BundleTokenizer
     eos_token_ids: list[int]
+    corpus: CorpusTable | None = None  # the bundle's, where it has one (`specrt corpus`)
 
 
 def load_pair(
@@ -60,6 +62,7 @@ def load_pair(
     engine: str = "auto",
     max_length: int | None = DEFAULT_MAX_LENGTH,
     max_batch: int = 1,
+    corpus: bool = True,
 ) -> ModelPair:
     """Load a bundle by its manifest; with ``check_files`` every file's sha256 is verified.
 
@@ -72,7 +75,9 @@ def load_pair(
     sequence (prompt + new tokens) the engines' preallocated KV caches hold, at most the
     model's max positions (None: the model's). ``max_batch``: rows the engines run per call
     (their caches hold that many sequences: the onnxruntime and cuda engines and the portable
-    graph; the TensorRT engines and Gemma 2's cuda engine run one row)."""
+    graph; the TensorRT engines and Gemma 2's cuda engine run one row). ``corpus``: load the
+    bundle's corpus table where it has one (`specrt corpus`), which prompt lookup and the
+    hybrid then draft from where a row's own text has no match."""
     if max_length is not None:
         max_length = integer("max_length", max_length, 2, rule="use an integer >= 2, or None")
     if threads is not None:
@@ -80,6 +85,7 @@ def load_pair(
     draft_threads = integer("draft_threads", draft_threads, 1)
     max_batch = integer("max_batch", max_batch, 1, rule="use an integer >= 1")
     flag("check_files", check_files)
+    flag("corpus", corpus)
     if engine not in ENGINE_CHOICES:
         raise InvalidInputError(f"engine={engine!r}: use one of {', '.join(ENGINE_CHOICES)}")
     providers = check_providers(providers)
@@ -96,6 +102,7 @@ def load_pair(
         draft_threads=draft_threads,
         max_length=max_length,
         max_batch=max_batch,
+        corpus=corpus,
     )
     try:
         return _load_once_more(root, options)
@@ -120,7 +127,14 @@ def _load_once_more(root: Path, options: dict) -> ModelPair:
 
 
 def _load(
-    root: Path, check_files: bool, threads, draft_threads, max_length, max_batch, **select
+    root: Path,
+    check_files: bool,
+    threads,
+    draft_threads,
+    max_length,
+    max_batch,
+    corpus: bool,
+    **select,
 ) -> ModelPair:
     manifest = read_manifest(root)
     if check_files:
@@ -147,8 +161,11 @@ def _load(
     if manifest.models["draft"].eagle_head:
         decoders["draft"] = eagle_draft(decoders["draft"], decoders["target"])
     tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
+    table = None
+    if corpus and (root / CORPUS_FILE).is_file():
+        table = CorpusTable.load(root / CORPUS_FILE, manifest.tokenizer.sha256)
     return ModelPair(
-        decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids
+        decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids, table
     )
 
 

@@ -38,10 +38,13 @@ class Proposal:
     # itself goes on far more often than it follows its prompt (docs/performance.md,
     # "Proposers"; CHANGELOG.md, 2026-12-02).
     from_output: bool = False
+    # A corpus's backing of its first token (`corpus.confidence_bin`, 1-4; 0: not a corpus's):
+    # what its acceptance is learnt by, where a match's is learnt by its length.
+    confidence: int = 0
 
     def first(self, n: int) -> Proposal:
         """The first ``n`` of its tokens, from the same match."""
-        return Proposal(self.tokens[:n], self.match, self.source, self.from_output)
+        return Proposal(self.tokens[:n], self.match, self.source, self.from_output, self.confidence)
 
 
 NO_PROPOSAL = Proposal([], 0)
@@ -56,6 +59,8 @@ class NgramIndex:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, not {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        # The bundle's corpus (`specrt.runtime.corpus`), looked up where nothing else matches
+        self.corpus = None
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
         self._seen = 0  # tokens[:_seen] are indexed (each with its continuation)
         # Where the row's own output starts (its prompt's length); None: the row's length at
@@ -96,12 +101,25 @@ class NgramIndex:
 
 
 def find_match(
-    index: NgramIndex, suffix: SuffixCache | None, tokens: Sequence[int], k: int
+    index: NgramIndex,
+    suffix: SuffixCache | None,
+    tokens: Sequence[int],
+    k: int,
+    use_corpus: bool = True,
 ) -> Proposal:
-    """Up to ``k`` tokens: the row's own match, else the suffix cache's (when there is one)."""
+    """Up to ``k`` tokens: the row's own match, else the suffix cache's (where there is one);
+    the bundle's corpus's (``use_corpus``) where neither matched, or only the row's last
+    token did."""
     found = index.propose(tokens, k)
     if not found.tokens and suffix is not None and k > 0:
-        return suffix.propose(tokens, k)
+        found = suffix.propose(tokens, k)
+    # One token matched in the row's own text is weak evidence: on SmolLM2's held-out answers
+    # such a match's next token was the target's 0.11-0.15 of the time, a corpus's 0.29
+    # (CHANGELOG.md, 2026-12-06).
+    weak = not found.tokens or (found.source == "lookup" and found.match < 2)
+    if weak and use_corpus and index.corpus is not None and k > 0:
+        retrieved = index.corpus.propose(tokens, k)
+        found = retrieved if retrieved.tokens else found
     return found
 
 

@@ -18,7 +18,7 @@ from specrt.runtime.requests import LoneLearners, Row
 from specrt.runtime.round import RoundResult
 from specrt.runtime.schedules import KeepGoing, LoadSchedule
 from specrt.runtime.schedules.constants import GUARD_PROBE_MATCH
-from specrt.runtime.schedules.guard import MATCH, MODEL, PLAIN, SpeculationGuard
+from specrt.runtime.schedules.guard import CORPUS, MATCH, MODEL, PLAIN, SpeculationGuard
 
 # Rounds without a model draft that skip looking for matches after the load schedule found
 # them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
@@ -259,22 +259,26 @@ class LonePlanner:
         config, part = row.request.config, row.round
         hybrid, schedule, guard = learners
         model_cap, match_cap = (room, room) if guard is None else guard.caps()
+        corpus_cap = room if guard is None else guard.corpus
         lookup = config.proposer == "lookup"  # its schedule gives the match's length
         k = 0 if first else schedule.start_round(room if lookup else min(room, model_cap))
         found, length = None, 0
         if guard is not None and not match_cap and config.proposer != "model":
             match_cap = self._copy_probe(row, k if lookup else room, guard)
         if lookup:
-            found = _match(row, self.suffix_cache, min(k, match_cap))
+            found = _match(row, self.suffix_cache, min(k, match_cap), min(k, corpus_cap))
             length = len(found.tokens) if found is not None else 0
         elif config.proposer == "hybrid" and hybrid is not None:
             # A probe of matches verifies a few tokens, where the whole match would be worth
             # verifying: judged by its probe's length, it would never beat the model's rounds.
-            probing = guard is not None and match_cap and guard.probing(MATCH)
-            cap = min(room, hybrid.max_match_tokens, room if probing else match_cap)
-            found = _match(row, self.suffix_cache, cap)
+            caps = {MATCH: match_cap, CORPUS: corpus_cap}
+            for kind, cap in caps.items():
+                probing = guard is not None and cap and guard.probing(kind)
+                caps[kind] = min(room, hybrid.max_match_tokens, room if probing else cap)
+            found = _match(row, self.suffix_cache, caps[MATCH], caps[CORPUS])
             length = hybrid.choose(found, k, row.match_history) if found is not None else 0
-            length = min(length, match_cap)
+            corpus = found is not None and found.source == "corpus"
+            length = min(length, corpus_cap if corpus else match_cap)
         if length:  # the round verifies the match: the model does not draft
             part.match, part.k, part.source = found.tokens[:length], length, found.source
             return Plan(0, {0: found}, None)
@@ -285,7 +289,7 @@ class LonePlanner:
         """Where the guard holds matches off: the tokens of a match to verify anyway, where the
         row's own output repeats itself as far as the longest n-gram looked for (the onset of a
         copy, which a probe at its own time would find late); the guard spaces these out."""
-        found = _match(row, self.suffix_cache, min(cap, GUARD_PROBE_MATCH))
+        found = _match(row, self.suffix_cache, min(cap, GUARD_PROBE_MATCH), 0)
         config = row.request.config
         copying = found is not None and found.from_output
         if copying and found.match >= config.prompt_lookup_max and guard.copy_probe():
@@ -307,7 +311,9 @@ class LonePlanner:
         hybrid, schedule, guard = learners
         verify_time = None if first else result.verify_time_s
         if guard is not None and seconds is not None and not first:
-            kind = MATCH if plan.matched else MODEL if result.drafted else PLAIN
+            kind = PLAIN if not result.drafted else MODEL
+            if plan.matched:
+                kind = CORPUS if plan.matched[0].source == "corpus" else MATCH
             guard.observe(kind, result.accepted + 1, seconds)
         if result.source == "model" and verify_time is not None:
             schedule.update(result.drafted, result.accepted, result.draft_time_s, verify_time)
@@ -318,9 +324,15 @@ class LonePlanner:
             row.match_history = hybrid.observe(found, history, *args)
 
 
-def _match(row: Row, suffix_cache: SuffixCache | None, cap: int) -> Proposal | None:
-    """The row's match of up to ``cap`` tokens (its own text, else the suffix cache)."""
-    if row.index is None or cap <= 0:
+def _match(
+    row: Row, suffix_cache: SuffixCache | None, cap: int, corpus_cap: int | None = None
+) -> Proposal | None:
+    """The row's match of up to ``cap`` tokens (its own text, else the suffix cache), or its
+    corpus's proposal of up to ``corpus_cap`` (default: ``cap``; 0: none), as `find_match`
+    chooses."""
+    corpus_cap = cap if corpus_cap is None else corpus_cap
+    if row.index is None or max(cap, corpus_cap) <= 0:
         return None
-    found = find_match(row.index, suffix_cache, row.tokens, cap)
+    found = find_match(row.index, suffix_cache, row.tokens, max(cap, corpus_cap), corpus_cap > 0)
+    found = found.first(corpus_cap if found.source == "corpus" else cap)
     return found if found.tokens else None

@@ -83,6 +83,7 @@ class Service:
             generator.eos_token_ids,
             generator.suffix_cache,
             one_row=generator.one_row,
+            corpus=generator.corpus,
         )
         self._runner.schedules = generator._load_schedules
         for decoder in (generator.target, draft):  # no request pays for the cache's memory

@@ -58,6 +58,12 @@ HYBRID_VERIFY_SMOOTHING = 0.05  # a share: the newest pass's weight in the verif
 # Prior acceptance (a probability) of a match's first token, and of the ones after it.
 FIRST_PRIOR = 0.5
 LATER_PRIOR = 0.8
+# A corpus's proposals (`specrt.runtime.corpus`): the first token's prior by its confidence
+# bin (1-4), and the ones after it; what a corpus of SmolLM2's answers kept of its held-out
+# answers' tokens (CHANGELOG.md, 2026-12-06): a corpus backs a continuation less than a row's
+# own repeat does.
+CORPUS_FIRST_PRIORS = (0.15, 0.3, 0.45, 0.7)
+CORPUS_LATER_PRIOR = 0.45
 HYBRID_PRIOR_WEIGHT = 2.0  # tokens reached: what a position's prior weighs against its counts
 # A share, per round of the kind, of the counts behind a rate: the text drifts, and what was
 # learned on one kind of text must give way within some tens of rounds on another.
@@ -99,6 +105,12 @@ GUARD_EMPTY_LOSS = 1.0
 # while the match rounds after it keep nothing (SmolLM2's chat answers: turned on 2-3 times an
 # answer, a few percent lost); a row that copies keeps its token every round (about 1.9x).
 GUARD_MATCH_ON_MARGIN = 0.3
+# A bundle's corpus: its probe's rounds (one token each), and by how much they must beat plain
+# rounds. A corpus of SmolLM2's answers keeps 0.3-0.35 of its first tokens on held-out ones:
+# rounds of one token then emit 1.3x a plain round's tokens for 1.05x its time on the float32
+# target, so the matches' margin would turn it off, and four rounds say too little.
+GUARD_CORPUS_ROUNDS = 12
+GUARD_CORPUS_ON_MARGIN = 0.05
 GUARD_DECAY = 0.9  # a share: what a kind's round keeps of the older tokens and seconds
 GUARD_PLAIN_SAMPLES = 2  # plain rounds timed before any kind is judged
 GUARD_PLAIN_KEPT = 8  # plain rounds whose median is the target alone's time per token

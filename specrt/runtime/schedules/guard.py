@@ -1,7 +1,9 @@
 """The guard that keeps a lone row never slower than the target alone (``draft_schedule``
 "adaptive"): each kind of speculation, the draft model's rounds and verified matches, stays on
 only while its rounds, timed end to end, emit more tokens per second than plain rounds (the
-target alone: one token a pass).
+target alone: one token a pass). A bundle's corpus (`specrt.runtime.corpus`) is a kind of its
+own: its proposals come nearly every round and each is kept a third of the time or so, so it
+is judged on longer probes, by no margin, and a probe round keeping nothing does not end it.
 
 The schedules and the hybrid price a round from its parts (draft steps, the verification
 line). What those leave out, a draft catching up after rounds of matches, a round's first draft
@@ -26,6 +28,8 @@ from collections import deque
 
 from specrt.runtime.schedules.constants import (
     GUARD_COPY_SPACING,
+    GUARD_CORPUS_ON_MARGIN,
+    GUARD_CORPUS_ROUNDS,
     GUARD_DECAY,
     GUARD_EMPTY_LOSS,
     GUARD_EMPTY_ROUNDS,
@@ -42,7 +46,7 @@ from specrt.runtime.schedules.constants import (
     GUARD_ROW_PROBE,
 )
 
-MODEL, MATCH, PLAIN = "model", "match", "plain"
+MODEL, MATCH, CORPUS, PLAIN = "model", "match", "corpus", "plain"
 UNCAPPED = 1 << 30  # the tokens a kind that is on may propose: what the row's learners choose
 
 
@@ -51,16 +55,27 @@ class KindRate:
     again after ``wait`` rounds off: `GUARD_MIN_ROUNDS` rounds of at most ``probe_tokens``
     tokens), "judge" (a probe done, waiting for plain rounds to compare with), "on" or "off"."""
 
-    def __init__(self, probe_tokens: int, empty_loss: float = 0.0, on_margin: float = 0.0) -> None:
+    def __init__(
+        self,
+        probe_tokens: int,
+        empty_loss: float = 0.0,
+        on_margin: float = 0.0,
+        probe_rounds: int = GUARD_MIN_ROUNDS,
+        empty_rounds: int | None = GUARD_EMPTY_ROUNDS,
+    ) -> None:
         self.probe_tokens = probe_tokens
         self.empty_loss = empty_loss  # plain rounds' worth: see `judge`
         self.on_margin = on_margin  # a share: by how much a probe must beat plain rounds
+        self.min_rounds = probe_rounds  # of a probe
+        self.empty_rounds = empty_rounds  # rounds keeping nothing that end a probe (None: no)
         self.wait = GUARD_FIRST_WAIT
         self.lost = False  # judged a loss before: a probe that loses again doubles the wait
-        self.start_probe(GUARD_FIRST_ROUNDS)
+        self.start_probe(max(GUARD_FIRST_ROUNDS, probe_rounds))
 
-    def start_probe(self, rounds: int = GUARD_MIN_ROUNDS) -> None:
-        """Measure it afresh for ``rounds`` rounds: its verdict is on the probe's alone."""
+    def start_probe(self, rounds: int | None = None) -> None:
+        """Measure it afresh for ``rounds`` rounds (its probes' length if None): its verdict
+        is on the probe's alone."""
+        rounds = self.min_rounds if rounds is None else rounds
         self.state = "probe"
         self.tokens = self.seconds = 0.0
         self.rounds = 0  # in the sums
@@ -76,9 +91,8 @@ class KindRate:
         self.kept += tokens - 1  # a round emits the kept tokens and one of the target's
         # A probe ends at its length, or as soon as its first rounds kept nothing: it can only
         # have lost (its rounds took longer than plain ones for their one token).
-        if self.state == "probe" and (
-            self.rounds >= self.probe_rounds or self.rounds >= GUARD_EMPTY_ROUNDS and not self.kept
-        ):
+        empty = self.empty_rounds is not None and self.rounds >= self.empty_rounds
+        if self.state == "probe" and (self.rounds >= self.probe_rounds or empty and not self.kept):
             self.state = "judge"
 
     @property
@@ -127,7 +141,11 @@ class SpeculationGuard:
             MODEL: KindRate(UNCAPPED, GUARD_EMPTY_LOSS),
             # its probe rounds are cheap (one empty ends it) and say little each
             MATCH: KindRate(GUARD_PROBE_MATCH, on_margin=GUARD_MATCH_ON_MARGIN),
+            CORPUS: KindRate(
+                GUARD_PROBE_MATCH, 0.0, GUARD_CORPUS_ON_MARGIN, GUARD_CORPUS_ROUNDS, None
+            ),
         }
+        self.corpus = UNCAPPED  # what `caps` allows a corpus's proposal this round
         self.plain: deque[float] = deque(maxlen=GUARD_PLAIN_KEPT)  # seconds of plain rounds
         self._since_plain = 0  # rounds since the last plain one
         self._row_rounds = 0  # of the current row
@@ -148,8 +166,8 @@ class SpeculationGuard:
 
     def caps(self) -> tuple[int, int]:
         """The most tokens this round may draft with the model, and verify of a match (0:
-        none). Neither where plain rounds must be timed first (a probe waits for its verdict)
-        or again (`GUARD_PLAIN_EVERY`)."""
+        none); of a corpus's proposal: ``self.corpus``. None where plain rounds must be timed
+        first (a probe waits for its verdict) or again (`GUARD_PLAIN_EVERY`)."""
         baseline = self.plain_rate
         for kind in self.kinds.values():
             if kind.state == "judge" and baseline is not None:
@@ -159,7 +177,9 @@ class SpeculationGuard:
                 kind.start_probe()
         waiting = any(kind.state == "judge" for kind in self.kinds.values())
         if waiting or self._since_plain >= GUARD_PLAIN_EVERY:
+            self.corpus = 0
             return 0, 0
+        self.corpus = self.kinds[CORPUS].cap
         return self.kinds[MODEL].cap, self.kinds[MATCH].cap
 
     def probing(self, kind: str) -> bool:
@@ -176,8 +196,8 @@ class SpeculationGuard:
         return True
 
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
-        """A round of ``kind`` (`MODEL`, `MATCH` or `PLAIN`) emitted ``tokens`` in ``seconds``,
-        everything it did included."""
+        """A round of ``kind`` (`MODEL`, `MATCH`, `CORPUS` or `PLAIN`) emitted ``tokens`` in
+        ``seconds``, everything it did included."""
         self._row_rounds += 1
         self._since_plain = 0 if kind == PLAIN else self._since_plain + 1
         if kind == PLAIN:
@@ -186,7 +206,7 @@ class SpeculationGuard:
         for name, other in self.kinds.items():
             if name == kind:
                 other.add(tokens, seconds)
-                if other.state == "on" and other.rounds >= GUARD_MIN_ROUNDS and baseline:
+                if other.state == "on" and other.rounds >= other.min_rounds and baseline:
                     other.judge(baseline)
             elif other.state == "off":
                 other.off_for += 1

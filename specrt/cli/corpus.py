@@ -1,0 +1,129 @@
+"""`specrt corpus`: give a bundle a corpus of its target's text to draft from
+(`specrt.runtime.corpus`)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import numpy as np
+
+from specrt.cli.common import _chat_prompts, _friendly_errors
+from specrt.errors import InvalidInputError
+
+
+@click.command()
+@click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option(
+    "--text-file",
+    "text_files",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help='Text the target wrote (repeatable): a .jsonl file holds {"prompt": ..., '
+    '"completion": ...} or {"text": ...} objects; any other file is one text.',
+)
+@click.option(
+    "--answers-dir",
+    "answer_dirs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="The target's answers made by `specrt distill`: its state folder (--state-dir), or one "
+    "of the answers-* folders in it (repeatable); their token ids as the target wrote them, "
+    "the held-out prompts' left out.",
+)
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Render each prompt of a .jsonl file as a user's message with the bundle's chat "
+    "template, as `specrt serve` and `specrt generate --chat` send it.",
+)
+@_friendly_errors
+def corpus(bundle: Path, text_files: tuple[Path, ...], answer_dirs: tuple[Path, ...], chat: bool):
+    """Build the bundle's corpus: what its target wrote before, for prompt lookup and the
+    hybrid to draft from where a row's own text has no match (REST's retrieval drafting).
+
+    Answers the target gave to prompts like the ones it will be sent teach it most: a
+    service's logged completions, or the answers `specrt distill` made. Replaces the corpus
+    the bundle had; the output stays exactly the target's whatever the corpus holds."""
+    from specrt.bundle import read_manifest
+    from specrt.runtime.corpus import CORPUS_FILE, write_corpus
+    from specrt.runtime.tokenizer import BundleTokenizer
+
+    if not text_files and not answer_dirs:
+        raise click.UsageError("give the text to learn: --text-file FILE or --answers-dir DIR")
+    manifest = read_manifest(bundle)
+    tokenizer = BundleTokenizer(bundle / manifest.tokenizer.path, manifest.tokenizer)
+
+    def documents() -> Iterator[list[int]]:
+        for path in text_files:
+            for prompt, text in _texts(path):
+                ids = []
+                if prompt is not None:
+                    rendered = _chat_prompts(bundle, [prompt])[0] if chat else prompt
+                    ids = tokenizer.encode(rendered, add_special_tokens=not chat)
+                yield ids + tokenizer.encode(text, add_special_tokens=prompt is None)
+        for folder in answer_dirs:
+            yield from _answers(folder)
+
+    table = write_corpus(bundle, documents())
+    click.echo(
+        f"corpus of {table.documents} texts, {table.tokens} tokens, {len(table)} contexts: "
+        f"{bundle / CORPUS_FILE}"
+    )
+
+
+def _texts(path: Path) -> Iterator[tuple[str | None, str]]:
+    """(prompt or None, text) of each record of ``path``."""
+    try:
+        content = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise InvalidInputError(f"text file {path} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise InvalidInputError(f"text file {path} is a directory; give a file") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(f"text file {path} is not UTF-8 text") from exc
+    if path.suffix != ".jsonl":
+        yield None, content
+        return
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise InvalidInputError(f"{path}:{number} is not JSON ({exc.msg})") from exc
+        if isinstance(record, dict) and isinstance(record.get("text"), str):
+            yield None, record["text"]
+        elif (
+            isinstance(record, dict)
+            and isinstance(record.get("prompt"), str)
+            and isinstance(record.get("completion"), str)
+        ):
+            yield record["prompt"], record["completion"]
+        else:
+            raise InvalidInputError(
+                f'{path}:{number}: give {{"prompt": ..., "completion": ...}} or {{"text": ...}} '
+                "(strings)"
+            )
+
+
+def _answers(folder: Path) -> Iterator[list[int]]:
+    """Each answer of a `specrt distill` answers folder: its prompt's and answer's token ids."""
+    if not folder.is_dir():
+        raise InvalidInputError(f"answers folder {folder} does not exist or is not a folder")
+    # a folder of answers, or a state folder holding such folders (never its held-out ones)
+    files = sorted(folder.glob("*.npz")) or sorted(folder.glob("answers-*/*.npz"))
+    if not files:
+        raise InvalidInputError(
+            f"{folder} holds no answers (.npz files): give a `specrt distill` state folder "
+            "(--state-dir) or one of its answers-* folders"
+        )
+    for path in files:
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                yield data["prompt"].tolist() + data["tokens"].tolist()
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            raise InvalidInputError(f"{path} is not an answer of `specrt distill` ({exc})") from exc

@@ -1,0 +1,208 @@
+"""A bundle's corpus (`specrt corpus`): the table its proposals come from, checked against
+counting by hand; where it is asked (after the row's own longer matches); its guard; and real
+bundles given a corpus by the real command, whose greedy output stays the target's alone and
+whose losslessness `specrt verify` audits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import main
+from specrt.errors import BundleError
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.corpus import CORPUS_FILE, DEPTH, CorpusTable, confidence_bin
+from specrt.runtime.lookup import NgramIndex, find_match
+from specrt.runtime.schedules.constants import GUARD_CORPUS_ROUNDS, GUARD_PROBE_MATCH
+from specrt.runtime.schedules.guard import CORPUS, PLAIN, UNCAPPED, SpeculationGuard
+
+
+def by_hand(documents: list[list[int]]) -> dict[tuple[int, ...], Counter]:
+    """What followed each context of 1 to DEPTH tokens, counted."""
+    counts: dict[tuple[int, ...], Counter] = defaultdict(Counter)
+    for document in documents:
+        for j in range(len(document) - 1):
+            for n in range(1, min(DEPTH, j + 1) + 1):
+                counts[tuple(document[j - n + 1 : j + 1])][document[j + 1]] += 1
+    return counts
+
+
+def propose_by_hand(counts, tokens: list[int], k: int) -> tuple[list[int], int, int]:
+    """(tokens, first context's length, first token's confidence bin), as the module says."""
+    context, out, first = list(tokens[-DEPTH:]), [], (0, 0)
+    while len(out) < k:
+        n = next((n for n in range(len(context), 0, -1) if tuple(context[-n:]) in counts), 0)
+        if not n:
+            break
+        seen = counts[tuple(context[-n:])]
+        token = min(seen, key=lambda t: (-seen[t], t))  # the most frequent, smallest id on ties
+        if not out:
+            first = (n, confidence_bin(seen[token], sum(seen.values())))
+        out.append(token)
+        context = (context + [token])[-DEPTH:]
+    return out, *first
+
+
+def test_the_table_proposes_what_counting_by_hand_does():
+    rng = np.random.default_rng(0)
+    # Few distinct tokens: contexts recur, with ties and every confidence bin
+    documents = [rng.integers(0, 12, size=int(rng.integers(2, 60))).tolist() for _ in range(80)]
+    documents.append([5])  # too short to teach anything
+    table = CorpusTable.build(documents)
+    counts = by_hand(documents)
+    assert len(table) == len(counts) and table.documents == 80
+    bins = Counter()
+    for _ in range(500):
+        tokens = rng.integers(0, 14, size=int(rng.integers(1, 8))).tolist()  # 12, 13: unseen
+        expected, n, confidence = propose_by_hand(counts, tokens, 3)
+        found = table.propose(tokens, 3)
+        assert found.tokens == expected, tokens
+        if expected:
+            assert (found.match, found.confidence, found.source) == (n, confidence, "corpus")
+            bins[confidence] += 1
+    assert set(bins) == {1, 2, 3, 4}, bins
+    assert table.propose([13, 13], 2).tokens == []  # a token the corpus never saw
+
+
+def test_a_corpus_belongs_to_its_tokenizer_and_a_bad_file_is_named(tmp_path):
+    table = CorpusTable.build([[1, 2, 3, 1, 2, 4]])
+    path = tmp_path / "ngrams.npz"
+    table.save(path, "sha-a")
+    again = CorpusTable.load(path, "sha-a")
+    assert again.propose([1, 2], 2).tokens == table.propose([1, 2], 2).tokens == [3, 1]
+    with pytest.raises(BundleError, match="another tokenizer"):
+        CorpusTable.load(path, "sha-b")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(BundleError, match="not a corpus table specrt can read"):
+        CorpusTable.load(path, "sha-a")
+
+
+def test_the_rows_own_longer_match_comes_first_and_one_token_gives_way_to_the_corpus():
+    corpus = CorpusTable.build([[7, 8, 9, 10], [3, 4, 50, 51]])
+
+    def find(tokens: list[int], use_corpus: bool = True):
+        index = NgramIndex(1, 3)  # one per row: it indexes the row's tokens as they grow
+        index.corpus = corpus
+        return find_match(index, None, tokens, 2, use_corpus)
+
+    own = [1, 3, 4, 5, 6, 3, 4]  # "3 4" was followed by 5 in the row's own text
+    assert (find(own).tokens, find(own).source) == ([5, 6], "lookup")
+    one = [1, 2, 8, 3, 9, 8]  # only "8" matched in the row (followed by 3): the corpus has 9
+    assert (find(one).tokens, find(one).source) == ([9, 10], "corpus")
+    assert (find(one, use_corpus=False).tokens, find(one, False).source) == ([3, 9], "lookup")
+    assert find([60, 61]).tokens == []  # nothing anywhere
+
+
+def test_a_corpus_is_judged_on_longer_probes_with_no_margin():
+    """A probe of the corpus runs its length even when its first rounds keep nothing (most of
+    its rounds keep nothing, a third keep a token), and turns it on where its rounds beat plain
+    ones by a little; a corpus that loses is turned off."""
+
+    def run(kept_every: int) -> SpeculationGuard:
+        guard = SpeculationGuard()
+        for kind in (PLAIN, PLAIN):
+            guard.observe(kind, 1, 0.02)
+        guard.kinds["model"].state = guard.kinds["match"].state = "off"
+        guard.kinds["model"].wait = guard.kinds["match"].wait = 10**6
+        caps = []
+        for i in range(GUARD_CORPUS_ROUNDS):
+            guard.caps()
+            caps.append(guard.corpus)
+            kept = i % kept_every == kept_every - 1
+            guard.observe(CORPUS, 1 + kept, 0.021)  # a round of one token: 5% more time
+        guard.caps()
+        assert caps == [GUARD_PROBE_MATCH] * GUARD_CORPUS_ROUNDS, caps
+        return guard
+
+    paying = run(3)  # a token kept every third round: 1.33 tokens for 1.05 plain rounds
+    assert paying.kinds[CORPUS].state == "on" and paying.corpus == UNCAPPED
+    losing = run(30)  # none kept
+    assert losing.kinds[CORPUS].state == "off" and losing.corpus == 0
+
+
+@pytest.fixture(scope="module")
+def corpus_bundle(llama_bundle, tmp_path_factory):
+    """The tiny Llama bundle, copied, with a corpus of its target's own greedy answers to a few
+    prompts, written by `specrt corpus` from a .jsonl file and a `specrt distill`-style answers
+    folder."""
+    root = tmp_path_factory.mktemp("corpus")
+    bundle = root / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    alone = GenerationConfig(max_new_tokens=48, ignore_eos=True, num_draft_tokens=0)
+    prompts = ["the cat", "a b c", "one two three", "x y"]
+    results = generator.generate(prompts, alone)
+    texts = root / "answers.jsonl"
+    lines = [{"prompt": p, "completion": r.text} for p, r in zip(prompts[:2], results)]
+    texts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    answers = root / "answers-0"
+    answers.mkdir()
+    for i, (prompt, result) in enumerate(zip(prompts[2:], results[2:])):
+        ids = generator.encode_prompts([prompt])[0]
+        np.savez(answers / f"{i}.npz", prompt=np.array(ids), tokens=np.array(result.token_ids))
+    out = CliRunner().invoke(
+        main,
+        ["corpus", "--bundle", str(bundle), "--text-file", str(texts)]
+        + ["--answers-dir", str(answers)],
+    )
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith("corpus of 4 texts,") and CORPUS_FILE in out.output
+    return bundle, prompts
+
+
+def test_a_bundle_drafts_from_its_corpus_and_its_output_stays_the_targets(corpus_bundle):
+    bundle, prompts = corpus_bundle
+    settings = dict(max_new_tokens=48, ignore_eos=True)
+    for max_batch in (1, 4):
+        generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=max_batch)
+        assert generator.corpus is not None and len(generator.corpus)
+        alone = generator.generate(prompts, GenerationConfig(num_draft_tokens=0, **settings))
+        for options in (dict(proposer="lookup", draft_schedule="fixed"), {}):
+            results = generator.generate(prompts, GenerationConfig(**options, **settings))
+            assert [r.token_ids for r in results] == [r.token_ids for r in alone], options
+            corpus = [r.stats.proposers.get("corpus", {}) for r in results]
+            # The corpus holds these very answers: its proposals are made, and most are kept
+            if options:
+                assert (
+                    sum(e.get("accepted", 0) for e in corpus)
+                    > 0.5 * sum(e.get("proposed", 0) for e in corpus)
+                    > 0
+                ), corpus
+    plain = SpeculativeGenerator.from_bundle(bundle, threads=1, corpus=False)
+    assert plain.corpus is None
+    results = plain.generate(prompts, GenerationConfig(proposer="lookup", **settings))
+    assert not any("corpus" in r.stats.proposers for r in results)
+
+
+def test_specrt_verify_passes_with_the_corpus_drafting(corpus_bundle):
+    bundle, _ = corpus_bundle
+    out = CliRunner().invoke(
+        main,
+        ["verify", "--bundle", str(bundle), "--proposer", "lookup", "--samples", "600"]
+        + ["--max-new-tokens", "16", "--law-prompts", "1"],
+    )
+    assert out.exit_code == 0, out.output
+    assert "PASS" in out.output
+
+
+def test_bad_text_is_refused_in_one_line_and_the_corpus_is_left_as_it_was(corpus_bundle, tmp_path):
+    bundle, _ = corpus_bundle
+    before = (bundle / CORPUS_FILE).read_bytes()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"prompt": "no completion"}\n')
+    cases = {
+        "bad.jsonl:2: give": ["--text-file", str(bad)],
+        "does not exist": ["--text-file", str(tmp_path / "missing.jsonl")],
+        "holds no answers": ["--answers-dir", str(tmp_path)],
+        "give the text to learn": [],
+    }
+    for message, args in cases.items():
+        out = CliRunner().invoke(main, ["corpus", "--bundle", str(bundle), *args])
+        assert out.exit_code != 0 and message in out.output, out.output
+        assert "Traceback" not in out.output
+    assert (bundle / CORPUS_FILE).read_bytes() == before
