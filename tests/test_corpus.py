@@ -206,3 +206,22 @@ def test_bad_text_is_refused_in_one_line_and_the_corpus_is_left_as_it_was(corpus
         assert out.exit_code != 0 and message in out.output, out.output
         assert "Traceback" not in out.output
     assert (bundle / CORPUS_FILE).read_bytes() == before
+
+
+def test_on_a_target_that_computes_pairs_a_one_token_proposal_costs_nothing():
+    """An int4 target on AVX2 computes an even number of positions a call: a pass over one
+    position takes what a pass over two does. The hybrid that knows it verifies a weakly
+    backed one-token proposal of the corpus (it can only gain); fitted as a line over the
+    positions fed, the same timings make that token look like a loss."""
+    from specrt.runtime.hybrid import HybridChoice
+    from specrt.runtime.lookup import Proposal
+
+    choices = {}
+    for even in (False, True):
+        hybrid = HybridChoice(even_rows=even)
+        for _ in range(8):  # passes as the paired engine takes them: 1-2 positions, 3-4
+            for positions, seconds in ((1, 0.010), (2, 0.010), (3, 0.014), (4, 0.014)):
+                hybrid.observe(None, 0, positions - 1, 0, 0.0, seconds)
+        weak = Proposal([5], 2, "corpus", confidence=1)  # kept 0.15 of the time, a priori
+        choices[even] = hybrid.match_length(weak, rival=1.0)
+    assert choices == {False: 0, True: 1}

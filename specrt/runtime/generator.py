@@ -366,7 +366,8 @@ class SpeculativeGenerator:
         if config.proposer == "hybrid":
             hybrid = self._hybrids.get(key)
             if hybrid is None:
-                hybrid = self._hybrids[key] = HybridChoice()
+                even_rows = getattr(getattr(self.target, "spec", None), "even_rows", False)
+                hybrid = self._hybrids[key] = HybridChoice(even_rows=even_rows)
         guard = None
         if config.draft_schedule == "adaptive":
             key = (config.proposer, config.num_draft_tokens, *key)  # what it times differs

@@ -59,8 +59,12 @@ class HybridChoice:
     the lone rows of one configuration (what it learns holds for the pair); a row's own state
     (how its last match fared) is passed in."""
 
-    def __init__(self, max_match_tokens: int = MAX_MATCH_TOKENS) -> None:
+    def __init__(self, max_match_tokens: int = MAX_MATCH_TOKENS, even_rows: bool = False) -> None:
         self.max_match_tokens = max_match_tokens
+        # The target's calls compute an even number of positions (`make_schedule`'s
+        # ``even_rows``): a pass over one position costs what one over two does, so the line
+        # is fitted and read at even counts, and a one-token match costs nothing more.
+        self.even_rows = even_rows
         self.acceptance = MatchAcceptance()
         # seconds of a verification pass vs positions fed
         self.verify_time = LineFit(HYBRID_VERIFY_SMOOTHING)
@@ -95,11 +99,11 @@ class HybridChoice:
         ``rival`` (tokens per one-position pass; default: the model's rounds') does better
         (``history``: how the row's last match fared)."""
         intercept, slope = self._verify_line()  # once: this runs every round, for 24 lengths
-        one = max(intercept + slope, 1e-9)
+        one = max(intercept + slope * self._positions(1), 1e-9)
         best, best_rate = 0, 0.0
         expected_tokens = self.acceptance.expected_tokens(found, history)
         for length, expected in enumerate(expected_tokens, start=1):
-            rate = expected * one / max(intercept + slope * (length + 1), 1e-9)
+            rate = expected * one / max(intercept + slope * self._positions(length + 1), 1e-9)
             if rate > best_rate:
                 best, best_rate = length, rate
         return best if best_rate >= (self.model_rate if rival is None else rival) else 0
@@ -107,7 +111,11 @@ class HybridChoice:
     def verify_seconds(self, positions: int) -> float:
         """Predicted time of a verification pass over ``positions`` positions."""
         intercept, slope = self._verify_line()
-        return max(intercept + slope * positions, 1e-9)
+        return max(intercept + slope * self._positions(positions), 1e-9)
+
+    def _positions(self, positions: int) -> int:
+        """The positions a pass over ``positions`` computes."""
+        return positions + positions % 2 if self.even_rows else positions
 
     def _verify_line(self) -> tuple[float, float]:
         """The fitted verification time as intercept + slope x positions."""
@@ -141,7 +149,7 @@ class HybridChoice:
                 return outcome(drafted, accepted)
             return history
         if self._warm:  # the first pass runs on cold caches: not what passes cost
-            self.verify_time.add(drafted + 1, verify_time_s)
+            self.verify_time.add(self._positions(drafted + 1), verify_time_s)
         self._warm = True
         drafting = found is None and drafted > 0
         self._since_model = 0 if drafting else self._since_model + 1
