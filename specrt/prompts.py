@@ -35,7 +35,7 @@ def read_prompt_file(path: str | Path, chat: bool = False) -> list:
     ``chat``: a line may hold ``{"messages": [...]}``, returned as that list (checked when the
     chat template renders it)."""
     name = str(path)
-    lines = _decode(_read_bytes(name), name).splitlines()
+    lines = read_text(name).splitlines()
     if not name.lower().endswith(".jsonl"):
         return [line for line in lines if line.strip()]
     prompts = []
@@ -99,23 +99,28 @@ def collect_prompts(
     return collected
 
 
-def _read_bytes(name: str) -> bytes:
+def _read_bytes(name: str, what: str = "prompt file") -> bytes:
     if name == STDIN:
         return sys.stdin.buffer.read()
     try:
         with open(name, "rb") as handle:  # not Path.is_file(): pipes are files to read too
             if stat.S_ISCHR(os.fstat(handle.fileno()).st_mode) and not handle.isatty():
                 raise InvalidInputError(  # /dev/zero would be read forever
-                    f"prompt file {name} is a device, not a file; give a file, or pipe it to "
-                    "--prompt-file -"
+                    f"{what} {name} is a device, not a file; give a file, or pipe it in as -"
                 )
             return handle.read()
     except FileNotFoundError as exc:
-        raise InvalidInputError(f"prompt file {name} does not exist") from exc
+        raise InvalidInputError(f"{what} {name} does not exist") from exc
     except IsADirectoryError as exc:
-        raise InvalidInputError(f"prompt file {name} is a directory; give a file") from exc
+        raise InvalidInputError(f"{what} {name} is a directory; give a file") from exc
     except OSError as exc:
-        raise InvalidInputError(f"cannot read prompt file {name}: {exc.strerror}") from exc
+        raise InvalidInputError(f"cannot read {what} {name}: {exc.strerror}") from exc
+
+
+def read_text(name: str, what: str = "prompt file") -> str:
+    """A text file's content (UTF-8, or UTF-16 with its byte-order mark; "-": stdin), or one
+    line saying why it cannot be read as text."""
+    return _decode(_read_bytes(name, what), name)
 
 
 def _decode(data: bytes, name: str) -> str:

@@ -138,7 +138,9 @@ def corpus_bundle(llama_bundle, tmp_path_factory):
     prompts = ["the cat", "a b c", "one two three", "x y"]
     results = generator.generate(prompts, alone)
     texts = root / "answers.jsonl"
-    lines = [{"prompt": p, "completion": r.text} for p, r in zip(prompts[:2], results)]
+    lines = [{"prompt": p, "completion": r.text} for p, r in zip(prompts[:1], results)]
+    # a line of `specrt batch`'s output (its token ids are taken), and one of its failed rows
+    lines += [{"id": "b", **results[1].to_dict()}, {"id": "c", "error": {"message": "x"}}]
     texts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     answers = root / "answers-0"
     answers.mkdir()
@@ -195,8 +197,11 @@ def test_bad_text_is_refused_in_one_line_and_the_corpus_is_left_as_it_was(corpus
     before = (bundle / CORPUS_FILE).read_bytes()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"prompt": "no completion"}\n')
+    alien = tmp_path / "alien.jsonl"  # `specrt batch` output of another model's vocabulary
+    alien.write_text('{"id": 1, "token_ids": [1, 2, 100000, 3]}\n')
     cases = {
         "bad.jsonl:2: give": ["--text-file", str(bad)],
+        "outside the bundle's vocabulary": ["--text-file", str(alien)],
         "does not exist": ["--text-file", str(tmp_path / "missing.jsonl")],
         "holds no answers": ["--answers-dir", str(tmp_path)],
         "give the text to learn": [],

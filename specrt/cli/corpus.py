@@ -13,6 +13,7 @@ import numpy as np
 
 from specrt.cli.common import _chat_prompts, _friendly_errors
 from specrt.errors import InvalidInputError
+from specrt.prompts import read_text
 
 
 @click.command()
@@ -23,7 +24,8 @@ from specrt.errors import InvalidInputError
     multiple=True,
     type=click.Path(path_type=Path),
     help='Text the target wrote (repeatable): a .jsonl file holds {"prompt": ..., '
-    '"completion": ...} or {"text": ...} objects; any other file is one text.',
+    '"completion": ...} or {"text": ...} objects, or is `specrt batch` output (its token ids '
+    "are taken); any other file is one text.",
 )
 @click.option(
     "--answers-dir",
@@ -57,13 +59,18 @@ def corpus(bundle: Path, text_files: tuple[Path, ...], answer_dirs: tuple[Path, 
     manifest = read_manifest(bundle)
     tokenizer = BundleTokenizer(bundle / manifest.tokenizer.path, manifest.tokenizer)
 
+    render = _chat_renderer(bundle) if chat else None
+
     def documents() -> Iterator[list[int]]:
         for path in text_files:
-            for prompt, text in _texts(path):
+            for where, prompt, text in _texts(path):
+                if isinstance(text, list):  # `specrt batch`'s token ids, as the target wrote
+                    yield text
+                    continue
                 ids = []
                 if prompt is not None:
-                    rendered = _chat_prompts(bundle, [prompt])[0] if chat else prompt
-                    ids = tokenizer.encode(rendered, add_special_tokens=not chat)
+                    rendered = render(prompt, where) if render else prompt
+                    ids = tokenizer.encode(rendered, add_special_tokens=render is None)
                 yield ids + tokenizer.encode(text, add_special_tokens=prompt is None)
         for folder in answer_dirs:
             yield from _answers(folder)
@@ -75,38 +82,51 @@ def corpus(bundle: Path, text_files: tuple[Path, ...], answer_dirs: tuple[Path, 
     )
 
 
-def _texts(path: Path) -> Iterator[tuple[str | None, str]]:
-    """(prompt or None, text) of each record of ``path``."""
-    try:
-        content = path.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise InvalidInputError(f"text file {path} does not exist") from exc
-    except IsADirectoryError as exc:
-        raise InvalidInputError(f"text file {path} is a directory; give a file") from exc
-    except UnicodeDecodeError as exc:
-        raise InvalidInputError(f"text file {path} is not UTF-8 text") from exc
+def _chat_renderer(bundle: Path):
+    """``render(prompt, where)``: a user's message through the bundle's chat template."""
+    from specrt.chat import ChatTemplate, ChatTemplateError
+
+    _chat_prompts(bundle, [])  # says in one line where there is no template (or no jinja2)
+    template = ChatTemplate.from_directory(bundle / "tokenizer")
+
+    def render(prompt: str, where: str) -> str:
+        try:
+            return template.prompt([{"role": "user", "content": prompt}])
+        except ChatTemplateError as exc:
+            raise InvalidInputError(f"{where}: {exc}") from exc
+
+    return render
+
+
+def _texts(path: Path) -> Iterator[tuple[str, str | None, str | list[int]]]:
+    """(where, prompt or None, text or token ids) of each record of ``path``."""
+    content = read_text(str(path), "text file")
     if path.suffix != ".jsonl":
-        yield None, content
+        yield str(path), None, content
         return
     for number, line in enumerate(content.splitlines(), 1):
+        where = f"{path}:{number}"
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError as exc:
-            raise InvalidInputError(f"{path}:{number} is not JSON ({exc.msg})") from exc
-        if isinstance(record, dict) and isinstance(record.get("text"), str):
-            yield None, record["text"]
-        elif (
-            isinstance(record, dict)
-            and isinstance(record.get("prompt"), str)
-            and isinstance(record.get("completion"), str)
-        ):
-            yield record["prompt"], record["completion"]
+            raise InvalidInputError(f"{where} is not JSON ({exc.msg})") from exc
+        if not isinstance(record, dict):
+            record = {}
+        ids = record.get("token_ids")
+        if isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids):
+            yield where, None, ids
+        elif "error" in record and "id" in record:
+            continue  # a `specrt batch` row that could not run: no text
+        elif isinstance(record.get("text"), str):
+            yield where, None, record["text"]
+        elif isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+            yield where, record["prompt"], record["completion"]
         else:
             raise InvalidInputError(
-                f'{path}:{number}: give {{"prompt": ..., "completion": ...}} or {{"text": ...}} '
-                "(strings)"
+                f'{where}: give {{"prompt": ..., "completion": ...}} or {{"text": ...}} '
+                "(strings), or a line of `specrt batch`'s output"
             )
 
 

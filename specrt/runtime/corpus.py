@@ -226,5 +226,10 @@ def write_corpus(bundle_dir: str | Path, documents: Iterable[Sequence[int]]) -> 
     table = CorpusTable.build(documents)
     if not len(table):
         raise InvalidInputError("the corpus holds no text of two tokens or more: nothing to learn")
+    if table.next_ids.max() >= manifest.vocab_size or table.next_ids.min() < 0:
+        raise InvalidInputError(
+            f"the corpus holds token id {int(table.next_ids.max())}, outside the bundle's "
+            f"vocabulary of {manifest.vocab_size}: give text made with this bundle's tokenizer"
+        )
     table.save(root / CORPUS_FILE, manifest.tokenizer.sha256)
     return table

@@ -19,8 +19,8 @@ class GenerationStats:
     wall_time_s / tokens_per_second: generation wall time (prefill included), new tokens / it.
     draft_stopped: the sequence reached the draft model's max positions (or the prompt alone did),
     so the target decoded from there on alone.
-    proposers: per proposer ("model", "lookup", "suffix") of the rounds it drafted: rounds,
-    proposed and accepted tokens, accepted_per_position (as long as the whole request's).
+    proposers: per proposer ("model", "lookup", "suffix", "corpus") of the rounds it drafted:
+    rounds, proposed and accepted tokens, accepted_per_position (as long as the whole request's).
     """
 
     prompt_tokens: int = 0

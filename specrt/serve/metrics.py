@@ -93,7 +93,7 @@ class Metrics:
         )
         self.proposer_draft_tokens = counter(
             "specrt:proposer_num_draft_tokens",
-            "Draft tokens proposed, by proposer (model, lookup, suffix)",
+            "Draft tokens proposed, by proposer (model, lookup, suffix, corpus)",
             "proposer",
         )
         self.proposer_accepted_tokens = counter(
