@@ -230,3 +230,17 @@ def test_on_a_target_that_computes_pairs_a_one_token_proposal_costs_nothing():
         weak = Proposal([5], 2, "corpus", confidence=1)  # kept 0.15 of the time, a priori
         choices[even] = hybrid.match_length(weak, rival=1.0)
     assert choices == {False: 0, True: 1}
+
+
+def test_the_command_line_drafts_from_the_corpus_unless_told_not_to(corpus_bundle):
+    bundle, prompts = corpus_bundle
+    args = ["generate", "--bundle", str(bundle), "--prompt", prompts[0], "--json"]
+    args += ["--proposer", "lookup", "--draft-schedule", "fixed", "--max-new-tokens", "24"]
+    runs = {}
+    for flag in ("--corpus", "--no-corpus"):
+        out = CliRunner().invoke(main, [*args, "--ignore-eos", flag])
+        assert out.exit_code == 0, out.output
+        runs[flag] = json.loads(out.output.splitlines()[-1])
+    assert runs["--corpus"]["token_ids"] == runs["--no-corpus"]["token_ids"]
+    assert "corpus" in runs["--corpus"]["stats"]["proposers"]
+    assert "corpus" not in runs["--no-corpus"]["stats"]["proposers"]

@@ -87,6 +87,7 @@ def batch(
     engine,
     max_length,
     skip_checksums,
+    use_corpus,
     **params,
 ) -> None:
     """Run a JSONL file of prompts into a JSONL file of results (resumable, row errors kept).
@@ -109,7 +110,14 @@ def batch(
         plan = _cache_plan(bundle, kv_cache_memory, batch_size, max_length, engine)
         click.echo(f"specrt batch: {plan.describe()}", err=True)
         generator = _load(
-            bundle, threads, engine, plan.max_length, skip_checksums, plan.max_batch, suffix_tokens
+            bundle,
+            threads,
+            engine,
+            plan.max_length,
+            skip_checksums,
+            plan.max_batch,
+            suffix_tokens,
+            use_corpus,
         )
         if generator.max_batch < plan.max_batch:
             click.echo(

@@ -156,8 +156,18 @@ def _chat_prompts(bundle: Path, items: list) -> list[str]:
     return rendered
 
 
-def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suffix_tokens=0):
-    """``suffix_tokens``: keep a suffix cache of that many tokens (0: none)."""
+def _load(
+    bundle,
+    threads,
+    engine,
+    max_length,
+    skip_checksums,
+    max_batch=1,
+    suffix_tokens=0,
+    use_corpus=True,
+):
+    """``suffix_tokens``: keep a suffix cache of that many tokens (0: none); ``use_corpus``:
+    draft from the bundle's corpus where it has one."""
     from specrt.runtime import SpeculativeGenerator
     from specrt.runtime.lookup import SuffixCache
 
@@ -169,6 +179,7 @@ def _load(bundle, threads, engine, max_length, skip_checksums, max_batch=1, suff
         max_length=max_length,
         check_files=not skip_checksums,
         max_batch=max_batch,
+        corpus=use_corpus,
     )
 
 

@@ -51,6 +51,7 @@ def generate(
     engine,
     max_length,
     skip_checksums,
+    use_corpus,
     compare,
     **params,
 ) -> None:
@@ -61,7 +62,7 @@ def generate(
     if chat:
         texts = _chat_prompts(bundle, texts)
     config = _generation_config(params, notes=True)
-    generator = _load(bundle, threads, engine, max_length, skip_checksums)
+    generator = _load(bundle, threads, engine, max_length, skip_checksums, use_corpus=use_corpus)
     inputs = texts
     if chat:  # the template writes its special tokens out: none added (as the server does)
         inputs = [generator.tokenizer.encode(text, add_special_tokens=False) for text in texts]

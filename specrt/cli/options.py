@@ -241,6 +241,14 @@ load_options = _stack(
         help="Trust the bundle's files without checking their sha256 (checked files are "
         "remembered, so only a first load of a bundle pays for it).",
     ),
+    click.option(
+        "--corpus/--no-corpus",
+        "use_corpus",
+        default=True,
+        show_default=True,
+        help="Draft from the bundle's corpus of its target's text, where it has one (`specrt "
+        "corpus`).",
+    ),
 )
 
 

@@ -88,6 +88,7 @@ def serve(
     engine,
     max_length,
     skip_checksums,
+    use_corpus,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs the serve extra)."""
     try:
@@ -110,7 +111,14 @@ def serve(
     # taken at start: no request waits for an allocation
     log.info("specrt serve: %s, taken at start", plan.describe("requests"))
     generator = _load(
-        bundle, threads, engine, plan.max_length, skip_checksums, plan.max_batch, suffix_tokens
+        bundle,
+        threads,
+        engine,
+        plan.max_length,
+        skip_checksums,
+        plan.max_batch,
+        suffix_tokens,
+        use_corpus,
     )
     defaults = _generation_config(
         dict(num_draft_tokens=num_draft_tokens, draft_schedule=draft_schedule, proposer=proposer)

@@ -125,6 +125,7 @@ def verify(
     engine,
     max_length,
     skip_checksums,
+    use_corpus,
     **params,
 ) -> None:
     """Audit that speculative decoding gives the target's own output on this bundle.
@@ -139,7 +140,15 @@ def verify(
     if chat:
         texts = _chat_prompts(bundle, texts)
     config = _generation_config(params)
-    generator = _load(bundle, threads, engine, max_length, skip_checksums, max_batch=AUDIT_BATCH)
+    generator = _load(
+        bundle,
+        threads,
+        engine,
+        max_length,
+        skip_checksums,
+        max_batch=AUDIT_BATCH,
+        use_corpus=use_corpus,
+    )
     inputs = texts
     if chat:  # the template writes its special tokens out: none added (as the server does)
         inputs = [generator.tokenizer.encode(text, add_special_tokens=False) for text in texts]
