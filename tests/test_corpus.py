@@ -244,3 +244,20 @@ def test_the_command_line_drafts_from_the_corpus_unless_told_not_to(corpus_bundl
     assert runs["--corpus"]["token_ids"] == runs["--no-corpus"]["token_ids"]
     assert "corpus" in runs["--corpus"]["stats"]["proposers"]
     assert "corpus" not in runs["--no-corpus"]["stats"]["proposers"]
+
+
+def test_a_distill_state_folder_gives_its_answers_and_never_its_held_out_ones(
+    corpus_bundle, tmp_path
+):
+    bundle, _ = corpus_bundle
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    state = tmp_path / ".draft.distill"
+    for folder, count in (("answers-abc", 3), ("heldout-abc", 2)):
+        (state / folder).mkdir(parents=True)
+        for i in range(count):
+            ids = np.arange(i, i + 10)
+            np.savez(state / folder / f"{i}.npz", prompt=ids[:4], tokens=ids[4:])
+    out = CliRunner().invoke(main, ["corpus", "--bundle", str(copy), "--answers-dir", str(state)])
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith("corpus of 3 texts, 30 tokens"), out.output
