@@ -5,12 +5,12 @@ Retrieval drafting (REST, SuffixDecoding's static side): where the row's own tex
 the most frequent continuation of its last tokens in the corpus is proposed, token by token,
 for free. A chat model's answers share phrasing across topics ("Here's a", "In summary,"), which
 a row's own text, short and new, does not yet hold. Each proposal carries how strongly the
-corpus backs its first token (the share of that context's continuations it won, in
-`CONFIDENCE_BINS`), and the planner learns how often each bin is kept, as it learns per match
+corpus backs its first token (the share of that context's continuations it won, binned by
+`confidence_bin`), and the planner learns how often each bin is kept, as it learns per match
 length for the row's own matches. Proposals are point masses: verification keeps the output
 exactly the target's, whatever the corpus holds.
 
-Stored as one ``.npz`` beside the bundle's manifest (`CORPUS_FILE`): sorted 64-bit hashes of
+Stored as one ``.npz`` in the bundle (`CORPUS_FILE`): sorted 64-bit hashes of
 the contexts with each one's most frequent next token, its count and the context's total, so
 it loads in one read and a lookup is a binary search. A hash collision only makes a proposal
 that verification rejects.
@@ -152,14 +152,7 @@ class CorpusTable:
                 matched = n
                 confidence = confidence_bin(int(self.counts[i]), int(self.totals[i]))
             proposed.append(int(self.next_ids[i]))
-            context = (
-                [*context[1:], proposed[-1]]
-                if len(context) >= self.depth
-                else [
-                    *context,
-                    proposed[-1],
-                ]
-            )
+            context = [*context, proposed[-1]][-self.depth :]
         if not proposed:
             return NO_PROPOSAL
         return Proposal(proposed, matched, "corpus", confidence=confidence)
