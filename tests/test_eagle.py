@@ -178,6 +178,45 @@ def test_heads_of_either_variant_export_within_the_check(tmp_path, variant):
         assert read_head(head, config).layers == (2, 4, 5)
 
 
+def test_a_head_s_vocabulary_in_any_order_lands_at_the_target_s_ids(sources, tmp_path):
+    """The graph writes the head's logits at the target's ids by a scatter: checked against
+    PyTorch at export (``max_abs_logit_diff`` over the target's whole vocabulary) where the
+    head's columns are in the target's order (the module's head), out of it, and where one maps
+    past the vocabulary (left out); the output stays the target alone's."""
+    from safetensors.torch import load_file, save_file
+
+    _, target, head = sources
+    weights = load_file(str(head / "model.safetensors"))
+    order = torch.arange(HEAD_VOCAB).flip(0)  # the head's columns in reverse
+    ids = (torch.arange(HEAD_VOCAB) + weights["d2t"])[order]  # the target id of each column
+    reversed_head = {**weights, "lm_head.weight": weights["lm_head.weight"][order].contiguous()}
+    heads = {"in order": head}
+    for name, past in (("reversed", None), ("one left out", 10_000)):  # past: no such token
+        heads[name] = tmp_path / name
+        shutil.copytree(head, heads[name])
+        mapped = ids.clone()
+        if past is not None:
+            mapped[0] = past
+        edited = {**reversed_head, "d2t": mapped - torch.arange(HEAD_VOCAB)}
+        save_file(edited, str(heads[name] / "model.safetensors"))
+    for out, source in heads.items():
+        manifest = export_bundle(target, source, tmp_path / f"{out} bundle", portable=False)
+        check = manifest.models["draft"].export_check
+        assert check["float32_max_abs_logit_diff"] < 1e-4, out
+        graph = onnx.load(str(tmp_path / f"{out} bundle" / "draft/onnxruntime/model.onnx"),
+                          load_external_data=False)  # fmt: skip
+        kinds = [node.op_type for node in graph.graph.node]
+        assert "ScatterElements" in kinds  # the embedding's Gather, and where a column is
+        assert kinds.count("Gather") == 1 + (out == "one left out")  # left out, the kept ones'
+        generator = SpeculativeGenerator.from_bundle(tmp_path / f"{out} bundle", threads=1)
+        settings = dict(max_new_tokens=16, **MODEL_DRAFTS)
+        alone, drafted = (
+            generator.generate(PROMPTS[:2], GenerationConfig(num_draft_tokens=k, **settings))
+            for k in (0, 3)
+        )
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+
+
 def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp_path):
     _, target, head = sources
     wrong = tmp_path / "wrong"

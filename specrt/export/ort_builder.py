@@ -148,12 +148,8 @@ def _lm_head(
     else:
         b.node("MatMul", ["head_in", "lm_head.MatMul"], ["logits_half"])
         b.node("Cast", ["logits_half"], [own], to=TensorProto.FLOAT)
-    if vocab_map is not None:  # [.., head vocab] -> [.., vocab]: one more column, gathered
-        b.constant("unproposed_pads", np.array([0, 0, 0, 0, 0, 1], dtype=np.int64))
-        b.constant("unproposed", np.array(UNPROPOSED, dtype=np.float32))
-        b.node("Pad", [own, "unproposed_pads", "unproposed"], ["head_logits_padded"])
-        b.constant("vocab_map", vocab_map.astype(np.int64))
-        b.node("Gather", ["head_logits_padded", "vocab_map"], [logits], axis=-1)
+    if vocab_map is not None:  # [.., head vocab] -> [.., vocab]
+        _scatter_to_vocab(b, own, logits, vocab_map, matrix.shape[1])
     if shape.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
         b.constant("logit_softcap", np.array(shape.logit_softcap, dtype=np.float32))
         b.node("Div", [logits, "logit_softcap"], ["logits_scaled"])
@@ -162,6 +158,40 @@ def _lm_head(
     b.node("Softmax", ["logits"], [PROBABILITIES], axis=-1)
     if shape.greedy_outputs:
         _greedy_outputs(b, shape.vocab_size, shape.greedy_reductions)
+
+
+def _scatter_to_vocab(
+    b: _GraphBuilder, head_logits: str, logits: str, columns: np.ndarray, head_vocab: int
+) -> None:
+    """``logits``: ``head_logits`` written at the target's ids, `UNPROPOSED` elsewhere. A
+    scatter of the head's columns into a filled row, not a Gather of every target id: onnxruntime
+    gathers along the last axis one element at a time, which took a third of SmolLM2's head step
+    (docs/performance.md)."""
+    ids = np.flatnonzero(columns < head_vocab)  # the target ids the head proposes
+    used = columns[ids]  # their columns among the head's logits
+    if not np.array_equal(np.sort(used), np.arange(head_vocab)):  # columns left out
+        b.constant("head_columns", used.astype(np.int64))
+        b.node("Gather", [head_logits, "head_columns"], ["head_logits_used"], axis=-1)
+        head_logits = "head_logits_used"
+    else:  # each head column once: scatter them in their own order
+        ids = ids[np.argsort(used)]
+    vocab = len(columns)
+    b.constant("unproposed_row", np.full((1, 1, vocab), UNPROPOSED, dtype=np.float32))
+    b.constant("proposed_ids", ids.reshape(1, 1, -1).astype(np.int64))
+    b.constant("rows_axes_end", np.array([2], dtype=np.int64))
+    b.constant("rows_axes_start", np.array([0], dtype=np.int64))
+    b.constant("vocab_width", np.array([vocab], dtype=np.int64))
+    b.node("Shape", [head_logits], ["head_logits_shape"])
+    b.node("Slice", ["head_logits_shape", "rows_axes_start", "rows_axes_end"], ["logits_rows"])
+    b.node("Concat", ["logits_rows", "vocab_width"], ["logits_shape"], axis=0)
+    b.node("Expand", ["unproposed_row", "logits_shape"], ["unproposed_logits"])
+    b.node("Expand", ["proposed_ids", "head_logits_shape"], ["proposed_ids_rows"])
+    b.node(
+        "ScatterElements",
+        ["unproposed_logits", "proposed_ids_rows", head_logits],
+        [logits],
+        axis=-1,
+    )
 
 
 def _greedy_outputs(b: _GraphBuilder, vocab: int, reductions: str) -> None:
