@@ -13,10 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from specrt.bundle import read_manifest
 from specrt.cli import main
 from specrt.distill import state_dir
 from specrt.export.tiny import CORPUS, make_tiny_pair
@@ -95,7 +98,8 @@ def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp
     trained = tmp_path / "trained"
     more = tmp_path / "more.txt"  # a second set of prompts: both are answered and trained on
     more.write_text("Beautiful is\nclass Stack\n")
-    result = run(command(*target, trained, "--steps", "40", "--prompt-file", str(more)))
+    extra = ["--steps", "40", "--prompt-file", str(more), "--draft-vocab", "24"]
+    result = run(command(*target, trained, *extra))
     assert result.returncode == 0, result.stderr
     report = json.loads((trained / "distill_report.json").read_text())
     assert report["train_prompts"] == len(target[1].read_text().splitlines()) + 2
@@ -125,6 +129,45 @@ def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp
     drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **settings))[0]
     assert drafted.token_ids == alone.token_ids
     assert drafted.stats.accepted_tokens > 0
+
+    # the trained folder names the 24 tokens its answers use most: its engine proposes those
+    proposed = json.loads((trained / "draft_vocab.json").read_text())["token_ids"]
+    assert len(proposed) == 24 and report["draft_vocab"] == 24
+    small = tmp_path / "small vocabulary"
+    args = ["export", "--target", str(target[0]), "--draft", str(trained), "--out", str(small)]
+    result = runner.invoke(main, [*args, "--no-portable"])
+    assert result.exit_code == 0, result.output
+    assert "proposes 24 of the" in result.output
+    engine = read_manifest(small).models["draft"].engines["onnxruntime"]
+    assert engine.export_check["proposed_tokens"] == 24
+    graph = onnx.load(str(small / engine.path), load_external_data=False)
+    assert "ScatterElements" in {node.op_type for node in graph.graph.node}
+    generator = SpeculativeGenerator.from_bundle(small, threads=1)
+    logits = generator.draft.forward(prompt, keep_last=1).logits[-1]
+    assert set(np.flatnonzero(logits > -1e29)) == set(proposed)  # the others: never proposed
+    sampled = dict(settings, temperature=1.0, seed=3)
+    for config in (settings, sampled):  # greedy, and seeded sampling: the target alone's
+        alone = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **config))[0]
+        drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **config))[0]
+        assert drafted.token_ids == alone.token_ids
+        assert drafted.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("not json", "not a draft vocabulary"), ('{"token_ids": [3, 100000]}', "within the vocab")],
+)
+def test_a_bad_draft_vocabulary_is_one_line_and_writes_nothing(target, tmp_path, content,
+                                                                message):  # fmt: skip
+    draft = target[0].parent / "draft"  # the tiny pair's own draft, copied
+    copy = tmp_path / "draft"
+    shutil.copytree(draft, copy)
+    (copy / "draft_vocab.json").write_text(content)
+    out = tmp_path / "bundle"
+    args = ["export", "--target", str(target[0]), "--draft", str(copy), "--out", str(out)]
+    result = CliRunner().invoke(main, [*args, "--no-portable"])
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
 
 
 @pytest.mark.parametrize(

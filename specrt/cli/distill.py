@@ -103,11 +103,14 @@ from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, PRECISIONS
     "`specrt export --eagle`.",
 )
 @click.option(
+    "--draft-vocab",
     "--head-vocab",
+    "vocab",
     type=click.IntRange(min=2),
     default=8192,
     show_default=True,
-    help="--kind eagle3: the tokens the head proposes (the answers' most used).",
+    help="The tokens the draft or head proposes, the answers' most used (a draft's output layer "
+    "is a large part of its step); at least the vocabulary: all.",
 )
 @click.option(
     "--state-dir",
@@ -156,7 +159,7 @@ def distill(
     save_every,
     init_from,
     kind,
-    head_vocab,
+    vocab,
     state_dir,
     chat_template,
     bf16,
@@ -185,7 +188,7 @@ def distill(
         raise click.UsageError(f"{', '.join(map(str, prompt_file))}: no prompts in them")
     settings = DistillSettings(
         kind=kind,
-        head_vocab=head_vocab,
+        vocab=vocab,
         layers=layers,
         max_new_tokens=max_new_tokens,
         top_k=top_k,

@@ -35,7 +35,7 @@ class DistillSettings:
     num_draft_tokens: int = 4  # the rounds the acceptance report replays
     train: TrainSettings = field(default_factory=TrainSettings)
     kind: str = "draft"  # or "eagle3": an EAGLE-3 head (`specrt.distill.eagle`)
-    head_vocab: int = 8192  # an EAGLE-3 head's vocabulary: the answers' most used tokens
+    vocab: int = 8192  # the tokens a draft or head proposes: the answers' most used
     # The prompts go through the target's chat template where it has one; False: as plain text,
     # as completions send them (drafts learn the text they will see).
     chat_template: bool = True
@@ -69,6 +69,7 @@ def distill(
 
     from specrt.distill import acceptance, data, train
     from specrt.distill import draft as drafts
+    from specrt.export.draft_vocab import write_draft_vocab
     from specrt.staging import publish, staging
 
     started = time.monotonic()
@@ -136,7 +137,11 @@ def distill(
     if eagle3:
         return _distill_head(target, identity, examples, held, settings, out, log, prompts,
                              started, progress, state)  # fmt: skip
-    before = acceptance.report(draft, held, k) if held else None
+    # the tokens its engine will propose (`specrt.export.draft_vocab`): the answers' most used
+    vocab = int(target.config.vocab_size)
+    proposed = data.most_used(examples, settings.vocab, vocab) if examples else None
+    proposed = None if proposed is None or len(proposed) >= vocab else proposed
+    before = acceptance.report(draft, held, k, proposed) if held else None
     losses: list[float] = []
     checkpoint = None
     if settings.train.steps:
@@ -148,10 +153,11 @@ def distill(
         checkpoint = state / f"train-{train_key}.pt"
         losses = train.train(draft, examples, settings.train, checkpoint, progress)
     drafts.round_own(draft)
-    after = acceptance.report(draft, held, k) if held else None
+    after = acceptance.report(draft, held, k, proposed) if held else None
 
     # 4. The checkpoint, its own weights and the report, put in place at once.
-    own = {"layers": settings.layers, "init_from": str(init_from) if init_from else None}
+    own = {"layers": settings.layers, "init_from": str(init_from) if init_from else None,
+           "draft_vocab": None if proposed is None else len(proposed)}  # fmt: skip
     report = _report(identity, own, settings, prompts, heldout, losses, before, after, started)
     with staging(out, "partial") as staged:
         draft.save_pretrained(staged)
@@ -161,6 +167,8 @@ def distill(
             staged / drafts.OWN_WEIGHTS,
             {"layers": settings.layers, "target": identity["name"]},
         )
+        if proposed is not None:
+            write_draft_vocab(staged, proposed)
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         publish(staged, out)
     if checkpoint is not None:
@@ -175,13 +183,13 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     from specrt.distill import eagle, features
     from specrt.staging import publish, staging
 
-    head = eagle.new_head(target, examples, settings.head_vocab)
+    head = eagle.new_head(target, examples, settings.vocab)
     # a file per answer, in a folder of this target and these layers: a grown set reuses them
     states_key = _key(identity, head.layers, "per answer")
     kept = features.states(target, examples, head.layers, state / f"states-{states_key}", progress)
     k = settings.num_draft_tokens
     before = eagle.report(head, target, held, k) if held else None
-    key = _key(identity, prompts, "eagle3", settings.head_vocab, settings.max_new_tokens,
+    key = _key(identity, prompts, "eagle3", settings.vocab, settings.max_new_tokens,
                settings.top_k, settings.train.as_dict(), head.layers,
                *_plain(settings))  # fmt: skip
     checkpoint = state / f"train-{key}.pt"

@@ -18,26 +18,38 @@ if TYPE_CHECKING:
     import torch
 
 
-def matches(draft: torch.nn.Module, example: Example) -> np.ndarray:
+def matches(
+    draft: torch.nn.Module, example: Example, proposed: np.ndarray | None = None
+) -> np.ndarray:
     """(N,) bool: whether the draft's greedy choice equals answer token j, given the prompt and
-    the answer before j."""
+    the answer before j; ``proposed``: the tokens it may choose (all: None)."""
     import torch
 
     tokens = np.concatenate([example.prompt, example.tokens]).astype(np.int64)
     with torch.no_grad():
         logits = draft(input_ids=torch.from_numpy(tokens)[None]).logits[0]
     start = len(example.prompt) - 1
-    chosen = logits[start : start + len(example.tokens)].argmax(-1).numpy()
+    logits = logits[start : start + len(example.tokens)]
+    if proposed is None:
+        chosen = logits.argmax(-1).numpy()
+    else:
+        chosen = proposed[logits[:, torch.from_numpy(proposed)].argmax(-1).numpy()]
     return chosen == example.tokens
 
 
-def report(draft: torch.nn.Module, examples: list[Example], k: int = 4) -> dict:
+def report(
+    draft: torch.nn.Module,
+    examples: list[Example],
+    k: int = 4,
+    proposed: np.ndarray | None = None,
+) -> dict:
     """Acceptance on ``examples``: per drafted token (every answer position), and per position
-    of rounds of ``k`` drafts (position i: accepted / reached), with tokens per round."""
+    of rounds of ``k`` drafts (position i: accepted / reached), with tokens per round;
+    ``proposed``: the draft's reduced vocabulary, as its engine proposes."""
     reached, accepted = np.zeros(k), np.zeros(k)
     matched = total = rounds = produced = 0
     for example in examples:
-        hits = matches(draft, example)
+        hits = matches(draft, example, proposed)
         matched += int(hits.sum())
         total += len(hits)
         start = 0

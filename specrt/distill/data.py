@@ -34,6 +34,16 @@ class Example:
     top_probs: np.ndarray  # (N, k) float32
 
 
+def most_used(examples: list[Example], size: int, vocab: int) -> np.ndarray:
+    """The ``size`` tokens the answers use most (their own tokens first, then the target's
+    other top-k choices), sorted: the vocabulary a draft or head proposes."""
+    counts = np.zeros(vocab, dtype=np.int64)
+    for example in examples:
+        np.add.at(counts, example.tokens, 4)
+        np.add.at(counts, example.top_ids.ravel(), 1)
+    return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab)])
+
+
 def prompt_ids(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
     """The prompt as the target reads it: through its chat template where it has one and
     ``chat_template`` (special tokens written by the template, none added), as plain text

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specrt.bundle import EAGLE3_ARCHITECTURE
-from specrt.distill.data import Example
+from specrt.distill.data import Example, most_used
 from specrt.distill.train import TrainSettings, batch, checkpointed_steps
 from specrt.distill.train import spans as train_spans
 
@@ -56,11 +56,7 @@ def new_head(target: torch.nn.Module, examples: list[Example], head_vocab: int) 
 
     config = target.config
     vocab = int(config.vocab_size)
-    counts = np.zeros(vocab, dtype=np.int64)
-    for example in examples:
-        np.add.at(counts, example.tokens, 4)  # the answers first, then their second choices
-        np.add.at(counts, example.top_ids.ravel(), 1)
-    kept = np.sort(np.argsort(-counts, kind="stable")[: min(head_vocab, vocab)])
+    kept = most_used(examples, head_vocab, vocab)
     layers = default_layers(int(config.num_hidden_layers))
     head_config = LlamaConfig(
         hidden_size=config.hidden_size,

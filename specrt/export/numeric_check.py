@@ -13,15 +13,23 @@ from specrt.backends.base import one_call_against_one_each
 from specrt.backends.select import make_decoder
 from specrt.backends.session import create_session
 from specrt.bundle import ModelSpec
+from specrt.export.ort_builder import UNPROPOSED
 
 CHECK_TOKENS = 12
 LONGEST_CHECK = 520  # a sliding window up to 512 positions is checked past its edge
 
 
 def max_logit_difference(
-    model: torch.nn.Module, graph: Path, spec: ModelSpec, token_range: int, seed: int = 0
+    model: torch.nn.Module,
+    graph: Path,
+    spec: ModelSpec,
+    token_range: int,
+    seed: int = 0,
+    proposed: np.ndarray | None = None,
 ) -> dict[str, float]:
-    """Return max |logit diff| for the prefill and for the multi-token step."""
+    """Return max |logit diff| for the prefill and for the multi-token step; ``proposed``: the
+    tokens a draft with a reduced vocabulary proposes (its graph's logit is `UNPROPOSED` at
+    the others, which the reference then has too)."""
     window = getattr(model.config, "sliding_window", None) or 0
     total = window + 8 if CHECK_TOKENS < window + 8 <= LONGEST_CHECK else CHECK_TOKENS
     total = min(total, spec.max_positions)
@@ -31,6 +39,9 @@ def max_logit_difference(
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float().numpy()
     reference = logits[:, : spec.vocab_size]  # an engine graph may leave padding rows out
+    if proposed is not None:
+        reference = np.full_like(reference, UNPROPOSED)
+        reference[:, proposed] = logits[:, proposed]
     decoder = make_decoder(
         create_session(graph, providers=["CPUExecutionProvider"]), spec, spec.vocab_size, "check"
     )

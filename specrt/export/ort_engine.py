@@ -26,6 +26,7 @@ from specrt.export.ort_builder import (
     PROBABILITIES,
     SEQLENS_K,
     TOTAL_LENGTH,
+    UNPROPOSED,
     DecoderShape,
 )
 from specrt.export.ort_graph import (
@@ -52,6 +53,7 @@ def build_ort_engine(
     cuda_reductions: str = "chunked",
     features: EagleFeatures | None = None,
     block_size: int = DEFAULT_TARGET_BLOCK_SIZE,
+    proposed: np.ndarray | None = None,
 ) -> EngineSpec:
     """Write ``ROLE/onnxruntime/model.onnx`` (``device`` "cpu") or ``ROLE/cuda/model.onnx``
     (``device`` "cuda": float16, with the argmax outputs a device backend copies back) into the
@@ -61,7 +63,8 @@ def build_ort_engine(
     the check then reports the difference without a bound.
     ``cuda_attention``, ``cuda_reductions``: see `ExportOptions`. ``features``: what an EAGLE
     head reads of the target (the CPU engine's output `FEATURES`). ``block_size``: a quantised
-    target's (`specrt.export.quantize.TARGET_BLOCK_SIZES`)."""
+    target's (`specrt.export.quantize.TARGET_BLOCK_SIZES`). ``proposed``: a draft's
+    reduced vocabulary (`specrt.export.draft_vocab`)."""
     config = model.config
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
     key = CUDA_ENGINE if device == "cuda" else ONNXRUNTIME_ENGINE
@@ -114,14 +117,14 @@ def build_ort_engine(
     if gemma:  # its RMSNorm scales by (1 + w)
         weights = {n: w + 1 if n.endswith("norm.weight") else w for n, w in weights.items()}
     if config.model_type == "gpt2":
-        graph = build_gpt2_graph(shape, weights, out)
+        graph = build_gpt2_graph(shape, weights, out, proposed)
     else:
         local = None
         if shape.local_rope_layers:
             local = rope_tables(model.model.rotary_emb_local, positions)
         cos, sin = rope_tables(model.model.rotary_emb, positions)
         graph = build_decoder_graph(
-            shape, weights, cos, sin, out, local_rope=local, features=features
+            shape, weights, cos, sin, out, local_rope=local, features=features, proposed=proposed
         )
     if device == "cpu":
         target = role == "target"
@@ -167,7 +170,9 @@ def build_ort_engine(
         dtype=dtype,
     )
     spec.engines[key] = engine
-    check = max_logit_difference(model, graph, spec.engine_view(key), vocab)
+    check = max_logit_difference(model, graph, spec.engine_view(key), vocab, proposed=proposed)
+    if proposed is not None:
+        check["proposed_tokens"], check["unproposed_logit"] = len(proposed), float(UNPROPOSED)
     engine.export_check = check
     return engine
 

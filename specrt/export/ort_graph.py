@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from specrt.export.draft_vocab import columns_of
 from specrt.export.options import ENGINE_MODEL_TYPES
 from specrt.export.ort_attention import _attention, _normed_qkv
 from specrt.export.ort_builder import (
@@ -148,13 +149,15 @@ def build_decoder_graph(
     out_path: Path,
     local_rope: tuple[np.ndarray, np.ndarray] | None = None,
     features: EagleFeatures | None = None,
+    proposed: np.ndarray | None = None,
 ) -> Path:
     """Llama-family graph: write it (and its weights as external data) to ``out_path``.
 
     ``weights`` uses the HF state-dict names (``model.layers.0.self_attn.q_proj.weight`` …, each
     ``[out, in]``); ``cos``/``sin`` are ``[positions, rotary_dim / 2]`` (rotary, scaled);
     ``local_rope``: the (cos, sin) of ``shape.local_rope_layers``; ``features``: an EAGLE
-    head's input, computed here at every position fed (`FEATURES`).
+    head's input, computed here at every position fed (`FEATURES`); ``proposed``: a draft's
+    reduced vocabulary (`specrt.export.draft_vocab`).
     """
     b = _GraphBuilder(weights, shape.dtype)
     b.initializer("cos_cache", cos)
@@ -214,7 +217,7 @@ def build_decoder_graph(
         residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-    _lm_head(b, normed, weights[head][: shape.vocab_size].T, shape)
+    _output_layer(b, normed, weights[head], shape, proposed)
     outputs = () if features is None else (_features(b, features, shape.dtype),)
     return _save(b, shape, out_path, extra_outputs=outputs)
 
@@ -235,7 +238,10 @@ def _features(b: _GraphBuilder, features: EagleFeatures, dtype: str) -> onnx.Val
 
 
 def build_gpt2_graph(
-    shape: DecoderShape, weights: Mapping[str, np.ndarray], out_path: Path
+    shape: DecoderShape,
+    weights: Mapping[str, np.ndarray],
+    out_path: Path,
+    proposed: np.ndarray | None = None,
 ) -> Path:
     """GPT-2 graph: learned absolute positions, LayerNorm with bias, packed attention, tanh GELU.
 
@@ -308,8 +314,19 @@ def build_gpt2_graph(
         residual, normed = f"residual.{i + 1}", f"normed.{i + 1}"
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "transformer.wte.weight"
-    _lm_head(b, normed, weights[head][: shape.vocab_size].T, shape)
+    _output_layer(b, normed, weights[head], shape, proposed)
     return _save(b, shape, out_path)
+
+
+def _output_layer(
+    b: _GraphBuilder, normed: str, weight: np.ndarray, shape: DecoderShape, proposed
+) -> None:
+    """The logits over the vocabulary, from the rows of ``weight`` (``[vocab, hidden]``) the
+    model proposes: all, or a draft's reduced vocabulary written at the target's ids."""
+    if proposed is None:
+        return _lm_head(b, normed, weight[: shape.vocab_size].T, shape)
+    columns = columns_of(proposed, shape.vocab_size)
+    _lm_head(b, normed, weight[proposed].T, shape, vocab_map=columns)
 
 
 def gated_mlp(b: _GraphBuilder, x: str, mlp: str, tag: object, activation: str = "silu") -> str:

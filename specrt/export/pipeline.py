@@ -327,11 +327,15 @@ def add_ort_engine(
 ) -> None:
     """Build, check and record ``role``'s onnxruntime engine where the architecture allows
     (``features``: an EAGLE head's, `ort_graph.EagleFeatures`, computed by the CPU engine)."""
+    from specrt.export.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
     from specrt.export.ort_engine import build_ort_engine
     from specrt.export.ort_graph import unsupported_reason
     from specrt.export.quantize import not_invariant
 
     source = Path(spec.source)
+    proposed = read_draft_vocab(source, token_range) if role == "draft" else None
+    if proposed is not None:
+        log(f"  {role}: proposes {len(proposed)} of the {token_range} tokens ({DRAFT_VOCAB_FILE})")
     for device, wanted in (("cpu", options.cpu_engine), ("cuda", options.cuda_engine)):
         reason = wanted and unsupported_reason(config, spec.max_positions, device)
         if reason:
@@ -340,7 +344,7 @@ def add_ort_engine(
         precision = options.draft_precision if role == "draft" else options.target_precision
         engine = build_ort_engine(
             model, spec, bundle_root, role, token_range, precision, features=features,
-            block_size=options.target_block_size,
+            block_size=options.target_block_size, proposed=proposed,
         )  # fmt: skip
         # a quantised engine is not meant to match PyTorch; it only has to be a number
         atol = options.atol if precision == "float32" else math.inf
@@ -351,7 +355,7 @@ def add_ort_engine(
         engine = build_ort_engine(
             model, spec, bundle_root, role, token_range, device="cuda",
             cuda_attention=options.cuda_attention, cuda_reductions=options.cuda_reductions,
-            features=features,
+            features=features, proposed=proposed,
         )  # fmt: skip
         require_close(engine.export_check, options.fp16_atol, f"{role} cuda engine", source)
 
