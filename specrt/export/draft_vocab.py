@@ -6,7 +6,8 @@ all their tokens from a few thousand. A draft folder may name the tokens its eng
 `DRAFT_VOCAB_FILE` (`specrt distill` writes the answers' most used ones): its graph's output
 layer then has those rows only, and writes their logits at the target's ids, `UNPROPOSED`
 elsewhere, as an EAGLE-3 head's does. Verification reads the draft's distribution as it comes,
-so the output stays the target's: only how often a draft is kept can change.
+so the output stays the target's: only how often a draft is kept can change. The portable
+graph (what TensorRT builds from) keeps the whole vocabulary.
 """
 
 from __future__ import annotations
