@@ -319,7 +319,11 @@ def build_gpt2_graph(
 
 
 def _output_layer(
-    b: _GraphBuilder, normed: str, weight: np.ndarray, shape: DecoderShape, proposed
+    b: _GraphBuilder,
+    normed: str,
+    weight: np.ndarray,
+    shape: DecoderShape,
+    proposed: np.ndarray | None,
 ) -> None:
     """The logits over the vocabulary, from the rows of ``weight`` (``[vocab, hidden]``) the
     model proposes: all, or a draft's reduced vocabulary written at the target's ids."""
