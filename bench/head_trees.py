@@ -33,21 +33,18 @@ def ranks(target, head, examples) -> np.ndarray:
     chained depth (`WORST_RANK` where it is worse or outside the head's vocabulary)."""
     import torch
 
-    from specrt.distill.eagle import _states
+    from specrt.distill.eagle import chained
 
     index = torch.full((len(head.t2d),), -1, dtype=torch.long)
     index[head.t2d] = torch.arange(int(head.t2d.sum()))
     found = []
     with torch.no_grad():
         for example in examples:
-            tokens = np.concatenate([example.prompt, example.tokens]).astype(np.int64)
-            ids = torch.from_numpy(tokens)[None]
-            features = head.fc(_states(target, ids, torch.ones_like(ids), head.layers))
-            follows = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+            tokens, chain = chained(head, target, example, DEPTH)
             # the first answer token comes from the prompt's pass: rounds start after it
             bases = torch.arange(len(example.prompt) - 1, len(tokens) - 2)
             table = np.full((len(bases), DEPTH), WORST_RANK, dtype=np.int64)
-            for depth, hidden in enumerate(head.chain(features, follows, DEPTH)):
+            for depth, hidden in enumerate(chain):
                 inside = bases + depth + 2 < len(tokens)
                 base = bases[inside]
                 truth = index[torch.from_numpy(tokens)[base + depth + 2]]

@@ -121,6 +121,18 @@ def head_loss(
     return total
 
 
+def chained(head: Eagle3Head, target, example: Example, steps: int) -> tuple[np.ndarray, list]:
+    """The example's tokens (prompt, then answer) and the head's hidden states of ``steps``
+    chained drafts from every position, reading the target's tokens (`Eagle3Head.chain`)."""
+    import torch
+
+    tokens = np.concatenate([example.prompt, example.tokens]).astype(np.int64)
+    ids = torch.from_numpy(tokens)[None]
+    features = head.fc(_states(target, ids, torch.ones_like(ids), head.layers))
+    follows = torch.nn.functional.pad(ids[:, 1:], (0, 1))
+    return tokens, head.chain(features, follows, steps)
+
+
 def _states(target, ids, mask, layers):
     import torch
 
@@ -161,13 +173,8 @@ def report(head: Eagle3Head, target, examples: list[Example], k: int = 4) -> dic
     rounds = produced = matched = total = 0
     with torch.no_grad():
         for example in examples:
-            tokens = np.concatenate([example.prompt, example.tokens]).astype(np.int64)
-            ids = torch.from_numpy(tokens)[None]
-            features = head.fc(_states(target, ids, torch.ones_like(ids), head.layers))
-            follows = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-            best = [
-                head.logits(hidden[0]).argmax(-1) for hidden in head.chain(features, follows, k)
-            ]
+            tokens, chain = chained(head, target, example, k)
+            best = [head.logits(hidden[0]).argmax(-1) for hidden in chain]
             drafts = [(b + head.d2t[b]).numpy() for b in best]
             # the first answer token comes from the prompt's pass; rounds start after it
             base, end = len(example.prompt) - 1, len(tokens) - 2
