@@ -18,7 +18,11 @@ from specrt.errors import BundleError
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.corpus import CORPUS_FILE, DEPTH, CorpusTable, confidence_bin
 from specrt.runtime.lookup import NgramIndex, find_match
-from specrt.runtime.schedules.constants import GUARD_CORPUS_ROUNDS, GUARD_PROBE_MATCH
+from specrt.runtime.schedules.constants import (
+    GUARD_CORPUS_ROUNDS,
+    GUARD_PLAIN_SAMPLES,
+    GUARD_PROBE_MATCH,
+)
 from specrt.runtime.schedules.guard import CORPUS, PLAIN, UNCAPPED, SpeculationGuard
 
 
@@ -105,8 +109,8 @@ def test_a_corpus_is_judged_on_longer_probes_with_no_margin():
 
     def run(kept_every: int) -> SpeculationGuard:
         guard = SpeculationGuard()
-        for kind in (PLAIN, PLAIN):
-            guard.observe(kind, 1, 0.02)
+        for _ in range(GUARD_PLAIN_SAMPLES):
+            guard.observe(PLAIN, 1, 0.02)
         guard.kinds["model"].state = guard.kinds["match"].state = "off"
         guard.kinds["model"].wait = guard.kinds["match"].wait = 10**6
         caps = []

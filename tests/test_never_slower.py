@@ -81,6 +81,23 @@ def test_matches_stay_where_the_model_loses():
     assert (MATCH, GUARD_PROBE_MATCH) in log and (MATCH, UNCAPPED) in log
 
 
+def test_one_plain_round_the_machine_slowed_does_not_turn_a_losing_draft_on():
+    """The first plain rounds are the baseline a probe is judged by: one taking three times
+    as long (another process on the cores) must not make a draft at 0.8x plain rounds look
+    like a gain, which would keep it on until the next plain round."""
+    guard = SpeculationGuard()
+    plain_times = iter([3 * PLAIN_S] + [PLAIN_S] * 100)
+    kinds = []
+    for _ in range(60):
+        kind = MODEL if guard.caps()[0] else PLAIN
+        seconds = 2 * PLAIN_S / 0.8 if kind == MODEL else next(plain_times)
+        guard.observe(kind, 2 if kind == MODEL else 1, seconds)
+        kinds.append(kind)
+    assert kinds[:GUARD_FIRST_ROUNDS] == [MODEL] * GUARD_FIRST_ROUNDS
+    assert MODEL not in kinds[GUARD_FIRST_ROUNDS : GUARD_FIRST_ROUNDS + GUARD_FIRST_WAIT + 3]
+    assert kinds.count(MODEL) <= 3 * GUARD_FIRST_ROUNDS, kinds
+
+
 def test_a_new_row_probes_a_kind_that_is_off_early():
     guard = SpeculationGuard()
     simulate(guard, 60, {MODEL: 0.8, MATCH: 0.8})

@@ -112,7 +112,10 @@ GUARD_MATCH_ON_MARGIN = 0.3
 GUARD_CORPUS_ROUNDS = 12
 GUARD_CORPUS_ON_MARGIN = 0.05
 GUARD_DECAY = 0.9  # a share: what a kind's round keeps of the older tokens and seconds
-GUARD_PLAIN_SAMPLES = 2  # plain rounds timed before any kind is judged
+# Plain rounds timed before any kind is judged: three, so that one the machine slowed (another
+# process, a page fault) is the median's outlier, not half of a mean, and a poor draft is not
+# judged a gain on it (then kept on until the next plain round, up to `GUARD_PLAIN_EVERY`).
+GUARD_PLAIN_SAMPLES = 3
 GUARD_PLAIN_KEPT = 8  # plain rounds whose median is the target alone's time per token
 GUARD_PLAIN_EVERY = 32  # rounds: the longest without a plain one (the pass cost drifts)
 GUARD_FIRST_WAIT = 4  # rounds of the others before a kind judged a loss is probed
