@@ -71,6 +71,9 @@ def test_the_table_proposes_what_counting_by_hand_does():
             bins[confidence] += 1
     assert set(bins) == {1, 2, 3, 4}, bins
     assert table.propose([13, 13], 2).tokens == []  # a token the corpus never saw
+    # each token's count, a token after it (what a draft's reduced vocabulary is chosen by)
+    occurrences = Counter(token for document in documents for token in document[:-1])
+    assert table.token_counts(14).tolist() == [occurrences[token] for token in range(14)]
 
 
 def test_a_corpus_belongs_to_its_tokenizer_and_a_bad_file_is_named(tmp_path):
@@ -248,6 +251,52 @@ def test_the_command_line_drafts_from_the_corpus_unless_told_not_to(corpus_bundl
     assert runs["--corpus"]["token_ids"] == runs["--no-corpus"]["token_ids"]
     assert "corpus" in runs["--corpus"]["stats"]["proposers"]
     assert "corpus" not in runs["--no-corpus"]["stats"]["proposers"]
+
+
+def test_a_draft_proposes_the_tokens_its_bundle_s_corpus_uses_most(corpus_bundle, tmp_path):
+    """`specrt build --draft-vocab N`: a user's own draft, whose folder names no vocabulary,
+    proposes the N tokens of what its target wrote; the output stays the target's."""
+    from specrt.bundle import read_manifest
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(corpus_bundle[0], bundle)
+    result = CliRunner().invoke(main, ["build", "--bundle", str(bundle), "--draft-vocab", "24"])
+    assert result.exit_code == 0, result.output
+    assert "proposes 24 of the" in result.output and "the bundle's corpus" in result.output
+    manifest = read_manifest(bundle)
+    assert manifest.models["draft"].engines["onnxruntime"].export_check["proposed_tokens"] == 24
+    table = CorpusTable.load(bundle / CORPUS_FILE, manifest.tokenizer.sha256)
+    counts = table.token_counts(manifest.vocab_size)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    prompt = generator.encode_prompts([corpus_bundle[1][0]])[0]
+    logits = generator.draft.forward(prompt, keep_last=1).logits[-1]
+    proposed = np.flatnonzero(logits > -1e29)  # the others: never proposed
+    others = np.setdiff1d(np.arange(manifest.vocab_size), proposed)
+    assert len(proposed) == 24 and counts[proposed].min() >= counts[others].max() > 0
+    settings = dict(max_new_tokens=32, ignore_eos=True, proposer="model", draft_schedule="fixed")
+    sampled = dict(settings, temperature=1.0, seed=3)
+    for config in (settings, sampled):  # greedy, and seeded sampling: the target alone's
+        alone = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **config))[0]
+        drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **config))[0]
+        assert drafted.token_ids == alone.token_ids
+        assert drafted.stats.accepted_tokens > 0
+    # 0: the whole vocabulary again
+    result = CliRunner().invoke(main, ["build", "--bundle", str(bundle), "--draft-vocab", "0"])
+    assert result.exit_code == 0 and "draft: proposes" not in result.output, result.output
+    check = read_manifest(bundle).models["draft"].engines["onnxruntime"].export_check
+    assert "proposed_tokens" not in check
+
+
+def test_a_draft_vocabulary_without_a_corpus_is_one_line_and_changes_nothing(
+    llama_bundle, tmp_path
+):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+    before = (bundle / "manifest.json").read_bytes()
+    result = CliRunner().invoke(main, ["build", "--bundle", str(bundle), "--draft-vocab", "24"])
+    assert result.exit_code != 0 and "has no corpus" in result.output, result.output
+    assert "specrt corpus --bundle" in result.output and "Traceback" not in result.output
+    assert (bundle / "manifest.json").read_bytes() == before
 
 
 def test_a_distill_state_folder_gives_its_answers_and_never_its_held_out_ones(

@@ -266,6 +266,9 @@ def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources,
     out = tmp_path / "bundle"
     export_bundle(target, copy, out, draft_precision="float32", portable=False)
     (out / "NOTES.md").write_text("mine")
+    result = CliRunner().invoke(main, ["build", "--bundle", str(out), "--draft-vocab", "24"])
+    assert result.exit_code != 0 and "whose vocabulary is its own" in result.output
+    assert "Traceback" not in result.output
     result = CliRunner().invoke(main, ["build", "--bundle", str(out)])
     assert result.exit_code == 0, result.output
     assert "draft: engines onnxruntime (int8)" in result.output

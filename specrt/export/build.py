@@ -33,11 +33,17 @@ from specrt.staging import publish, staging
 
 
 def build_engines(
-    bundle_dir: str | Path, options: ExportOptions | None = None, log: Log = lambda message: None
+    bundle_dir: str | Path,
+    options: ExportOptions | None = None,
+    log: Log = lambda message: None,
+    draft_vocab: int | None = None,
 ) -> Manifest:
-    """``options``: the engines' (``draft_precision``) and the check's (``atol``)."""
+    """``options``: the engines' (``draft_precision``) and the check's (``atol``).
+    ``draft_vocab``: the draft's engine proposes the tokens the bundle's corpus uses most, that
+    many (0: all of them); None: those its checkpoint's folder names, if any."""
     from transformers import AutoConfig
 
+    from specrt.export.draft_vocab import corpus_draft_vocab
     from specrt.export.numeric_check import max_logit_difference
 
     options = options or ExportOptions()
@@ -47,6 +53,15 @@ def build_engines(
     sources = {role: Path(manifest.models[role].source) for role in ROLES}
     ggufs = {role: source for role, source in sources.items() if source.is_file()}
     _check_sources(manifest, sources, ggufs)
+    proposed = None
+    if draft_vocab is not None:
+        if manifest.models["draft"].eagle_head:
+            raise ExportError(
+                "--draft-vocab chooses a draft model's tokens, and this bundle drafts with an "
+                "EAGLE-3 head, whose vocabulary is its own (its d2t table): leave it out"
+            )
+        vocab, tokenizer = manifest.vocab_size, manifest.tokenizer.sha256
+        proposed = corpus_draft_vocab(root, vocab, tokenizer, draft_vocab)
     if manifest.models["draft"].eagle_head:  # its portable graphs kept where it has them
         portable = manifest.models["target"].cache == "concat"
         return _rebuild_with_head(root, sources, replace(options, portable=portable), log)
@@ -68,7 +83,10 @@ def build_engines(
                 if old is not None:
                     shutil.rmtree((scratch / old.path).parent, ignore_errors=True)
             log(f"building the {role} onnxruntime engine from {sources[role]}")
-            add_ort_engine(model, spec, config, scratch, role, manifest.vocab_size, options, log)
+            add_ort_engine(
+                model, spec, config, scratch, role, manifest.vocab_size, options, log,
+                proposed=proposed,
+            )  # fmt: skip
             for engine in spec.engines.values():  # no portable graph: the model's is an engine
                 if engine.path == spec.path:
                     spec.files, spec.io, spec.export_check = (

@@ -16,6 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specrt import __version__
 from specrt.bundle import (
     CUDA_ENGINE,
@@ -324,18 +326,27 @@ def add_ort_engine(
     options: ExportOptions,
     log: Log,
     features=None,
+    proposed: np.ndarray | None = None,
 ) -> None:
     """Build, check and record ``role``'s onnxruntime engine where the architecture allows
-    (``features``: an EAGLE head's, `ort_graph.EagleFeatures`, computed by the CPU engine)."""
+    (``features``: an EAGLE head's, `ort_graph.EagleFeatures`, computed by the CPU engine).
+    ``proposed``: the tokens a draft's engine proposes (`specrt.export.draft_vocab`); None:
+    those its folder names, if any."""
     from specrt.export.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
     from specrt.export.ort_engine import build_ort_engine
     from specrt.export.ort_graph import unsupported_reason
     from specrt.export.quantize import not_invariant
 
     source = Path(spec.source)
-    proposed = read_draft_vocab(source, token_range) if role == "draft" else None
+    where = "the bundle's corpus" if proposed is not None else DRAFT_VOCAB_FILE
+    if role != "draft":
+        proposed = None
+    elif proposed is None:
+        proposed = read_draft_vocab(source, token_range)
+    elif len(proposed) == token_range:
+        proposed = None
     if proposed is not None:
-        log(f"  {role}: proposes {len(proposed)} of the {token_range} tokens ({DRAFT_VOCAB_FILE})")
+        log(f"  {role}: proposes {len(proposed)} of the {token_range} tokens ({where})")
     for device, wanted in (("cpu", options.cpu_engine), ("cuda", options.cuda_engine)):
         reason = wanted and unsupported_reason(config, spec.max_positions, device)
         if reason:
