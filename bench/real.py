@@ -22,8 +22,8 @@ over the same float32 target alone; their outputs are checked against the int4 t
 head: `specrt export --eagle`; `make engines-real` builds them) add the head's rows, interleaved
 and checked the same way (the int4 ones against the int4 target alone).
 
-``--peers`` adds, on the same prompts (their token ids), timed the same way (over the median
-of specrt's target alone on that prompt):
+``--peers`` adds, on the same prompts (their token ids), timed the same way and in turn with
+specrt's runs on each prompt (over the median of specrt's target alone on that prompt):
 
 * ``llama.cpp``: llama-cpp-python on the very GGUF file the bundle was exported from
   (``--gguf``, Q4_1), the target alone and with its prompt-lookup drafting
@@ -32,7 +32,8 @@ of specrt's target alone on that prompt):
   reported, not required.
 * ``genai``: onnxruntime-genai 0.18's target alone, int4 and float32, from its own model builder
   in its own environment (``bash bench/genai_env.sh smollm2``), greedy, EOS held off, run by
-  ``bench/genai_ids.py`` in that environment after specrt's runs.
+  ``bench/genai_ids.py`` in that environment, a process that runs a prompt when asked (its
+  own clock, prompt included), so that it takes its turns with specrt's runs.
 * ``transformers``: the Hugging Face model the GGUF file becomes (float32), alone and with
   assisted generation by the bundle's draft checkpoint (``--draft-checkpoint``), greedy, EOS
   suppressed (assisted generation refuses a minimum length), one run per prompt (it is slow).
@@ -141,32 +142,49 @@ class Transformers:
         return out[0, len(ids) :].tolist()
 
 
-def run_genai(args, ids: list[list[int]], alone_seconds: list[float], reference) -> dict:
-    """onnxruntime-genai's target alone at int4 and float32, in its own environment."""
-    import subprocess
-    import tempfile
+class Genai:
+    """onnxruntime-genai's target alone at ``precision``, run on request by ``bench/genai_ids.py``
+    in its own environment, one process for both precisions (started once; it waits on its
+    input while the others run)."""
 
-    results = {}
-    for precision in ("int4", "fp32"):
-        model = args.genai_models / precision
-        if not (model / "genai_config.json").is_file() or not args.genai_python.is_file():
-            raise SystemExit(f"no {model} or {args.genai_python}: bash bench/genai_env.sh smollm2")
-        with tempfile.TemporaryDirectory() as scratch:
-            prompts, out = Path(scratch) / "ids.json", Path(scratch) / "times.json"
-            prompts.write_text(json.dumps(ids))
+    process = None
+
+    def __init__(self, args, precision: str) -> None:
+        import subprocess
+
+        self.precision = precision
+        if Genai.process is None:
             command = [
-                str(args.genai_python), str(REPO / "bench" / "genai_ids.py"), "--model",
-                str(model), "--ids", str(prompts), "--new-tokens", str(NEW_TOKENS), "--repeats",
-                str(args.repeats), "--threads", str(args.threads or 2), "--out", str(out),
+                str(args.genai_python), str(REPO / "bench" / "genai_ids.py"),
+                "--new-tokens", str(NEW_TOKENS), "--threads", str(args.threads or 2),
+                *(f"--model={p}={args.genai_models / p}" for p in ("int4", "fp32")),
             ]  # fmt: skip
-            subprocess.run(command, check=True)
-            done = json.loads(out.read_text())
-        ratios = [base / statistics.median(t) for base, t in zip(alone_seconds, done["seconds"])]
-        same = sum(a == b for a, b in zip(done["outputs"], reference))
-        name = f"onnxruntime-genai target alone ({precision})"
-        results[name] = {"speedups": ratios, "outputs_equal_to_specrt": same}
-        print(row(name, ratios, f"; {same}/{len(ids)} outputs as specrt's"), flush=True)
-    return results
+            Genai.process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            if not Genai.process.stdout.readline().strip():
+                raise SystemExit("onnxruntime-genai did not start: see its message above")
+
+    def __call__(self, ids: list[int]) -> tuple[list[int], float]:
+        request = {"model": self.precision, "ids": ids}
+        Genai.process.stdin.write(json.dumps(request) + "\n")
+        Genai.process.stdin.flush()
+        line = Genai.process.stdout.readline()
+        if not line:
+            raise SystemExit("onnxruntime-genai stopped: see its message above")
+        answer = json.loads(line)
+        return answer["output"], answer["seconds"]  # its own clock: IPC left out
+
+
+def timed(run):
+    """``run(ids) -> tokens`` as ``(tokens, seconds)``."""
+
+    def call(ids: list[int]) -> tuple[list[int], float]:
+        started = time.perf_counter()
+        tokens = run(ids)
+        return tokens, time.perf_counter() - started
+
+    return call
 
 
 def check_peers(args) -> None:
@@ -199,35 +217,26 @@ def check_peers(args) -> None:
             raise SystemExit(message)
 
 
-def run_peers(args, ids: list[list[int]], alone_seconds: list[float], reference) -> dict:
-    """Each peer on each prompt: its speed-ups over specrt's target alone (the median of its
-    runs), and how many of its outputs equal specrt's."""
+def start_peers(args, warm_up: list[int]) -> dict:
+    """Each peer asked for, loaded and run once: name -> (``run(ids) -> (tokens, seconds)``,
+    runs per prompt: 0 for ``--repeats``). They run on each prompt in turn with specrt's
+    contenders, timed the same way."""
     threads = args.threads or 2
     peers = {}
+    if "genai" in args.peers:
+        peers["onnxruntime-genai target alone (int4)"] = (Genai(args, "int4"), 0)
+        peers["onnxruntime-genai target alone (fp32)"] = (Genai(args, "fp32"), 0)
     if "llama.cpp" in args.peers:
-        peers["llama.cpp target alone (Q4_1)"] = (LlamaCpp, (args.gguf, threads, False), 0)
-        peers["llama.cpp prompt lookup (Q4_1)"] = (LlamaCpp, (args.gguf, threads, True), 0)
-    if "transformers" in args.peers:
-        peers["transformers target alone"] = (Transformers, (args.gguf, None, threads), 1)
-        assisted = (args.gguf, args.draft_checkpoint, threads)
-        peers["transformers assisted (the draft)"] = (Transformers, assisted, 1)
-    results = run_genai(args, ids, alone_seconds, reference) if "genai" in args.peers else {}
-    for name, (kind, options, runs) in peers.items():
-        run = kind(*options)
-        run(ids[0][:16])  # one-off costs
-        ratios, same = [], 0
-        for prompt, base, expected in zip(ids, alone_seconds, reference):
-            times = []
-            for _ in range(runs or args.repeats):
-                started = time.perf_counter()
-                tokens = run(prompt)
-                times.append(time.perf_counter() - started)
-            ratios.append(base / statistics.median(times))
-            same += tokens == expected
-        results[name] = {"speedups": ratios, "outputs_equal_to_specrt": same}
-        print(row(name, ratios, f"; {same}/{len(ids)} outputs as specrt's"), flush=True)
-        del run
-    return results
+        for name, lookup in (("target alone", False), ("prompt lookup", True)):
+            peers[f"llama.cpp {name} (Q4_1)"] = (timed(LlamaCpp(args.gguf, threads, lookup)), 0)
+    if "transformers" in args.peers:  # slow: one run a prompt
+        alone = Transformers(args.gguf, None, threads)
+        peers["transformers target alone"] = (timed(alone), 1)
+        assisted = Transformers(args.gguf, args.draft_checkpoint, threads)
+        peers["transformers assisted (the draft)"] = (timed(assisted), 1)
+    for run, _ in peers.values():
+        run(warm_up)  # one-off costs
+    return peers
 
 
 def row(name: str, ratios: list[float], note: str = "") -> str:
@@ -302,12 +311,15 @@ def main() -> None:
             config = GenerationConfig(**extra, **settings)
             runs[f"{name}, {precision} target"] = (eagle, config, own, True)
     generator.generate(ids[:1], alone)  # one-off costs (first calls) out of every timing
+    live = start_peers(args, ids[0][:16]) if args.peers else {}
     table: dict[str, list[float]] = {name: [] for name in runs if name != "alone"}
+    peers = {name: {"speedups": [], "outputs_equal_to_specrt": 0} for name in live}
     alone_rates, alone_seconds, references = [], [], []
     for number, prompt in enumerate(ids, 1):
-        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        seconds: dict[str, list[float]] = {name: [] for name in [*runs, *live]}
         reference: dict[str, list[int]] = {}
-        for _ in range(args.repeats):
+        outputs: dict[str, list[int]] = {}
+        for repeat in range(args.repeats):
             for name, (model, config, target, corpus) in runs.items():
                 runner = fresh(model, corpus)
                 started = time.perf_counter()
@@ -315,12 +327,19 @@ def main() -> None:
                 seconds[name].append(time.perf_counter() - started)
                 if reference.setdefault(target, result.token_ids) != result.token_ids:
                     raise SystemExit(f"{name} changed the output of prompt {number}")
+            for name, (run, runs_per_prompt) in live.items():  # in turn with specrt's runs
+                if repeat < (runs_per_prompt or args.repeats):
+                    outputs[name], took = run(prompt)
+                    seconds[name].append(took)
         base = statistics.median(seconds["alone"])
         alone_rates.append(NEW_TOKENS / base)
         alone_seconds.append(base)
         references.append(reference["float32"])
         for name in table:
             table[name].append(base / statistics.median(seconds[name]))
+        for name, entry in peers.items():
+            entry["speedups"].append(base / statistics.median(seconds[name]))
+            entry["outputs_equal_to_specrt"] += outputs[name] == reference["float32"]
         print(f"prompt {number}/{len(ids)} done", flush=True)
     head = f"{len(ids)} held-out chat prompts, {NEW_TOKENS} new tokens, greedy"
     lines = [
@@ -328,13 +347,10 @@ def main() -> None:
         f"{'specrt target alone':38s} {', '.join(f'{r:.1f}' for r in alone_rates)} tokens/s",
         *(row(name, ratios) for name, ratios in table.items()),
     ]
-    print("\n".join(lines), flush=True)  # before the peers: theirs come after
-    peers = run_peers(args, ids, alone_seconds, references) if args.peers else {}
-    if peers:
-        print("\n".join(lines))
     for name, entry in peers.items():
         same = f"; {entry['outputs_equal_to_specrt']}/{len(ids)} outputs as specrt's"
-        print(row(name, entry["speedups"], same))
+        lines.append(row(name, entry["speedups"], same))
+    print("\n".join(lines), flush=True)
     if args.out:
         record = {
             "prompts": prompts,
