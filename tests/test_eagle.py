@@ -269,7 +269,7 @@ def test_specrt_build_rebuilds_a_head_s_bundle_from_its_target_and_head(sources,
     result = CliRunner().invoke(main, ["build", "--bundle", str(out), "--draft-vocab", "24"])
     assert result.exit_code != 0 and "whose vocabulary is its own" in result.output
     assert "Traceback" not in result.output
-    result = CliRunner().invoke(main, ["build", "--bundle", str(out)])
+    result = CliRunner().invoke(main, ["build", "--bundle", str(out), "--draft-precision", "int8"])
     assert result.exit_code == 0, result.output
     assert "draft: engines onnxruntime (int8)" in result.output
     manifest = read_manifest(out)

@@ -203,6 +203,13 @@ def test_specrt_build_quantizes_the_target_of_an_existing_bundle(tmp_path, porta
         assert engine.block_size == (None if precision == "float32" else int(block))
         if precision != "float32":
             assert engine.export_check["step_vs_one_at_a_time_max_abs_diff"] == 0.0
+        if precision == "int4":  # a rebuild that names no precision keeps what it has
+            result = CliRunner().invoke(main, ["build", "--bundle", str(bundle)])
+            assert result.exit_code == 0, result.output
+            models = read_manifest(bundle).models
+            kept = models["target"].engines["onnxruntime"]
+            assert (kept.precision, kept.block_size) == ("int4", 128)
+            assert models["draft"].engines["onnxruntime"].precision == "int8"
     result = CliRunner().invoke(main, [*args, "--target-block-size", "48"])
     assert result.exit_code != 0 and "'48' is not one of '32', '64', '128'" in result.output
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)

@@ -12,6 +12,7 @@ from specrt.cli.options import (
     CUDA_ATTENTION_OPTION,
     CUDA_REDUCTIONS_OPTION,
     DEVICE_OPTION,
+    KEPT,
     draft_precision_option,
     target_block_size_option,
     target_precision_option,
@@ -121,12 +122,26 @@ def _require_export_extra(command: str, portable: bool = True) -> None:
         )
 
 
+def _kept_settings(bundle: Path) -> dict:
+    """The precisions and block size the bundle's CPU engines have now (the defaults where it
+    has none): a rebuild for another reason must not turn an int4 target into float32."""
+    from specrt.bundle import ONNXRUNTIME_ENGINE, read_manifest
+
+    models = read_manifest(bundle).models
+    draft, target = (models[role].engines.get(ONNXRUNTIME_ENGINE) for role in ("draft", "target"))
+    return {
+        "draft_precision": draft.precision if draft else DEFAULT_DRAFT_PRECISION,
+        "target_precision": target.precision if target else "float32",
+        "target_block_size": (target and target.block_size) or DEFAULT_TARGET_BLOCK_SIZE,
+    }
+
+
 # ------------------------------------------------------------------------------------------------
 @click.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
-@draft_precision_option(DEFAULT_DRAFT_PRECISION)
-@target_precision_option("float32")
-@target_block_size_option(DEFAULT_TARGET_BLOCK_SIZE)
+@draft_precision_option(None, KEPT)
+@target_precision_option(None, KEPT)
+@target_block_size_option(None, KEPT)
 @DEVICE_OPTION
 @CUDA_ATTENTION_OPTION
 @CUDA_REDUCTIONS_OPTION
@@ -160,7 +175,10 @@ def build(
     tensorrt,
     draft_vocab,
 ) -> None:
-    """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from."""
+    """(Re)build a bundle's onnxruntime engines from the checkpoints it was exported from.
+
+    Each engine keeps the precision (and a quantised target its block size) it has unless an
+    option says otherwise."""
     if tensorrt:
         if devices or cuda_attention or cuda_reductions or draft_vocab is not None:
             raise click.UsageError(
@@ -180,12 +198,13 @@ def build(
     from specrt.export.build import build_engines
     from specrt.export.options import ExportOptions
 
+    kept = _kept_settings(bundle)
     try:  # every one of them from the command line: a bad one is a usage error
         options = ExportOptions(
             atol=atol,
-            draft_precision=draft_precision,
-            target_precision=target_precision,
-            target_block_size=target_block_size,
+            draft_precision=draft_precision or kept["draft_precision"],
+            target_precision=target_precision or kept["target_precision"],
+            target_block_size=target_block_size or kept["target_block_size"],
             devices=devices or ("cpu",),
             cuda_attention=cuda_attention or "batched",
             cuda_reductions=cuda_reductions or "chunked",

@@ -56,34 +56,36 @@ CUDA_REDUCTIONS_OPTION = click.option(
 )
 
 
-def draft_precision_option(default: str | None):
+KEPT = "the bundle's engine's now"  # `specrt build`'s default: what each engine has
+
+
+def draft_precision_option(default: str | None, shown: str = DEFAULT_DRAFT_PRECISION):
     return click.option(
         "--draft-precision",
         type=click.Choice(PRECISIONS),
         default=default,
-        help=f"Weights of the draft's onnxruntime engine [{DEFAULT_DRAFT_PRECISION}]: cheaper "
-        "drafting, same output.",
+        help=f"Weights of the draft's onnxruntime engine [{shown}]: cheaper drafting, same output.",
     )
 
 
-def target_precision_option(default: str | None):
+def target_precision_option(default: str | None, shown: str = "float32"):
     return click.option(
         "--target-precision",
         type=click.Choice(PRECISIONS),
         default=default,
-        help="Weights of the target's onnxruntime engine [float32]: int8/int4 make a faster "
+        help=f"Weights of the target's onnxruntime engine [{shown}]: int8/int4 make a faster "
         "target; the output then equals that engine's own output alone, not the float32 model's.",
     )
 
 
-def target_block_size_option(default: int | None):
+def target_block_size_option(default: int | None, shown: str = str(DEFAULT_TARGET_BLOCK_SIZE)):
     return click.option(
         "--target-block-size",
         type=click.Choice([str(size) for size in TARGET_BLOCK_SIZES]),
         callback=lambda context, parameter, value: None if value is None else int(value),
         default=None if default is None else str(default),
-        help=f"An int8/int4 target's weights per scale [{DEFAULT_TARGET_BLOCK_SIZE}]: larger "
-        "blocks make each verified position cheaper, and the model further from float32.",
+        help=f"An int8/int4 target's weights per scale [{shown}]: larger blocks make each "
+        "verified position cheaper, and the model further from float32.",
     )
 
 
