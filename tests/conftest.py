@@ -72,6 +72,20 @@ def checksum_memory(tmp_path_factory):
     os.environ["SPECRT_CACHE_DIR"] = str(tmp_path_factory.mktemp("specrt-cache"))
 
 
+def drafts_keep_the_targets_output(generator, prompt: list[int]) -> None:
+    """The model drafting K = 3 every round gives the target alone's output, greedy and
+    seeded, and some of its drafts are kept (what a draft with a reduced vocabulary must
+    still do)."""
+    from specrt.runtime import GenerationConfig
+
+    settings = dict(max_new_tokens=32, ignore_eos=True, proposer="model", draft_schedule="fixed")
+    for config in (settings, dict(settings, temperature=1.0, seed=3)):
+        alone = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **config))[0]
+        drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **config))[0]
+        assert drafted.token_ids == alone.token_ids
+        assert drafted.stats.accepted_tokens > 0
+
+
 def in_threads(work, items, timeout: float = 120) -> dict:
     """Run ``work(item)`` for every item at once, one thread each; their results by item. A
     thread's exception is raised here."""

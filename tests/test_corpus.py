@@ -24,6 +24,7 @@ from specrt.runtime.schedules.constants import (
     GUARD_PROBE_MATCH,
 )
 from specrt.runtime.schedules.guard import CORPUS, PLAIN, UNCAPPED, SpeculationGuard
+from tests.conftest import drafts_keep_the_targets_output
 
 
 def by_hand(documents: list[list[int]]) -> dict[tuple[int, ...], Counter]:
@@ -273,13 +274,7 @@ def test_a_draft_proposes_the_tokens_its_bundle_s_corpus_uses_most(corpus_bundle
     proposed = np.flatnonzero(logits > -1e29)  # the others: never proposed
     others = np.setdiff1d(np.arange(manifest.vocab_size), proposed)
     assert len(proposed) == 24 and counts[proposed].min() >= counts[others].max() > 0
-    settings = dict(max_new_tokens=32, ignore_eos=True, proposer="model", draft_schedule="fixed")
-    sampled = dict(settings, temperature=1.0, seed=3)
-    for config in (settings, sampled):  # greedy, and seeded sampling: the target alone's
-        alone = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **config))[0]
-        drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **config))[0]
-        assert drafted.token_ids == alone.token_ids
-        assert drafted.stats.accepted_tokens > 0
+    drafts_keep_the_targets_output(generator, prompt)
     # 0: the whole vocabulary again
     result = CliRunner().invoke(main, ["build", "--bundle", str(bundle), "--draft-vocab", "0"])
     assert result.exit_code == 0 and "draft: proposes" not in result.output, result.output

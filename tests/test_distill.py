@@ -24,6 +24,7 @@ from specrt.cli import main
 from specrt.distill import state_dir
 from specrt.export.tiny import CORPUS, make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.conftest import drafts_keep_the_targets_output
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 300
@@ -145,12 +146,7 @@ def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp
     generator = SpeculativeGenerator.from_bundle(small, threads=1)
     logits = generator.draft.forward(prompt, keep_last=1).logits[-1]
     assert set(np.flatnonzero(logits > -1e29)) == set(proposed)  # the others: never proposed
-    sampled = dict(settings, temperature=1.0, seed=3)
-    for config in (settings, sampled):  # greedy, and seeded sampling: the target alone's
-        alone = generator.generate([prompt], GenerationConfig(num_draft_tokens=0, **config))[0]
-        drafted = generator.generate([prompt], GenerationConfig(num_draft_tokens=3, **config))[0]
-        assert drafted.token_ids == alone.token_ids
-        assert drafted.stats.accepted_tokens > 0
+    drafts_keep_the_targets_output(generator, prompt)
 
 
 @pytest.mark.parametrize(
