@@ -136,6 +136,31 @@ def _kept_settings(bundle: Path) -> dict:
     }
 
 
+def _corpus_draft_vocab(bundle: Path, size: int):
+    """The ``size`` tokens the bundle's corpus (`specrt corpus`: text its target wrote) uses
+    most, sorted; all of them where ``size`` is 0 or more."""
+    import numpy as np
+
+    from specrt.bundle import read_manifest
+    from specrt.export.build import EAGLE_VOCAB
+    from specrt.runtime.corpus import CORPUS_FILE, CorpusTable
+
+    manifest = read_manifest(bundle)
+    if manifest.models["draft"].eagle_head:
+        raise ExportError(EAGLE_VOCAB)
+    vocab = manifest.vocab_size
+    if size == 0 or size >= vocab:
+        return np.arange(vocab)
+    if not (bundle / CORPUS_FILE).is_file():
+        raise ExportError(
+            f"--draft-vocab {size} takes the tokens the bundle's corpus uses most, and {bundle} "
+            f"has no corpus: build it first from text its target wrote (specrt corpus --bundle "
+            f"{bundle} --text-file FILE), or leave --draft-vocab out"
+        )
+    table = CorpusTable.load(bundle / CORPUS_FILE, manifest.tokenizer.sha256)
+    return table.most_used(vocab, size)
+
+
 # ------------------------------------------------------------------------------------------------
 @click.command()
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
@@ -211,8 +236,9 @@ def build(
         )
     except ExportError as exc:
         raise click.UsageError(str(exc)) from exc
+    proposed = None if draft_vocab is None else _corpus_draft_vocab(bundle, draft_vocab)
     log = lambda message: click.echo(message, err=True)  # noqa: E731
-    manifest = build_engines(bundle, options, log, draft_vocab)
+    manifest = build_engines(bundle, options, log, proposed)
     for role, spec in manifest.models.items():
         names = ", ".join(f"{n} ({e.precision})" for n, e in spec.engines.items()) or "none"
         click.echo(f"{role}: engines {names}")

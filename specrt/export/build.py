@@ -13,6 +13,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from specrt.bundle import (
     CUDA_ENGINE,
     ONNXRUNTIME_ENGINE,
@@ -31,19 +33,24 @@ from specrt.export.options import ExportOptions
 from specrt.export.pipeline import Log, add_ort_engine
 from specrt.staging import publish, staging
 
+EAGLE_VOCAB = (
+    "--draft-vocab chooses a draft model's tokens, and this bundle drafts with an EAGLE-3 "
+    "head, whose vocabulary is its own (its d2t table): leave it out"
+)
+
 
 def build_engines(
     bundle_dir: str | Path,
     options: ExportOptions | None = None,
     log: Log = lambda message: None,
-    draft_vocab: int | None = None,
+    draft_vocab: np.ndarray | None = None,
 ) -> Manifest:
     """``options``: the engines' (``draft_precision``) and the check's (``atol``).
-    ``draft_vocab``: the draft's engine proposes the tokens the bundle's corpus uses most, that
-    many (0: all of them); None: those its checkpoint's folder names, if any."""
+    ``draft_vocab``: the sorted token ids the draft's engine proposes (`specrt build
+    --draft-vocab`: the bundle's corpus's most used); None: those its checkpoint's folder
+    names (`specrt.export.draft_vocab`), if any."""
     from transformers import AutoConfig
 
-    from specrt.export.draft_vocab import corpus_draft_vocab
     from specrt.export.numeric_check import max_logit_difference
 
     options = options or ExportOptions()
@@ -53,15 +60,8 @@ def build_engines(
     sources = {role: Path(manifest.models[role].source) for role in ROLES}
     ggufs = {role: source for role, source in sources.items() if source.is_file()}
     _check_sources(manifest, sources, ggufs)
-    proposed = None
-    if draft_vocab is not None:
-        if manifest.models["draft"].eagle_head:
-            raise ExportError(
-                "--draft-vocab chooses a draft model's tokens, and this bundle drafts with an "
-                "EAGLE-3 head, whose vocabulary is its own (its d2t table): leave it out"
-            )
-        vocab, tokenizer = manifest.vocab_size, manifest.tokenizer.sha256
-        proposed = corpus_draft_vocab(root, vocab, tokenizer, draft_vocab)
+    if draft_vocab is not None and manifest.models["draft"].eagle_head:
+        raise ExportError(EAGLE_VOCAB)
     if manifest.models["draft"].eagle_head:  # its portable graphs kept where it has them
         portable = manifest.models["target"].cache == "concat"
         return _rebuild_with_head(root, sources, replace(options, portable=portable), log)
@@ -85,7 +85,7 @@ def build_engines(
             log(f"building the {role} onnxruntime engine from {sources[role]}")
             add_ort_engine(
                 model, spec, config, scratch, role, manifest.vocab_size, options, log,
-                proposed=proposed,
+                proposed=draft_vocab,
             )  # fmt: skip
             for engine in spec.engines.values():  # no portable graph: the model's is an engine
                 if engine.path == spec.path:

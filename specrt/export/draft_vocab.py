@@ -1,10 +1,10 @@
 """A draft's reduced vocabulary: the tokens its output layer proposes.
 
-A small draft's output layer is a large part of its step (SmolLM2's 4-layer draft: 49152 rows
-of 576, about 40% of the step's kernel time on a CPU), yet a chat model's answers draw almost
-all their tokens from a few thousand. A draft folder may name the tokens its engine proposes in
+A small draft's output layer is a large part of its step (SmolLM2's 4-layer draft: 49152 rows of
+576, about 40% of the step's kernel time on a CPU), yet a chat model's answers draw almost all
+their tokens from a few thousand. A draft folder may name the tokens its engine proposes in
 `DRAFT_VOCAB_FILE` (`specrt distill` writes the answers' most used ones), or `specrt build
---draft-vocab N` takes the N its bundle's corpus uses most (`corpus_draft_vocab`: for a draft
+--draft-vocab N` takes the N its bundle's corpus uses most (`CorpusTable.most_used`: for a draft
 of the user's own): its graph's output layer then has those rows only, and writes their logits
 at the target's ids, `UNPROPOSED` elsewhere, as an EAGLE-3 head's does. Verification reads the
 draft's distribution as it comes, so the output stays the target's: only how often a draft is
@@ -57,21 +57,3 @@ def columns_of(ids: np.ndarray, vocab: int) -> np.ndarray:
     columns = np.full(vocab, len(ids), dtype=np.int64)
     columns[ids] = np.arange(len(ids))
     return columns
-
-
-def corpus_draft_vocab(bundle: Path, vocab: int, tokenizer_sha256: str, size: int) -> np.ndarray:
-    """The ``size`` tokens the bundle's corpus (`specrt corpus`: text its target wrote) uses
-    most, sorted (ties: the smaller id); all ``vocab`` where ``size`` is 0 or more."""
-    from specrt.runtime.corpus import CORPUS_FILE, CorpusTable
-
-    if size == 0 or size >= vocab:
-        return np.arange(vocab)
-    path = Path(bundle) / CORPUS_FILE
-    if not path.is_file():
-        raise ExportError(
-            f"--draft-vocab {size} takes the tokens the bundle's corpus uses most, and {bundle} "
-            f"has no corpus: build it first from text its target wrote (specrt corpus --bundle "
-            f"{bundle} --text-file FILE), or leave --draft-vocab out"
-        )
-    counts = CorpusTable.load(path, tokenizer_sha256).token_counts(vocab)
-    return np.sort(np.argsort(-counts, kind="stable")[:size])

@@ -160,12 +160,16 @@ class CorpusTable:
     def token_counts(self, vocab: int) -> np.ndarray:
         """``[vocab]``: how often each token occurs with a token after it: the totals of the
         contexts of one token, found by their hashes (what a draft's reduced vocabulary is
-        chosen by: `specrt.export.draft_vocab.corpus_draft_vocab`)."""
+        chosen by: `most_used`)."""
         if not len(self.keys):
             return np.zeros(vocab, dtype=np.int64)
         keys = _hashes(np.arange(vocab, dtype=np.int64), 1)
         at = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
         return np.where(self.keys[at] == keys, self.totals[at], 0).astype(np.int64)
+
+    def most_used(self, vocab: int, size: int) -> np.ndarray:
+        """The ``size`` tokens the corpus uses most, sorted (among equals, the smaller ids)."""
+        return np.sort(np.argsort(-self.token_counts(vocab), kind="stable")[:size])
 
     def _find(self, key: int) -> int | None:
         i = int(np.searchsorted(self.keys, np.uint64(key)))
