@@ -56,7 +56,7 @@ CUDA_REDUCTIONS_OPTION = click.option(
 )
 
 
-KEPT = "the bundle's engine's now"  # `specrt build`'s default: what each engine has
+KEPT = "as the bundle has it"  # `specrt build`'s default: what each engine has now
 
 
 def draft_precision_option(default: str | None, shown: str = DEFAULT_DRAFT_PRECISION):
