@@ -162,17 +162,26 @@ class Genai:
             Genai.process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
             )
-            if not Genai.process.stdout.readline().strip():
-                raise SystemExit("onnxruntime-genai did not start: see its message above")
+            self._answer("ready")
+
+    @staticmethod
+    def _answer(key: str) -> dict:
+        """Its next line holding ``key``, passing on any other it prints (its own logging)."""
+        for line in Genai.process.stdout:
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict) and key in answer:
+                return answer
+            print(line, end="", flush=True)
+        raise SystemExit("onnxruntime-genai stopped: see its message above")
 
     def __call__(self, ids: list[int]) -> tuple[list[int], float]:
         request = {"model": self.precision, "ids": ids}
         Genai.process.stdin.write(json.dumps(request) + "\n")
         Genai.process.stdin.flush()
-        line = Genai.process.stdout.readline()
-        if not line:
-            raise SystemExit("onnxruntime-genai stopped: see its message above")
-        answer = json.loads(line)
+        answer = self._answer("seconds")
         return answer["output"], answer["seconds"]  # its own clock: IPC left out
 
 
