@@ -33,3 +33,17 @@ def test_diverse_sets_ask_each_prompt_once():
         for p in read_prompt_file(SMOLLM2 / name)
     ]
     assert len(set(prompts)) == len(prompts)
+
+
+def test_demo_head_never_trains_on_the_texts_it_is_measured_on():
+    """The demo head is measured on click's source and on the pair's held-out standard library
+    files (`bench/proposers.py`): none may be among its training prompts' sources."""
+    import json
+
+    demo = SMOLLM2.parent / "demo"
+    lines = (demo / "head_train_prompts.jsonl").read_text().splitlines()
+    files = {json.loads(line)["file"] for line in lines}
+    heldout = {json.loads(line)["file"] for line in (demo / "heldout_prompts.jsonl").open()}
+    assert len(lines) == 6000 and heldout
+    assert not files & heldout
+    assert not any(file.split("/")[0] == "click" for file in files)
