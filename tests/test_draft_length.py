@@ -94,6 +94,26 @@ def test_expensive_draft_drafts_shorter():
     assert sum(cheap[-100:]) > 1.5 * sum(dear[-100:]) > 0
 
 
+def test_a_first_round_s_slow_step_does_not_hold_the_step_cost_up():
+    """A round's first draft step runs on cold caches (an EAGLE head also reads the round's
+    tokens there): a round of one step does not price the step, and the first step timed
+    between two tokens does, in place of the first rounds' average (a moving average from
+    it kept most of a 5x first step for tens of rounds)."""
+    controller, clock = controller_with_clock(4)
+    assert controller.start_round(4) == 4
+    clock.now += 5.0  # the first step: 5x a step
+    assert not controller.keep_drafting(1, 0.9)  # the measuring rounds vary K: 1 here
+    controller.update(1, 1, 5.0, 5.0)
+    assert controller.draft_step_s is None and controller.threshold is None
+    assert controller.start_round(4) == 4
+    clock.now += 5.0
+    assert controller.keep_drafting(1, 0.9)
+    clock.now += 1.0  # a step between two tokens
+    assert not controller.keep_drafting(2, 0.9)
+    controller.update(2, 2, 6.0, 5.2)
+    assert controller.draft_step_s == pytest.approx(1.0)
+
+
 def test_stops_at_unconfident_tokens():
     """When low-confidence tokens are always rejected and confident ones accepted, the controller
     learns to stop right after an unconfident token and to go on after confident ones."""

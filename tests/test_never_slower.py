@@ -276,3 +276,25 @@ def test_a_poor_draft_is_noticed_and_the_output_stays_the_targets(poor_bundles, 
     assert guard is not None and guard.kinds[MODEL].state != "on"
     generator.forget_learning()  # (what `--compare` does after its warm-up)
     assert generator.one_row(default).guard.kinds[MODEL].state == "probe"
+
+
+def test_a_probe_is_judged_on_its_rounds_once_caught_up_and_pays_for_catching_up():
+    """An EAGLE head reads the whole prompt before its first draft (5 plain rounds' worth on
+    the demo target) and then beats plain rounds by a third: it is turned on, where timing the
+    catch-up into the probe's six rounds judged it a loss for the rest of the row. A head that
+    loses anyway waits for the catch-up too: what its next probe will pay again."""
+
+    def probe(ratio: float, catch_up: float) -> SpeculationGuard:
+        guard = SpeculationGuard()
+        guard.plain.extend([PLAIN_S] * 4)
+        for round_ in range(GUARD_FIRST_ROUNDS):
+            assert guard.caps()[0] == UNCAPPED
+            extra = catch_up * PLAIN_S if round_ == 0 else 0.0
+            guard.observe(MODEL, 2, 2 * PLAIN_S / ratio + extra, extra)
+        guard.caps()
+        return guard
+
+    assert probe(1.33, catch_up=5).kinds[MODEL].state == "on"
+    without, costly = probe(0.9, catch_up=0).kinds[MODEL], probe(0.9, catch_up=5).kinds[MODEL]
+    assert without.state == costly.state == "off"
+    assert costly.wait >= min(GUARD_MAX_WAIT, 5 / GUARD_PROBE_BUDGET) > without.wait

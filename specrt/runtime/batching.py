@@ -229,12 +229,14 @@ class BatchRunner:
         parts = [row.round for row in rows]
         # 2. Catch up: a draft behind after rounds without drafting reads what it missed (a
         #    cost of those rounds, not of this K)
+        caught_up_s = 0.0
         if plan.k:
             started = time.perf_counter()
             self._window(rows, start)
             fed = catch_up(self.draft, parts, start)
+            caught_up_s = time.perf_counter() - started if fed else 0.0
             if plan.schedule is not None:
-                plan.schedule.charge(time.perf_counter() - started, fed)
+                plan.schedule.charge(caught_up_s, fed)
         # 3. Draft, verify, accept: K draft calls, then ONE target call for every row
         lengths = [len(row.tokens) for row in rows]
         resizes = self.target.resizes + self.draft.resizes
@@ -265,7 +267,8 @@ class BatchRunner:
         # 5. Learn: the schedules, match acceptance, the hybrid's rates
         if lone:
             round_seconds = time.perf_counter() - round_started
-            self._learn_alone(rows[0], plan, results[0], round_seconds if typical else None)
+            seconds = round_seconds if typical else None
+            self._learn_alone(rows[0], plan, results[0], seconds, caught_up_s=caught_up_s)
         else:
             self.planner.learn(rows, plan, results, seconds if typical else None)
         return finished
@@ -309,9 +312,10 @@ class BatchRunner:
         result: RoundResult,
         seconds: float | None = None,
         first: bool = False,
+        caught_up_s: float = 0.0,
     ) -> None:
         if result.error is None:
-            self.lone.learn(row, plan, result, row.alone, seconds, first)
+            self.lone.learn(row, plan, result, row.alone, seconds, first, caught_up_s)
 
     def _room(self, row: Row) -> int:
         """Proposed tokens a lone row's round may verify: it emits at most that many + 1, and

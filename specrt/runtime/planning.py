@@ -304,17 +304,19 @@ class LonePlanner:
         learners: LoneLearners,
         seconds: float | None = None,
         first: bool = False,
+        caught_up_s: float = 0.0,
     ) -> None:
         """The schedule learns from the model's rounds, the hybrid from every round (not the
         time of the first: it fed the prompt's end too), the guard from every round's
-        ``seconds`` as a whole (None: not timed)."""
+        ``seconds`` as a whole (None: not timed), ``caught_up_s`` of them the draft catching
+        up before the round."""
         hybrid, schedule, guard = learners
         verify_time = None if first else result.verify_time_s
         if guard is not None and seconds is not None and not first:
             kind = PLAIN if not result.drafted else MODEL
             if plan.matched:
                 kind = CORPUS if plan.matched[0].source == "corpus" else MATCH
-            guard.observe(kind, result.accepted + 1, seconds)
+            guard.observe(kind, result.accepted + 1, seconds, caught_up_s)
         if result.source == "model" and verify_time is not None:
             schedule.update(result.drafted, result.accepted, result.draft_time_s, verify_time)
         if hybrid is not None:

@@ -72,6 +72,7 @@ class AdaptiveSchedule:
         self._weight = 1.0
         self.first_acceptance = PRIOR_ACCEPTANCE  # of a round's first draft token
         self.draft_step_s: float | None = None  # per drafted token, moving average
+        self._steps_timed = 0  # steps timed between two drafted tokens
         self.verify_s: float | None = None  # per verification pass, moving average
         self.verify_time = LineFit(smoothing)  # seconds vs tokens fed to the target
         self.rounds_without_draft = 0
@@ -125,7 +126,12 @@ class AdaptiveSchedule:
             step = now - self._last_step_at
             if self.draft_step_s is not None:  # one slow step must not stop drafting
                 step = min(step, ADAPTIVE_MAX_STEP * self.draft_step_s)
-            self.draft_step_s = moving_average(self.draft_step_s, step, self.smoothing)
+            # The mean of the first steps, then a moving average: the first round's estimate
+            # (its first step on cold caches, a head reading the round's tokens) is several
+            # steps' worth, and would hold K down for tens of rounds.
+            self._steps_timed += 1
+            weight = max(self.smoothing, 1.0 / self._steps_timed)
+            self.draft_step_s = moving_average(self.draft_step_s, step, weight)
         self._last_step_at = now
         index = min(int(confidence * ADAPTIVE_BINS), ADAPTIVE_BINS - 1)
         self._bins.append(index)
@@ -169,8 +175,11 @@ class AdaptiveSchedule:
                     self.accepted[index] += weight
             first = float(accepted >= 1)
             self.first_acceptance += self.smoothing * (first - self.first_acceptance)
-            if self.draft_step_s is None:  # until steps were timed (the first step of a round
-                self.draft_step_s = draft_time_s / drafted  # also pays for cold caches)
+            # Until steps are timed between two tokens: a round's first step also pays for
+            # cold caches (and a head for reading the round's tokens), so a round of one step
+            # says too little; while it stays unknown, rounds vary K (`_keep_drafting`).
+            if self.draft_step_s is None and (drafted > 1 or self.k_max == 1):
+                self.draft_step_s = draft_time_s / drafted
             self.rounds_without_draft = 0
         else:
             # No evidence: drift slowly back to the prior so drafting gets retried now and then.

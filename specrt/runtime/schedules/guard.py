@@ -11,9 +11,12 @@ step on cold caches, the loop's own work, is a few percent of a pass a round: on
 model a weak draft or rarely kept matches then decode slower than the target alone while every
 part looks worth it (CHANGELOG.md, 2026-12-04). So a round is judged by what it took as a whole,
 against plain rounds measured the same way (a plain round costs nothing against the target
-alone: it is what it does). A kind judged a loss is probed again after `GUARD_FIRST_WAIT`
-rounds, then twice as long each time it still loses (and never sooner than what the probe lost
-is paid for by the rounds without it), early in each new row (its text may
+alone: it is what it does). A probe's verdict leaves out the draft catching up before its
+rounds (the prompt; the rounds it was off): paid once, it is not what the kind's rounds cost
+from then on, and an EAGLE head's reading of the prompt made a head that pays look a loss for
+its whole row; it counts in what the probe lost. A kind judged a loss is probed again after
+`GUARD_FIRST_WAIT` rounds, then twice as long each time it still loses (and never sooner than
+what the probe lost is paid for by the rounds without it), early in each new row (its text may
 repeat where the last did not) and, for matches, where the row starts to repeat its own output
 (`LonePlanner`); a probe whose first rounds keep nothing ends there, the draft model's only
 where they lost a plain round's worth (`GUARD_EMPTY_LOSS`). The output is the
@@ -78,13 +81,21 @@ class KindRate:
         rounds = self.min_rounds if rounds is None else rounds
         self.state = "probe"
         self.tokens = self.seconds = 0.0
+        # The draft reading what it had not seen before the probe's rounds (the prompt, rounds
+        # without it): paid once, so not what its rounds cost from then on, but what it lost.
+        self.catch_up_s = 0.0
         self.rounds = 0  # in the sums
         self.kept = 0  # proposed tokens kept in them
         self.probe_rounds = rounds
         self.off_for = 0
         self.probed_this_row = True
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, catch_up_s: float = 0.0) -> None:
+        """A round of ``tokens`` in ``seconds``, ``catch_up_s`` of them the draft catching up
+        (left out of a probe's rate, counted in what it lost)."""
+        if self.state == "probe":
+            self.catch_up_s += catch_up_s
+            seconds -= catch_up_s
         self.tokens = GUARD_DECAY * self.tokens + tokens
         self.seconds = GUARD_DECAY * self.seconds + seconds
         self.rounds += 1
@@ -113,7 +124,7 @@ class KindRate:
         if self.rate >= baseline * (1 + margin):
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
-        lost_rounds = self.seconds * baseline - self.tokens  # plain rounds' worth
+        lost_rounds = (self.seconds + self.catch_up_s) * baseline - self.tokens  # plain rounds
         # A probe that kept nothing yet (judged before its end): a start that lost under
         # ``empty_loss`` says little (a draft keeping half its first tokens starts so half
         # the time). It goes on.
@@ -195,9 +206,10 @@ class SpeculationGuard:
         kind.start_probe()
         return True
 
-    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+    def observe(self, kind: str, tokens: int, seconds: float, catch_up_s: float = 0.0) -> None:
         """A round of ``kind`` (`MODEL`, `MATCH`, `CORPUS` or `PLAIN`) emitted ``tokens`` in
-        ``seconds``, everything it did included."""
+        ``seconds``, everything it did included; ``catch_up_s`` of them the draft reading
+        what it had not seen (`KindRate.add`)."""
         self._row_rounds += 1
         self._since_plain = 0 if kind == PLAIN else self._since_plain + 1
         if kind == PLAIN:
@@ -205,7 +217,7 @@ class SpeculationGuard:
         baseline = self.plain_rate
         for name, other in self.kinds.items():
             if name == kind:
-                other.add(tokens, seconds)
+                other.add(tokens, seconds, catch_up_s)
                 if other.state == "on" and other.rounds >= other.min_rounds and baseline:
                     other.judge(baseline)
             elif other.state == "off":
