@@ -282,11 +282,14 @@ def test_a_probe_is_judged_on_its_rounds_once_caught_up_and_pays_for_catching_up
     """An EAGLE head reads the whole prompt before its first draft (5 plain rounds' worth on
     the demo target) and then beats plain rounds by a third: it is turned on, where timing the
     catch-up into the probe's six rounds judged it a loss for the rest of the row. A head that
-    loses anyway waits for the catch-up too: what its next probe will pay again."""
+    loses anyway after reading what it missed while off waits for that too: its next probe
+    reads again what it misses. The row's prompt is read once a row: it sets no wait."""
 
-    def probe(ratio: float, catch_up: float) -> SpeculationGuard:
+    def probe(ratio: float, catch_up: float, read_row: bool = True) -> SpeculationGuard:
         guard = SpeculationGuard()
+        guard.new_row()
         guard.plain.extend([PLAIN_S] * 4)
+        guard.kinds[MODEL].read_row = read_row  # True: a probe after rounds it was off
         for round_ in range(GUARD_FIRST_ROUNDS):
             assert guard.caps()[0] == UNCAPPED
             extra = catch_up * PLAIN_S if round_ == 0 else 0.0
@@ -295,6 +298,37 @@ def test_a_probe_is_judged_on_its_rounds_once_caught_up_and_pays_for_catching_up
         return guard
 
     assert probe(1.33, catch_up=5).kinds[MODEL].state == "on"
+    assert probe(1.33, catch_up=5, read_row=False).kinds[MODEL].state == "on"
     without, costly = probe(0.9, catch_up=0).kinds[MODEL], probe(0.9, catch_up=5).kinds[MODEL]
-    assert without.state == costly.state == "off"
+    prompt = probe(0.9, catch_up=5, read_row=False).kinds[MODEL]
+    assert without.state == costly.state == prompt.state == "off"
     assert costly.wait >= min(GUARD_MAX_WAIT, 5 / GUARD_PROBE_BUDGET) > without.wait
+    assert prompt.wait == without.wait
+
+
+def test_a_head_whose_first_draft_is_rejected_after_reading_a_long_prompt_goes_on():
+    """A fresh request: the head reads the prompt (5 plain rounds' worth), drafts one token,
+    and the target rejects it; the round itself cost half a plain round more than a plain one.
+    That says little (a head keeping 0.65 of its tokens starts so a third of the time): the
+    probe goes on. Counting the prompt in its loss held the head off for the whole request."""
+    guard = SpeculationGuard()
+    guard.new_row()
+    guard.plain.extend([PLAIN_S] * 4)
+    assert guard.caps()[0] == UNCAPPED
+    catch_up = 5 * PLAIN_S
+    guard.observe(MODEL, 1, 1.5 * PLAIN_S + catch_up, catch_up)
+    assert guard.caps()[0] == UNCAPPED
+    assert guard.kinds[MODEL].state == "probe"
+    # After rounds off too: what it caught up on is paid whatever comes next (it counts in
+    # the wait once the probe is judged a loss)
+    guard = SpeculationGuard()
+    guard.new_row()
+    guard.plain.extend([PLAIN_S] * 4)
+    guard.kinds[MODEL].read_row = True
+    guard.caps()
+    guard.observe(MODEL, 1, 1.5 * PLAIN_S + catch_up, catch_up)
+    assert guard.caps()[0] == UNCAPPED
+    # A start whose own round lost a plain round's worth ends it, as before
+    guard.observe(MODEL, 1, 2.5 * PLAIN_S)
+    assert guard.caps()[0] == 0
+    assert guard.kinds[MODEL].state == "off"

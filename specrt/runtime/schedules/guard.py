@@ -2,25 +2,28 @@
 "adaptive"): each kind of speculation, the draft model's rounds and verified matches, stays on
 only while its rounds, timed end to end, emit more tokens per second than plain rounds (the
 target alone: one token a pass). A bundle's corpus (`specrt.runtime.corpus`) is a kind of its
-own: its proposals come nearly every round and each is kept a third of the time or so, so it
-is judged on longer probes, by no margin, and a probe round keeping nothing does not end it.
+own: its proposals come nearly every round and each is kept a third of the time or so, so it is
+judged on longer probes, by no margin, and a probe round keeping nothing does not end it.
 
-The schedules and the hybrid price a round from its parts (draft steps, the verification
-line). What those leave out, a draft catching up after rounds of matches, a round's first draft
-step on cold caches, the loop's own work, is a few percent of a pass a round: on a real chat
-model a weak draft or rarely kept matches then decode slower than the target alone while every
-part looks worth it (CHANGELOG.md, 2026-12-04). So a round is judged by what it took as a whole,
+The schedules and the hybrid price a round from its parts (draft steps, the verification line).
+What those leave out, a draft catching up after rounds of matches, a round's first draft step on
+cold caches, the loop's own work, is a few percent of a pass a round: on a real chat model a
+weak draft or rarely kept matches then decode slower than the target alone while every part
+looks worth it (CHANGELOG.md, 2026-12-04). So a round is judged by what it took as a whole,
 against plain rounds measured the same way (a plain round costs nothing against the target
-alone: it is what it does). A probe's verdict leaves out the draft catching up before its
-rounds (the prompt; the rounds it was off): paid once, it is not what the kind's rounds cost
-from then on, and an EAGLE head's reading of the prompt made a head that pays look a loss for
-its whole row; it counts in what the probe lost. A kind judged a loss is probed again after
+alone: it is what it does). A probe's verdict leaves out the draft catching up before its rounds
+(the prompt; the rounds it was off): paid once, it is not what the kind's rounds cost from then
+on, and an EAGLE head's reading of the prompt made a head that pays look a loss for its whole
+row. What it read of the rounds it was off counts in what the probe lost (the next probe reads
+again what the kind misses while off); the row's prompt does not: it is read once a row whatever
+the verdict, and on the demo head it alone set the longest wait, so a head whose first draft was
+rejected stayed off for the rest of a fresh request. A kind judged a loss is probed again after
 `GUARD_FIRST_WAIT` rounds, then twice as long each time it still loses (and never sooner than
 what the probe lost is paid for by the rounds without it), early in each new row (its text may
 repeat where the last did not) and, for matches, where the row starts to repeat its own output
 (`LonePlanner`); a probe whose first rounds keep nothing ends there, the draft model's only
-where they lost a plain round's worth (`GUARD_EMPTY_LOSS`). The output is the
-target's whatever is verified.
+where they lost a plain round's worth (`GUARD_EMPTY_LOSS`). The output is the target's whatever
+is verified.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class KindRate:
         self.empty_rounds = empty_rounds  # rounds keeping nothing that end a probe (None: no)
         self.wait = GUARD_FIRST_WAIT
         self.lost = False  # judged a loss before: a probe that loses again doubles the wait
+        self.read_row = False  # whether its draft has read the current row (its prompt)
         self.start_probe(max(GUARD_FIRST_ROUNDS, probe_rounds))
 
     def start_probe(self, rounds: int | None = None) -> None:
@@ -94,8 +98,10 @@ class KindRate:
         """A round of ``tokens`` in ``seconds``, ``catch_up_s`` of them the draft catching up
         (left out of a probe's rate, counted in what it lost)."""
         if self.state == "probe":
-            self.catch_up_s += catch_up_s
+            if self.read_row:  # not the row's prompt: what the next probe reads again
+                self.catch_up_s += catch_up_s
             seconds -= catch_up_s
+        self.read_row = True
         self.tokens = GUARD_DECAY * self.tokens + tokens
         self.seconds = GUARD_DECAY * self.seconds + seconds
         self.rounds += 1
@@ -124,17 +130,18 @@ class KindRate:
         if self.rate >= baseline * (1 + margin):
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
-        lost_rounds = (self.seconds + self.catch_up_s) * baseline - self.tokens  # plain rounds
-        # A probe that kept nothing yet (judged before its end): a start that lost under
-        # ``empty_loss`` says little (a draft keeping half its first tokens starts so half
-        # the time). It goes on.
+        rounds_lost = self.seconds * baseline - self.tokens  # in plain rounds
+        # A probe that kept nothing yet (judged before its end): a start whose rounds lost
+        # under ``empty_loss`` says little (a draft keeping half its first tokens starts so
+        # half the time). It goes on: what it caught up on is paid whatever comes next.
         if (
             self.state == "judge"
             and self.rounds < self.probe_rounds
-            and lost_rounds < self.empty_loss
+            and rounds_lost < self.empty_loss
         ):
             self.state = "probe"
             return
+        lost_rounds = rounds_lost + self.catch_up_s * baseline
         if self.state == "judge":
             if self.lost:
                 self.wait = 2 * self.wait
@@ -174,6 +181,7 @@ class SpeculationGuard:
         self._row_rounds = 0
         for kind in self.kinds.values():  # one probing as the row starts counts as its probe
             kind.probed_this_row = kind.state in ("probe", "judge")
+            kind.read_row = False
 
     def caps(self) -> tuple[int, int]:
         """The most tokens this round may draft with the model, and verify of a match (0:
