@@ -58,7 +58,7 @@ def test_a_folder_that_is_not_a_bundle_is_never_replaced(sources, tmp_path, forc
     args = ["export", "--target", target, "--draft", draft, "--out", user]
     result = cli(*args, *(["--force"] if force else []))
     assert result.exit_code == 1
-    assert "is not a specrt bundle" in result.output and "Traceback" not in result.output
+    assert "is not a bundle specrt wrote" in result.output and "Traceback" not in result.output
     assert (user / "holiday.jpg").read_bytes() == b"precious"
     assert sorted(p.name for p in user.iterdir()) == ["holiday.jpg"]
 

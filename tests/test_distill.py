@@ -206,6 +206,53 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
     assert not out.exists()
 
 
+def distill_to(target, out: Path, *extra) -> object:
+    """`specrt distill` of an untrained one-layer draft (no prompts, no training) to ``out``."""
+    args = ["distill", "--target", str(target), "--out", str(out), "--layers", "1"]
+    return CliRunner().invoke(main, [*args, "--steps", "0", *extra])
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["a user's folder", "the target", "the working directory"])
+def test_force_never_replaces_what_distill_did_not_write(target, tmp_path, monkeypatch, where):
+    """`--force` replaces a draft this command wrote, never a user's folder, the target's own
+    checkpoint or the working directory (each was swapped for the draft, and lost)."""
+    folder = {"a user's folder": tmp_path / "notes", "the target": target[0]}.get(where)
+    if folder is None:
+        folder = tmp_path / "work"
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+    folder.mkdir(exist_ok=True)
+    (folder / "notes.txt").write_text("mine")
+    before = tree(folder)
+    result = distill_to(target[0], Path(".") if where == "the working directory" else folder,
+                        "--force")  # fmt: skip
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    message = {"a user's folder": "is not a draft or head specrt wrote (no distill_report.json)",
+               "the target": "source checkpoint",
+               "the working directory": "current directory"}[where]  # fmt: skip
+    assert message in result.output, result.output
+    assert tree(folder) == before
+    assert not list(tmp_path.glob(".*distill")) and not list(folder.parent.glob("..distill"))
+
+
+def test_force_replaces_a_draft_it_wrote_and_keeps_what_a_user_put_in_it(target, tmp_path):
+    out = tmp_path / "draft"
+    assert distill_to(target[0], out).exit_code == 0
+    (out / "NOTES.md").write_text("trained on Tuesday")
+    again = distill_to(target[0], out)
+    assert again.exit_code == 1 and "pass --force to replace it" in again.output
+    replaced = distill_to(target[0], out, "--force")
+    assert replaced.exit_code == 0, replaced.output
+    assert (out / "NOTES.md").read_text() == "trained on Tuesday"
+    assert (out / "distill_report.json").is_file() and (out / "own_weights.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".draft.") and
+                not p.name.endswith(".distill")]  # fmt: skip
+
+
 def test_an_eagle3_head_resumes_after_a_kill_learns_and_drafts_losslessly(target, tmp_path):
     """`--kind eagle3`: the same kill-and-resume promise, then the head exported with its
     target (`specrt export --eagle`) drafts what the target alone would say."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from specrt.distill.train import TrainSettings
 from specrt.errors import ExportError
+from specrt.export.destination import check_destination
 from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, target_tag
 
 REPORT = "distill_report.json"
@@ -70,11 +71,11 @@ def distill(
     from specrt.distill import acceptance, data, train
     from specrt.distill import draft as drafts
     from specrt.export.draft_vocab import write_draft_vocab
-    from specrt.staging import publish, staging
+    from specrt.staging import staging
 
     started = time.monotonic()
-    if out.exists() and not force:
-        raise ExportError(f"{out} exists; pass --force to replace it, or another --out")
+    sources = [target_source, *([init_from] if init_from is not None else [])]
+    check_destination(out, [*sources, *([state] if state is not None else [])], force, *MARK)
     torch.manual_seed(settings.train.seed)
 
     # 1. The target, and the draft cut from it (its own weights from --init-from if given).
@@ -170,7 +171,7 @@ def distill(
         if proposed is not None:
             write_draft_vocab(staged, proposed)
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        publish(staged, out)
+        _publish(staged, out, log)
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)  # done: the draft is written
     log(f"the target's answers stay in {state} for another run; remove it when done")
@@ -181,7 +182,7 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
                   progress, state) -> dict:  # fmt: skip
     """Steps 3 and 4 for an EAGLE-3 head (`specrt.distill.eagle`)."""
     from specrt.distill import eagle, features
-    from specrt.staging import publish, staging
+    from specrt.staging import staging
 
     head = eagle.new_head(target, examples, settings.vocab)
     # a file per answer, in a folder of this target and these layers: a grown set reuses them
@@ -206,10 +207,38 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     with staging(out, "partial") as staged:
         eagle.save_head(head, staged, target.config)
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        publish(staged, out)
+        _publish(staged, out, log)
     checkpoint.unlink(missing_ok=True)  # done: the head is written
     log(f"the target's answers and states stay in {state} for another run; remove it when done")
     return report
+
+
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is a draft or head this command wrote (its report marks it)."""
+    return (folder / REPORT).is_file()
+
+
+MARK = (_ours, ("a draft or head", REPORT))  # what --out may replace (`check_destination`)
+
+
+def _publish(staged: Path, out: Path, log: Callable[[str], None]) -> None:
+    """Put the ``staged`` draft at ``out``, carrying into it the files a user put in the one
+    it replaces (notes, a licence): what this command writes is replaced, nothing else."""
+    from specrt.staging import keep_others, publish, through_links
+
+    old = through_links(out)
+    if _ours(old):
+        try:
+            kept = keep_others(old, staged, lambda rel: (staged / rel).exists())
+        except FileExistsError as exc:
+            raise ExportError(
+                f"{old / exc.filename} was not written by specrt distill and the new draft "
+                f"writes a file there: move it out of {out} and run again (its answers and "
+                "training are kept)"
+            ) from exc
+        if kept:
+            log(f"kept {len(kept)} file(s) in {out} that specrt did not write")
+    publish(staged, out)
 
 
 def _report(identity, own: dict, settings, prompts, heldout, losses, before, after, started):

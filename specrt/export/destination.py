@@ -20,11 +20,18 @@ from specrt.export.checkpoints import (
 from specrt.staging import keep_others, recover, through_links
 
 
-def check_destination(out: Path, sources: list[Path], force: bool) -> None:
-    """Refuse an ``out`` whose replacement could lose anything: only a specrt bundle may be
-    replaced (with ``force``), and never one holding a source checkpoint or the working
-    directory. A symbolic link to a bundle is followed: the bundle it points to is replaced,
-    and the link stays (`specrt.staging.through_links`)."""
+def check_destination(
+    out: Path,
+    sources: list[Path],
+    force: bool,
+    ours: Callable[[Path], bool] = is_bundle,
+    what: tuple[str, str] = ("a bundle", MANIFEST_NAME),
+) -> None:
+    """Refuse an ``out`` whose replacement could lose anything: only a folder specrt wrote
+    (``ours``: a bundle, by default) may be replaced (with ``force``), and never one holding a
+    source or the working directory (``what``: what it is called, and the file that marks
+    it). A symbolic link to such a folder is followed: the folder
+    it points to is replaced, and the link stays (`specrt.staging.through_links`)."""
     above = next((p for p in out.parents if os.path.lexists(p)), None)
     if above is not None and not above.is_dir():
         raise ExportError(f"--out {out}: {above} is a file, not a folder; choose another --out")
@@ -47,13 +54,14 @@ def check_destination(out: Path, sources: list[Path], force: bool) -> None:
         raise ExportError(f"--out {out} exists and is not a directory; choose another --out")
     if not any(real.iterdir()):
         return
-    if not is_bundle(real):
+    noun, mark = what
+    if not ours(real):
         raise ExportError(
-            f"--out {out} exists and is not a specrt bundle (no specrt manifest.json); specrt "
-            "replaces only bundles it wrote: choose another --out or empty it yourself"
+            f"--out {out} exists and is not {noun} specrt wrote (no {mark}); specrt replaces "
+            "only what it wrote: choose another --out or empty it yourself"
         )
     if not force:
-        raise ExportError(f"{out} already exists and holds a bundle; pass --force to replace it")
+        raise ExportError(f"{out} already exists and holds {noun}; pass --force to replace it")
 
 
 def _holds(out: Path, path: Path) -> bool:
