@@ -77,8 +77,14 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
+        except ChatTemplateError:  # its own raise_exception: the message is the template's
+            raise
         except TemplateError as exc:
             message = f"the chat template cannot render these messages: {exc}"
+            raise ChatTemplateError(message) from exc
+        except Exception as exc:  # a template is code: `{{ messages + 1 }}` raises TypeError
+            name = type(exc).__name__
+            message = f"the chat template cannot render these messages: {name}: {exc}"
             raise ChatTemplateError(message) from exc
 
 

@@ -511,6 +511,37 @@ def test_chat_lines_are_rendered_with_the_bundles_chat_template(llama_bundle, tm
     assert 'has no chat template: give a "prompt"' in got["own"]["error"]["message"]
 
 
+def test_a_chat_template_that_raises_fails_its_row_alone_and_generate_says_one_line(
+    llama_bundle, tmp_path
+):
+    """A template is code: one raising a plain Python error (here a TypeError, for one
+    message) fails the rows it cannot render, in one line each, not the job (a traceback ended
+    it before any row was written), and `specrt generate --chat` says so in one line."""
+    bundle = chat_bundle(llama_bundle, tmp_path)
+    config_path = bundle / "tokenizer" / "tokenizer_config.json"
+    settings = json.loads(config_path.read_text())
+    settings["chat_template"] = (
+        "{% for m in messages %}{% if m.content == 'boom' %}{{ m.content + 1 }}{% endif %}"
+        "<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    )
+    config_path.write_text(json.dumps(settings))
+    lines = [
+        {"id": "boom", "messages": [{"role": "user", "content": "boom"}], "max_new_tokens": 3},
+        {"id": "fine", "messages": [{"role": "user", "content": "def f"}], "max_new_tokens": 3},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run(command(bundle, path, tmp_path / "out.jsonl"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    got = results(tmp_path / "out.jsonl")
+    assert "cannot render these messages: TypeError" in got["boom"]["error"]["message"]
+    assert len(got["fine"]["token_ids"]) == 3
+    args = ["generate", "--bundle", str(bundle), "--chat", "--prompt", "boom"]
+    said = run([sys.executable, "-m", "specrt.cli", *args, "--max-new-tokens", "2"])
+    assert said.returncode != 0 and "Traceback" not in said.stderr + said.stdout
+    assert "cannot render these messages: TypeError" in said.stderr + said.stdout
+
+
 def test_openai_batch_files_get_openai_batch_output(llama_bundle, tmp_path):
     """An input of OpenAI batch-file lines gets OpenAI's batch output lines (custom_id,
     response.status_code, response.body a completion or chat completion the official client

@@ -519,8 +519,9 @@ def test_metrics_gauge_requests_running_and_waiting(server):
     client.close()
 
 
-TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+TEMPLATE = (  # a message "boom" makes it raise a plain TypeError: a template is code
+    "{% for m in messages %}{% if m.content == 'boom' %}{{ m.content + 1 }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 
@@ -557,6 +558,11 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"})
         assert bad.status_code == 400 and "messages must be" in bad.json()["error"]["message"]
+        boom = {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 2}
+        for stream in (False, True):
+            bad = httpx.post(f"{url}/v1/chat/completions", json={**boom, "stream": stream})
+            error = bad.json()["error"]  # was a 500 in plain text
+            assert bad.status_code == 400 and "render these messages: TypeError" in error["message"]
         parts = [  # OpenAI's newer content form: a list of text parts, joined by newlines
             {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
             {
