@@ -21,6 +21,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from specrt import json_text
 from specrt.checksums import cached_sha256
 from specrt.errors import BundleError
 from specrt.staging import recover
@@ -279,7 +280,7 @@ def write_manifest(bundle_dir: str | Path, manifest: Manifest) -> Path:
 def is_bundle(directory: Path) -> bool:
     """Whether ``directory`` holds a specrt manifest (of any schema version)."""
     try:
-        data = json.loads((directory / MANIFEST_NAME).read_text())
+        data = json_text.loads((directory / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and {"schema_version", "models", "tokenizer"} <= set(data)
@@ -314,7 +315,7 @@ def parse_manifest(content: bytes, path: Path) -> Manifest:
     """The manifest in ``content`` (the bytes of ``path``), its schema version and types checked."""
     try:
         # NaN and Infinity are not JSON: refused like any other parse error
-        data = json.loads(content.decode("utf-8"), parse_constant=_no_constant)
+        data = json_text.loads(content.decode("utf-8"), parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BundleError(f"{path} is not valid JSON ({exc}); re-export the bundle") from exc
     if not isinstance(data, dict):

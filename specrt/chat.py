@@ -4,9 +4,9 @@ chat rows of `specrt batch`. Needs jinja2 (the serve extra)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from specrt import json_text
 from specrt.errors import BundleError
 
 
@@ -36,7 +36,7 @@ class ChatTemplate:
         ``chat_template`` in ``tokenizer_config.json``), or None."""
         path = directory / "tokenizer_config.json"
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
+            config = json_text.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             config = {}
         except (OSError, ValueError) as exc:

@@ -15,6 +15,8 @@ import os
 import threading
 from pathlib import Path
 
+from specrt import json_text
+
 CACHE_FILE = "verified-files.json"
 MAX_ENTRIES = 10_000
 _memory: dict[str, tuple[list[int], str]] = {}
@@ -75,7 +77,7 @@ def _load() -> dict[str, tuple[list[int], str]]:
     if not _trusted(cache_dir()):
         return {}  # hash again rather than believe it
     try:
-        data = json.loads((cache_dir() / CACHE_FILE).read_text())
+        data = json_text.loads((cache_dir() / CACHE_FILE).read_text())
         return {key: (list(entry[0]), str(entry[1])) for key, entry in data.items()}
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
         return {}  # no memory yet, or an unreadable one: hash again

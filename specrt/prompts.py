@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from specrt import json_text
 from specrt.errors import InvalidInputError
 
 STDIN = "-"
@@ -43,7 +44,7 @@ def read_prompt_file(path: str | Path, chat: bool = False) -> list:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = json_text.loads(line)
         except json.JSONDecodeError as exc:
             raise InvalidInputError(f"{name}:{number} is not JSON ({exc})") from exc
         if isinstance(item, dict) and "messages" in item and "prompt" not in item:

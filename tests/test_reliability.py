@@ -52,6 +52,9 @@ def generate(bundle, *args, **kwargs):
         ("object.jsonl", b'{"prompt": {"a": 1}}\n', "not an object"),
         ("list.jsonl", b"[1, 2]\n", "not an array"),
         ("broken.jsonl", b'{"prompt": \n', "broken.jsonl:1 is not JSON"),
+        # past Python's recursion and digit limits: RecursionError and ValueError escaped
+        ("deep.jsonl", b'{"prompt": ' + b"[" * 100_000 + b"\n", "deep.jsonl:1 is not JSON (nested"),
+        ("digits.jsonl", b'{"prompt": "a", "n": ' + b"9" * 5000 + b"}\n", "a number too long"),
         ("bad16.txt", codecs.BOM_UTF16_LE + b"\x00\xd8", "is not valid UTF-16"),
         # read as UTF-8, a prompt of NULs was run
         ("nobom16.txt", "Simple is\n".encode("utf-16-le"), "nobom16.txt:1 holds a NUL byte"),
@@ -102,6 +105,26 @@ def test_prompts_from_stdin_and_a_pipe(llama_bundle, tmp_path):
 def test_prompt_that_is_not_utf8_text(llama_bundle):
     output = one_clear_line(generate(llama_bundle, "--prompt", "caf\udce9"))
     assert "not valid UTF-8" in output
+
+
+def test_json_past_python_s_limits_in_a_manifest_or_the_checksum_memory(
+    llama_bundle, tmp_path, monkeypatch
+):
+    """A manifest nested past the recursion limit is a bad manifest in one line (generate,
+    build); a checksum memory so nested is no memory: files are hashed again."""
+    import shutil
+
+    bundle = tmp_path / "deep"
+    shutil.copytree(llama_bundle, bundle)
+    (bundle / "manifest.json").write_text("[" * 100_000)
+    for args in (["generate", "--bundle", bundle, "--prompt", "a"], ["build", "--bundle", bundle]):
+        assert "manifest.json is not valid JSON (nested" in one_clear_line(cli(*args))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    (cache / "verified-files.json").write_text("[" * 100_000)
+    (cache / "verified-files.json").chmod(0o600)
+    monkeypatch.setenv("SPECRT_CACHE_DIR", str(cache))
+    assert generate(llama_bundle, "--prompt", "a").exit_code == 0
 
 
 # -- the machine's state -------------------------------------------------------------------------

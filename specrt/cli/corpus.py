@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from specrt import json_text
 from specrt.cli.common import _chat_prompts, _friendly_errors
 from specrt.errors import InvalidInputError
 from specrt.prompts import read_text
@@ -109,7 +109,7 @@ def _texts(path: Path) -> Iterator[tuple[str, str | None, str | list[int]]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json_text.loads(line)
         except ValueError as exc:
             raise InvalidInputError(f"{where} is not JSON ({exc.msg})") from exc
         if not isinstance(record, dict):
