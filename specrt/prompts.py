@@ -84,15 +84,19 @@ def read_prompt_file(path: str | Path, chat: bool = False) -> list:
 
 
 def collect_prompts(
-    prompts: Sequence[str] = (), prompt_file: str | Path | None = None, chat: bool = False
+    prompts: Sequence[str] = (),
+    prompt_file: str | Path | Sequence[str | Path] | None = None,
+    chat: bool = False,
 ) -> list:
-    """Prompts given one by one, then those of ``prompt_file``; at least one (``chat``: a
-    file's lines may be conversations, see `read_prompt_file`)."""
+    """Prompts given one by one, then those of each ``prompt_file`` (one path or several, in
+    order); at least one (``chat``: a file's lines may be conversations, see
+    `read_prompt_file`)."""
     collected = list(prompts)
-    if prompt_file is not None:
-        from_file = read_prompt_file(prompt_file, chat)
+    files = [prompt_file] if isinstance(prompt_file, (str, Path)) else list(prompt_file or ())
+    for name in files:
+        from_file = read_prompt_file(name, chat)
         if not from_file:
-            where = "standard input" if str(prompt_file) == STDIN else f"prompt file {prompt_file}"
+            where = "standard input" if str(name) == STDIN else f"prompt file {name}"
             raise InvalidInputError(f"{where} holds no prompts")
         collected += from_file
     if not collected:

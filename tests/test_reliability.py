@@ -85,6 +85,26 @@ def test_prompt_files_in_every_encoding_read_the_same(llama_bundle, tmp_path, na
     assert json.loads(result.output)["token_ids"] == json.loads(expected.output)["token_ids"]
 
 
+def test_prompt_files_repeat_and_add_up(llama_bundle, tmp_path):
+    """`--prompt-file` twice reads both files, in turn, after the --prompt ones (only the last
+    was read, silently; the first, too long to run, was never even checked)."""
+    first, second = tmp_path / "first.txt", tmp_path / "second.jsonl"
+    first.write_text("Simple is\nNow is\n")
+    second.write_text('{"prompt": "def fib"}\n')
+    result = generate(llama_bundle, "--prompt", "Sparse is", "--prompt-file", first,
+                      "--prompt-file", second, "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    got = [json.loads(line)["token_ids"] for line in result.output.splitlines()]
+    alone = [json.loads(generate(llama_bundle, "--prompt", text, "--json").output)["token_ids"]
+             for text in ("Sparse is", "Simple is", "Now is", "def fib")]  # fmt: skip
+    assert got == alone
+    (tmp_path / "empty.txt").write_text("\n")
+    output = one_clear_line(
+        generate(llama_bundle, "--prompt-file", first, "--prompt-file", tmp_path / "empty.txt"), 2
+    )
+    assert "empty.txt holds no prompts" in output
+
+
 def test_prompts_from_stdin_and_a_pipe(llama_bundle, tmp_path):
     expected = json.loads(generate(llama_bundle, "--prompt", "Simple is", "--json").output)
     result = generate(llama_bundle, "--prompt-file", "-", "--json", input="Simple is\n")

@@ -19,8 +19,10 @@ from specrt.runtime.config import MAX_DRAFT_TOKENS
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option(
     "--prompt-file",
+    multiple=True,
     type=click.Path(path_type=Path),
-    help='Prompts, one per line; a .jsonl file holds {"prompt": ...} objects or JSON strings '
+    help="Prompts, one per line (repeatable: each file in turn); a .jsonl file holds "
+    '{"prompt": ...} objects or JSON strings '
     '(prompts of several lines); "-": stdin.',
 )
 @click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Use the first N.")

@@ -24,8 +24,10 @@ from specrt.cli.options import generation_options, load_options
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option(
     "--prompt-file",
+    multiple=True,
     type=click.Path(path_type=Path),
-    help='Prompts, one per line; a .jsonl file holds {"prompt": ...} objects or JSON strings '
+    help="Prompts, one per line (repeatable: each file in turn); a .jsonl file holds "
+    '{"prompt": ...} objects or JSON strings '
     '(prompts of several lines), with --chat also {"messages": [...]} conversations; "-": stdin.',
 )
 @click.option(

@@ -42,8 +42,10 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationC
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option(
     "--prompt-file",
+    multiple=True,
     type=click.Path(path_type=Path),
-    help='Prompts, one per line; a .jsonl file holds {"prompt": ...} objects or JSON strings; '
+    help="Prompts, one per line (repeatable: each file in turn); a .jsonl file holds "
+    '{"prompt": ...} objects or JSON strings; '
     f'"-": stdin. Default: {len(DEFAULT_PROMPTS)} short built-in prompts.',
 )
 @click.option(
@@ -135,7 +137,7 @@ def verify(
     target's exact law (chi-square). Exit status 1 when any check fails."""
     started = time.perf_counter()
     texts = list(DEFAULT_PROMPTS)
-    if prompts or prompt_file is not None:
+    if prompts or prompt_file:
         texts = _prompts(prompts, prompt_file, chat)
     if chat:
         texts = _chat_prompts(bundle, texts)
