@@ -368,6 +368,8 @@ def test_the_summary_and_output_paths_are_checked_before_any_work(llama_bundle, 
         (command(llama_bundle, path, output, "--summary", note / "s.json"), "is a file, not"),
         (command(llama_bundle, path, note / "o.jsonl"), "is a file, not a folder"),
         (command(llama_bundle, path, "-", "--summary", "-"), "would both go to stdout"),
+        # where no file can be made, even by root (whom os.access lets write anywhere)
+        (command(llama_bundle, path, output, "--summary", "/proc/s.json"), "cannot write in"),
     ]
     for cmd, message in cases:
         done = run(cmd)

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import IO
 
@@ -177,3 +178,9 @@ def check_writable(path: Path, option: str) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         why = unwritable_reason(folder)
         raise InvalidInputError(f"{option} {path}: cannot write in {folder} ({why})")
+    try:  # os.access says yes to root everywhere (/proc, /sys): a nameless file says for sure
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise InvalidInputError(f"{option} {path}: cannot write in {folder} ({why})") from None
