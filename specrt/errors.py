@@ -24,7 +24,12 @@ class PairMismatchError(ExportError, BundleError):
 
 
 class InvalidInputError(SpecrtError, ValueError):
-    """A prompt or a generation parameter is out of range."""
+    """A prompt or a generation parameter is out of range; ``field``: the parameter at fault,
+    where there is one (the server names it in its error body)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class PromptTooLongError(InvalidInputError):

@@ -11,11 +11,12 @@ from specrt.errors import InvalidInputError
 
 
 def out_of_range(name: str, value: object, rule: str) -> InvalidInputError:
-    return InvalidInputError(f"{name}={_shown(value)} is out of range: {rule}")
+    return InvalidInputError(f"{name}={_shown(value)} is out of range: {rule}", name)
 
 
 def wrong_type(name: str, value: object, wanted: str, rule: str) -> InvalidInputError:
-    return InvalidInputError(f"{name}={_shown(value)} is {_kind(value)}, not {wanted}: {rule}")
+    message = f"{name}={_shown(value)} is {_kind(value)}, not {wanted}: {rule}"
+    return InvalidInputError(message, name)
 
 
 def _shown(value: object) -> str:

@@ -205,6 +205,18 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
             assert isinstance(caught.value, openai.BadRequestError)
             assert caught.value.response.json()["error"]["code"] == "context_length_exceeded"
         assert words in caught.value.response.json()["error"]["message"]
+    # OpenAI's error body names the field at fault (it was null for the sampling fields)
+    for field, value in [("temperature", -1), ("top_p", 2.0), ("top_k", -3), ("seed", "x"),
+                         ("stop", [""]), ("max_completion_tokens", 0)]:  # fmt: skip
+        raw = httpx.post(f"{url}/v1/completions", json={"prompt": "a", field: value}, timeout=10)
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == field, raw.text
+    # a path or method it does not serve: OpenAI's body ("Invalid URL"), not plain text
+    for method, path, status in [("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)]:
+        raw = httpx.request(method, f"{url}{path}", timeout=10)
+        error = raw.json()["error"]
+        assert raw.status_code == status and error["type"] == "invalid_request_error"
+        assert f"Invalid URL ({method} {path})" in error["message"]
+    assert "POST" in httpx.get(f"{url}/v1/completions", timeout=10).headers["allow"]
     raw = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=10)
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
     nulls = dict.fromkeys(["temperature", "top_p", "seed", "stop", "n", "stream", "max_tokens"])

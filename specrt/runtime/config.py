@@ -142,6 +142,7 @@ def stop_strings(stop: object) -> tuple[str, ...]:
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidInputError(
-            f"stop={given!r} is not a stop string: use a string or a list of non-empty strings"
+            f"stop={given!r} is not a stop string: use a string or a list of non-empty strings",
+            "stop",
         )
     return tuple(stop)

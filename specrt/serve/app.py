@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +30,7 @@ from specrt.errors import InvalidInputError, OverloadedError, PromptTooLongError
 from specrt.openai_shapes import (
     CHAT,
     COMPLETION,
+    FIELDS,
     RequestError,
     completion,
     error_body,
@@ -117,8 +119,9 @@ def create_app(
             return error(400, str(exc), "invalid_request_error", param, "context_length_exceeded")
         except OverloadedError as exc:
             return error(429, str(exc), "overloaded_error")
-        except InvalidInputError as exc:
-            return error(400, str(exc), "invalid_request_error")
+        except InvalidInputError as exc:  # a field out of range: named as the body named it
+            param = next((f for f, ours in FIELDS.items() if ours == exc.field and f in body), None)
+            return error(400, str(exc), "invalid_request_error", param)
         if stream:
             return StreamingResponse(
                 events(handle, ident, kind, with_usage), media_type="text/event-stream"
@@ -248,7 +251,20 @@ def create_app(
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
     middleware = [Middleware(BearerKey, key=api_key)] if api_key else []
-    return Starlette(routes=routes, middleware=middleware)
+    handlers = {HTTPException: unknown_route}
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+async def unknown_route(request: Request, exc: HTTPException) -> Response:
+    """A route or method this server does not have: an OpenAI error body (OpenAI answers
+    "Invalid URL"), not Starlette's plain text, which OpenAI clients cannot show."""
+    message = (
+        f"Invalid URL ({request.method} {request.url.path}): this server answers POST "
+        f"{ROUTES[COMPLETION]}, POST {ROUTES[CHAT]}, GET /v1/models, /health and /metrics"
+    )
+    response = error(exc.status_code, message, "invalid_request_error")
+    response.headers.update(exc.headers or {})  # a 405's Allow
+    return response
 
 
 class BearerKey:
