@@ -90,6 +90,33 @@ def test_a_corpus_belongs_to_its_tokenizer_and_a_bad_file_is_named(tmp_path):
         CorpusTable.load(path, "sha-a")
 
 
+@pytest.mark.parametrize(
+    ("tamper", "why"),
+    [
+        (lambda t: t.next_ids.__setitem__(slice(None), 999_999), "outside the vocabulary of 50"),
+        (lambda t: setattr(t, "next_ids", t.next_ids[:2]), "not of one length"),
+        (lambda t: setattr(t, "keys", t.keys[::-1].copy()), "not sorted"),
+        (lambda t: setattr(t, "counts", t.counts.astype(np.float32)), "not integers"),
+    ],
+)
+def test_a_table_edited_by_hand_is_refused_at_load_not_mid_generation(tmp_path, tamper, why):
+    """Its arrays are checked when read: a token id past the vocabulary failed in the
+    target's embedding and an array cut short in the middle of a row."""
+    table = CorpusTable.build([[1, 2, 3, 1, 2, 4, 7, 9, 1, 2]])
+    tamper(table)
+    path = tmp_path / "ngrams.npz"
+    table.save(path, "sha-a")
+    with pytest.raises(BundleError, match=f"not a corpus table specrt can read .*{why}"):
+        CorpusTable.load(path, "sha-a", vocab=50)
+    path.unlink()
+    path.mkdir()  # a folder in its place was taken for no corpus at all
+    with pytest.raises(BundleError, match="not a corpus table specrt can read"):
+        CorpusTable.load(path, "sha-a", vocab=50)
+    (tmp_path / "junk.npz").write_text("junk")
+    with pytest.raises(BundleError, match=r"\(not an .npz archive\)"):
+        CorpusTable.load(tmp_path / "junk.npz", "sha-a")
+
+
 def test_the_rows_own_longer_match_comes_first_and_one_token_gives_way_to_the_corpus():
     corpus = CorpusTable.build([[7, 8, 9, 10], [3, 4, 50, 51]])
 

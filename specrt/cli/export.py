@@ -157,7 +157,7 @@ def _corpus_draft_vocab(bundle: Path, size: int):
             f"has no corpus: build it first from text its target wrote (specrt corpus --bundle "
             f"{bundle} --text-file FILE), or leave --draft-vocab out"
         )
-    table = CorpusTable.load(bundle / CORPUS_FILE, manifest.tokenizer.sha256)
+    table = CorpusTable.load(bundle / CORPUS_FILE, manifest.tokenizer.sha256, vocab)
     return table.most_used(vocab, size)
 
 

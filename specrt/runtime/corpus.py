@@ -200,8 +200,10 @@ class CorpusTable:
             raise
 
     @classmethod
-    def load(cls, path: str | Path, tokenizer_sha256: str) -> CorpusTable:
-        """Read a table written by `save` for the same tokenizer."""
+    def load(cls, path: str | Path, tokenizer_sha256: str, vocab: int | None = None) -> CorpusTable:
+        """Read a table written by `save` for the same tokenizer, its arrays checked (a table
+        edited or mismatched by hand failed mid-generation: a token id past the ``vocab``, an
+        array cut short)."""
         try:
             with np.load(path, allow_pickle=False) as data:
                 if int(data["format"]) != FORMAT:
@@ -213,14 +215,29 @@ class CorpusTable:
                     )
                 documents, tokens, depth = (int(x) for x in data["sizes"])
                 arrays = [data[name] for name in ("keys", "next_ids", "counts", "totals")]
+            _check_arrays(*arrays, depth, vocab)
         except BundleError:
             raise
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+            why = "not an .npz archive" if "allow_pickle" in str(exc) else str(exc)
             raise BundleError(
-                f"{path} is not a corpus table specrt can read ({exc}); build it again: "
+                f"{path} is not a corpus table specrt can read ({why}); build it again: "
                 "specrt corpus --bundle DIR ..., or delete it"
             ) from exc
         return cls(*arrays, documents=documents, tokens=tokens, depth=depth)
+
+
+def _check_arrays(keys, next_ids, counts, totals, depth: int, vocab: int | None) -> None:
+    """Raise ValueError where a table's arrays are not what `build` makes."""
+    arrays = {"keys": keys, "next_ids": next_ids, "counts": counts, "totals": totals}
+    if any(a.ndim != 1 or len(a) != len(keys) for a in arrays.values()):
+        raise ValueError("its arrays are not of one length")
+    if any(a.dtype.kind not in "iu" for a in arrays.values()) or depth < 1:
+        raise ValueError("its arrays are not integers, or its depth is below 1")
+    if len(keys) and np.any(keys[1:] < keys[:-1]):
+        raise ValueError("its contexts are not sorted")
+    if len(keys) and (next_ids.min() < 0 or (vocab is not None and next_ids.max() >= vocab)):
+        raise ValueError(f"it proposes token ids outside the vocabulary of {vocab}")
 
 
 def write_corpus(bundle_dir: str | Path, documents: Iterable[Sequence[int]]) -> CorpusTable:

@@ -162,8 +162,8 @@ def _load(
         decoders["draft"] = eagle_draft(decoders["draft"], decoders["target"])
     tokenizer = BundleTokenizer(root / manifest.tokenizer.path, manifest.tokenizer)
     table = None
-    if corpus and (root / CORPUS_FILE).is_file():
-        table = CorpusTable.load(root / CORPUS_FILE, manifest.tokenizer.sha256)
+    if corpus and os.path.lexists(root / CORPUS_FILE):  # a folder there is no table: said so
+        table = CorpusTable.load(root / CORPUS_FILE, manifest.tokenizer.sha256, manifest.vocab_size)
     return ModelPair(
         decoders["target"], decoders["draft"], tokenizer, manifest.tokenizer.eos_token_ids, table
     )
