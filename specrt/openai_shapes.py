@@ -120,7 +120,10 @@ def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT
         message = 'stream_options must be an object ({"include_usage": true})'
         raise RequestError(message, "stream_options")
     if body.get("n", 1) != 1:
-        raise RequestError("only n = 1 is supported", "n")
+        raise RequestError(f"n={json.dumps(body['n'])}: only n = 1 is supported", "n")
+    if "stream_options" in body and not body.get("stream"):
+        message = "stream_options is only allowed with stream: true (as OpenAI and vLLM answer)"
+        raise RequestError(message, "stream_options")
     unknown = sorted(set(body) - set(FIELDS) - IGNORED)
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}", unknown[0])

@@ -108,7 +108,7 @@ def reference(llama_bundle):
     return generator, {p: r for p, r in zip(PROMPTS, generator.generate(PROMPTS, config))}
 
 
-def test_completions_streamed_or_not_equal_generate(client, reference):
+def test_completions_streamed_or_not_equal_generate(server, client, reference):
     generator, expected = reference
     for prompt in PROMPTS[:6]:
         reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=24)
@@ -135,6 +135,16 @@ def test_completions_streamed_or_not_equal_generate(client, reference):
         assert chunks[-2].choices[0].finish_reason == choice.finish_reason
         assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
         assert all(c.usage is None for c in chunks[:-1])
+        # on the wire, as OpenAI's: "usage": null in every other chunk (clients that index
+        # chunk["usage"] failed on its absence); stream_options without a stream is refused
+        body = {"prompt": prompt, "max_tokens": 24, "stream_options": {"include_usage": True}}
+        raw = httpx.post(f"{server[0]}/v1/completions", json={**body, "stream": True}, timeout=30)
+        events = [json.loads(line[6:]) for line in raw.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        assert all("usage" in e and e["usage"] is None for e in events[:-1])
+        assert events[-1]["usage"] == reply.usage.model_dump(exclude_none=True)
+        raw = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=30)
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "stream_options"
 
 
 def test_stop_strings_and_max_tokens_mid_round(client, reference):

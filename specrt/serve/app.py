@@ -211,17 +211,19 @@ def create_app(
         """Server-sent events: a chunk per delta, a last one with the finish reason and the
         speculative stats, and, where ``stream_options.include_usage`` asked, one with no
         choices and the usage (as OpenAI sends it). A client that goes away cancels the
-        request (the handle's iterator closes)."""
+        request (the handle's iterator closes). With the usage asked for, every other chunk
+        has ``"usage": null``, as OpenAI's."""
+        blank = {"usage": None} if with_usage else {}
         try:
             if kind == CHAT:  # the role comes first, as OpenAI sends it
-                yield sse(chunk(ident, kind, None, None))
+                yield sse({**chunk(ident, kind, None, None), **blank})
             async for delta in handle:
-                yield sse(chunk(ident, kind, delta, None))
+                yield sse({**chunk(ident, kind, delta, None), **blank})
             result = handle.result()
         except SpecrtError as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error"}})
             return
-        final = chunk(ident, kind, "", result.finish_reason)
+        final = {**chunk(ident, kind, "", result.finish_reason), **blank}
         final["speculative_decoding"] = spec_stats(result)
         yield sse(final)
         if with_usage:
