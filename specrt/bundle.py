@@ -239,7 +239,8 @@ def _value(value: object, hint: object, where: str):
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise _malformed(where, f"is {_kind(value)} {value!r:.40}, not {_kind_name(hint)}")
+        shown = "" if value is None else f" {value!r:.40}"
+        raise _malformed(where, f"is {_kind(value)}{shown}, not {_kind_name(hint)}")
     return value
 
 
@@ -325,6 +326,11 @@ def parse_manifest(content: bytes, path: Path) -> Manifest:
         raise BundleError(
             f"{path} has schema_version {version}, written by a newer specrt; this one reads "
             f"{SCHEMA_VERSION}: upgrade specrt (pip install -U specrt)"
+        )
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BundleError(
+            f"{path} has schema_version {json.dumps(version)}, not an integer (this specrt "
+            f"reads {SCHEMA_VERSION}); re-export the bundle with this version of specrt"
         )
     if version != SCHEMA_VERSION:
         raise BundleError(

@@ -157,4 +157,6 @@ def _json_kind(value: object) -> str:
         return "a boolean"
     if isinstance(value, (int, float)):
         return "a number"
+    if isinstance(value, str):
+        return "a string"
     return "an array" if isinstance(value, list) else "an object"

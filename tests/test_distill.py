@@ -173,6 +173,7 @@ def test_a_bad_draft_vocabulary_is_one_line_and_writes_nothing(target, tmp_path,
         (["--steps", "5"], "give --prompt-file"),
         (["--layers", "2", "--init-from", "OWN"], "pass --layers and --target as it was made"),
         (["--target-precision", "int4"], "use it with --kind eagle3"),
+        (["--target", "BERT"], "is a BertModel, not a language model"),  # (was transformers')
     ],
 )
 def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, message):
@@ -195,7 +196,12 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
         )
         assert made.exit_code == 0, made.output
         own = trained / "own_weights.safetensors"
-    extra = [str(own) if arg == "OWN" else arg for arg in extra]
+    if "BERT" in extra:
+        from transformers import BertConfig
+
+        BertConfig(architectures=["BertModel"]).save_pretrained(tmp_path / "bert")
+    swap = {"OWN": str(own), "BERT": str(tmp_path / "bert")}
+    extra = [swap.get(arg, arg) for arg in extra]
     out = tmp_path / "out"
     args = ["distill", "--target", str(target[0]), "--out", str(out), "--steps", "0", *extra]
     if "--steps" in extra:

@@ -208,8 +208,11 @@ def test_unsupported_or_missing_checkpoints(tmp_path):
     BertConfig().save_pretrained(tmp_path / "bert")
     with pytest.raises(ExportError, match="'bert' is not supported yet; supported: llama"):
         export_bundle(target, tmp_path / "bert", tmp_path / "out")
-    with pytest.raises(ExportError, match="has no config.json"):
+    with pytest.raises(ExportError, match="'.*nowhere' does not exist; check the path"):
         export_bundle(target, tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ExportError, match="has no config.json"):
+        export_bundle(target, tmp_path / "empty", tmp_path / "out")
     (tmp_path / "src" / "draft" / "tokenizer.json").unlink()
     with pytest.raises(ExportError, match="has no tokenizer.json"):
         export_bundle(target, tmp_path / "src" / "draft", tmp_path / "out")

@@ -266,6 +266,8 @@ MANIFEST_EDITS = {
     "unknown-field": (lambda m: target(m).update(colour="red"), "unknown field(s) ['colour']"),
     "io-missing": (lambda m: target(m).pop("io"), "manifest.models.target.io is missing"),
     "layers-float": (lambda m: target(m).update(num_layers=2.5), "num_layers is a number"),
+    "head-dim-null": (lambda m: target(m).update(head_dim=None), "head_dim is null, not an"),
+    "schema-str": (lambda m: m.update(schema_version="1"), 'schema_version "1", not an integer'),
     "cache": (lambda m: target(m).update(cache="paged"), "cache kind 'paged'"),
     "window-neg": (lambda m: engine(m).update(sliding_window=-1), "sliding_window is -1"),
     "io-argmax": (lambda m: engine(m)["io"].update(argmax="x"), "graph lacks ['x']"),

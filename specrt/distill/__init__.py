@@ -265,9 +265,9 @@ def _report(identity, own: dict, settings, prompts, heldout, losses, before, aft
 def _load_target(source: Path, out: Path, log: Callable[[str], None]):
     """(model, tokenizer, identity) of the target at ``source``: a Hugging Face folder, or a
     GGUF file read into a staging folder that is removed once the model is in memory."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from specrt.export.checkpoints import load_causal_lm
+    from specrt.export.checkpoints import load_causal_lm, load_config
     from specrt.export.gguf_checkpoints import as_folders, gguf_file
 
     if not source.exists():
@@ -284,7 +284,7 @@ def _load_target(source: Path, out: Path, log: Callable[[str], None]):
                 f"--target {source} is not a Hugging Face checkpoint folder (no "
                 "config.json) or a GGUF file"
             )
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = load_config(folder, "target")  # a model export takes, or one line why not
         model = load_causal_lm(folder, config)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, tokenizer, {"name": source.name, "files": _file_key(found or source)}

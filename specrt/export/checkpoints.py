@@ -8,6 +8,7 @@ vision tower and its projector are left out.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,6 +82,8 @@ def load_config(path: Path, role: str):
     """The checkpoint's config, refused in one line where specrt cannot export it."""
     from transformers import AutoConfig
 
+    if not os.path.lexists(path):
+        raise ExportError(f"{role} checkpoint {str(path)!r} does not exist; check the path")
     if not (path / "config.json").is_file():
         raise ExportError(
             f"{role} checkpoint {str(path)!r} has no config.json; pass a Hugging Face model "

@@ -112,7 +112,8 @@ def serve(
     )
     server = _Server(config)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
-    server.ready_line = f"specrt serve: {model_name} on http://{host}:{port}/v1"
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
+    server.ready_line = f"specrt serve: {model_name} on http://{shown}:{port}/v1"
     server.run(sockets=[sock])
 
 
