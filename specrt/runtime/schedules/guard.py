@@ -130,18 +130,17 @@ class KindRate:
         if self.rate >= baseline * (1 + margin):
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
-        rounds_lost = self.seconds * baseline - self.tokens  # in plain rounds
-        # A probe that kept nothing yet (judged before its end): a start whose rounds lost
-        # under ``empty_loss`` says little (a draft keeping half its first tokens starts so
-        # half the time). It goes on: what it caught up on is paid whatever comes next.
+        lost_rounds = (self.seconds + self.catch_up_s) * baseline - self.tokens  # plain rounds
+        # A probe that kept nothing yet (judged before its end): a start that lost under
+        # ``empty_loss`` says little (a draft keeping half its first tokens starts so half
+        # the time). It goes on.
         if (
             self.state == "judge"
             and self.rounds < self.probe_rounds
-            and rounds_lost < self.empty_loss
+            and lost_rounds < self.empty_loss
         ):
             self.state = "probe"
             return
-        lost_rounds = rounds_lost + self.catch_up_s * baseline
         if self.state == "judge":
             if self.lost:
                 self.wait = 2 * self.wait
