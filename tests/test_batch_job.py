@@ -467,16 +467,19 @@ def test_a_repeated_key_keeps_an_openai_line_an_openai_line():
     assert row.openai and row.id == "d" and "appears twice" in row.error
 
 
-def chat_bundle(llama_bundle: Path, tmp_path: Path) -> Path:
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def chat_bundle(llama_bundle: Path, tmp_path: Path, template: str = TEMPLATE) -> Path:
     """A copy of the bundle whose tokenizer has a chat template."""
     bundle = tmp_path / "chat"
     shutil.copytree(llama_bundle, bundle)
     config_path = bundle / "tokenizer" / "tokenizer_config.json"
     settings = json.loads(config_path.read_text())
-    settings["chat_template"] = (
-        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
+    settings["chat_template"] = template
     config_path.write_text(json.dumps(settings))
     return bundle
 
@@ -519,14 +522,11 @@ def test_a_chat_template_that_raises_fails_its_row_alone_and_generate_says_one_l
     """A template is code: one raising a plain Python error (here a TypeError, for one
     message) fails the rows it cannot render, in one line each, not the job (a traceback ended
     it before any row was written), and `specrt generate --chat` says so in one line."""
-    bundle = chat_bundle(llama_bundle, tmp_path)
-    config_path = bundle / "tokenizer" / "tokenizer_config.json"
-    settings = json.loads(config_path.read_text())
-    settings["chat_template"] = (
-        "{% for m in messages %}{% if m.content == 'boom' %}{{ m.content + 1 }}{% endif %}"
-        "<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    loop = "{% for m in messages %}"
+    raises = TEMPLATE.replace(
+        loop, loop + "{% if m.content == 'boom' %}{{ m.content + 1 }}{% endif %}"
     )
-    config_path.write_text(json.dumps(settings))
+    bundle = chat_bundle(llama_bundle, tmp_path, raises)
     lines = [
         {"id": "boom", "messages": [{"role": "user", "content": "boom"}], "max_new_tokens": 3},
         {"id": "fine", "messages": [{"role": "user", "content": "def f"}], "max_new_tokens": 3},
