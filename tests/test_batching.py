@@ -11,7 +11,7 @@ import pytest
 
 import specrt.runtime.planning as planning
 from specrt.backends.select import ONE_ROW_PORTABLE
-from specrt.errors import NumericalError
+from specrt.errors import InvalidInputError, NumericalError
 from specrt.export import ENGINE_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import BatchRunner, Request
@@ -1297,6 +1297,11 @@ def test_a_request_takes_text_and_its_seed_gives_its_stream(llama_bundle):
     config = GenerationConfig(max_new_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
     [expected] = generator.generate(["Simple is"], config)
     [ids] = generator.encode_prompts(["Simple is"])
-    got = dict(generator.run([Request("text", "Simple is", config), Request("ids", ids, config)]))
+    requests = [Request("text", "Simple is", config), Request("ids", ids, config)]
+    got = dict(generator.run(requests))
     assert got["text"].token_ids == got["ids"].token_ids == expected.token_ids
+    again = dict(generator.run(requests))  # the same Requests run again: the same stream
+    assert again["text"].token_ids == again["ids"].token_ids == expected.token_ids
+    with pytest.raises(InvalidInputError, match="request 'empty': the prompt is empty"):
+        dict(generator.run([Request("empty", "", config)]))
     assert Request("x", "a").config == GenerationConfig()

@@ -273,8 +273,12 @@ class SpeculativeGenerator:
             raise InvalidInputError(f"{name}: config must be a GenerationConfig")
         if not isinstance(request.rng, np.random.Generator):
             raise InvalidInputError(f"{name}: rng must be a numpy Generator (row_rng)")
+        request = request.fresh()
         if isinstance(request.prompt, str):
-            [tokens] = self.encode_prompts([request.prompt])
+            try:
+                [tokens] = self.encode_prompts([request.prompt])
+            except InvalidInputError as exc:  # which of the run's requests it is
+                raise type(exc)(f"{name}: {exc}") from None
             request = replace(request, prompt=tokens)
         ids = np.asarray(request.prompt)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":

@@ -4,7 +4,7 @@ planner read and update)."""
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -31,11 +31,19 @@ class Request:
     prompt: str | list[int]
     config: GenerationConfig = field(default_factory=GenerationConfig)
     rng: np.random.Generator | None = None
+    # The stream is keyed by the seed, not given: each run starts it afresh (`fresh`)
+    keyed: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.rng is None and isinstance(self.config, GenerationConfig):
             seed = self.config.seed
             self.rng = np.random.default_rng(None if seed is None else [seed, 0])
+            self.keyed = seed is not None
+
+    def fresh(self) -> Request:
+        """This request as a new run takes it: a stream keyed by its seed starts again (a run
+        draws from it: run twice, the same Request gave other tokens), one given is kept."""
+        return replace(self, rng=None) if self.keyed else self
 
 
 class LoneLearners(NamedTuple):
