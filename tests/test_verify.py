@@ -180,6 +180,25 @@ def test_bad_input_is_one_clear_line(demo, args, message):
     assert "PASS" not in result.output
 
 
+def test_samples_in_one_cell_test_nothing_and_are_not_a_pass(demo):
+    """100 samples of a prompt whose first tokens are all but certain fall in one cell of the
+    law: p = 1 there says nothing, and was printed as PASS."""
+    result = verify(demo, "--prompt", "hi", "--samples", "100", "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.output
+    [law] = [line for line in result.output.splitlines() if line.startswith("sampled law")]
+    assert law.endswith(" NOT TESTED") and "sampled law, prompt 1" not in checks(result.output)
+    assert "PASS: 2 of 2 checks passed" in result.output
+    assert "1 not tested (too few samples: give more --samples)" in result.output
+
+
+def test_audit_refuses_one_string_for_its_prompts(demo):
+    from specrt.errors import InvalidInputError
+    from specrt.runtime.audit import audit
+
+    with pytest.raises(InvalidInputError, match="not one string: give \\[prompt\\]"):
+        audit(demo, "def f", 100, GenerationConfig(max_new_tokens=4), law_prompts=0)
+
+
 def test_a_missing_bundle_is_one_clear_line(tmp_path):
     result = verify(tmp_path / "nothing")
     assert result.exit_code == 1

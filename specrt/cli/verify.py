@@ -161,9 +161,13 @@ def verify(
         click.echo(str(result))
         sys.stdout.flush()
     failed = [result for result in results if not result.passed]
-    laws = sum("law" in result.name for result in results)
+    untested = sum(not result.tested for result in results)
+    laws = sum("law" in result.name and result.tested for result in results)
     seconds = time.perf_counter() - started
-    summary = f"{len(results) - len(failed)} of {len(results)} checks passed in {seconds:.0f} s"
+    tested = len(results) - untested
+    summary = f"{tested - len(failed)} of {tested} checks passed in {seconds:.0f} s"
+    if untested:  # said, not counted as passed
+        summary += f", {untested} not tested (too few samples: give more --samples)"
     if laws:  # each law check fails a correct runtime with probability alpha
         summary += f" (false-alarm rate of the sampled-law checks together <= {laws * alpha:.2g})"
     if failed:

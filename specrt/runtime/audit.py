@@ -62,14 +62,17 @@ AUDIT_BATCH = 16  # rows per call when `audit` loads the bundle itself
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check: its name, whether it passed, and what it measured (the numbers)."""
+    """One check: its name, whether it passed, and what it measured (the numbers).
+    ``tested`` False: its samples could not test anything (one cell), which is no pass."""
 
     name: str
     passed: bool
     detail: str
+    tested: bool = True
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.detail} {'PASS' if self.passed else 'FAIL'}"
+        verdict = "NOT TESTED" if not self.tested else "PASS" if self.passed else "FAIL"
+        return f"{self.name}: {self.detail} {verdict}"
 
 
 def audit(
@@ -103,6 +106,8 @@ def run_checks(
     samples = integer("samples", samples, MIN_SAMPLES)
     alpha = number("alpha", alpha, "use a number in (0, 1)", lambda a: 0 < a < 1)
     law_prompts = integer("law_prompts", law_prompts, 0)
+    if isinstance(prompts, (str, bytes)):  # it was audited as prompts of one character each
+        raise InvalidInputError("prompts must be a list of prompts, not one string: give [prompt]")
     config = GenerationConfig() if config is None else config
     if not isinstance(config, GenerationConfig):
         raise InvalidInputError(f"config must be a GenerationConfig, not {type(config).__name__}")
@@ -228,6 +233,7 @@ def _law(
             )
     pairs = np.array([result.token_ids[:2] for result in ordered], dtype=np.int64)
     fit = _pair_fit(generator.target, prompt, pairs, config.sampling)
+    name = f"sampled law, prompt {index + 1}"
     detail = (
         f"chi-square p={fit.pvalue:.3g} over {samples} samples of the first two new tokens "
         f"({fit.cells} cells; {_drafts(ordered)}; false-alarm rate {alpha:g})"
@@ -237,7 +243,13 @@ def _law(
             f"a sampled pair of first tokens has probability 0 under the target "
             f"({samples} samples; {_drafts(ordered)})"
         )
-    return CheckResult(f"sampled law, prompt {index + 1}", fit.pvalue >= alpha, detail)
+    elif fit.cells < 2:  # every sample in one cell fits any law: p = 1 says nothing
+        detail = (
+            f"the {samples} samples of the first two new tokens make one cell of the target's "
+            "law (too few to tell laws apart): give more --samples, or another prompt"
+        )
+        return CheckResult(name, True, detail, tested=False)
+    return CheckResult(name, fit.pvalue >= alpha, detail)
 
 
 def _pair_fit(
