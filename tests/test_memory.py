@@ -54,6 +54,26 @@ def test_rows_are_as_many_as_the_budget_holds(llama_bundle):
         plan_cache(manifest, 3 * per, 16, 100, "auto", CPU)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("NOT A MANIFEST", None, 8, 64), "takes a bundle's Manifest"),
+        ((None, "lots", 8, 64), "is not a memory size"),
+        ((None, 1.5e6, 8, 64), "--kv-cache-memory=1500000.0 is a decimal number"),
+        ((None, None, 0, 64), "max_batch=0 is out of range"),  # gave rows past the models'
+        ((None, None, 8.5, 64), "max_batch=8.5 is a decimal number"),
+        ((None, None, 8, 0), "max_length=0 is out of range"),  # ZeroDivisionError
+    ],
+)
+def test_plan_cache_checks_what_it_is_given(llama_bundle, args, message):
+    manifest, *rest = args
+    manifest = 3 if manifest == "NOT A MANIFEST" else read_manifest(llama_bundle)
+    with pytest.raises(InvalidInputError, match=message):
+        plan_cache(manifest, *rest)
+    by_path = plan_cache(llama_bundle, "1MiB", 2, 64)  # a directory and a size, as the CLI
+    assert by_path == plan_cache(read_manifest(llama_bundle), 2**20, 2, 64)
+
+
 def test_an_automatic_budget_is_half_the_memory_available(llama_bundle):
     manifest = read_manifest(llama_bundle)
     plan = plan_cache(manifest, None, 4, 100, "auto", CPU)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from specrt.backends.session import GPU_PROVIDERS, default_providers, provider_names
 from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, Manifest
 from specrt.errors import InvalidInputError
+from specrt.validation import integer
 
 AUTO = "auto"
 # An automatic budget on the CPU: this share of the memory available at start (the rest for the
@@ -94,7 +95,24 @@ def plan_cache(
     """Rows and positions for ``budget`` bytes of KV cache (None: automatic, `AUTO_SHARE` of
     the memory available now on the CPU; no limit for a GPU's cache, whose memory is not read
     here): ``max_length`` positions a row (capped at the models'), as many rows as fit up to
-    ``max_batch``, or one shorter row where not even one fits."""
+    ``max_batch``, or one shorter row where not even one fits. ``manifest``: a bundle's
+    (`specrt.bundle.read_manifest`) or its directory; ``budget``: bytes, or a size such as
+    "4GiB"."""
+    if isinstance(manifest, (str, os.PathLike)):
+        from specrt.bundle import read_manifest
+
+        manifest = read_manifest(manifest)
+    if not isinstance(manifest, Manifest):
+        raise InvalidInputError(
+            f"plan_cache takes a bundle's Manifest (specrt.bundle.read_manifest) or its "
+            f"directory, not {type(manifest).__name__}"
+        )
+    if isinstance(budget, str):
+        budget = parse_size(budget)
+    if budget is not None:
+        budget = integer(budget_name, budget, 1, rule='give bytes, or a size such as "4GiB"')
+    max_batch = integer("max_batch", max_batch, 1)
+    max_length = integer("max_length", max_length, 1)
     per_position = bytes_per_position(manifest, engine, providers)
     length = min([max_length, *(spec.max_positions for spec in manifest.models.values())])
     source = f"{budget_name} {_size(budget)}" if budget is not None else ""
