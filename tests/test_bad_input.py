@@ -265,15 +265,15 @@ def test_max_length_caps_the_sequence(llama_bundle, engine):
 @pytest.mark.parametrize(
     "option, value, message",
     [
-        ("--temperature", "-1", "temperature=-1.0 is out of range"),
-        ("--temperature", "nan", "temperature=nan is out of range"),
-        ("--top-p", "0", "top_p=0.0 is out of range"),
-        ("--top-p", "1.5", "top_p=1.5 is out of range"),
-        ("--top-k", "-1", "top_k=-1 is out of range"),
-        ("--num-draft-tokens", "-1", "num_draft_tokens=-1 is out of range"),
-        ("--num-draft-tokens", "65", "num_draft_tokens=65 is out of range"),
-        ("--max-new-tokens", "0", "max_new_tokens=0 is out of range"),
-        ("--seed", "-3", "seed=-3 is out of range"),
+        ("--temperature", "-1", "--temperature -1.0 is out of range"),
+        ("--temperature", "nan", "--temperature nan is out of range"),
+        ("--top-p", "0", "--top-p 0.0 is out of range"),
+        ("--top-p", "1.5", "--top-p 1.5 is out of range"),
+        ("--top-k", "-1", "--top-k -1 is out of range"),
+        ("--num-draft-tokens", "-1", "--num-draft-tokens -1 is out of range"),
+        ("--num-draft-tokens", "65", "--num-draft-tokens 65 is out of range"),
+        ("--max-new-tokens", "0", "--max-new-tokens 0 is out of range"),
+        ("--seed", "-3", "--seed -3 is out of range"),
     ],
 )
 def test_out_of_range_parameters(llama_bundle, option, value, message):

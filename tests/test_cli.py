@@ -294,7 +294,10 @@ def test_proposers_from_the_command_line(llama_bundle, tmp_path):
 
     bad = runner.invoke(main, [*base, "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"])
     assert bad.exit_code != 0 and "Traceback" not in bad.output
-    assert "prompt_lookup_max=2 is out of range" in bad.output
+    assert "--prompt-lookup-max 2 is out of range" in bad.output
+    # only the minimum given: the message says to raise the maximum with it
+    bad = runner.invoke(main, [*base, "--prompt-lookup-min", "5"])
+    assert bad.exit_code == 2 and "raise prompt_lookup_max with it" in bad.output
 
     rows = tmp_path / "in.jsonl"
     rows.write_text("".join(json.dumps({"id": i, "prompt": prompt}) + "\n" for i in range(6)))

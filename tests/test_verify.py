@@ -168,7 +168,7 @@ def test_goodness_of_fit_matches_scipy_and_pools_small_cells():
         (("--alpha", "1.5"), "Invalid value for '--alpha'"),
         (("--temperature", "0"), "Invalid value for '--temperature'"),
         (("--num-draft-tokens", "0"), "Invalid value for '--num-draft-tokens'"),
-        (("--top-p", "0"), "top_p=0.0 is out of range"),
+        (("--top-p", "0"), "--top-p 0.0 is out of range"),
         (("--prompt-file", "/nonexistent/prompts.txt"), "prompt file /nonexistent/prompts.txt"),
     ],
 )

@@ -91,6 +91,17 @@ def _flags(names: list[str]) -> str:
     return flags + (" change" if len(names) > 1 else " changes")
 
 
+def _as_option(ctx: click.Context, exc: InvalidInputError) -> str:
+    """``exc``'s message in the command's words: ``--num-draft-tokens -1 ...`` for
+    ``num_draft_tokens=-1 ...`` where the field is one of its options."""
+    message, field = str(exc), exc.field
+    option = next((p for p in ctx.command.params if p.name == field), None)
+    if field is None or option is None or not message.startswith(f"{field}="):
+        return message
+    flag = max(option.opts, key=len)
+    return f"{flag} {message[len(field) + 1 :]}"
+
+
 def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
     """The generation options as a config; a bad value is a usage error (status 2), as
     click's own range checks are, and so are options that contradict each other. ``notes``:
@@ -107,7 +118,7 @@ def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
     try:
         config = GenerationConfig(**params)
     except InvalidInputError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise click.UsageError(_as_option(ctx, exc)) from exc
     if notes:  # options the run cannot use (a batch row or a request may set what they need)
         given = {n for n in params if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE}
         sampling = [n for n in ("top_k", "top_p", "seed") if n in given]

@@ -115,7 +115,10 @@ class GenerationConfig:
             raise out_of_range("proposer", self.proposer, f"use one of {PROPOSERS}")
         rule = f"use an integer in [1, {MAX_NGRAM}]"
         low = integer("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_NGRAM, rule)
-        rule = f"use an integer in [prompt_lookup_min, {MAX_NGRAM}] ({low} here)"
+        rule = (
+            f"use an integer in [prompt_lookup_min, {MAX_NGRAM}] (prompt_lookup_min is {low}: "
+            "raise prompt_lookup_max with it)"
+        )
         high = integer("prompt_lookup_max", self.prompt_lookup_max, low, MAX_NGRAM, rule)
         set("prompt_lookup_min", low)
         set("prompt_lookup_max", high)
