@@ -234,7 +234,12 @@ def test_bad_text_is_refused_in_one_line_and_the_corpus_is_left_as_it_was(corpus
     bad.write_text('{"text": "fine"}\n{"prompt": "no completion"}\n')
     alien = tmp_path / "alien.jsonl"  # `specrt batch` output of another model's vocabulary
     alien.write_text('{"id": 1, "token_ids": [1, 2, 100000, 3]}\n')
+    empty = tmp_path / "empty.jsonl"  # was "the prompt is empty", naming no file
+    empty.write_text('{"text": ""}\n\n')
+    good = tmp_path / "good.txt"
+    good.write_text("def f(x):\n    return x\n")
     cases = {
+        "empty.jsonl holds no text": ["--text-file", str(good), "--text-file", str(empty)],
         "bad.jsonl:2: give": ["--text-file", str(bad)],
         "outside the bundle's vocabulary": ["--text-file", str(alien)],
         "does not exist": ["--text-file", str(tmp_path / "missing.jsonl")],

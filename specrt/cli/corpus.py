@@ -63,15 +63,21 @@ def corpus(bundle: Path, text_files: tuple[Path, ...], answer_dirs: tuple[Path, 
 
     def documents() -> Iterator[list[int]]:
         for path in text_files:
+            found = False
             for where, prompt, text in _texts(path):
+                found |= bool(text)
                 if isinstance(text, list):  # `specrt batch`'s token ids, as the target wrote
                     yield text
                     continue
+                if not text:  # nothing written: nothing to learn (the tokenizer refuses "")
+                    continue
                 ids = []
-                if prompt is not None:
+                if prompt:
                     rendered = render(prompt, where) if render else prompt
                     ids = tokenizer.encode(rendered, add_special_tokens=render is None)
-                yield ids + tokenizer.encode(text, add_special_tokens=prompt is None)
+                yield ids + tokenizer.encode(text, add_special_tokens=not prompt)
+            if not found:
+                raise InvalidInputError(f"{path} holds no text: give the text the target wrote")
         for folder in answer_dirs:
             yield from _answers(folder)
 
