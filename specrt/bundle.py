@@ -289,6 +289,8 @@ def is_bundle(directory: Path) -> bool:
 
 def read_manifest(bundle_dir: str | Path) -> Manifest:
     """Read and structurally validate a bundle's manifest (no file hashing)."""
+    if isinstance(bundle_dir, str) and not bundle_dir.strip():  # Path("") is the working dir
+        raise BundleError("the bundle path is empty: give the bundle's directory")
     root = Path(bundle_dir)
     recover(root)  # a swap killed halfway leaves the bundle parked beside it
     if root.exists() and not root.is_dir():

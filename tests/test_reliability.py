@@ -571,3 +571,13 @@ def test_python_api_arguments_of_the_wrong_kind_are_refused_up_front(llama_bundl
     with pytest.raises(InvalidInputError, match="is a directory"):
         run_batch(generator, rows, tmp_path)
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_an_empty_bundle_path_is_named_as_such():
+    """`Path("")` is the working directory: "'.' is not a bundle" named a path never given."""
+    from specrt.bundle import read_manifest
+    from specrt.errors import BundleError
+
+    for load in (SpeculativeGenerator.from_bundle, read_manifest):
+        with pytest.raises(BundleError, match="the bundle path is empty"):
+            load("")

@@ -93,6 +93,8 @@ def load_pair(
         raise InvalidInputError(
             f"bundle_dir={bundle_dir!r}: give the bundle directory's path (a str or Path)"
         )
+    if isinstance(bundle_dir, str) and not bundle_dir.strip():  # Path("") is the working dir
+        raise BundleError("the bundle path is empty: give the bundle's directory")
     root = Path(bundle_dir)
     options = dict(
         engine=engine,
