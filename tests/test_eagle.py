@@ -236,6 +236,38 @@ def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp
     assert result.exit_code != 0 and "either --draft or --eagle" in result.output
 
 
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ({"eagle_aux_hidden_state_layer_ids": "0,1"}, 'is "0,1", not a list of integers'),
+        ({"num_attention_heads": 3}, "its weights do not match its config.json"),
+        ({"hidden_size": "wide"}, "config.json"),
+        ("truncate", "model.safetensors cannot be read"),
+    ],
+)
+def test_a_damaged_head_is_one_line_before_the_target_is_exported(sources, tmp_path, damage,
+                                                                   message):  # fmt: skip
+    """A head's config or weights that cannot make its module ended in a traceback, the
+    shapes' only after the target's export (minutes for a large one)."""
+    _, target, head = sources
+    bad = tmp_path / "bad"
+    shutil.copytree(head, bad)
+    if damage == "truncate":
+        weights = bad / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        config = json.loads((bad / "config.json").read_text())
+        config.update(damage)
+        if "eagle_aux_hidden_state_layer_ids" in damage:  # read at the top level, then
+            config.pop("eagle_config", None)
+        (bad / "config.json").write_text(json.dumps(config))
+    args = ["export", "--target", str(target), "--eagle", str(bad), "--out", str(tmp_path / "b")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert "Traceback" not in result.output and "exporting target" not in result.output
+    assert not (tmp_path / "b").exists()
+
+
 def test_a_head_trained_for_another_target_precision_is_noted_at_export(sources, tmp_path):
     """`specrt distill --target-precision` records whose engine the head learnt from; exported
     with a target of another precision it drafts all the same, and the export says so."""

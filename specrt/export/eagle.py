@@ -48,8 +48,16 @@ class HeadCheckpoint:
 def read_head(path: Path, target_config) -> HeadCheckpoint:
     """The head at ``path``, checked against the target it drafts for."""
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    config = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    except (OSError, ValueError, TypeError, RecursionError) as exc:
+        raise ExportError(
+            f"EAGLE head {str(path)!r}: its config.json cannot be read ({exc}); pass a head in "
+            "the layout its authors publish"
+        ) from None
     weights = _read_weights(path)
     missing = [name for name in REQUIRED if name not in weights]
     missing += [] if any(k.startswith("midlayer.") for k in weights) else ["midlayer.*"]
@@ -64,7 +72,12 @@ def read_head(path: Path, target_config) -> HeadCheckpoint:
     ids = raw.get(AUX_LAYERS) or (raw.get("eagle_config") or {}).get(AUX_LAYERS)
     if not ids:  # the authors' default: early, middle and late layers
         ids = sorted({2, target_layers // 2, target_layers - 3})
-    layers = tuple(int(i) for i in ids)
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise ExportError(
+            f"EAGLE head {str(path)!r}: {AUX_LAYERS} is {json.dumps(ids)}, not a list of "
+            "integers (the target layers it reads): fix its config.json"
+        )
+    layers = tuple(ids)
     target_hidden = int(raw.get("target_hidden_size") or target_config.hidden_size)
     fc_in = int(weights["fc.weight"].shape[1])
     problems = []
@@ -85,19 +98,50 @@ def read_head(path: Path, target_config) -> HeadCheckpoint:
             f"EAGLE head {str(path)!r} does not fit this target: {'; '.join(problems)}; pass "
             "the head trained for this target"
         )
+    _check_shapes(path, config, weights, layers)
     return HeadCheckpoint(config, weights, layers, bool(raw.get("norm_before_residual")))
+
+
+def _check_shapes(path: Path, config: LlamaConfig, weights: dict, layers: tuple[int, ...]) -> None:
+    """The weights against the module their config makes (on the meta device: nothing
+    allocated), now: the mismatch was found after the target's export, in a traceback."""
+    try:
+        with torch.device("meta"):
+            module = Eagle3Head(config, torch.zeros(0), layers, weights["lm_head.weight"].shape[0],
+                                weights["fc.weight"].shape[1] // len(layers))  # fmt: skip
+        wanted = {k: tuple(v.shape) for k, v in module.state_dict().items() if k != "t2d"}
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as exc:
+        raise ExportError(
+            f"EAGLE head {str(path)!r}: its config.json does not make a head ({exc}); fix it"
+        ) from None
+    given = {
+        k: tuple(v.shape) for k, v in weights.items() if k not in ("t2d", "embed_tokens.weight")
+    }
+    wrong = [f"{k} {given.get(k, 'missing')} where its config makes {wanted[k]}"
+             for k in wanted if given.get(k) != wanted[k]]  # fmt: skip
+    if wrong:
+        raise ExportError(
+            f"EAGLE head {str(path)!r}: its weights do not match its config.json "
+            f"({'; '.join(wrong[:3])}); pass the config saved with these weights"
+        )
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     found = next((path / name for name in HEAD_WEIGHTS if (path / name).is_file()), None)
     if found is None:
         raise ExportError(f"EAGLE head {str(path)!r} has no weights ({' or '.join(HEAD_WEIGHTS)})")
-    if found.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if found.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        weights = load_file(str(found))
-    else:
-        weights = torch.load(found, map_location="cpu", weights_only=True)
+            weights = load_file(str(found))
+        else:
+            weights = torch.load(found, map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors' and pickle's own errors: a damaged file
+        raise ExportError(
+            f"EAGLE head {str(path)!r}: {found.name} cannot be read ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); download or save it again"
+        ) from None
     # Some trainers save the module under "model."; the names below it are the layout's.
     return {k.removeprefix("model."): v for k, v in weights.items()}
 
