@@ -142,6 +142,29 @@ def test_force_keeps_what_a_user_put_in_the_bundle(sources, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
 
 
+def test_force_keeps_the_corpus_only_where_the_tokenizer_is_the_same(sources, tmp_path):
+    """A corpus (`specrt corpus`) holds token ids of the bundle's tokenizer: `export --force`
+    with another tokenizer kept it as a user's file, and the new bundle did not load."""
+    from specrt.export.tiny import make_tiny_pair
+    from specrt.runtime import SpeculativeGenerator
+
+    target, draft = sources
+    out = tmp_path / "bundle"
+    args = ["export", "--out", out, "--no-ort-engine", "--force"]
+    assert cli(*args, "--target", target, "--draft", draft).exit_code == 0
+    text = tmp_path / "text.txt"
+    text.write_text("Simple is better than complex. Flat is better than nested.\n")
+    assert cli("corpus", "--bundle", out, "--text-file", text).exit_code == 0
+    same = cli(*args, "--target", target, "--draft", draft)
+    assert same.exit_code == 0 and "kept its corpus" in same.output, same.output
+    assert "did not write" not in same.output and (out / "corpus" / "ngrams.npz").is_file()
+    other_target, other_draft = make_tiny_pair("llama", tmp_path / "other", extra_tokens=3)
+    other = cli(*args, "--target", other_target, "--draft", other_draft)
+    assert other.exit_code == 0 and "built for the old tokenizer" in other.output, other.output
+    assert not (out / "corpus" / "ngrams.npz").exists()
+    SpeculativeGenerator.from_bundle(out)  # loads: no corpus of another tokenizer in it
+
+
 def test_force_through_a_symbolic_link_replaces_the_bundle_it_points_to(sources, tmp_path):
     """`export --force` to engines/demo -> a bundle kept elsewhere said "exists and is not a
     directory"; the docs promise the link is followed and kept, as `build` does."""

@@ -17,6 +17,7 @@ from specrt.errors import ExportError
 from specrt.export.checkpoints import (
     TOKENIZER_FILES,
 )
+from specrt.runtime.corpus import CORPUS_FILE
 from specrt.staging import keep_others, recover, through_links
 
 
@@ -80,6 +81,11 @@ def keep_users_files(
     if not is_bundle(old):
         return []
     ours = written_by_specrt(old)
+    corpus = Path(CORPUS_FILE)  # `specrt corpus`'s: kept where its token ids still hold
+    if (old / corpus).is_file() and _tokenizer(old) != _tokenizer(staged):
+        ours.add(corpus)
+        log(f"  left out {out / corpus}: built for the old tokenizer; build it again with "
+            f"`specrt corpus --bundle {out} ...`")  # fmt: skip
     try:
         kept = keep_others(old, staged, lambda rel: rel in ours or _specrt_cache(rel))
     except FileExistsError as exc:
@@ -88,10 +94,22 @@ def keep_users_files(
             f"and the new bundle writes a file there: move it out of {out} and export again "
             "(the bundle is left as it was)"
         ) from exc
-    if kept:
-        shown = ", ".join(str(rel) for rel in kept[:3]) + (", ..." if len(kept) > 3 else "")
-        log(f"  kept {len(kept)} file(s) in {out} that specrt did not write: {shown}")
+    if corpus in kept:
+        log(f"  kept its corpus ({corpus}): the new bundle has the same tokenizer")
+    users = [rel for rel in kept if rel != corpus]
+    if users:
+        shown = ", ".join(str(rel) for rel in users[:3]) + (", ..." if len(users) > 3 else "")
+        log(f"  kept {len(users)} file(s) in {out} that specrt did not write: {shown}")
     return kept
+
+
+def _tokenizer(bundle: Path) -> object:
+    """The tokenizer hash a bundle's manifest records (read loosely: any version)."""
+    try:
+        data = json.loads((bundle / MANIFEST_NAME).read_text())
+        return data["tokenizer"]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def written_by_specrt(bundle: Path) -> set[Path]:
