@@ -22,7 +22,6 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from specrt import json_text
-from specrt.checksums import cached_sha256
 from specrt.errors import BundleError
 from specrt.staging import recover
 
@@ -33,6 +32,7 @@ ROLES = ("target", "draft")
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 ONNXRUNTIME_ENGINE = "onnxruntime"  # the key of the onnxruntime CPU engine in ModelSpec.engines
 CUDA_ENGINE = "cuda"  # the key of the fp16 onnxruntime engine for the CUDA provider
+CORPUS_FILE = "corpus/ngrams.npz"  # `specrt corpus`'s table (`specrt.runtime.corpus`)
 
 
 @dataclass
@@ -436,23 +436,4 @@ def _validate_view(label: str, spec: ModelSpec, vocab_size: int) -> None:
         raise BundleError(
             f"{label}: cache kind {spec.cache!r} is unknown to this specrt (knows {CACHE_KINDS}); "
             "re-export the bundle with this version"
-        )
-
-
-def verify_checksums(manifest: Manifest, root: str | Path) -> None:
-    """Hash every model file and the tokenizer against the manifest (a file hashed before and
-    unchanged since is not read again: `specrt.checksums`)."""
-    root = Path(root)
-    for role in ROLES:
-        for rel, expected in manifest.models[role].all_files().items():
-            actual = cached_sha256(root / rel)
-            if actual != expected:
-                raise BundleError(
-                    f"{role}: {rel} does not match its sha256 in the manifest (the file changed "
-                    "or is corrupted); re-export or re-copy the bundle"
-                )
-    tok = root / manifest.tokenizer.path / "tokenizer.json"
-    if cached_sha256(tok) != manifest.tokenizer.sha256:
-        raise BundleError(
-            f"{tok} does not match its sha256 in the manifest; re-export or re-copy the bundle"
         )

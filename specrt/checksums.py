@@ -14,8 +14,13 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specrt import json_text
+from specrt.errors import BundleError
+
+if TYPE_CHECKING:
+    from specrt.bundle import Manifest
 
 CACHE_FILE = "verified-files.json"
 MAX_ENTRIES = 10_000
@@ -103,3 +108,24 @@ def _save(entries: dict[str, tuple[list[int], str]]) -> None:
             scratch.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def verify_checksums(manifest: Manifest, root: str | Path) -> None:
+    """Hash every model file and the tokenizer against the manifest (a file hashed before and
+    unchanged since is not read again)."""
+    from specrt.bundle import ROLES
+
+    root = Path(root)
+    for role in ROLES:
+        for rel, expected in manifest.models[role].all_files().items():
+            actual = cached_sha256(root / rel)
+            if actual != expected:
+                raise BundleError(
+                    f"{role}: {rel} does not match its sha256 in the manifest (the file changed "
+                    "or is corrupted); re-export or re-copy the bundle"
+                )
+    tok = root / manifest.tokenizer.path / "tokenizer.json"
+    if cached_sha256(tok) != manifest.tokenizer.sha256:
+        raise BundleError(
+            f"{tok} does not match its sha256 in the manifest; re-export or re-copy the bundle"
+        )

@@ -18,6 +18,7 @@ BASE = {
     "specrt.prompts",
     "specrt.staging",
     "specrt.validation",
+    "specrt.json_text",  # JSON a user wrote, read with one line for what Python cannot hold
     "specrt.checksums",
     "specrt.chat",  # chat templates, for the server's chat route and batch jobs' chat lines
     "specrt.openai_shapes",  # OpenAI's bodies, for the server and batch jobs' OpenAI output

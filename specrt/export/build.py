@@ -21,10 +21,9 @@ from specrt.bundle import (
     ROLES,
     Manifest,
     read_manifest,
-    verify_checksums,
     write_manifest,
 )
-from specrt.checksums import sha256_file
+from specrt.checksums import sha256_file, verify_checksums
 from specrt.errors import ExportError
 from specrt.export.checkpoint_hash import checkpoint_hashes
 from specrt.export.checkpoints import load_causal_lm, text_config

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specrt.bundle import (
+    CORPUS_FILE,
     MANIFEST_NAME,
     is_bundle,
 )
@@ -17,7 +18,6 @@ from specrt.errors import ExportError
 from specrt.export.checkpoints import (
     TOKENIZER_FILES,
 )
-from specrt.runtime.corpus import CORPUS_FILE
 from specrt.staging import keep_others, recover, through_links
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from specrt.backends.select import DEFAULT_MAX_LENGTH
 from specrt.backends.tensorrt import MISSING, TENSORRT_ENGINE, gpu_identity, profiles
-from specrt.bundle import EngineSpec, Manifest, read_manifest, verify_checksums, write_manifest
-from specrt.checksums import sha256_file
+from specrt.bundle import EngineSpec, Manifest, read_manifest, write_manifest
+from specrt.checksums import sha256_file, verify_checksums
 from specrt.errors import ExportError, InvalidInputError
 from specrt.staging import publish, staging
 

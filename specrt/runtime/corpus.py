@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.bundle import CORPUS_FILE
 from specrt.errors import BundleError, InvalidInputError
 from specrt.runtime.lookup import NO_PROPOSAL, Proposal
 from specrt.staging import current_umask
 
-CORPUS_FILE = "corpus/ngrams.npz"
 DEPTH = 4  # the longest context looked up
 FORMAT = 1
 _MULTIPLIER = 0x9E3779B97F4A7C15  # 2^64 / the golden ratio, odd

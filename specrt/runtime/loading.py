@@ -32,8 +32,8 @@ from specrt.bundle import (
     ONNXRUNTIME_ENGINE,
     Manifest,
     read_manifest,
-    verify_checksums,
 )
+from specrt.checksums import verify_checksums
 from specrt.errors import BundleError, InvalidInputError, PairMismatchError
 from specrt.runtime.corpus import CORPUS_FILE, CorpusTable
 from specrt.runtime.tokenizer import BundleTokenizer
