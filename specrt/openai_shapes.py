@@ -191,6 +191,8 @@ def completion(
         name = "chat.completion"
     else:
         delta = {"role": "assistant"} if text is None else {"content": text}
+        if finish_reason is not None and not text:
+            delta = {}  # the finish chunk's delta is empty, as OpenAI sends it
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
         name = "chat.completion.chunk"
     return {

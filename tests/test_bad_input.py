@@ -303,6 +303,8 @@ def test_export_usage_errors(tmp_path):
         ({**pair, "devices": 5}, "devices=5"),
         ({**pair, "atol": "0.1"}, "atol='0.1' must be a number > 0"),
         ({"target": 5, "draft": "d"}, '"target" and "draft" must be paths'),
+        ({"target": "t", "eagle": 3}, '"target" and "eagle" must be paths'),  # named "draft"
+        ({**pair, "eagle": "h"}, 'give "draft" (a draft model) or "eagle"'),  # "unknown key"
         ({"tiny": "llama"}, '"tiny" must be an object with an "arch" name'),
         ({"tiny": {"arch": "llama", "bogus": 1}}, "unknown \"tiny\" key(s) ['bogus']"),
         ({"tiny": {"arch": "llama"}, "slim": "yes"}, "slim='yes' must be true or false"),

@@ -578,6 +578,10 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        finish = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages,
+                            "max_tokens": 12, "stream": True}).text.splitlines()  # fmt: skip
+        last = json.loads([line for line in finish if line.startswith("data: {")][-1][6:])
+        assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"]
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"})
         assert bad.status_code == 400 and "messages must be" in bad.json()["error"]["message"]
         boom = {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 2}

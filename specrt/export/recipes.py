@@ -46,7 +46,11 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
         except (TypeError, ValueError, KeyError) as exc:
             raise ExportError(f'recipe {recipe}: its "tiny" section: {exc}') from exc
         return target, draft, out, options
-    if isinstance(data, dict) and "eagle" in data and "draft" not in data:
+    if isinstance(data, dict) and {"eagle", "draft"} <= set(data):
+        raise ExportError(f'recipe {recipe}: give "draft" (a draft model) or "eagle" (an '
+                          'EAGLE-3 head), not both')  # fmt: skip
+    drafter = "eagle" if isinstance(data, dict) and "eagle" in data else "draft"
+    if drafter == "eagle":
         data["draft"] = data.pop("eagle")  # an EAGLE-3 head drafts (found by its config)
     if not isinstance(data, dict) or not {"target", "draft"} <= set(data):
         raise ExportError(
@@ -54,7 +58,7 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
             'paths (or a "tiny" section)'
         )
     if not (isinstance(data["target"], str) and isinstance(data["draft"], str)):
-        raise ExportError(f'recipe {recipe}: "target" and "draft" must be paths (strings)')
+        raise ExportError(f'recipe {recipe}: "target" and "{drafter}" must be paths (strings)')
     options = _options(recipe, data, {"target", "draft"})
     return base / data["target"], base / data["draft"], out, options
 
