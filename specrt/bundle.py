@@ -287,11 +287,16 @@ def is_bundle(directory: Path) -> bool:
     return isinstance(data, dict) and {"schema_version", "models", "tokenizer"} <= set(data)
 
 
+def bundle_path(bundle_dir: str | Path) -> Path:
+    """``bundle_dir`` as a Path; an empty string refused (`Path("")` is the working dir)."""
+    if isinstance(bundle_dir, str) and not bundle_dir.strip():
+        raise BundleError("the bundle path is empty: give the bundle's directory")
+    return Path(bundle_dir)
+
+
 def read_manifest(bundle_dir: str | Path) -> Manifest:
     """Read and structurally validate a bundle's manifest (no file hashing)."""
-    if isinstance(bundle_dir, str) and not bundle_dir.strip():  # Path("") is the working dir
-        raise BundleError("the bundle path is empty: give the bundle's directory")
-    root = Path(bundle_dir)
+    root = bundle_path(bundle_dir)
     recover(root)  # a swap killed halfway leaves the bundle parked beside it
     if root.exists() and not root.is_dir():
         raise BundleError(

@@ -31,6 +31,7 @@ from specrt.bundle import (
     MANIFEST_NAME,
     ONNXRUNTIME_ENGINE,
     Manifest,
+    bundle_path,
     read_manifest,
 )
 from specrt.checksums import verify_checksums
@@ -93,9 +94,7 @@ def load_pair(
         raise InvalidInputError(
             f"bundle_dir={bundle_dir!r}: give the bundle directory's path (a str or Path)"
         )
-    if isinstance(bundle_dir, str) and not bundle_dir.strip():  # Path("") is the working dir
-        raise BundleError("the bundle path is empty: give the bundle's directory")
-    root = Path(bundle_dir)
+    root = bundle_path(bundle_dir)
     options = dict(
         engine=engine,
         providers=providers,

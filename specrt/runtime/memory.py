@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specrt.backends.session import GPU_PROVIDERS, default_providers, provider_names
-from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, Manifest
+from specrt.bundle import CUDA_ENGINE, ONNXRUNTIME_ENGINE, Manifest, read_manifest
 from specrt.errors import InvalidInputError
 from specrt.validation import integer
 
@@ -99,8 +99,6 @@ def plan_cache(
     (`specrt.bundle.read_manifest`) or its directory; ``budget``: bytes, or a size such as
     "4GiB"."""
     if isinstance(manifest, (str, os.PathLike)):
-        from specrt.bundle import read_manifest
-
         manifest = read_manifest(manifest)
     if not isinstance(manifest, Manifest):
         raise InvalidInputError(
