@@ -300,6 +300,10 @@ def test_export_usage_errors(tmp_path):
         ({**pair, "draft_precison": "int4"}, "unknown key(s) ['draft_precison']"),
         ({**pair, "ort_engine": "false"}, "ort_engine='false' must be true or false"),
         ({**pair, "opset": 3}, "opset=3: use an integer >= 14"),
+        ({**pair, "opset": 99}, "opset=99: torch's ONNX exporter, which optimum runs, goes up to"),
+        ({**pair, "target_block_size": 64}, "target_block_size=64 is for a quantised target"),
+        ({**pair, "ort_engine": False, "draft_precision": "int4"}, "ort_engine false builds no"),
+        ({**pair, "devices": "cuda", "target_precision": "int4"}, "devices without cpu builds"),
         ({**pair, "devices": 5}, "devices=5"),
         ({**pair, "atol": "0.1"}, "atol='0.1' must be a number > 0"),
         ({"target": 5, "draft": "d"}, '"target" and "draft" must be paths'),
@@ -314,6 +318,13 @@ def test_export_usage_errors(tmp_path):
         assert result.exit_code == 1, (recipe, result.output)
         assert message.replace('\\"', '"') in result.output, (recipe, result.output)
         assert result.exception is None or isinstance(result.exception, SystemExit)
+    for flags, message in [  # the same on the command line, in its words
+        (["--opset", "99"], "--opset 99: torch's ONNX exporter"),
+        (["--target-block-size", "64"], "--target-block-size 64 is for a quantised target"),
+        (["--draft-precision", "int4", "--no-ort-engine"], "--draft-precision int4 sets the CPU"),
+    ]:
+        result = cli("export", "--target", "t", "--draft", "d", "--out", tmp_path / "o", *flags)
+        assert result.exit_code == 1 and message in result.output, (flags, result.output)
     (tmp_path / "r.json").write_bytes(b'{"target": "caf\xe9"}')
     result = cli("export", "--recipe", tmp_path / "r.json")
     assert result.exit_code == 1 and "not valid JSON in UTF-8" in result.output

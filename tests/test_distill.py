@@ -173,6 +173,7 @@ def test_a_bad_draft_vocabulary_is_one_line_and_writes_nothing(target, tmp_path,
         (["--steps", "5"], "give --prompt-file"),
         (["--layers", "2", "--init-from", "OWN"], "pass --layers and --target as it was made"),
         (["--target-precision", "int4"], "use it with --kind eagle3"),
+        (["--target-block-size", "64"], "--target-block-size 64 is for a quantised target"),
         (["--target", "BERT"], "is a BertModel, not a language model"),  # (was transformers')
     ],
 )

@@ -212,6 +212,11 @@ def test_specrt_build_quantizes_the_target_of_an_existing_bundle(tmp_path, porta
             assert models["draft"].engines["onnxruntime"].precision == "int8"
     result = CliRunner().invoke(main, [*args, "--target-block-size", "48"])
     assert result.exit_code != 0 and "'48' is not one of '32', '64', '128'" in result.output
+    # a block size for the float32 target it has would change nothing: named, not ignored
+    result = CliRunner().invoke(
+        main, ["build", "--bundle", str(bundle), "--target-block-size", "64"]
+    )
+    assert result.exit_code == 2 and "--target-block-size 64 is for a quantised" in result.output
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
     settings = dict(max_new_tokens=16, ignore_eos=True)
     config = GenerationConfig(**settings)

@@ -91,12 +91,15 @@ def _flags(names: list[str]) -> str:
     return flags + (" change" if len(names) > 1 else " changes")
 
 
-def _as_option(ctx: click.Context, exc: InvalidInputError) -> str:
+def _as_option(ctx: click.Context, exc: Exception) -> str:
     """``exc``'s message in the command's words: ``--num-draft-tokens -1 ...`` for
-    ``num_draft_tokens=-1 ...`` where the field is one of its options."""
-    message, field = str(exc), exc.field
+    ``num_draft_tokens=-1 ...`` where the name before "=" (an `InvalidInputError`'s field, or
+    the message's own first word) is an option given on the command line."""
+    message = str(exc)
+    field = getattr(exc, "field", None) or message.partition("=")[0]
     option = next((p for p in ctx.command.params if p.name == field), None)
-    if field is None or option is None or not message.startswith(f"{field}="):
+    given = option is not None and ctx.get_parameter_source(field) == ParameterSource.COMMANDLINE
+    if not given or not message.startswith(f"{field}="):  # e.g. a recipe's setting
         return message
     flag = max(option.opts, key=len)
     return f"{flag} {message[len(field) + 1 :]}"

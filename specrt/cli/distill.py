@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import _friendly_errors, _prompts
+from specrt.cli.common import _as_option, _friendly_errors, _prompts
 from specrt.cli.options import target_block_size_option
+from specrt.errors import ExportError
 from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, PRECISIONS
 
 
@@ -186,25 +187,28 @@ def distill(
     heldout = _prompts((), heldout_file) if heldout_file else []
     if steps and not prompts:
         raise click.UsageError(f"{', '.join(map(str, prompt_file))}: no prompts in them")
-    settings = DistillSettings(
-        kind=kind,
-        vocab=vocab,
-        layers=layers,
-        max_new_tokens=max_new_tokens,
-        top_k=top_k,
-        chat_template=chat_template,
-        target_precision=target_precision,
-        target_block_size=target_block_size,
-        train=TrainSettings(
-            steps=steps,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            lr=lr,
-            seed=seed,
-            save_every=save_every,
-            bf16=native_bf16() if bf16 is None else bf16,
-        ),
-    )
+    try:
+        settings = DistillSettings(
+            kind=kind,
+            vocab=vocab,
+            layers=layers,
+            max_new_tokens=max_new_tokens,
+            top_k=top_k,
+            chat_template=chat_template,
+            target_precision=target_precision,
+            target_block_size=target_block_size,
+            train=TrainSettings(
+                steps=steps,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                lr=lr,
+                seed=seed,
+                save_every=save_every,
+                bf16=native_bf16() if bf16 is None else bf16,
+            ),
+        )
+    except ExportError as exc:
+        raise click.UsageError(_as_option(click.get_current_context(), exc)) from exc
     report = run(
         target,
         out,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import EXPORT_EXTRA, EXPORT_MODULES, _friendly_errors
+from specrt.cli.common import EXPORT_EXTRA, EXPORT_MODULES, _as_option, _friendly_errors
 from specrt.cli.options import (
     CUDA_ATTENTION_OPTION,
     CUDA_REDUCTIONS_OPTION,
@@ -81,6 +81,7 @@ def export(target, draft, eagle, out, recipe, force, **given) -> None:
             raise click.UsageError("give either --draft or --eagle: a bundle drafts with one")
         draft = eagle
     _require_export_extra("export", portable=False)  # the rest, once the options are known
+    from specrt.export.onnx_export import check_opset
     from specrt.export.options import ExportOptions
     from specrt.export.pipeline import export_bundle
     from specrt.export.recipes import resolve_recipe
@@ -94,7 +95,11 @@ def export(target, draft, eagle, out, recipe, force, **given) -> None:
         raise click.UsageError("give --target, --draft (or --eagle) and --out (or --recipe)")
     given["slim"] = given["slim"] or None  # an absent flag leaves the recipe's choice
     given["devices"] = given["devices"] or None
-    options = ExportOptions.from_settings(recipe_options, given)
+    try:
+        options = ExportOptions.from_settings(recipe_options, given)
+        check_opset(options.opset)
+    except ExportError as exc:  # the recipe's or the command line's: named as the user gave it
+        raise click.ClickException(_as_option(click.get_current_context(), exc)) from exc
     _require_export_extra("export", options.portable)
     log = lambda message: click.echo(message, err=True)  # noqa: E731
     manifest = export_bundle(target, draft, out, options, force=force, log=log)
@@ -224,18 +229,21 @@ def build(
     from specrt.export.options import ExportOptions
 
     kept = _kept_settings(bundle)
+    target_precision = target_precision or kept["target_precision"]
+    if target_precision != "float32":  # a float32 target keeps no block size
+        target_block_size = target_block_size or kept["target_block_size"]
     try:  # every one of them from the command line: a bad one is a usage error
         options = ExportOptions(
             atol=atol,
             draft_precision=draft_precision or kept["draft_precision"],
-            target_precision=target_precision or kept["target_precision"],
-            target_block_size=target_block_size or kept["target_block_size"],
+            target_precision=target_precision,
+            target_block_size=target_block_size or DEFAULT_TARGET_BLOCK_SIZE,
             devices=devices or ("cpu",),
             cuda_attention=cuda_attention or "batched",
             cuda_reductions=cuda_reductions or "chunked",
         )
     except ExportError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise click.UsageError(_as_option(click.get_current_context(), exc)) from exc
     proposed = None if draft_vocab is None else _corpus_draft_vocab(bundle, draft_vocab)
     log = lambda message: click.echo(message, err=True)  # noqa: E731
     manifest = build_engines(bundle, options, log, proposed)

@@ -23,7 +23,7 @@ from pathlib import Path
 from specrt.distill.train import TrainSettings
 from specrt.errors import ExportError
 from specrt.export.destination import check_destination
-from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, target_tag
+from specrt.export.options import DEFAULT_TARGET_BLOCK_SIZE, check_block_size, target_tag
 
 REPORT = "distill_report.json"
 
@@ -44,6 +44,14 @@ class DistillSettings:
     # (`specrt.distill.quantized`): its precision and block size, as `specrt export` takes them.
     target_precision: str = "float32"
     target_block_size: int = DEFAULT_TARGET_BLOCK_SIZE
+
+    def __post_init__(self) -> None:  # before the target is read: its mistakes are the user's
+        if self.target_precision != "float32" and self.kind != "eagle3":
+            raise ExportError(
+                "--target-precision trains an EAGLE-3 head for a quantised target: use it with "
+                "--kind eagle3 (a draft model learns from the float32 target)"
+            )
+        check_block_size(self.target_precision, self.target_block_size)
 
 
 def state_dir(out: Path) -> Path:
@@ -83,11 +91,6 @@ def distill(
     if settings.target_precision != "float32":
         from specrt.distill.quantized import quantize_like_engine
 
-        if settings.kind != "eagle3":
-            raise ExportError(
-                "--target-precision trains an EAGLE-3 head for a quantised target: use it with "
-                "--kind eagle3 (a draft model learns from the float32 target)"
-            )
         quantize_like_engine(target, settings.target_precision, settings.target_block_size)
         # the answers and states are this engine's: kept apart from the float32 target's
         identity["precision"] = target_tag(settings.target_precision, settings.target_block_size)

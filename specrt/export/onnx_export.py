@@ -21,8 +21,22 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 from specrt.bundle import ModelIO, ModelSpec
 from specrt.checksums import sha256_file
 from specrt.errors import ExportError
+from specrt.export.options import MIN_OPSET
 
 STANDARD_DOMAINS = {"", "ai.onnx"}
+
+
+def check_opset(opset: int | None) -> None:
+    """Past the ceiling of torch's exporter (what optimum runs) an export fails only after a
+    long dump of torch's graph: say so before any model is read."""
+    from torch.onnx import _constants
+
+    ceiling = getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", None)
+    if opset is not None and ceiling is not None and opset > ceiling:
+        raise ExportError(
+            f"opset={opset}: torch's ONNX exporter, which optimum runs, goes up to {ceiling}; "
+            f"give {MIN_OPSET} to {ceiling}, or leave it out"
+        )
 
 
 def export_onnx(

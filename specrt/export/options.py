@@ -131,18 +131,13 @@ class ExportOptions:
                 f"cuda_attention={self.cuda_attention!r} shapes the cuda engines: add --device "
                 "cuda (devices: cuda), or leave it out"
             )
-        block = self.target_block_size
-        if isinstance(block, bool) or block not in TARGET_BLOCK_SIZES:
-            raise ExportError(
-                f"target_block_size={block!r}: use one of "
-                + ", ".join(str(size) for size in TARGET_BLOCK_SIZES)
-            )
         for role in ("draft", "target"):
             precision = getattr(self, f"{role}_precision")
             if precision not in PRECISIONS:
                 raise ExportError(
                     f"{role} precision {precision!r} is unknown; use one of {', '.join(PRECISIONS)}"
                 )
+        check_block_size(self.target_precision, self.target_block_size)
 
     @classmethod
     def from_settings(cls, *settings: Mapping[str, Any]) -> ExportOptions:
@@ -150,11 +145,44 @@ class ExportOptions:
         a later mapping wins, and a None value means "not given"."""
         names = {f.name for f in fields(cls)}
         merged: dict[str, Any] = {}  # checked once, together (options depend on each other)
-        for mapping in settings:
+        given_at: dict[str, int] = {}  # which mapping gave each option last
+        for at, mapping in enumerate(settings):
             unknown = set(mapping) - names
             if unknown:
                 raise ExportError(
                     f"unknown export option(s) {sorted(unknown)}; known: {sorted(names)}"
                 )
-            merged.update({key: value for key, value in mapping.items() if value is not None})
-        return replace(cls(), **merged)
+            given = {key: value for key, value in mapping.items() if value is not None}
+            merged.update(given)
+            given_at.update(dict.fromkeys(given, at))
+        options = replace(cls(), **merged)
+        if not options.cpu_engine:
+            # a precision given with (or after) the choice of no CPU engine would build
+            # nothing: the user expects an engine they will not get. A recipe's precision
+            # that the command line's --no-ort-engine overrides is not that.
+            off = max(given_at.get("ort_engine", 0), given_at.get("devices", 0))
+            left_out = "devices without cpu" if options.ort_engine else "ort_engine false"
+            for name, default in (
+                ("draft_precision", DEFAULT_DRAFT_PRECISION),
+                ("target_precision", "float32"),
+            ):
+                if given_at.get(name, -1) >= off and getattr(options, name) != default:
+                    raise ExportError(
+                        f"{name}={getattr(options, name)} sets the CPU engine's weights, and "
+                        f"{left_out} builds no CPU engine: give one of the two"
+                    )
+        return options
+
+
+def check_block_size(precision: str, block_size: int) -> None:
+    """A block size is a quantised target's: given with a float32 one it would be ignored."""
+    if isinstance(block_size, bool) or block_size not in TARGET_BLOCK_SIZES:
+        raise ExportError(
+            f"target_block_size={block_size!r}: use one of "
+            + ", ".join(str(size) for size in TARGET_BLOCK_SIZES)
+        )
+    if precision == "float32" and block_size != DEFAULT_TARGET_BLOCK_SIZE:
+        raise ExportError(
+            f"target_block_size={block_size} is for a quantised target, and this one is float32: "
+            "give it with a target precision of int8 or int4, or leave it out"
+        )

@@ -65,7 +65,12 @@ def export_bundle(
     portable standard-op graph is always written (TensorRT takes that one); with
     ``ort_engine`` each model also gets its onnxruntime engine (`specrt.export.ort_graph`)
     where the architecture allows, which the runtime prefers."""
-    options = ExportOptions.from_settings(vars(options or ExportOptions()), option_values)
+    from specrt.export.onnx_export import check_opset
+
+    options = options or ExportOptions()
+    if option_values:
+        options = ExportOptions.from_settings(vars(options), option_values)
+    check_opset(options.opset)
     out = Path(os.path.abspath(out_dir))
     given = {"target": Path(target_dir), "draft": Path(draft_dir)}
     check_destination(out, list(given.values()), force)
