@@ -242,6 +242,8 @@ def test_a_head_that_does_not_fit_its_target_is_refused_in_one_line(sources, tmp
         ({"eagle_aux_hidden_state_layer_ids": "0,1"}, 'is "0,1", not a list of integers'),
         ({"num_attention_heads": 3}, "its weights do not match its config.json"),
         ({"hidden_size": "wide"}, "config.json"),
+        ({"num_hidden_layers": 2}, "num_hidden_layers is 2; an EAGLE-3 head is one decoder"),
+        ({"draft_vocab_size": 32000}, "draft_vocab_size is 32000 and its lm_head has 40 rows"),
         ("truncate", "model.safetensors cannot be read"),
     ],
 )

@@ -98,8 +98,28 @@ def read_head(path: Path, target_config) -> HeadCheckpoint:
             f"EAGLE head {str(path)!r} does not fit this target: {'; '.join(problems)}; pass "
             "the head trained for this target"
         )
+    _check_config(path, raw, weights)
     _check_shapes(path, config, weights, layers)
     return HeadCheckpoint(config, weights, layers, bool(raw.get("norm_before_residual")))
+
+
+def _check_config(path: Path, raw: dict, weights: dict) -> None:
+    """What the module is not made from but a head's readers go by: a config that disagrees
+    with its weights was saved for another head."""
+    layers = raw.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise ExportError(
+            f"EAGLE head {str(path)!r}: num_hidden_layers is {json.dumps(layers)}; an EAGLE-3 "
+            "head is one decoder layer (midlayer.*), and specrt drafts with no other: pass a "
+            "one-layer head"
+        )
+    rows = int(weights["lm_head.weight"].shape[0])
+    vocab = raw.get("draft_vocab_size", rows)
+    if vocab != rows:
+        raise ExportError(
+            f"EAGLE head {str(path)!r}: draft_vocab_size is {json.dumps(vocab)} and its lm_head "
+            f"has {rows} rows: pass the config saved with these weights"
+        )
 
 
 def _check_shapes(path: Path, config: LlamaConfig, weights: dict, layers: tuple[int, ...]) -> None:
