@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from specrt.bundle import read_manifest
@@ -85,10 +86,19 @@ def test_a_reader_that_stops_early_stops_the_command_quietly(llama_bundle, tmp_p
     assert errors.decode().strip() == ""
 
 
-def test_ctrl_c_while_the_command_line_loads_is_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("module", "raised"),
+    [
+        ("specrt.cli", "KeyboardInterrupt"),
+        # onnxruntime's extension, interrupted while it starts, says "initialization failed"
+        ("onnxruntime", "ImportError('initialization failed') from KeyboardInterrupt()"),
+        ("onnxruntime", "ImportError('a broken install')"),  # not an interrupt: left as it is
+    ],
+)
+def test_ctrl_c_while_the_command_line_loads_is_one_line(module, raised):
     """Ctrl-C in the second or two `specrt` spends importing numpy and onnxruntime ended in a
-    KeyboardInterrupt traceback. The interrupt is raised where the import would run (a real
-    signal could land before Python handles it, or after the imports)."""
+    traceback. The interrupt is raised where the import would run (a real signal could land
+    before Python handles it, or after the imports)."""
     import subprocess
     import sys
 
@@ -96,13 +106,16 @@ def test_ctrl_c_while_the_command_line_loads_is_one_line(tmp_path):
         "import sys\n"
         "class Interrupted:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'specrt.cli':\n"
-        "            raise KeyboardInterrupt\n"
+        f"        if name == {module!r}:\n"
+        f"            raise {raised}\n"
         "sys.meta_path.insert(0, Interrupted())\n"
         "from specrt.__main__ import main\n"
         "main()\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    if "broken" in raised:
+        assert done.returncode == 1 and "ImportError: a broken install" in done.stderr
+        return
     assert done.returncode == 130 and done.stderr.strip() == "interrupted (Ctrl-C)", done.stderr
 
 
