@@ -298,6 +298,7 @@ def test_export_usage_errors(tmp_path):
     pair = {"target": "t", "draft": "d"}
     for recipe, message in [  # each refused before any model is built or loaded
         ({**pair, "draft_precison": "int4"}, "unknown key(s) ['draft_precison']"),
+        ({**pair, "device": "cuda"}, "(did you mean 'devices'?)"),
         ({**pair, "ort_engine": "false"}, "ort_engine='false' must be true or false"),
         ({**pair, "opset": 3}, "opset=3: use an integer >= 14"),
         ({**pair, "opset": 99}, "opset=99: torch's ONNX exporter, which optimum runs, goes up to"),
@@ -325,6 +326,10 @@ def test_export_usage_errors(tmp_path):
     ]:
         result = cli("export", "--target", "t", "--draft", "d", "--out", tmp_path / "o", *flags)
         assert result.exit_code == 1 and message in result.output, (flags, result.output)
+    # a byte-order mark (as some editors save) is read past: the recipe's own mistake is named
+    (tmp_path / "r.json").write_bytes(b'\xef\xbb\xbf{"target": "t", "draft": "d", "opset": 3}')
+    result = cli("export", "--recipe", tmp_path / "r.json")
+    assert result.exit_code == 1 and "opset=3: use an integer" in result.output, result.output
     (tmp_path / "r.json").write_bytes(b'{"target": "caf\xe9"}')
     result = cli("export", "--recipe", tmp_path / "r.json")
     assert result.exit_code == 1 and "not valid JSON in UTF-8" in result.output

@@ -8,11 +8,13 @@ Paths are relative to the recipe file.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 from dataclasses import fields
 from pathlib import Path
 
+from specrt import json_text
 from specrt.errors import ExportError
 from specrt.export.options import ExportOptions
 
@@ -25,7 +27,7 @@ def resolve_recipe(recipe: Path, out: Path | None = None) -> tuple[Path, Path, P
     if not recipe.is_file():
         raise ExportError(f"recipe {recipe} does not exist")
     try:
-        data = json.loads(recipe.read_text(encoding="utf-8"))
+        data = json_text.loads(recipe.read_text(encoding="utf-8-sig"))  # a BOM, as editors write
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ExportError(f"recipe {recipe} is not valid JSON in UTF-8 ({exc})") from exc
     out = out or recipe.with_suffix("")
@@ -70,9 +72,10 @@ def _options(recipe: Path, data: dict, own: set[str]) -> dict:
     names = {f.name for f in fields(ExportOptions)}
     unknown = sorted(set(data) - names - own)
     if unknown:
-        raise ExportError(
-            f"recipe {recipe}: unknown key(s) {unknown}; known: {sorted(own | names)}"
-        )
+        known = sorted(own | names)
+        close = [m for key in unknown for m in difflib.get_close_matches(key, known, 1)]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise ExportError(f"recipe {recipe}: unknown key(s) {unknown}{hint}; known: {known}")
     options = {key: value for key, value in data.items() if key in names}
     try:
         ExportOptions.from_settings(options)
