@@ -85,6 +85,20 @@ def test_out_is_the_working_directory(sources, tmp_path, monkeypatch):
     assert (here / "notes.txt").read_text() == "mine"
 
 
+MOUNTS = [p for p in ("/dev/shm", "/proc", "/sys") if os.path.ismount(p)]
+
+
+@pytest.mark.skipif(not MOUNTS, reason="no mount point to try here")
+def test_out_that_is_a_mount_point_is_named_before_any_work(sources, tmp_path):
+    """A bundle is swapped in by renaming, which a mount point (a container's volume) cannot
+    take: it failed after the whole export as "Device or resource busy"."""
+    target, draft = sources
+    out = Path(MOUNTS[0])
+    result = cli("export", "--target", target, "--draft", draft, "--out", out, "--force")
+    assert result.exit_code == 1 and f"--out {out} is a mount point" in result.output
+    assert "exporting" not in result.output and "Traceback" not in result.output
+
+
 def test_out_that_is_a_file(sources, tmp_path):
     target, draft = sources
     (tmp_path / "file").write_text("x")

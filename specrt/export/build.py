@@ -27,6 +27,7 @@ from specrt.checksums import sha256_file, verify_checksums
 from specrt.errors import ExportError
 from specrt.export.checkpoint_hash import checkpoint_hashes
 from specrt.export.checkpoints import load_causal_lm, text_config
+from specrt.export.destination import refuse_mount_point
 from specrt.export.gguf_checkpoints import as_folders
 from specrt.export.options import ExportOptions
 from specrt.export.pipeline import Log, add_ort_engine
@@ -55,6 +56,7 @@ def build_engines(
     options = options or ExportOptions()
     root = Path(bundle_dir)
     manifest = read_manifest(root)
+    refuse_mount_point(root, "--bundle")
     verify_checksums(manifest, root)
     sources = {role: Path(manifest.models[role].source) for role in ROLES}
     ggufs = {role: source for role, source in sources.items() if source.is_file()}

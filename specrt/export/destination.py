@@ -51,6 +51,7 @@ def check_destination(
         )
     if not os.path.lexists(real):
         return
+    refuse_mount_point(out)
     if not real.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory; choose another --out")
     if not any(real.iterdir()):
@@ -63,6 +64,17 @@ def check_destination(
         )
     if not force:
         raise ExportError(f"{out} already exists and holds {noun}; pass --force to replace it")
+
+
+def refuse_mount_point(out: Path, option: str = "--out") -> None:
+    """A mount point cannot be renamed, so a bundle staged beside it cannot be swapped in
+    (`specrt.staging.publish`): said before the work, not as "Device or resource busy" after."""
+    real = through_links(out)
+    if real.is_dir() and os.path.ismount(real):
+        raise ExportError(
+            f"{option} {out} is a mount point, which specrt cannot swap a new bundle into (it "
+            f"writes one beside it, then renames it): give a folder inside it, e.g. {out}/bundle"
+        )
 
 
 def _holds(out: Path, path: Path) -> bool:

@@ -21,12 +21,14 @@ from specrt.backends.tensorrt import MISSING, TENSORRT_ENGINE, gpu_identity, pro
 from specrt.bundle import EngineSpec, Manifest, read_manifest, write_manifest
 from specrt.checksums import sha256_file, verify_checksums
 from specrt.errors import ExportError, InvalidInputError
+from specrt.export.destination import refuse_mount_point
 from specrt.staging import publish, staging
 
 
 def build_plans(bundle_dir: str | Path, log=lambda message: None) -> Manifest:
     root = Path(bundle_dir)
     manifest = read_manifest(root)
+    refuse_mount_point(root, "--bundle")
     if manifest.models["draft"].eagle_head:
         raise ExportError(
             "TensorRT plans are not built for a bundle drafted for by an EAGLE head yet; its "
