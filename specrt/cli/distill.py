@@ -187,28 +187,26 @@ def distill(
     heldout = _prompts((), heldout_file) if heldout_file else []
     if steps and not prompts:
         raise click.UsageError(f"{', '.join(map(str, prompt_file))}: no prompts in them")
-    try:
-        settings = DistillSettings(
-            kind=kind,
-            vocab=vocab,
-            layers=layers,
-            max_new_tokens=max_new_tokens,
-            top_k=top_k,
-            chat_template=chat_template,
-            target_precision=target_precision,
-            target_block_size=target_block_size,
-            train=TrainSettings(
-                steps=steps,
-                batch_size=batch_size,
-                seq_len=seq_len,
-                lr=lr,
-                seed=seed,
-                save_every=save_every,
-                bf16=native_bf16() if bf16 is None else bf16,
-            ),
-        )
-    except ExportError as exc:
-        raise click.UsageError(_as_option(click.get_current_context(), exc)) from exc
+    settings = _checked(
+        DistillSettings,
+        kind=kind,
+        vocab=vocab,
+        layers=layers,
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
+        chat_template=chat_template,
+        target_precision=target_precision,
+        target_block_size=target_block_size,
+        train=TrainSettings(
+            steps=steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            lr=lr,
+            seed=seed,
+            save_every=save_every,
+            bf16=native_bf16() if bf16 is None else bf16,
+        ),
+    )
     report = run(
         target,
         out,
@@ -230,3 +228,11 @@ def distill(
             f"{positions}; {after['tokens_per_round']:.2f} tokens per round"
         )
     click.echo(f"{'EAGLE-3 head' if kind == 'eagle3' else 'draft'}: {out}")
+
+
+def _checked(make, **settings):
+    """``make(**settings)``, a bad combination of options a usage error in their words."""
+    try:
+        return make(**settings)
+    except ExportError as exc:
+        raise click.UsageError(_as_option(click.get_current_context(), exc)) from exc
