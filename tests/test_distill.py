@@ -452,3 +452,16 @@ def test_answers_made_in_batches_are_the_answers_made_one_prompt_at_a_time(
         assert one.tokens.tolist() == other.tokens.tolist()
         assert one.top_ids.tolist() == other.top_ids.tolist()
         assert np.allclose(one.top_probs, other.top_probs, atol=1e-5)
+
+
+def test_training_that_diverges_stops_and_replaces_nothing(target, tmp_path):
+    """A learning rate that blows the weights up wrote a draft of NaN weights, exit 0 (the
+    export failed on it later), and replaced a good draft under --force."""
+    out = tmp_path / "draft"
+    assert distill_to(target[0], out).exit_code == 0
+    before = tree(out)
+    args = ["--force", "--prompt-file", str(target[1]), "--max-new-tokens", "8", "--lr", "1e9"]
+    result = distill_to(target[0], out, *args, "--steps", "5", "--save-every", "1")
+    assert result.exit_code == 1 and "training diverged at step" in result.output, result.output
+    assert "lower --lr (it is 1e+09)" in result.output and "Traceback" not in result.output
+    assert tree(out) == before

@@ -20,6 +20,7 @@ import numpy as np
 
 from specrt.distill.data import Example
 from specrt.distill.draft import own_names
+from specrt.errors import ExportError
 
 if TYPE_CHECKING:
     import torch
@@ -170,6 +171,8 @@ def checkpointed_steps(
             group["lr"] = learning_rate(settings, step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
             loss = step_loss(step)
+        if not torch.isfinite(loss):
+            _diverged(settings, step + 1, f"the loss is {float(loss.detach())}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(trained.values()), 1.0)
@@ -179,12 +182,24 @@ def checkpointed_steps(
         bar.update(1)
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
         if step % settings.save_every == 0 or step == settings.steps:
+            # a checkpoint to go on from holds finite weights; so does what is written after
+            if not all(bool(torch.isfinite(p).all()) for p in trained.values()):
+                _diverged(settings, step, "its weights are no longer finite")
             _save(checkpoint, trained, optimizer, step, losses)
     bar.close()
     model.eval()
     for param in trained.values():
         param.requires_grad_(False)
     return losses
+
+
+def _diverged(settings: TrainSettings, step: int, what: str) -> None:
+    """Training that blew up is stopped, and nothing is written from it: a draft of NaN
+    weights exported only to fail there, and replaced a good one under --force."""
+    raise ExportError(
+        f"training diverged at step {step} ({what}): lower --lr (it is {settings.lr:g}) and "
+        "run again; the target's answers are kept"
+    )
 
 
 def _save(path: Path, trained: dict, optimizer, step: int, losses: list[float]) -> None:
