@@ -341,3 +341,32 @@ def test_a_distill_state_folder_gives_its_answers_and_never_its_held_out_ones(
     out = CliRunner().invoke(main, ["corpus", "--bundle", str(copy), "--answers-dir", str(state)])
     assert out.exit_code == 0, out.output
     assert out.output.startswith("corpus of 3 texts, 30 tokens"), out.output
+    # the held-out folder itself is refused, and a folder given twice is read once
+    heldout = ["--answers-dir", str(state / "heldout-abc")]
+    out = CliRunner().invoke(main, ["corpus", "--bundle", str(copy), *heldout])
+    assert out.exit_code == 1 and "answers to the held-out prompts" in out.output, out.output
+    twice = ["--answers-dir", str(state), "--answers-dir", str(state / ".." / state.name)]
+    out = CliRunner().invoke(main, ["corpus", "--bundle", str(copy), *twice])
+    assert out.output.startswith("corpus of 3 texts, 30 tokens"), out.output
+
+
+def test_openai_batch_output_gives_the_texts_of_its_choices(corpus_bundle, tmp_path):
+    """`specrt batch` writes OpenAI's batch output format for OpenAI input lines; their
+    "error": null made every line look like a failed row, and the corpus dropped them all."""
+    bundle, _ = corpus_bundle
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+
+    def line(custom_id, body, status=200, error=None):
+        response = {"status_code": status, "request_id": "req_1", "body": body}
+        return {"id": "batch_req_1", "custom_id": custom_id, "response": response, "error": error}
+
+    completion = {"object": "text_completion", "choices": [{"index": 0, "text": "the cat sat"}]}
+    message = {"role": "assistant", "content": "on the mat"}
+    chat = {"object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+    failed = line("c", {"error": {"message": "x"}}, 400, {"code": "bad", "message": "x"})
+    texts = tmp_path / "out.jsonl"
+    lines = [line("a", completion), line("b", chat), failed]
+    texts.write_text("".join(json.dumps(record) + "\n" for record in lines))
+    out = CliRunner().invoke(main, ["corpus", "--bundle", str(copy), "--text-file", str(texts)])
+    assert out.exit_code == 0 and out.output.startswith("corpus of 2 texts"), out.output

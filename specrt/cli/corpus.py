@@ -13,6 +13,7 @@ import numpy as np
 from specrt import json_text
 from specrt.cli.common import _chat_prompts, _friendly_errors
 from specrt.errors import InvalidInputError
+from specrt.jobs import openai_batch
 from specrt.prompts import read_text
 
 
@@ -25,7 +26,8 @@ from specrt.prompts import read_text
     type=click.Path(path_type=Path),
     help='Text the target wrote (repeatable): a .jsonl file holds {"prompt": ..., '
     '"completion": ...} or {"text": ...} objects, or is `specrt batch` output (its token ids '
-    "are taken); any other file is one text.",
+    "are taken; of OpenAI batch output lines, the texts of their choices); any other file is "
+    "one text.",
 )
 @click.option(
     "--answers-dir",
@@ -78,7 +80,7 @@ def corpus(bundle: Path, text_files: tuple[Path, ...], answer_dirs: tuple[Path, 
                 yield ids + tokenizer.encode(text, add_special_tokens=not prompt)
             if not found:
                 raise InvalidInputError(f"{path} holds no text: give the text the target wrote")
-        for folder in answer_dirs:
+        for folder in dict.fromkeys(path.resolve() for path in answer_dirs):  # each once
             yield from _answers(folder)
 
     table = write_corpus(bundle, documents())
@@ -123,6 +125,9 @@ def _texts(path: Path) -> Iterator[tuple[str, str | None, str | list[int]]]:
         ids = record.get("token_ids")
         if isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids):
             yield where, None, ids
+        elif openai_batch.is_record(record):  # `specrt batch`'s (or OpenAI's) batch output
+            if not openai_batch.failed(record):
+                yield from ((where, None, text) for text in _choice_texts(record))
         elif "error" in record and "id" in record:
             continue  # a `specrt batch` row that could not run: no text
         elif isinstance(record.get("text"), str):
@@ -136,10 +141,29 @@ def _texts(path: Path) -> Iterator[tuple[str, str | None, str | list[int]]]:
             )
 
 
+def _choice_texts(record: dict) -> list[str]:
+    """The texts of an OpenAI batch output line's completion or chat completion."""
+    body = record["response"].get("body")
+    choices = body.get("choices") if isinstance(body, dict) else None
+    texts = []
+    for choice in choices if isinstance(choices, list) else []:
+        choice = choice if isinstance(choice, dict) else {}
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else choice.get("text")
+        if isinstance(text, str):
+            texts.append(text)
+    return texts
+
+
 def _answers(folder: Path) -> Iterator[list[int]]:
     """Each answer of a `specrt distill` answers folder: its prompt's and answer's token ids."""
     if not folder.is_dir():
         raise InvalidInputError(f"answers folder {folder} does not exist or is not a folder")
+    if folder.resolve().name.startswith("heldout-"):
+        raise InvalidInputError(
+            f"{folder} holds the answers to the held-out prompts, which measure a draft and "
+            "are never drafted from: give the state folder or one of its answers-* folders"
+        )
     # a folder of answers, or a state folder holding such folders (never its held-out ones)
     files = sorted(folder.glob("*.npz")) or sorted(folder.glob("answers-*/*.npz"))
     if not files:
