@@ -174,6 +174,8 @@ def test_a_bad_draft_vocabulary_is_one_line_and_writes_nothing(target, tmp_path,
         (["--layers", "2", "--init-from", "OWN"], "pass --layers and --target as it was made"),
         (["--target-precision", "int4"], "use it with --kind eagle3"),
         (["--target-block-size", "64"], "--target-block-size 64 is for a quantised target"),
+        (["--top-k", "100000"], "--top-k 100000 is more than the target's vocabulary"),
+        (["--state-dir", "OUT"], "is or is inside --out"),
         (["--target", "BERT"], "is a BertModel, not a language model"),  # (was transformers')
     ],
 )
@@ -201,7 +203,7 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
         from transformers import BertConfig
 
         BertConfig(architectures=["BertModel"]).save_pretrained(tmp_path / "bert")
-    swap = {"OWN": str(own), "BERT": str(tmp_path / "bert")}
+    swap = {"OWN": str(own), "BERT": str(tmp_path / "bert"), "OUT": str(tmp_path / "out")}
     extra = [swap.get(arg, arg) for arg in extra]
     out = tmp_path / "out"
     args = ["distill", "--target", str(target[0]), "--out", str(out), "--steps", "0", *extra]
@@ -210,7 +212,7 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0
     assert message in result.output and "Traceback" not in result.output
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / ".out.distill").exists()
 
 
 def distill_to(target, out: Path, *extra) -> object:
@@ -465,3 +467,31 @@ def test_training_that_diverges_stops_and_replaces_nothing(target, tmp_path):
     assert result.exit_code == 1 and "training diverged at step" in result.output, result.output
     assert "lower --lr (it is 1e+09)" in result.output and "Traceback" not in result.output
     assert tree(out) == before
+
+
+def test_a_damaged_state_file_is_made_again(target, tmp_path, capsys):
+    """An answer or a training checkpoint cut short (a crash before the disk had it, a full
+    disk) ended the next run in a traceback; it is ours, so it is made again."""
+    out = tmp_path / "draft"
+    assert distill_to(target[0], out, "--heldout-file", str(target[2])).exit_code == 0
+    [answer, *_] = sorted((tmp_path / ".draft.distill").glob("heldout-*/*.npz"))
+    good = dict(np.load(answer))
+    answer.write_bytes(b"garbage")
+    result = distill_to(target[0], out, "--heldout-file", str(target[2]), "--force")
+    assert result.exit_code == 0, result.output
+    again = np.load(answer)  # answered again, as greedy answers the same
+    for name, array in good.items():  # answered alone now, in a batch of three before
+        assert np.allclose(again[name], array, atol=1e-5) and again[name].shape == array.shape
+
+    import torch
+
+    from specrt.distill.train import TrainSettings, checkpointed_steps
+
+    model = torch.nn.Linear(3, 1)
+    checkpoint = tmp_path / "train.pt"
+    checkpoint.write_bytes(b"PK\x03\x04 cut short")
+    step_loss = lambda step: model(torch.ones(1, 3)).pow(2).sum()  # noqa: E731
+    trained = dict(model.named_parameters())
+    losses = checkpointed_steps(model, trained, step_loss, TrainSettings(steps=3), checkpoint)
+    assert len(losses) == 3 and "cannot be read" in capsys.readouterr().err
+    assert torch.load(checkpoint, weights_only=True)["step"] == 3

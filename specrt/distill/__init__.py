@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,11 +84,17 @@ def distill(
 
     started = time.monotonic()
     sources = [target_source, *([init_from] if init_from is not None else [])]
+    if state is not None and Path(os.path.abspath(state)).is_relative_to(os.path.abspath(out)):
+        raise ExportError(
+            f"--state-dir {state} is or is inside --out {out}, which the draft replaces: keep "
+            "the answers elsewhere (the default is beside --out)"
+        )
     check_destination(out, [*sources, *([state] if state is not None else [])], force, *MARK)
     torch.manual_seed(settings.train.seed)
 
     # 1. The target, and the draft cut from it (its own weights from --init-from if given).
     target, tokenizer, identity = _load_target(target_source, out, log)
+    _check_fits(target.config, settings)  # before a state folder is made for it
     if settings.target_precision != "float32":
         from specrt.distill.quantized import quantize_like_engine
 
@@ -99,7 +106,6 @@ def distill(
             f"{settings.target_block_size}), as `specrt export --target-precision` makes them"
         )
     state = state or state_dir(out)
-    state.mkdir(parents=True, exist_ok=True)
     eagle3 = settings.kind == "eagle3"
     if eagle3:
         if not settings.train.steps or init_from is not None:
@@ -113,6 +119,7 @@ def distill(
             f"draft: the target's first {settings.layers} of {target.config.num_hidden_layers} "
             f"layers; progress kept in {state}"
         )
+    state.mkdir(parents=True, exist_ok=True)  # once the settings are known to be sound
 
     # 2. The target's answers to the training and held-out prompts.
     def answers(name: str, texts: list[str], bf16: bool) -> list[data.Example]:
@@ -214,6 +221,20 @@ def _distill_head(target, identity, examples, held, settings, out, log, prompts,
     checkpoint.unlink(missing_ok=True)  # done: the head is written
     log(f"the target's answers and states stay in {state} for another run; remove it when done")
     return report
+
+
+def _check_fits(config, settings: DistillSettings) -> None:
+    """The settings against the target: a mistake found later left its state folder."""
+    from specrt.distill import draft as drafts
+
+    vocab = int(config.vocab_size)
+    if settings.top_k > vocab:
+        raise ExportError(
+            f"--top-k {settings.top_k} is more than the target's vocabulary ({vocab} tokens): "
+            f"give {vocab} or fewer"
+        )
+    if settings.kind != "eagle3":
+        drafts.check_layers(config, settings.layers)
 
 
 def _ours(folder: Path) -> bool:

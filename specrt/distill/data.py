@@ -86,7 +86,7 @@ def answer(
     folders = [folder] + ([exact] if exact is not None and exact != folder else [])
 
     def found(prompt: str) -> Path | None:
-        return next((p for f in folders if (p := _path(f, prompt)).is_file()), None)
+        return next((p for f in folders if readable(p := _path(f, prompt), load)), None)
 
     todo = [index for prompt, index in first.items() if found(prompt) is None]
     ids = {index: prompt_ids(tokenizer, prompts[index], chat_template) for index in todo}
@@ -220,6 +220,19 @@ def _remove_partials(folder: Path) -> None:
         pid = partial.name.rsplit(".", 2)[-2]
         if pid.isdigit() and not _alive(int(pid)):
             partial.unlink(missing_ok=True)
+
+
+def readable(path: Path, read) -> bool:
+    """Whether ``path``, a file of a run's state, is there and ``read`` reads it. One damaged
+    (a crash before the disk had it, a full disk) is removed, to be made again: it is ours."""
+    if not path.is_file():
+        return False
+    try:
+        read(path)
+        return True
+    except Exception:  # numpy's and zipfile's many errors: whatever it is, it is made again
+        path.unlink(missing_ok=True)
+        return False
 
 
 def load(path: Path) -> Example:

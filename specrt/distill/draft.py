@@ -22,16 +22,26 @@ if TYPE_CHECKING:
 OWN_WEIGHTS = "own_weights.safetensors"
 
 
+def check_layers(config, layers: int) -> None:
+    """A draft cut from the target keeps fewer layers than it has, and at least one."""
+    total = int(config.num_hidden_layers)
+    if total < 2:
+        raise ExportError(
+            f"the target has {total} layer: a draft cut from it needs a target of 2 or more "
+            "(train an EAGLE-3 head instead: --kind eagle3)"
+        )
+    if not 1 <= layers < total:
+        raise ExportError(
+            f"--layers {layers}: the draft takes 1 to {total - 1} of the target's {total} layers"
+        )
+
+
 def truncated(target: torch.nn.Module, layers: int) -> torch.nn.Module:
     """A copy of ``target`` with its first ``layers`` decoder layers only (float32, eval)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    total = target.config.num_hidden_layers
-    if not 1 <= layers < total:
-        raise ExportError(
-            f"--layers {layers}: the draft takes 1 to {total - 1} of the target's {total} layers"
-        )
+    check_layers(target.config, layers)
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):  # per-layer kinds (sliding/full): the first ones

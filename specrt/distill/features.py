@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specrt.distill.data import Example, _remove_partials
+from specrt.distill.data import Example, _remove_partials, readable
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +39,11 @@ def states(
     folder.mkdir(parents=True, exist_ok=True)
     _remove_partials(folder)
     paths = [_path(folder, example) for example in examples]
-    todo = {path: example for path, example in zip(paths, examples) if not path.is_file()}
+    todo = {
+        path: example
+        for path, example in zip(paths, examples)
+        if not readable(path, lambda p: np.load(p, mmap_mode="r"))  # a header read, and its size
+    }
     unique = len(set(paths))  # a prompt given twice is one answer
     bar = tqdm(
         total=unique,

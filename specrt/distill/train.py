@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -155,8 +156,8 @@ def checkpointed_steps(
         param.requires_grad_(True)
     optimizer = torch.optim.AdamW(list(trained.values()), lr=settings.lr, weight_decay=0.0)
     step, losses = 0, []
-    if checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=True)
+    state = _load_checkpoint(checkpoint) if checkpoint.is_file() else None
+    if state is not None:
         with torch.no_grad():
             for name, tensor in state["weights"].items():
                 trained[name].copy_(tensor)
@@ -191,6 +192,20 @@ def checkpointed_steps(
     for param in trained.values():
         param.requires_grad_(False)
     return losses
+
+
+def _load_checkpoint(path: Path) -> dict | None:
+    """The state a killed run saved; None where it cannot be read (a crash before the disk had
+    it): training starts over, which loses only what is lost already."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # torch's and pickle's many errors: a damaged file
+        why = type(exc).__name__
+        print(f"{path} cannot be read ({why}): training starts over", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
 
 
 def _diverged(settings: TrainSettings, step: int, what: str) -> None:
