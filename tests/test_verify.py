@@ -188,7 +188,31 @@ def test_samples_in_one_cell_test_nothing_and_are_not_a_pass(demo):
     [law] = [line for line in result.output.splitlines() if line.startswith("sampled law")]
     assert law.endswith(" NOT TESTED") and "sampled law, prompt 1" not in checks(result.output)
     assert "PASS: 2 of 2 checks passed" in result.output
-    assert "1 not tested (too few samples: give more --samples)" in result.output
+    assert "1 not tested (each says why above)" in law + result.output
+    assert "give more --samples" in law
+
+
+@pytest.mark.parametrize("what", ["no drafts", "top-k 1"])
+def test_checks_that_test_nothing_are_not_a_pass(demo, what):
+    """One new token leaves nothing to draft: every check compared the target alone with
+    itself, and the audit said PASS. At top-k 1 the law is one outcome, and more samples,
+    which the message asked for, never help."""
+    if what == "no drafts":
+        result = verify(demo, "--max-new-tokens", "1", "--law-prompts", "0", "--prompt", "x = ")
+        assert result.exit_code == 1 and "NOT TESTED: 0 of 0 checks passed" in result.output
+        assert "nothing speculative is tested" in result.output and " PASS\n" not in result.output
+        return
+    result = verify(demo, "--prompt", "def f", "--samples", "200", "--top-k", "1",
+                    "--max-new-tokens", "8")  # fmt: skip
+    [law] = [line for line in result.output.splitlines() if line.startswith("sampled law")]
+    assert law.endswith(" NOT TESTED") and "top-k 1 leaves one token a step" in law, law
+    assert "give more --samples" not in law and result.exit_code == 0, result.output
+
+
+def test_the_false_alarm_rate_said_is_at_most_one(demo):
+    result = verify(demo, "--prompt", "def f", "--prompt", "import", "--samples", "100",
+                    "--max-new-tokens", "4", "--law-prompts", "2", "--alpha", "0.9")  # fmt: skip
+    assert "together <= 1)" in result.output, result.output  # not 1.8
 
 
 def test_audit_refuses_one_string_for_its_prompts(demo):

@@ -167,11 +167,15 @@ def verify(
     tested = len(results) - untested
     summary = f"{tested - len(failed)} of {tested} checks passed in {seconds:.0f} s"
     if untested:  # said, not counted as passed
-        summary += f", {untested} not tested (too few samples: give more --samples)"
+        summary += f", {untested} not tested (each says why above)"
     if laws:  # each law check fails a correct runtime with probability alpha
-        summary += f" (false-alarm rate of the sampled-law checks together <= {laws * alpha:.2g})"
+        together = min(1.0, laws * alpha)
+        summary += f" (false-alarm rate of the sampled-law checks together <= {together:.2g})"
     if failed:
         click.echo(f"FAIL: {summary}: the output is not the target's with these settings")
+        sys.exit(1)
+    if not tested:  # an audit that tested nothing is no pass
+        click.echo(f"NOT TESTED: {summary}: nothing was audited with these settings")
         sys.exit(1)
     click.echo(f"PASS: {summary}")
 

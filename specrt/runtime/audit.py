@@ -63,7 +63,8 @@ AUDIT_BATCH = 16  # rows per call when `audit` loads the bundle itself
 @dataclass(frozen=True)
 class CheckResult:
     """One check: its name, whether it passed, and what it measured (the numbers).
-    ``tested`` False: its samples could not test anything (one cell), which is no pass."""
+    ``tested`` False: it could not test anything (its samples make one cell, or no draft token
+    was verified), which is no pass."""
 
     name: str
     passed: bool
@@ -172,7 +173,10 @@ def _identity(
         )
         if differ:
             detail += "; " + _first_difference(*differ[0])
-        yield CheckResult(f"{name}, {way}", not differ, detail)
+        # the target alone against itself tests nothing speculative: no pass (a difference
+        # still fails: the runtime is then not even deterministic)
+        tested = bool(differ) or _drafted(results)
+        yield CheckResult(f"{name}, {way}", not differ, detail, tested)
 
 
 def _outputs(
@@ -193,11 +197,18 @@ def _outputs(
     return [results[i] for i in range(len(ids))]
 
 
+def _drafted(results: Sequence[GenerationResult]) -> int:
+    return sum(result.stats.drafted_tokens for result in results)
+
+
 def _drafts(results: Sequence[GenerationResult]) -> str:
-    drafted = sum(result.stats.drafted_tokens for result in results)
+    drafted = _drafted(results)
     accepted = sum(result.stats.accepted_tokens for result in results)
     if not drafted:
-        return "no draft token verified: this audits the target alone"
+        return (
+            "no draft token verified, so nothing speculative is tested: give more "
+            "--max-new-tokens, or a proposer that drafts on these prompts"
+        )
     return f"{accepted} of {drafted} draft tokens kept"
 
 
@@ -248,8 +259,11 @@ def _law(
             f"the {samples} samples of the first two new tokens make one cell of the target's "
             "law (too few to tell laws apart): give more --samples, or another prompt"
         )
+        if config.sampling.top_k == 1:  # one outcome whatever the number of samples
+            detail = "top-k 1 leaves one token a step, a law of one outcome: give a larger --top-k"
         return CheckResult(name, True, detail, tested=False)
-    return CheckResult(name, fit.pvalue >= alpha, detail)
+    passed = fit.pvalue >= alpha  # a failure stands with or without drafts: the sampler's
+    return CheckResult(name, passed, detail, tested=not passed or _drafted(ordered) > 0)
 
 
 def _pair_fit(
