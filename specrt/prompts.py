@@ -31,10 +31,10 @@ ROW_SETTINGS = {
 }  # fmt: skip
 
 
-def read_prompt_file(path: str | Path, chat: bool = False) -> list:
+def read_prompt_file(path: str | Path, chat: bool | None = False) -> list:
     """The prompts of ``path``; `InvalidInputError` naming the file and line for anything else.
     ``chat``: a line may hold ``{"messages": [...]}``, returned as that list (checked when the
-    chat template renders it)."""
+    chat template renders it); None: the command has no --chat to offer."""
     name = str(path)
     lines = read_text(name).splitlines()
     if not name.lower().endswith(".jsonl"):
@@ -52,6 +52,9 @@ def read_prompt_file(path: str | Path, chat: bool = False) -> list:
                 raise InvalidInputError(
                     f"{name}:{number} holds chat messages: add --chat to render them with the "
                     "bundle's chat template"
+                    if chat is not None
+                    else f"{name}:{number} holds chat messages, which this command does not "
+                    'take: write {"prompt": "..."} lines (rendered as a user\'s message)'
                 )
             item = item["messages"]
             if not isinstance(item, list):
@@ -86,7 +89,7 @@ def read_prompt_file(path: str | Path, chat: bool = False) -> list:
 def collect_prompts(
     prompts: Sequence[str] = (),
     prompt_file: str | Path | Sequence[str | Path] | None = None,
-    chat: bool = False,
+    chat: bool | None = False,
 ) -> list:
     """Prompts given one by one, then those of each ``prompt_file`` (one path or several, in
     order); at least one (``chat``: a file's lines may be conversations, see
@@ -122,6 +125,11 @@ def _read_bytes(name: str, what: str = "prompt file") -> bytes:
         raise InvalidInputError(f"cannot read {what} {name}: {exc.strerror}") from exc
 
 
+# Inputs that are archives, not text (their first bytes): named instead of read as bad text.
+COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip"), b"BZh": ("bzip2", "bunzip2"),
+              b"\xfd7zXZ": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}  # fmt: skip
+
+
 def read_text(name: str, what: str = "prompt file") -> str:
     """A text file's content (UTF-8, or UTF-16 with its byte-order mark; "-": stdin), or one
     line saying why it cannot be read as text."""
@@ -134,6 +142,11 @@ def _decode(data: bytes, name: str) -> str:
             return data.decode("utf-16")
         except UnicodeDecodeError as exc:
             raise InvalidInputError(f"{name} is not valid UTF-16 text ({exc.reason})") from exc
+    for magic, (kind, tool) in COMPRESSED.items():
+        if data.startswith(magic):
+            raise InvalidInputError(
+                f"{name} is {kind}-compressed: give the text itself (`{tool} {name}` first)"
+            )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

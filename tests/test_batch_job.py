@@ -458,6 +458,14 @@ def test_openai_lines_specrt_cannot_answer_are_told_why_under_their_own_id(line,
     assert message in row.error and row.id == "c" and row.named and row.openai
 
 
+def test_an_openai_line_without_its_custom_id_is_told_so():
+    from specrt.jobs.rows import row_from_item
+
+    line = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}}
+    row = row_from_item(line, "line 3")
+    assert row.error == 'an OpenAI batch line needs a "custom_id"' and row.id == "line 3"
+
+
 def test_a_repeated_key_keeps_an_openai_line_an_openai_line():
     """One such line switched a whole OpenAI file's output to specrt's records."""
     from specrt.jobs.rows import parse_row

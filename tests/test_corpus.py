@@ -370,3 +370,14 @@ def test_openai_batch_output_gives_the_texts_of_its_choices(corpus_bundle, tmp_p
     texts.write_text("".join(json.dumps(record) + "\n" for record in lines))
     out = CliRunner().invoke(main, ["corpus", "--bundle", str(copy), "--text-file", str(texts)])
     assert out.exit_code == 0 and out.output.startswith("corpus of 2 texts"), out.output
+
+
+def test_a_file_where_the_corpus_folder_goes_is_named(llama_bundle, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, copy)
+    (copy / "corpus").write_text("mine")
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x\n")
+    args = ["corpus", "--bundle", str(copy), "--text-file", str(tmp_path / "t.txt")]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 1 and "is a file where the corpus's folder goes" in out.output
+    assert (copy / "corpus").read_text() == "mine"

@@ -4,6 +4,7 @@ rises), ships as its own weights alone, and exports as the draft of a lossless b
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -176,6 +177,8 @@ def test_a_bad_draft_vocabulary_is_one_line_and_writes_nothing(target, tmp_path,
         (["--target-block-size", "64"], "--target-block-size 64 is for a quantised target"),
         (["--top-k", "100000"], "--top-k 100000 is more than the target's vocabulary"),
         (["--state-dir", "OUT"], "is or is inside --out"),
+        (["--steps", "5", "--prompt-file", "CHATS"], "holds chat messages, which this command"),
+        (["--steps", "5", "--prompt-file", "GZ"], "is gzip-compressed: give the text itself"),
         (["--target", "BERT"], "is a BertModel, not a language model"),  # (was transformers')
     ],
 )
@@ -204,6 +207,9 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
 
         BertConfig(architectures=["BertModel"]).save_pretrained(tmp_path / "bert")
     swap = {"OWN": str(own), "BERT": str(tmp_path / "bert"), "OUT": str(tmp_path / "out")}
+    swap |= {"CHATS": str(tmp_path / "chats.jsonl"), "GZ": str(tmp_path / "prompts.txt.gz")}
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "prompts.txt.gz").write_bytes(gzip.compress(b"hello\n"))
     extra = [swap.get(arg, arg) for arg in extra]
     out = tmp_path / "out"
     args = ["distill", "--target", str(target[0]), "--out", str(out), "--steps", "0", *extra]

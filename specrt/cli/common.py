@@ -137,7 +137,9 @@ def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
     return config
 
 
-def _prompts(prompts: tuple[str, ...], prompt_file: tuple[Path, ...], chat: bool = False) -> list:
+def _prompts(
+    prompts: tuple[str, ...], prompt_file: tuple[Path, ...], chat: bool | None = False
+) -> list:
     try:
         return collect_prompts(prompts, prompt_file, chat)
     except InvalidInputError as exc:

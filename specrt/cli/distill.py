@@ -183,8 +183,8 @@ def distill(
 
     if steps and not prompt_file:
         raise click.UsageError("give --prompt-file (the prompts the target answers), or --steps 0")
-    prompts = [prompt for path in prompt_file for prompt in _prompts((), path)]
-    heldout = _prompts((), heldout_file) if heldout_file else []
+    prompts = [prompt for path in prompt_file for prompt in _prompts((), path, chat=None)]
+    heldout = _prompts((), heldout_file, chat=None) if heldout_file else []
     if steps and not prompts:
         raise click.UsageError(f"{', '.join(map(str, prompt_file))}: no prompts in them")
     settings = _checked(

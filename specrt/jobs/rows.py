@@ -19,6 +19,7 @@ from typing import IO
 
 from specrt.errors import InvalidInputError
 from specrt.openai_shapes import CHAT, COMPLETION, RequestError, read_request
+from specrt.prompts import COMPRESSED
 
 ROW_OPTIONS = (
     "max_new_tokens",
@@ -137,11 +138,6 @@ def input_size(path: Path) -> int | None:
     return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
-# Inputs that are archives, not text (their first bytes): named instead of read as bad lines.
-COMPRESSED = {b"\x1f\x8b": ("gzip", "gunzip"), b"BZh": ("bzip2", "bunzip2"),
-              b"\xfd7zXZ": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd")}  # fmt: skip
-
-
 def parse_row(line: str, fallback_id: str) -> Row:
     """One input line as a `Row`; a line that cannot run keeps an id and says why."""
     try:
@@ -199,6 +195,8 @@ def row_from_item(item: object, fallback_id: str) -> Row:
         item = {key: value for key, value in item.items() if key != "messages"}
     row_id = item.get("id")
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        if "id" not in item and {"method", "url", "body"} & set(item):  # OpenAI's, unnamed
+            return Row(fallback_id, error='an OpenAI batch line needs a "custom_id"', named=False)
         return Row(fallback_id, error='a line needs an "id" (a string or an integer)', named=False)
     # null: the default
     options = {key: item[key] for key in ROW_OPTIONS if item.get(key) is not None}

@@ -179,6 +179,11 @@ class CorpusTable:
         """Write the table (atomically: a reader sees the old file or the new one), bound to
         the tokenizer its token ids belong to."""
         path = Path(path)
+        if path.parent.exists() and not path.parent.is_dir():
+            raise InvalidInputError(
+                f"{path.parent} is a file where the corpus's folder goes: move it away, then "
+                "run again"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".corpus-", suffix=".npz")
         try:
