@@ -179,6 +179,7 @@ def test_a_bad_draft_vocabulary_is_one_line_and_writes_nothing(target, tmp_path,
         (["--state-dir", "OUT"], "is or is inside --out"),
         (["--steps", "5", "--prompt-file", "CHATS"], "holds chat messages, which this command"),
         (["--steps", "5", "--prompt-file", "GZ"], "is gzip-compressed: give the text itself"),
+        (["--heldout-file", "LONG"], "no held-out prompt leaves room for an answer"),
         (["--target", "BERT"], "is a BertModel, not a language model"),  # (was transformers')
     ],
 )
@@ -210,6 +211,8 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
     swap |= {"CHATS": str(tmp_path / "chats.jsonl"), "GZ": str(tmp_path / "prompts.txt.gz")}
     (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (tmp_path / "prompts.txt.gz").write_bytes(gzip.compress(b"hello\n"))
+    swap["LONG"] = str(tmp_path / "long.txt")  # past the tiny target's 128 positions
+    (tmp_path / "long.txt").write_text("the cat sat " * 100 + "\n")
     extra = [swap.get(arg, arg) for arg in extra]
     out = tmp_path / "out"
     args = ["distill", "--target", str(target[0]), "--out", str(out), "--steps", "0", *extra]
@@ -479,11 +482,12 @@ def test_a_damaged_state_file_is_made_again(target, tmp_path, capsys):
     """An answer or a training checkpoint cut short (a crash before the disk had it, a full
     disk) ended the next run in a traceback; it is ours, so it is made again."""
     out = tmp_path / "draft"
-    assert distill_to(target[0], out, "--heldout-file", str(target[2])).exit_code == 0
+    heldout = ["--heldout-file", str(target[2]), "--max-new-tokens", "24"]
+    assert distill_to(target[0], out, *heldout).exit_code == 0
     [answer, *_] = sorted((tmp_path / ".draft.distill").glob("heldout-*/*.npz"))
     good = dict(np.load(answer))
     answer.write_bytes(b"garbage")
-    result = distill_to(target[0], out, "--heldout-file", str(target[2]), "--force")
+    result = distill_to(target[0], out, *heldout, "--force")
     assert result.exit_code == 0, result.output
     again = np.load(answer)  # answered again, as greedy answers the same
     for name, array in good.items():  # answered alone now, in a batch of three before
@@ -501,3 +505,14 @@ def test_a_damaged_state_file_is_made_again(target, tmp_path, capsys):
     losses = checkpointed_steps(model, trained, step_loss, TrainSettings(steps=3), checkpoint)
     assert len(losses) == 3 and "cannot be read" in capsys.readouterr().err
     assert torch.load(checkpoint, weights_only=True)["step"] == 3
+
+
+def test_held_out_prompts_that_are_also_trained_on_are_left_out_of_the_measure(target, tmp_path):
+    """The held-out measure is of text the draft never saw: the same file given for both was
+    measured as if it were held out."""
+    out = tmp_path / "draft"
+    both = ["--prompt-file", str(target[2]), "--heldout-file", str(target[2])]
+    result = distill_to(target[0], out, *both, "--steps", "1", "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.output
+    assert "note: 3 held-out prompt(s) are also training prompts" in result.output
+    assert json.loads((out / "distill_report.json").read_text())["heldout_prompts"] == 0

@@ -83,6 +83,11 @@ def distill(
     from specrt.staging import staging
 
     started = time.monotonic()
+    trained_on = set(prompts) if settings.train.steps else set()
+    if any(prompt in trained_on for prompt in heldout):  # a measure of text it never saw
+        seen = sum(prompt in trained_on for prompt in heldout)
+        heldout = [prompt for prompt in heldout if prompt not in trained_on]
+        log(f"note: {seen} held-out prompt(s) are also training prompts: left out of the measure")
     sources = [target_source, *([init_from] if init_from is not None else [])]
     if state is not None and Path(os.path.abspath(state)).is_relative_to(os.path.abspath(out)):
         raise ExportError(
@@ -95,6 +100,10 @@ def distill(
     # 1. The target, and the draft cut from it (its own weights from --init-from if given).
     target, tokenizer, identity = _load_target(target_source, out, log)
     _check_fits(target.config, settings)  # before a state folder is made for it
+    room = getattr(target.config, "max_position_embeddings", None)
+    if room:  # a prompt and its answer past the target's positions teach nothing it does
+        prompts = _fitting(prompts, "training", tokenizer, room, settings, log)
+        heldout = _fitting(heldout, "held-out", tokenizer, room, settings, log)
     if settings.target_precision != "float32":
         from specrt.distill.quantized import quantize_like_engine
 
@@ -235,6 +244,26 @@ def _check_fits(config, settings: DistillSettings) -> None:
         )
     if settings.kind != "eagle3":
         drafts.check_layers(config, settings.layers)
+
+
+def _fitting(prompts: list[str], what: str, tokenizer, room: int, settings, log) -> list[str]:
+    """The ``prompts`` that leave room in the target's ``room`` positions for their answers."""
+    from specrt.distill.data import prompt_ids
+
+    limit = room - settings.max_new_tokens
+    kept = [p for p in prompts if len(prompt_ids(tokenizer, p, settings.chat_template)) <= limit]
+    if len(kept) < len(prompts):
+        log(
+            f"note: {len(prompts) - len(kept)} {what} prompt(s) and their answers of up to "
+            f"{settings.max_new_tokens} tokens pass the target's {room} positions: left out"
+        )
+    if prompts and not kept:
+        raise ExportError(
+            f"no {what} prompt leaves room for an answer of --max-new-tokens "
+            f"{settings.max_new_tokens} in the target's {room} positions: shorten them, or "
+            "lower --max-new-tokens"
+        )
+    return kept
 
 
 def _ours(folder: Path) -> bool:
