@@ -180,6 +180,7 @@ def test_a_bad_draft_vocabulary_is_one_line_and_writes_nothing(target, tmp_path,
         (["--steps", "5", "--prompt-file", "CHATS"], "holds chat messages, which this command"),
         (["--steps", "5", "--prompt-file", "GZ"], "is gzip-compressed: give the text itself"),
         (["--heldout-file", "LONG"], "no held-out prompt leaves room for an answer"),
+        (["--init-from", "WHOLE"], "is not the own_weights.safetensors `specrt distill` writes"),
         (["--target", "BERT"], "is a BertModel, not a language model"),  # (was transformers')
     ],
 )
@@ -211,6 +212,7 @@ def test_bad_settings_are_one_line_and_write_nothing(target, tmp_path, extra, me
     swap |= {"CHATS": str(tmp_path / "chats.jsonl"), "GZ": str(tmp_path / "prompts.txt.gz")}
     (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (tmp_path / "prompts.txt.gz").write_bytes(gzip.compress(b"hello\n"))
+    swap["WHOLE"] = str(target[0] / "model.safetensors")  # a model's, not a draft's own
     swap["LONG"] = str(tmp_path / "long.txt")  # past the tiny target's 128 positions
     (tmp_path / "long.txt").write_text("the cat sat " * 100 + "\n")
     extra = [swap.get(arg, arg) for arg in extra]

@@ -107,8 +107,13 @@ def load_own(draft: torch.nn.Module, path: Path) -> dict:
     except (OSError, SafetensorError, json.JSONDecodeError) as exc:
         raise ExportError(f"--init-from {path}: not a draft's own weights ({exc})") from exc
     expected = set(own_names(draft))
+    if "layers" not in metadata:  # a model's whole weights, or another tool's file
+        raise ExportError(
+            f"--init-from {path} is not the own_weights.safetensors `specrt distill` writes "
+            "(its metadata names no draft): give that file of a draft folder"
+        )
     if set(tensors) != expected:
-        layers = metadata.get("layers", "?")
+        layers = metadata["layers"]
         raise ExportError(
             f"--init-from {path} holds the own weights of a {layers}-layer draft of another "
             f"model, not of this one cut to {draft.config.num_hidden_layers} layers: pass "
