@@ -64,3 +64,8 @@ def test_bad_stop_strings_are_refused():
         with pytest.raises(InvalidInputError, match="stop"):
             GenerationConfig(stop=bad)
     assert GenerationConfig(stop="\n").stop == ("\n",)
+    # bounded: each is matched at every token, in the loop every row shares
+    for many in (["x"] * 65, ["y" * 4097]):
+        with pytest.raises(InvalidInputError, match="give at most 64 stop strings of 4096"):
+            GenerationConfig(stop=many)
+    assert len(GenerationConfig(stop=["x"] * 64).stop) == 64
