@@ -471,7 +471,10 @@ def test_metrics_fill_every_panel_of_vllms_dashboard(server):
     before = scrape(httpx.get(f"{url}/metrics").text)
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "ignore_eos": True}
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-    after = scrape_counted(url, before["vllm:e2e_request_latency_seconds_count"])
+    after = scrape(httpx.get(f"{url}/metrics").text)  # counted before its reply left
+    assert after["vllm:e2e_request_latency_seconds_count"] == (
+        before["vllm:e2e_request_latency_seconds_count"] + 1
+    )
     names = {name.split("{")[0] for name in after}
     assert not [series for series in DASHBOARD_SERIES if series not in names]
 
@@ -497,6 +500,27 @@ def test_metrics_fill_every_panel_of_vllms_dashboard(server):
     assert grew("vllm:request_inference_time_seconds_sum") == pytest.approx(prefill + decode)
     assert decode == pytest.approx(grew("vllm:inter_token_latency_seconds_sum"))
     assert prefill + decode <= grew("vllm:e2e_request_latency_seconds_sum")
+
+
+def test_metrics_count_every_answer_by_route_and_status(server):
+    """Refused requests (400, 404, 429) were in no metric: only finished ones were counted.
+    As vLLM's ``http_requests_total``, by route, method and status class."""
+    url, _ = server
+    key = 'http_requests_total{handler="%s",method="%s",status="%s"}'
+    before = scrape(httpx.get(f"{url}/metrics").text)
+    good = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=good, timeout=60).status_code == 200
+    for bad in ({**good, "model": "other"}, {**good, "max_tokens": -1}):
+        assert httpx.post(f"{url}/v1/completions", json=bad, timeout=60).status_code // 100 == 4
+    assert httpx.get(f"{url}/no/such/route/42").status_code == 404
+    assert httpx.get(f"{url}/v1/models/tiny").status_code == 200
+    after = scrape(httpx.get(f"{url}/metrics").text)
+    grown = {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith("http_")}
+    assert grown[key % ("/v1/completions", "POST", "2xx")] == 1
+    assert grown[key % ("/v1/completions", "POST", "4xx")] == 2
+    assert grown[key % ("none", "GET", "4xx")] == 1  # not one series per path asked for
+    assert grown[key % ("/v1/models/{name}", "GET", "2xx")] == 1
+    assert grown[key % ("/metrics", "GET", "2xx")] == 1  # the first scrape
 
 
 def test_metrics_gauge_requests_running_and_waiting(server):

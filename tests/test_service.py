@@ -237,6 +237,37 @@ def test_a_full_service_is_overloaded(llama_bundle):
         assert again.result(timeout=30).finish_reason == "length"
 
 
+def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once(llama_bundle):
+    """A server's client that hangs up while its request waits must not keep its place until
+    a slot frees: three such made a live client's request overloaded, and were counted as
+    waiting."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=1)
+    long = GenerationConfig(max_new_tokens=100, num_draft_tokens=2, ignore_eos=True)
+    with Service(generator, max_waiting=2) as service:
+        first = service.submit(PROMPTS[0], long)
+        release = held(first)  # the one slot stays taken until released
+        try:
+            admitted(first)
+            gone = [service.submit(PROMPTS[1], long), service.submit(PROMPTS[2], long)]
+            ended = []
+            gone[0].add_done_callback(ended.append)
+            with pytest.raises(OverloadedError, match="1 requests running and 2 waiting"):
+                service.submit(PROMPTS[3], long)
+            for handle in gone:
+                handle.cancel()
+            # ended now, the slot still taken: not at the next round, nor once a slot frees
+            assert ended == [gone[0]] and service.waiting == 0 and not first.done
+            assert [h.result(timeout=0).finish_reason for h in gone] == ["cancelled"] * 2
+            assert gone[1].result(timeout=0).token_ids == []
+            live = service.submit(PROMPTS[3], GenerationConfig(max_new_tokens=4))
+            assert service.waiting == 1
+        finally:
+            first.cancel()
+            release.set()
+        assert live.result(timeout=30).finish_reason == "length"
+        assert first.result(timeout=30).finish_reason == "cancelled"
+
+
 def test_stop_strings_never_leak_into_the_stream(service, serial):
     for prompt in PROMPTS[:10]:
         full = serial[prompt].text

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from specrt.runtime.batching import Request
@@ -34,6 +35,9 @@ class RequestHandle:
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         self._cancelled = False
+        # Set by the service that queued it: takes it out of the queue (weak, so that a handle
+        # kept by a caller does not keep its service alive)
+        self._withdraw: weakref.WeakMethod | None = None
         self._changed = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._callbacks: list[Callable[[RequestHandle], None]] = []
@@ -71,8 +75,13 @@ class RequestHandle:
             callback(gap)
 
     def cancel(self) -> None:
-        """Stop generating (at the next round boundary); the result keeps what was made."""
+        """Stop generating: a request still waiting for a slot ends now (its place in the queue
+        freed for others), a running one at the next round boundary; the result keeps what
+        was made."""
         self._cancelled = True
+        withdraw = self._withdraw() if self._withdraw is not None else None
+        if withdraw is not None:
+            withdraw(self)
 
     def result(self, timeout: float | None = None) -> GenerationResult:
         """Wait for the request to finish; its result (finish reason "cancelled" if it was).
@@ -193,6 +202,14 @@ class RequestHandle:
                 self._error = error
             if self.done:
                 callbacks, self._callbacks = self._callbacks, []
+        # The done callbacks before the consumers wake: a client that has its answer finds
+        # its request in the metrics.
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a caller's bug must not stop the service
+                log.exception("specrt service: a done callback failed")
+        with self._changed:
             self._changed.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, waiter in waiters:
@@ -200,11 +217,6 @@ class RequestHandle:
                 loop.call_soon_threadsafe(_wake, waiter)
             except RuntimeError:  # its event loop is closed: nobody is waiting there
                 pass
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception:  # a caller's bug must not stop the service
-                log.exception("specrt service: a done callback failed")
 
 
 def _wake(waiter: asyncio.Future) -> None:

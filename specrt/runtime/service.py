@@ -143,15 +143,17 @@ class Service:
         tokenizer = self.generator.tokenizer
         decode = tokenizer.incremental() if tokenizer is not None else _no_text
         handle = RequestHandle(key, request, TextDeltas(decode, config.stop), per_token)
+        handle._withdraw = weakref.WeakMethod(self._withdraw)
         with self._wake:
             if self._closing:
                 raise OverloadedError("the service is shutting down: not accepting requests")
             # Requests queued for the slots free now are not waiting: those past them are.
             free = max(0, self._runner.max_batch - len(self._running))
-            if len(self._waiting) - free >= self.max_waiting:
+            queued = len(self._waiting) - free
+            if queued >= self.max_waiting:
+                running = len(self._running) + min(free, len(self._waiting))
                 raise OverloadedError(
-                    f"overloaded: {self.running} requests running and {len(self._waiting)} "
-                    "waiting; retry later"
+                    f"overloaded: {running} requests running and {queued} waiting; retry later"
                 )
             self._waiting.append(handle)
             self._wake.notify()
@@ -225,6 +227,16 @@ class Service:
         while self._waiting and len(taken) < room:
             taken.append(self._waiting.popleft())
         return taken
+
+    def _withdraw(self, handle: RequestHandle) -> None:
+        """A request cancelled while it waits leaves the queue now, not when a slot frees (its
+        client gone, it must not keep a live one out, nor count as waiting)."""
+        with self._wake:
+            try:
+                self._waiting.remove(handle)
+            except ValueError:  # taken into the batch already: it ends at the next round
+                return
+        handle._finish(_nothing(handle.request, "cancelled"))
 
     def _fail_running(self, exc: SpecrtError) -> None:
         for key in list(self._running):

@@ -252,7 +252,8 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
-    middleware = [Middleware(BearerKey, key=api_key)] if api_key else []
+    middleware = [Middleware(CountAnswers, metrics=metrics)]  # outermost: 401s counted too
+    middleware += [Middleware(BearerKey, key=api_key)] if api_key else []
     handlers = {HTTPException: unknown_route}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
@@ -267,6 +268,26 @@ async def unknown_route(request: Request, exc: HTTPException) -> Response:
     response = error(exc.status_code, message, "invalid_request_error")
     response.headers.update(exc.headers or {})  # a 405's Allow
     return response
+
+
+class CountAnswers:
+    """Counts every HTTP answer by route, method and status class (`Metrics.answered`). Plain
+    ASGI: it only watches the answer's first message, streamed or not."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.answered(scope["path"], scope["method"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 class BearerKey:

@@ -26,6 +26,7 @@ TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 GAP_BUCKETS = (*TOKEN_TIME_BUCKETS, 2.5, 5, 10, 20, 40, 80)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 FINISHED_REASONS = {"cancelled": "abort"}
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class _ForModel:
@@ -71,6 +72,12 @@ class Metrics:
             usage = "Share of the KV cache positions the running requests hold (1: all)"
             gauge(name, usage, lambda: service.cache_usage)
         self.requests = counter("vllm:request_success", "Finished requests", "finished_reason")
+        # vLLM's (its HTTP instrumentator's): every answer by route and status class, so the
+        # refused (400, 429) show beside the finished
+        self.http_requests = counter(
+            "http_requests", "HTTP answers by route, method and status", "handler", "method",
+            "status",
+        )  # fmt: skip
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
         self.drafts = counter(
@@ -202,6 +209,12 @@ class Metrics:
             self.prefill_time.observe(first - started)
             self.decode_time.observe(last - first)
             self.inference_time.observe(last - started)
+
+    def answered(self, path: str, method: str, status: int) -> None:
+        """Count an HTTP answer; a path no route serves is "none" (bounded label values)."""
+        handler = path if path in ROUTES else "/v1/models/{name}" if path.startswith(
+            "/v1/models/") else "none"  # fmt: skip
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
