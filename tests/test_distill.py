@@ -19,12 +19,14 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from specrt.bundle import read_manifest
 from specrt.cli import main
 from specrt.distill import state_dir
 from specrt.export.tiny import CORPUS, make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.tokenizer import VOCAB_FILE, BundleTokenizer, vocab_fingerprint
 from tests.conftest import drafts_keep_the_targets_output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +126,7 @@ def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp
     args = ["export", "--target", str(target[0]), "--draft", str(again), "--out", str(bundle)]
     result = runner.invoke(main, [*args, "--no-portable"])
     assert result.exit_code == 0, result.output
+    answers_are_the_bundles_alone(bundle, state_dir(trained), tmp_path)
     generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
     prompt = [1, 5, 9, 12, 20, 7, 30]
     settings = dict(max_new_tokens=32, ignore_eos=True, proposer="model", draft_schedule="fixed")
@@ -148,6 +151,25 @@ def test_the_own_weights_rebuild_the_draft_and_it_exports_losslessly(target, tmp
     logits = generator.draft.forward(prompt, keep_last=1).logits[-1]
     assert set(np.flatnonzero(logits > -1e29)) == set(proposed)  # the others: never proposed
     drafts_keep_the_targets_output(generator, prompt)
+
+
+def answers_are_the_bundles_alone(bundle: Path, state: Path, tmp_path: Path) -> None:
+    """`specrt corpus` takes the answers distill made for the bundle's target, and refuses
+    those of another target (the demo pair's tokenizer): their ids are other tokens."""
+    [answers] = state.glob("answers-*")
+    assert (answers / VOCAB_FILE).read_text().strip() == BundleTokenizer(
+        bundle / "tokenizer", None
+    ).vocab_fingerprint
+    corpus = ["corpus", "--bundle", str(bundle), "--answers-dir"]
+    result = CliRunner().invoke(main, [*corpus, str(state)])
+    assert result.exit_code == 0 and result.output.startswith("corpus of"), result.output
+    other = tmp_path / "answers-other"
+    shutil.copytree(answers, other)
+    demo = Tokenizer.from_file(str(REPO / "models" / "demo" / "target" / "tokenizer.json"))
+    (other / VOCAB_FILE).write_text(vocab_fingerprint(demo.get_vocab(with_added_tokens=True)))
+    result = CliRunner().invoke(main, [*corpus, str(other)])
+    assert result.exit_code == 1 and "holds answers of another target" in result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from specrt.cli.common import _chat_prompts, _friendly_errors
 from specrt.errors import InvalidInputError
 from specrt.jobs import openai_batch
 from specrt.prompts import read_text
+from specrt.runtime.tokenizer import VOCAB_FILE
 
 
 @click.command()
@@ -81,7 +82,7 @@ def corpus(bundle: Path, text_files: tuple[Path, ...], answer_dirs: tuple[Path, 
             if not found:
                 raise InvalidInputError(f"{path} holds no text: give the text the target wrote")
         for folder in dict.fromkeys(path.resolve() for path in answer_dirs):  # each once
-            yield from _answers(folder)
+            yield from _answers(folder, tokenizer.vocab_fingerprint)
 
     table = write_corpus(bundle, documents())
     click.echo(
@@ -155,8 +156,10 @@ def _choice_texts(record: dict) -> list[str]:
     return texts
 
 
-def _answers(folder: Path) -> Iterator[list[int]]:
-    """Each answer of a `specrt distill` answers folder: its prompt's and answer's token ids."""
+def _answers(folder: Path, vocab: str) -> Iterator[list[int]]:
+    """Each answer of a `specrt distill` answers folder: its prompt's and answer's token ids.
+    ``vocab``: the bundle's `vocab_fingerprint`; answers marked with another are refused (their
+    ids would be another tokenizer's tokens: a corpus that never matches)."""
     if not folder.is_dir():
         raise InvalidInputError(f"answers folder {folder} does not exist or is not a folder")
     if folder.resolve().name.startswith("heldout-"):
@@ -171,6 +174,13 @@ def _answers(folder: Path) -> Iterator[list[int]]:
             f"{folder} holds no answers (.npz files): give a `specrt distill` state folder "
             "(--state-dir) or one of its answers-* folders"
         )
+    for marked in dict.fromkeys(path.parent / VOCAB_FILE for path in files):
+        if marked.is_file() and marked.read_text(errors="replace").strip() != vocab:
+            raise InvalidInputError(
+                f"{marked.parent} holds answers of another target (their tokens are not this "
+                "bundle's tokenizer's): give the answers `specrt distill` made for the "
+                "bundle's target"
+            )
     for path in files:
         try:
             with np.load(path, allow_pickle=False) as data:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from specrt.runtime.tokenizer import VOCAB_FILE, vocab_fingerprint
+
 if TYPE_CHECKING:
     import torch
 
@@ -80,6 +82,7 @@ def answer(
 
     folder.mkdir(parents=True, exist_ok=True)
     _remove_partials(folder)
+    _mark_vocab(folder, vocab_fingerprint(tokenizer.get_vocab()))
     first: dict[str, int] = {}  # a prompt given twice is answered once
     for index, prompt in enumerate(prompts):
         first.setdefault(prompt, index)
@@ -210,6 +213,20 @@ def _save(path: Path, example: Example) -> None:
     with open(partial, "wb") as handle:
         np.savez(handle, **example.__dict__)
     os.replace(partial, path)
+
+
+def _mark_vocab(folder: Path, fingerprint: str) -> None:
+    """Name whose token ids the folder holds, for `specrt corpus --answers-dir` to refuse
+    another target's. A mark only: a folder it cannot be written to is used as it is."""
+    mark = folder / VOCAB_FILE
+    try:
+        if mark.is_file() and mark.read_text().strip() == fingerprint:
+            return
+        partial = mark.with_suffix(".partial")
+        partial.write_text(fingerprint + "\n")
+        os.replace(partial, mark)
+    except OSError:
+        pass
 
 
 def _remove_partials(folder: Path) -> None:

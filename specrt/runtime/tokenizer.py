@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -11,6 +14,15 @@ from tokenizers.decoders import DecodeStream
 
 from specrt.bundle import TokenizerSpec
 from specrt.errors import BundleError, InvalidInputError
+
+VOCAB_FILE = "vocab.sha256"  # beside token ids saved for a tokenizer: `vocab_fingerprint`
+
+
+def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
+    """What tells token ids of one tokenizer from another's: its vocabulary (added tokens
+    included), hashed. transformers' ``get_vocab()`` gives the same for the same tokenizer, so
+    token ids saved by `specrt distill` can be matched to a bundle's."""
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
 
 
 class BundleTokenizer:
@@ -49,6 +61,11 @@ class BundleTokenizer:
         """The most characters of text one token stands for, at most: the longest string of
         the vocabulary (a byte-level token's string has a character per byte of its text)."""
         return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    @functools.cached_property
+    def vocab_fingerprint(self) -> str:
+        """See `vocab_fingerprint`."""
+        return vocab_fingerprint(self._tokenizer.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
