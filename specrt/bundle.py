@@ -291,6 +291,8 @@ def bundle_path(bundle_dir: str | Path) -> Path:
     """``bundle_dir`` as a Path; an empty string refused (`Path("")` is the working dir)."""
     if isinstance(bundle_dir, str) and not bundle_dir.strip():
         raise BundleError("the bundle path is empty: give the bundle's directory")
+    if "\0" in str(bundle_dir):  # no file system takes one; Python's own error names nothing
+        raise BundleError(f"the bundle path {str(bundle_dir)!r} holds a NUL character")
     return Path(bundle_dir)
 
 

@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from specrt.cli import main
-from specrt.errors import InvalidInputError
-from specrt.runtime import SpeculativeGenerator
+from specrt.errors import BundleError, InvalidInputError
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.batching import Request
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +39,17 @@ def test_missing_bundle(tmp_path):
     result = generate(tmp_path / "nope", "--prompt", "x")
     assert result.exit_code == 1
     assert "does not exist" in result.output and "specrt export" in result.output
+    with pytest.raises(BundleError, match="holds a NUL character"):  # Python's ValueError
+        SpeculativeGenerator.from_bundle(f"{tmp_path}/no\0pe")
+
+
+def test_run_takes_an_iterable_of_requests_said_at_the_call(llama_bundle):
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    one = Request("a", [1, 2, 3], GenerationConfig(max_new_tokens=2))
+    for given, name in ((one, "Request"), (None, "NoneType"), (5, "int")):
+        with pytest.raises(InvalidInputError, match=f"iterable of Requests .*not {name}"):
+            generator.run(given)  # not once iterated: TypeError from deep inside
+    assert [key for key, _ in generator.run([one])] == ["a"]
 
 
 @pytest.mark.parametrize(

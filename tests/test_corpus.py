@@ -97,6 +97,8 @@ def test_a_corpus_belongs_to_its_tokenizer_and_a_bad_file_is_named(tmp_path):
         (lambda t: setattr(t, "next_ids", t.next_ids[:2]), "not of one length"),
         (lambda t: setattr(t, "keys", t.keys[::-1].copy()), "not sorted"),
         (lambda t: setattr(t, "counts", t.counts.astype(np.float32)), "not integers"),
+        # a share of 0 / 0 raised ZeroDivisionError mid-generation
+        (lambda t: t.totals.__setitem__(slice(None), 0), "not between 1 and their contexts'"),
     ],
 )
 def test_a_table_edited_by_hand_is_refused_at_load_not_mid_generation(tmp_path, tamper, why):

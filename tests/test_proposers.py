@@ -13,6 +13,7 @@ import pytest
 import specrt.runtime.batching as batching
 import specrt.runtime.planning as planning
 from specrt.backends import Forward, base
+from specrt.errors import InvalidInputError
 from specrt.export import SUPPORTED_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import BatchRunner, Request
@@ -206,6 +207,16 @@ def test_suffix_cache_is_bounded_and_forgets_exactly():
     for document in cache._documents:
         fresh.add(document)
     assert fresh._counts == cache._counts
+
+
+@pytest.mark.parametrize("document", [None, "abc", [-1, 5], [1.5, 2.5], [True, False], 7])
+def test_a_suffix_cache_takes_token_ids_alone(document):
+    """Anything else failed deep inside (None) or was learnt in silence (text, negatives)."""
+    cache = SuffixCache(max_tokens=100, depth=3)
+    with pytest.raises(InvalidInputError, match="a suffix cache learns a list of token ids"):
+        cache.add(document)
+    cache.add(np.array([1, 2, 3, 1, 2, 4]))  # numpy's ids are ids
+    assert len(cache) and cache.propose([1, 2], 1).tokens in ([3], [4])
 
 
 # --- generation: greedy output is the target's, for every proposer --------------------------

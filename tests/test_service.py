@@ -268,6 +268,37 @@ def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once(llama_bundl
         assert first.result(timeout=30).finish_reason == "cancelled"
 
 
+def test_a_done_callback_that_calls_the_generator_is_refused_not_deadlocked(llama_bundle):
+    """The service thread runs done callbacks holding the generator's lock: one that called
+    ``generate`` waited for it forever, and the service with it."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
+    service = Service(generator)  # no `with`: a hung service could not be closed
+    refused = []
+
+    def callback(handle) -> None:
+        try:
+            generator.generate(["x"], GenerationConfig(max_new_tokens=2))
+        except InvalidInputError as exc:
+            refused.append(str(exc))
+
+    first = service.submit(PROMPTS[0], GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    release = held(first)  # the callback is added before the request can end
+    first.add_done_callback(callback)
+    release.set()
+    assert first.result(timeout=30).finish_reason == "length"
+    later = service.submit(PROMPTS[1], GenerationConfig(max_new_tokens=4))
+    assert later.result(timeout=30).finish_reason == "length"  # the service goes on
+    assert refused and "this generator runs a Service" in refused[0]
+    with pytest.raises(InvalidInputError, match="callback must be callable, not int"):
+        later.add_done_callback(5)  # it failed later, on the service's thread
+    with pytest.raises(InvalidInputError, match="callback must be callable"):
+        later.add_gap_callback(None)
+    for wait in (later.result, service.close):  # TypeError from inside threading
+        with pytest.raises(InvalidInputError, match="timeout='a' is a string, not a number"):
+            wait(timeout="a")
+    service.close()
+
+
 def test_stop_strings_never_leak_into_the_stream(service, serial):
     for prompt in PROMPTS[:10]:
         full = serial[prompt].text

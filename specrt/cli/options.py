@@ -18,6 +18,7 @@ from specrt.export.options import (
     TARGET_BLOCK_SIZES,
 )
 from specrt.runtime.config import DRAFT_SCHEDULES, PROPOSERS
+from specrt.runtime.loading import MAX_THREADS_PER_CPU
 from specrt.runtime.lookup import DEFAULT_SUFFIX_TOKENS
 
 ENGINE_OPTION = click.option(
@@ -217,7 +218,6 @@ def _threads(ctx: click.Context, param: click.Parameter, value: int | None) -> i
     return value
 
 
-MAX_THREADS_PER_CPU = 4
 THREADS_TYPE = click.IntRange(min=1)
 
 load_options = _stack(

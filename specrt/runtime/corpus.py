@@ -223,7 +223,7 @@ class CorpusTable:
             _check_arrays(*arrays, depth, vocab)
         except BundleError:
             raise
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        except (OSError, ValueError, TypeError, KeyError, EOFError, zipfile.BadZipFile) as exc:
             why = "not an .npz archive" if "allow_pickle" in str(exc) else str(exc)
             raise BundleError(
                 f"{path} is not a corpus table specrt can read ({why}); build it again: "
@@ -243,6 +243,8 @@ def _check_arrays(keys, next_ids, counts, totals, depth: int, vocab: int | None)
         raise ValueError("its contexts are not sorted")
     if len(keys) and (next_ids.min() < 0 or (vocab is not None and next_ids.max() >= vocab)):
         raise ValueError(f"it proposes token ids outside the vocabulary of {vocab}")
+    if len(keys) and (counts.min() < 1 or np.any(totals < counts)):  # a share: count / total
+        raise ValueError("its counts are not between 1 and their contexts' totals")
 
 
 def write_corpus(bundle_dir: str | Path, documents: Iterable[Sequence[int]]) -> CorpusTable:

@@ -244,6 +244,14 @@ class SpeculativeGenerator:
         ``max_batch`` at a time, finishing out of order (a lone request is a batch of one). A
         row whose logits come out NaN/inf ends alone, as a result with ``error`` set (finish
         reason "error"): the other rows go on."""
+        if isinstance(requests, Request) or not isinstance(requests, Iterable):
+            raise InvalidInputError(
+                f"run() takes an iterable of Requests (a list of one for one), not "
+                f"{type(requests).__name__}"
+            )
+        return self._run(requests)
+
+    def _run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
         with self._owned():
             yield from self.runner().run(map(self._checked, requests))
 
@@ -304,18 +312,21 @@ class SpeculativeGenerator:
                 "stream() or run() holds its rows): read it to the end or "
                 "close() it first"
             )
+        self._refuse_if_serving()  # not waited for: a service's done callback would wait forever
         with self._lock:  # a Service started while this call waited for the lock counts too
-            if self._service is not None and self._service() is not None:
-                raise InvalidInputError(
-                    "this generator runs a Service, whose requests its caches hold: submit "
-                    "this one to the service (service.submit), close it first, or load another "
-                    "generator"
-                )
+            self._refuse_if_serving()
             self._holder = threading.get_ident()
             try:
                 yield
             finally:
                 self._holder = None
+
+    def _refuse_if_serving(self) -> None:
+        if self._service is not None and self._service() is not None:
+            raise InvalidInputError(
+                "this generator runs a Service, whose requests its caches hold: submit this "
+                "one to the service (service.submit), close it first, or load another generator"
+            )
 
     def _serve(self, service: object | None) -> None:
         """Hand the caches to ``service`` (None: back to direct calls); one at a time."""

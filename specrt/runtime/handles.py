@@ -11,9 +11,11 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
+from specrt.errors import InvalidInputError
 from specrt.runtime.batching import Request
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.streaming import TextDeltas
+from specrt.validation import number
 
 log = logging.getLogger("specrt")
 
@@ -58,6 +60,7 @@ class RequestHandle:
     def add_done_callback(self, callback: Callable[[RequestHandle], None]) -> None:
         """Call ``callback(handle)`` when the request ends (finished, cancelled or failed), from
         the service's thread; at once if it has ended."""
+        _callable("callback", callback)
         with self._changed:
             if not self.done:
                 self._callbacks.append(callback)
@@ -68,6 +71,7 @@ class RequestHandle:
         """Call ``callback(seconds)`` for each gap between rounds that give the request
         tokens, as it comes (from the service's thread), so a long request's inter-token
         times are seen while it runs; the gaps before this call are passed at once."""
+        _callable("callback", callback)
         with self._changed:
             self._gap_callbacks.append(callback)
             past = list(self.token_gaps)
@@ -86,6 +90,7 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> GenerationResult:
         """Wait for the request to finish; its result (finish reason "cancelled" if it was).
         A ``timeout`` that passes raises `TimeoutError` and leaves the request running."""
+        timeout = seconds("timeout", timeout)
         with self._changed:
             if not self._changed.wait_for(lambda: self.done, timeout):
                 raise TimeoutError(f"request {self.key} still running after {timeout} s")
@@ -217,6 +222,20 @@ class RequestHandle:
                 loop.call_soon_threadsafe(_wake, waiter)
             except RuntimeError:  # its event loop is closed: nobody is waiting there
                 pass
+
+
+def seconds(name: str, value: object) -> float | None:
+    """A timeout in seconds (None: none), checked where it is given, not deep in `threading`."""
+    return None if value is None else number(name, value, "use seconds >= 0, or None", _positive)
+
+
+def _positive(value: float) -> bool:
+    return value >= 0
+
+
+def _callable(name: str, value: object) -> None:
+    if not callable(value):  # it would fail later, on the service's thread, unseen
+        raise InvalidInputError(f"{name} must be callable, not {type(value).__name__}")
 
 
 def _wake(waiter: asyncio.Future) -> None:

@@ -42,6 +42,8 @@ from specrt.validation import flag, integer
 
 log = logging.getLogger("specrt")
 
+MAX_THREADS_PER_CPU = 4  # threads a CPU takes at most (`load_pair`, the CLI's --threads)
+
 
 @dataclass
 class ModelPair:
@@ -81,9 +83,15 @@ def load_pair(
     hybrid then draft from where a row's own text has no match."""
     if max_length is not None:
         max_length = integer("max_length", max_length, 2, rule="use an integer >= 2, or None")
+    # onnxruntime starts every thread: thousands asked for by mistake hang the session's start
+    cpus = os.cpu_count() or 1
+    most = MAX_THREADS_PER_CPU * cpus
+    machine = f"this machine has {cpus} CPUs; one a CPU is usually fastest"
     if threads is not None:
-        threads = integer("threads", threads, 1, rule="use an integer >= 1, or None: all cores")
-    draft_threads = integer("draft_threads", draft_threads, 1)
+        rule = f"use 1 to {most} ({machine}), or None: all of them"
+        threads = integer("threads", threads, 1, most, rule=rule)
+    rule = f"use 1 to {most} ({machine})"
+    draft_threads = integer("draft_threads", draft_threads, 1, most, rule=rule)
     max_batch = integer("max_batch", max_batch, 1, rule="use an integer >= 1")
     flag("check_files", check_files)
     flag("corpus", corpus)

@@ -13,11 +13,15 @@ probability p(x)), at the cost of a dictionary lookup per token instead of a mod
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from specrt.errors import InvalidInputError
 from specrt.validation import integer
 
 DEFAULT_MIN_NGRAM = 1
@@ -161,7 +165,17 @@ class SuffixCache:
 
     def add(self, document: Sequence[int]) -> None:
         """Learn a document (a prompt and its output); forget the oldest past ``max_tokens``."""
-        document = tuple(document[-self.max_tokens :])
+        if isinstance(document, np.ndarray) and document.ndim == 1:
+            document = document.tolist()
+        if (
+            not isinstance(document, Sequence)
+            or isinstance(document, (str, bytes))
+            or not all(_token_id(t) for t in document)
+        ):
+            raise InvalidInputError(
+                f"a suffix cache learns a list of token ids (integers >= 0), not {document!r:.60}"
+            )
+        document = tuple(int(t) for t in document[-self.max_tokens :])
         if len(document) < 2:
             return
         self._count(document, +1)
@@ -214,3 +228,7 @@ class SuffixCache:
         for key, seen in self._counts.items():
             size += sys.getsizeof(key) + sys.getsizeof(seen)
         return size + sum(sys.getsizeof(document) for document in self._documents)
+
+
+def _token_id(token: object) -> bool:
+    return isinstance(token, numbers.Integral) and not isinstance(token, bool) and token >= 0

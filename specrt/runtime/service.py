@@ -34,7 +34,7 @@ from specrt.errors import InvalidInputError, NumericalError, OverloadedError, Sp
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import Prompt, SpeculativeGenerator
-from specrt.runtime.handles import RequestHandle
+from specrt.runtime.handles import RequestHandle, seconds
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.streaming import TextDeltas
 from specrt.validation import flag, integer
@@ -172,6 +172,7 @@ class Service:
         seconds, after which they are cancelled), then stop the thread. From a done callback
         (the service's own thread) it returns at once: the thread stops, and lets go of the
         generator, once the requests left are done."""
+        timeout = seconds("timeout", timeout)
         with self._wake:
             self._closing = True
             self._wake.notify()
