@@ -44,6 +44,11 @@ class OverloadedError(SpecrtError):
     """The service's batch and its waiting queue are full: retry later."""
 
 
+class ServiceClosedError(OverloadedError):
+    """The service is closed or closing: a retry on it never succeeds (an `OverloadedError`,
+    as it was before it had a class of its own; the server answers it 503, not 429)."""
+
+
 _OS_ADVICE = {
     errno.ENOSPC: "free some space, or write somewhere else",
     errno.EDQUOT: "free some space, or write somewhere else",

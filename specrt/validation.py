@@ -39,6 +39,8 @@ def _kind(value: object) -> str:
         if isinstance(value, float):  # 3.0 too: JSON and Python tell it from 3
             return "a decimal number" if math.isfinite(value) else "not a finite number"
         return "a number"
+    if type(value).__module__ == "numpy":  # np.True_ is a "bool" by name: "a bool, not a boolean"
+        return f"numpy's {type(value).__name__}"
     return f"a {type(value).__name__}"
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from specrt.errors import InvalidInputError, OverloadedError, SpecrtError
+from specrt.errors import InvalidInputError, OverloadedError, ServiceClosedError, SpecrtError
 from specrt.export.tiny import make_tokenizer
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.service import Service
@@ -222,7 +222,7 @@ def test_a_full_service_is_overloaded(llama_bundle):
         queued.cancel()
         release.set()
         assert queued.result(timeout=30).finish_reason == "cancelled"
-    with pytest.raises(OverloadedError, match="shutting down"):
+    with pytest.raises(ServiceClosedError, match="shutting down or closed: it takes no more"):
         service.submit(PROMPTS[0], long)
     with Service(generator, max_waiting=0) as service:  # no queue: only a free slot takes one
         first = service.submit(PROMPTS[0], long)

@@ -30,7 +30,13 @@ import numpy as np
 
 from specrt.backends import RowsDecoder
 from specrt.backends.portable import PortableDecoder
-from specrt.errors import InvalidInputError, NumericalError, OverloadedError, SpecrtError
+from specrt.errors import (
+    InvalidInputError,
+    NumericalError,
+    OverloadedError,
+    ServiceClosedError,
+    SpecrtError,
+)
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import Prompt, SpeculativeGenerator
@@ -146,7 +152,10 @@ class Service:
         handle._withdraw = weakref.WeakMethod(self._withdraw)
         with self._wake:
             if self._closing:
-                raise OverloadedError("the service is shutting down: not accepting requests")
+                raise ServiceClosedError(
+                    "the service is shutting down or closed: it takes no more requests (start "
+                    "a new Service on the generator)"
+                )
             # Requests queued for the slots free now are not waiting: those past them are.
             free = max(0, self._runner.max_batch - len(self._running))
             queued = len(self._waiting) - free

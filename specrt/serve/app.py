@@ -26,7 +26,13 @@ from starlette.routing import Route
 
 from specrt import openai_shapes as shapes
 from specrt.chat import ChatTemplate, ChatTemplateError
-from specrt.errors import InvalidInputError, OverloadedError, PromptTooLongError, SpecrtError
+from specrt.errors import (
+    InvalidInputError,
+    OverloadedError,
+    PromptTooLongError,
+    ServiceClosedError,
+    SpecrtError,
+)
 from specrt.openai_shapes import (
     CHAT,
     COMPLETION,
@@ -117,6 +123,9 @@ def create_app(
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
             param = "messages" if kind == CHAT else "prompt"
             return error(400, str(exc), "invalid_request_error", param, "context_length_exceeded")
+        except ServiceClosedError:  # a retry here never succeeds: another replica may
+            message = "the server is shutting down: it takes no more requests"
+            return error(503, message, "service_unavailable_error")
         except OverloadedError as exc:
             return error(429, str(exc), "overloaded_error")
         except InvalidInputError as exc:  # a field out of range: named as the body named it
