@@ -35,6 +35,7 @@ _API = {
     "PromptTooLongError": "specrt.errors",
     "NumericalError": "specrt.errors",
     "OverloadedError": "specrt.errors",
+    "ServiceClosedError": "specrt.errors",
 }
 __all__ = ["__version__", *_API]
 
