@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,3 +130,13 @@ def verify_checksums(manifest: Manifest, root: str | Path) -> None:
         raise BundleError(
             f"{tok} does not match its sha256 in the manifest; re-export or re-copy the bundle"
         )
+
+
+VOCAB_FILE = "vocab.sha256"  # beside token ids saved for a tokenizer: `vocab_fingerprint`
+
+
+def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
+    """What tells token ids of one tokenizer from another's: its vocabulary (added tokens
+    included), hashed. transformers' ``get_vocab()`` gives the same for the same tokenizer, so
+    token ids saved by `specrt distill` can be matched to a bundle's."""
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]

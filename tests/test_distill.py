@@ -22,11 +22,12 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from specrt.bundle import read_manifest
+from specrt.checksums import VOCAB_FILE, vocab_fingerprint
 from specrt.cli import main
 from specrt.distill import state_dir
 from specrt.export.tiny import CORPUS, make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
-from specrt.runtime.tokenizer import VOCAB_FILE, BundleTokenizer, vocab_fingerprint
+from specrt.runtime.tokenizer import BundleTokenizer
 from tests.conftest import drafts_keep_the_targets_output
 
 REPO = Path(__file__).resolve().parents[1]

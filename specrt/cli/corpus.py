@@ -11,11 +11,11 @@ import click
 import numpy as np
 
 from specrt import json_text
+from specrt.checksums import VOCAB_FILE
 from specrt.cli.common import _chat_prompts, _friendly_errors
 from specrt.errors import InvalidInputError
 from specrt.jobs import openai_batch
 from specrt.prompts import read_text
-from specrt.runtime.tokenizer import VOCAB_FILE
 
 
 @click.command()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specrt.runtime.tokenizer import VOCAB_FILE, vocab_fingerprint
+from specrt.checksums import VOCAB_FILE, vocab_fingerprint
 
 if TYPE_CHECKING:
     import torch

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from specrt.bundle import TokenizerSpec
+from specrt.checksums import vocab_fingerprint
 from specrt.errors import BundleError, InvalidInputError
-
-VOCAB_FILE = "vocab.sha256"  # beside token ids saved for a tokenizer: `vocab_fingerprint`
-
-
-def vocab_fingerprint(vocab: Mapping[str, int]) -> str:
-    """What tells token ids of one tokenizer from another's: its vocabulary (added tokens
-    included), hashed. transformers' ``get_vocab()`` gives the same for the same tokenizer, so
-    token ids saved by `specrt distill` can be matched to a bundle's."""
-    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
 
 
 class BundleTokenizer:
