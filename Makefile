@@ -69,17 +69,25 @@ build/smollm2-head/model.safetensors: build/smollm2-draft/own_weights.safetensor
 
 # Each bundle gets a corpus of the target's answers to the training prompts (what distilling
 # wrote): prompt lookup and the hybrid draft from it where a row's own text has no match.
-engines-real: install build/smollm2-draft/own_weights.safetensors build/smollm2-head/model.safetensors
-	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2 --force
-	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out engines/smollm2-int4 \
-		--target-precision int4 --no-portable --force
-	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head --out engines/smollm2-eagle \
-		--force
-	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head \
-		--out engines/smollm2-eagle-int4 --target-precision int4 --no-portable --force
-	for bundle in smollm2 smollm2-int4 smollm2-eagle smollm2-eagle-int4; do \
-		$(SPECRT) corpus --bundle engines/$$bundle --answers-dir build/.smollm2-draft.distill \
-		|| exit 1; done
+# Each bundle is made again only when what it is made from changed (its draft or head, the
+# engine's builder); `make bench-real` then starts at once.
+REAL_BUNDLES := engines/smollm2 engines/smollm2-int4 engines/smollm2-eagle engines/smollm2-eagle-int4
+REAL_BUILDER := $(SMOLLM2) $(wildcard specrt/export/ort_*.py)
+INT4 := --target-precision int4 --no-portable
+
+engines-real: install $(REAL_BUNDLES:%=%/corpus/ngrams.npz)
+
+engines/smollm2/manifest.json: build/smollm2-draft/own_weights.safetensors $(REAL_BUILDER)
+	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out $(@D) --force
+engines/smollm2-int4/manifest.json: build/smollm2-draft/own_weights.safetensors $(REAL_BUILDER)
+	$(SPECRT) export --target $(SMOLLM2) --draft build/smollm2-draft --out $(@D) $(INT4) --force
+engines/smollm2-eagle/manifest.json: build/smollm2-head/model.safetensors $(REAL_BUILDER)
+	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head --out $(@D) --force
+engines/smollm2-eagle-int4/manifest.json: build/smollm2-head/model.safetensors $(REAL_BUILDER)
+	$(SPECRT) export --target $(SMOLLM2) --eagle build/smollm2-head --out $(@D) $(INT4) --force
+
+$(REAL_BUNDLES:%=%/corpus/ngrams.npz): %/corpus/ngrams.npz: %/manifest.json
+	$(SPECRT) corpus --bundle $* --answers-dir build/.smollm2-draft.distill
 
 demo: engines
 	$(SPECRT) generate --bundle $(DEMO_BUNDLE) --prompt "$$(printf '%b' "$$PROMPT")" --max-new-tokens 96 --compare
