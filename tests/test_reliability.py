@@ -559,7 +559,7 @@ def test_python_api_arguments_of_the_wrong_kind_are_refused_up_front(llama_bundl
     for prompt, error, message in [
         ([], InvalidInputError, "non-empty list of token ids"),
         ([5, 10**6], InvalidInputError, "outside the vocabulary"),
-        ([5] * 300, PromptTooLongError, "request 'k''s prompt has 300 tokens"),
+        ([5] * 300, PromptTooLongError, "the prompt of request 'k' has 300 tokens"),
     ]:
         with pytest.raises(error, match=re.escape(message)):
             list(generator.run([Request("k", prompt, config, row_rng(config, 0))]))

@@ -297,7 +297,7 @@ class SpeculativeGenerator:
                 f"[0, {self.target.vocab_size})"
             )
         if len(ids) >= self.target.max_positions:
-            raise PromptTooLongError(self._too_long(f"{name}'s prompt", len(ids)))
+            raise PromptTooLongError(self._too_long(f"the prompt of {name}", len(ids)))
         return request
 
     @contextlib.contextmanager
