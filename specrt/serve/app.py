@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from specrt import openai_shapes as shapes
 from specrt.chat import ChatTemplate, ChatTemplateError
@@ -261,7 +261,8 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
-    middleware = [Middleware(CountAnswers, metrics=metrics)]  # outermost: 401s counted too
+    # outermost: 401s counted too
+    middleware = [Middleware(CountAnswers, metrics=metrics, routes=routes)]
     middleware += [Middleware(BearerKey, key=api_key)] if api_key else []
     handlers = {HTTPException: unknown_route}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
@@ -280,20 +281,23 @@ async def unknown_route(request: Request, exc: HTTPException) -> Response:
 
 
 class CountAnswers:
-    """Counts every HTTP answer by route, method and status class (`Metrics.answered`). Plain
-    ASGI: it only watches the answer's first message, streamed or not."""
+    """Counts every HTTP answer by route, method and status class (`Metrics.answered`), the
+    route named by its path template as vLLM's instrumentator names it. Plain ASGI: it only
+    watches the answer's first message, streamed or not."""
 
-    def __init__(self, app, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: Metrics, routes: list[Route]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # a route that matches but for the method (a 405) names it too
+        handler = next((r.path for r in self.routes if r.matches(scope)[0] != Match.NONE), "none")
 
         async def counted(message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.answered(scope["path"], scope["method"], message["status"])
+                self.metrics.answered(handler, scope["method"], message["status"])
             await send(message)
 
         await self.app(scope, receive, counted)

@@ -26,7 +26,6 @@ TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 GAP_BUCKETS = (*TOKEN_TIME_BUCKETS, 2.5, 5, 10, 20, 40, 80)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 FINISHED_REASONS = {"cancelled": "abort"}
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class _ForModel:
@@ -210,10 +209,9 @@ class Metrics:
             self.decode_time.observe(last - first)
             self.inference_time.observe(last - started)
 
-    def answered(self, path: str, method: str, status: int) -> None:
-        """Count an HTTP answer; a path no route serves is "none" (bounded label values)."""
-        handler = path if path in ROUTES else "/v1/models/{name}" if path.startswith(
-            "/v1/models/") else "none"  # fmt: skip
+    def answered(self, handler: str, method: str, status: int) -> None:
+        """Count an HTTP answer: ``handler``, the route's path ("none" where no route serves
+        it, so that the label's values stay bounded)."""
         self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
 
     def exposition(self) -> tuple[bytes, str]:
