@@ -541,3 +541,59 @@ def test_held_out_prompts_that_are_also_trained_on_are_left_out_of_the_measure(t
     assert result.exit_code == 0, result.output
     assert "note: 3 held-out prompt(s) are also training prompts" in result.output
     assert json.loads((out / "distill_report.json").read_text())["heldout_prompts"] == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_the_loss_over_the_proposed_tokens_is_the_loss_of_the_draft_s_own_forward(
+    target, tmp_path, family
+):
+    """The draft trains on the tokens it will propose, its output layer computed for them
+    alone: the loss and its gradients are those of its own forward's logits restricted to
+    them (the target's share renormalised over them). Gemma 2 caps its logits, so it is scored
+    through its forward (the shortcut would train another draft)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrt.distill import data, train
+    from specrt.distill import draft as drafts
+
+    model_dir, _ = make_tiny_pair(
+        family, tmp_path / "pair", seed=3, config={"num_hidden_layers": 2}
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = data.answer(
+        model, tokenizer, sorted(prompts_of(target[1]))[:8], tmp_path / "a", 16, 8, progress=False
+    )
+    draft = drafts.truncated(model, 1)
+    vocab = int(model.config.vocab_size)
+    settings = train.TrainSettings(batch_size=4, seq_len=40)
+    ids, mask, (rows, cols), top_ids, top_probs = train.batch(examples, settings, 0)
+    proposed = np.random.default_rng(0).permutation(vocab)[: vocab // 2]
+    proposed = np.setdiff1d(proposed, top_ids[0].numpy())  # a position with none of its tokens
+    sample = torch.from_numpy(examples[0].prompt.astype(np.int64))[None]
+    scorer = train.Scorer(draft, proposed, sample)
+    assert (scorer.rows is None) == (family == "gemma2")
+
+    logits = draft(input_ids=ids, attention_mask=mask).logits[rows, cols][:, proposed]
+    where = {int(token): i for i, token in enumerate(proposed)}
+    index = torch.tensor([[where.get(int(t), -1) for t in row] for row in top_ids])
+    share = top_probs * (index >= 0)
+    usable = share.sum(-1) > 0
+    assert 0 < int(usable.sum()) < len(usable)
+    log_q = torch.log_softmax(logits[usable], -1).gather(-1, index[usable].clamp(0))
+    share = share[usable] / share[usable].sum(-1, keepdim=True)
+    expected = -(share * log_q).sum(-1).mean()
+    params = dict(draft.named_parameters())
+    own = [params[name] for name in drafts.own_names(draft)]  # what training changes
+    reference = torch.autograd.grad(expected, own)
+
+    loss = train.loss_of(scorer, examples, settings, 0)
+    if family == "gemma2":  # over the whole vocabulary, as its forward gives it
+        full = draft(input_ids=ids, attention_mask=mask).logits[rows, cols]
+        whole = torch.log_softmax(full, -1).gather(-1, top_ids)
+        assert torch.allclose(loss, -(top_probs * whole).sum(-1).mean(), atol=1e-5)
+        return
+    assert torch.allclose(loss, expected, atol=1e-5), (float(loss), float(expected))
+    for one, other in zip(torch.autograd.grad(loss, own), reference):
+        assert torch.allclose(one, other, atol=1e-6)

@@ -169,9 +169,10 @@ def distill(
         train_key = _key(
             identity, prompts, settings.layers, init_key, settings.max_new_tokens,
             settings.top_k, settings.train.as_dict(), *_plain(settings),
+            None if proposed is None else ("scored over", len(proposed)),
         )  # fmt: skip
         checkpoint = state / f"train-{train_key}.pt"
-        losses = train.train(draft, examples, settings.train, checkpoint, progress)
+        losses = train.train(draft, examples, settings.train, checkpoint, progress, proposed)
     drafts.round_own(draft)
     after = acceptance.report(draft, held, k, proposed) if held else None
 

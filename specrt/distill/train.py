@@ -1,8 +1,9 @@
 """Training the draft on the target's answers, resumable after a kill.
 
 The loss is the cross-entropy of the draft's next-token distribution against the target's
-top-k probabilities (renormalised), at every answer position. Only the draft's own weights
-(`draft.own_names`) train. The batch of step ``s`` is drawn by a generator seeded with
+top-k probabilities (renormalised), at every answer position, over the tokens the draft will
+propose (its reduced vocabulary, as its engine's softmax is: see `Scorer`). Only the draft's
+own weights (`draft.own_names`) train. The batch of step ``s`` is drawn by a generator seeded with
 ``(seed, s)`` and the learning rate is a function of ``s``: a run resumed from the checkpoint
 of step ``s`` goes on exactly as the uninterrupted run would have.
 """
@@ -108,13 +109,70 @@ def batch(examples: list[Example], settings: TrainSettings, step: int):
     )
 
 
-def loss_of(draft: torch.nn.Module, examples: list[Example], settings, step: int):
-    import torch
+class Scorer:
+    """The draft's log-probabilities at the answer positions, over the tokens it proposes.
 
+    The output layer is most of a small draft's work (SmolLM2's 49152 rows against 4 layers):
+    where the draft's logits are its output layer on its last hidden state, only the proposed
+    rows are computed, and only at the answer positions. A family that scales or caps its
+    logits (Gemma 2) is scored through its own forward over the whole vocabulary.
+    """
+
+    def __init__(self, draft: torch.nn.Module, proposed: np.ndarray | None, sample) -> None:
+        import torch
+
+        self.draft = draft
+        vocab = draft.get_output_embeddings().weight.shape[0]
+        self.rows = None
+        if proposed is not None and self._logits_are_head(sample):
+            picked = torch.from_numpy(np.asarray(proposed, np.int64))
+            head = draft.get_output_embeddings()
+            self.rows = head.weight.detach()[picked]
+            self.bias = None if head.bias is None else head.bias.detach()[picked]
+            self.index = torch.full((vocab,), -1, dtype=torch.long)
+            self.index[picked] = torch.arange(len(picked))
+
+    def _logits_are_head(self, sample) -> bool:
+        import torch
+
+        config = self.draft.config
+        # caps and scales small logits leave almost as they are: known by name, not by numbers
+        if getattr(config, "final_logit_softcapping", None) or any(
+            getattr(config, name, 1.0) not in (None, 1.0)
+            for name in ("logit_scale", "logits_scaling")
+        ):
+            return False
+        with torch.no_grad():
+            logits = self.draft(input_ids=sample).logits
+            hidden = self.draft.base_model(input_ids=sample).last_hidden_state
+            fast = self.draft.get_output_embeddings()(hidden)
+        return bool(torch.allclose(fast, logits, rtol=1e-4, atol=1e-4))
+
+    def loss(self, ids, mask, rows, cols, top_ids, top_probs):
+        """Cross-entropy against the target's top tokens at (rows, cols); the tokens the draft
+        cannot propose are left out of the target's share (renormalised over the rest)."""
+        import torch
+
+        if self.rows is None:
+            logits = self.draft(input_ids=ids, attention_mask=mask).logits[rows, cols]
+            log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, top_ids)
+            return -(top_probs * log_q).sum(-1).mean()
+        picked = self.index[top_ids]  # (answers, k): -1 where the draft has no such token
+        probs = top_probs * (picked >= 0)
+        usable = probs.sum(-1) > 0
+        hidden = self.draft.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = hidden[rows[usable], cols[usable]]  # (usable answers, hidden)
+        if not len(hidden):  # nothing the draft proposes: a step that changes nothing
+            return hidden.sum() * 0.0
+        logits = torch.nn.functional.linear(hidden, self.rows, self.bias)
+        log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, picked[usable].clamp(0))
+        p = probs[usable] / probs[usable].sum(-1, keepdim=True)
+        return -(p * log_q).sum(-1).mean()
+
+
+def loss_of(scorer: Scorer, examples: list[Example], settings, step: int):
     ids, mask, (rows, cols), top_ids, top_probs = batch(examples, settings, step)
-    logits = draft(input_ids=ids, attention_mask=mask).logits[rows, cols]  # (answers, vocab)
-    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, top_ids)  # (answers, k)
-    return -(top_probs * log_q).sum(-1).mean()
+    return scorer.loss(ids, mask, rows, cols, top_ids, top_probs)
 
 
 def train(
@@ -123,15 +181,21 @@ def train(
     settings: TrainSettings,
     checkpoint: Path,
     progress: bool = True,
+    proposed: np.ndarray | None = None,
 ) -> list[float]:
     """Train ``draft``'s own weights in place for ``settings.steps`` steps (see
-    `checkpointed_steps`); the loss of every step."""
+    `checkpointed_steps`); ``proposed``: the tokens its engine proposes (all: None); the loss
+    of every step."""
+    import torch
+
     params = dict(draft.named_parameters())
     own = own_names(draft)
+    sample = torch.from_numpy(examples[0].prompt[:16].astype(np.int64))[None]
+    scorer = Scorer(draft, proposed, sample)
     for name, param in params.items():
         param.requires_grad_(name in own)
     trained = {name: params[name] for name in own}
-    step_loss = lambda step: loss_of(draft, examples, settings, step)  # noqa: E731
+    step_loss = lambda step: loss_of(scorer, examples, settings, step)  # noqa: E731
     losses = checkpointed_steps(draft, trained, step_loss, settings, checkpoint, progress)
     for param in params.values():
         param.requires_grad_(False)
