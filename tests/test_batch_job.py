@@ -411,6 +411,17 @@ def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_for
     assert row_from_item(line, "line 3").error == "max_tokens=0: use an integer >= 1"
 
 
+def test_our_lines_take_openai_s_max_tokens_as_max_new_tokens():
+    """A line written for OpenAI's API says max_tokens: it was refused as an unknown field."""
+    from specrt.jobs.rows import row_from_item
+
+    row = row_from_item({"id": 1, "prompt": "a", "max_tokens": 5}, "line 1")
+    assert row.error is None and row.options == {"max_new_tokens": 5}
+    row = row_from_item({"id": 2, "prompt": "a", "max_tokens": 5, "max_new_tokens": 5}, "line 2")
+    assert row.error == 'a line gives "max_new_tokens" or "max_tokens" (its OpenAI name), not both'
+    assert row.id == 2
+
+
 @pytest.mark.parametrize(
     "line, options, prompt",
     [

@@ -193,6 +193,9 @@ def row_from_item(item: object, fallback_id: str) -> Row:
         return openai_row(item, fallback_id)
     if "messages" in item and item["messages"] is None:  # null: not given, as for settings
         item = {key: value for key, value in item.items() if key != "messages"}
+    both = "max_tokens" in item and "max_new_tokens" in item
+    if "max_tokens" in item and not both:  # OpenAI's name for it, which its users write first
+        item = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in item.items()}
     row_id = item.get("id")
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         if "id" not in item and {"method", "url", "body"} & set(item):  # OpenAI's, unnamed
@@ -202,8 +205,10 @@ def row_from_item(item: object, fallback_id: str) -> Row:
     options = {key: item[key] for key in ROW_OPTIONS if item.get(key) is not None}
     prompt = item.get("prompt")
     row = Row(row_id, prompt if isinstance(prompt, str) else None, options)
-    extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt", "messages"})
-    if extra:
+    extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt", "messages", "max_tokens"})
+    if both:
+        row.error = 'a line gives "max_new_tokens" or "max_tokens" (its OpenAI name), not both'
+    elif extra:
         known = ", ".join(["prompt", "messages", *ROW_OPTIONS])
         row.error = f"unknown field(s) {extra}; known: {known}"
     elif "prompt" in item and "messages" in item:
