@@ -25,7 +25,7 @@ import numpy as np
 
 from specrt.bundle import EAGLE3_ARCHITECTURE
 from specrt.distill.data import Example, most_used
-from specrt.distill.train import TrainSettings, batch, checkpointed_steps
+from specrt.distill.train import TrainSettings, batch, checkpointed_steps, soft_cross_entropy
 from specrt.distill.train import spans as train_spans
 
 if TYPE_CHECKING:
@@ -114,9 +114,8 @@ def head_loss(
         usable = (base >= 0) & (probs.sum(-1) > 0)
         # the output layer is most of the work: only where a draft is scored
         picked = head.logits(hidden[rows[usable], base[usable]])  # [n, head vocab]
-        log_q = torch.log_softmax(picked.float(), dim=-1).gather(-1, head_ids[usable].clamp(0))
-        p = probs[usable] / probs[usable].sum(-1, keepdim=True)
-        total = total + weight * -(p * log_q).sum(-1).mean()
+        loss = soft_cross_entropy(picked, head_ids[usable].clamp(0), probs[usable])
+        total = total + weight * loss
         weight *= STEP_WEIGHT
     return total
 

@@ -155,8 +155,7 @@ class Scorer:
 
         if self.rows is None:
             logits = self.draft(input_ids=ids, attention_mask=mask).logits[rows, cols]
-            log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, top_ids)
-            return -(top_probs * log_q).sum(-1).mean()
+            return soft_cross_entropy(logits, top_ids, top_probs)
         picked = self.index[top_ids]  # (answers, k): -1 where the draft has no such token
         probs = top_probs * (picked >= 0)
         usable = probs.sum(-1) > 0
@@ -165,9 +164,17 @@ class Scorer:
         if not len(hidden):  # nothing the draft proposes: a step that changes nothing
             return hidden.sum() * 0.0
         logits = torch.nn.functional.linear(hidden, self.rows, self.bias)
-        log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, picked[usable].clamp(0))
-        p = probs[usable] / probs[usable].sum(-1, keepdim=True)
-        return -(p * log_q).sum(-1).mean()
+        return soft_cross_entropy(logits, picked[usable].clamp(0), probs[usable])
+
+
+def soft_cross_entropy(logits, ids, probs):
+    """Cross-entropy of ``logits``' distribution against ``probs`` (renormalised) on the tokens
+    at ``ids``: the loss drafts and heads train on. ``logits``: (n, tokens); ``ids``, ``probs``:
+    (n, k)."""
+    import torch
+
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids)
+    return -(probs / probs.sum(-1, keepdim=True) * log_q).sum(-1).mean()
 
 
 def loss_of(scorer: Scorer, examples: list[Example], settings, step: int):
