@@ -52,6 +52,19 @@ def test_run_takes_an_iterable_of_requests_said_at_the_call(llama_bundle):
     assert [key for key, _ in generator.run([one])] == ["a"]
 
 
+def test_run_refuses_a_key_met_twice_or_unhashable(llama_bundle):
+    # results are told apart by key alone: two "a" rows could not be matched to their prompts
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=2)
+    twice = [Request("a", [1, 2, 3], config), Request("a", [4, 5], config)]
+    with pytest.raises(InvalidInputError, match="request key 'a' appears twice"):
+        list(generator.run(twice))
+    with pytest.raises(InvalidInputError, match=r"request key \['x'\] is not hashable"):
+        list(generator.run([Request(["x"], [1, 2, 3], config)]))
+    # the generator is free again, and a key may come back in a later run
+    assert [key for key, _ in generator.run(twice[:1])] == ["a"]
+
+
 @pytest.mark.parametrize(
     "breakage, message",
     [

@@ -243,7 +243,8 @@ class SpeculativeGenerator:
         random stream), yielding ``(request.key, result)`` as rows finish: up to
         ``max_batch`` at a time, finishing out of order (a lone request is a batch of one). A
         row whose logits come out NaN/inf ends alone, as a result with ``error`` set (finish
-        reason "error"): the other rows go on."""
+        reason "error"): the other rows go on. Keys tell the results apart, so one met again
+        is refused (as vLLM refuses a request id in use), and the rows before it go on."""
         if isinstance(requests, Request) or not isinstance(requests, Iterable):
             raise InvalidInputError(
                 f"run() takes an iterable of Requests (a list of one for one), not "
@@ -252,8 +253,26 @@ class SpeculativeGenerator:
         return self._run(requests)
 
     def _run(self, requests: Iterable[Request]) -> Iterator[tuple[Hashable, GenerationResult]]:
+        keys: set = set()
+
+        def checked(request: Request) -> Request:
+            request = self._checked(request)
+            try:
+                seen = request.key in keys
+            except TypeError:  # unhashable: no result could be matched to it
+                raise InvalidInputError(
+                    f"request key {request.key!r} is not hashable: use a str or an int"
+                ) from None
+            if seen:
+                raise InvalidInputError(
+                    f"request key {request.key!r} appears twice in one run(): give each "
+                    "request its own key, which its result is yielded with"
+                )
+            keys.add(request.key)
+            return request
+
         with self._owned():
-            yield from self.runner().run(map(self._checked, requests))
+            yield from self.runner().run(map(checked, requests))
 
     def runner(self) -> BatchRunner:
         """A runner over this generator's caches, keeping what its schedules learn."""
