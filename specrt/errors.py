@@ -32,6 +32,11 @@ class InvalidInputError(SpecrtError, ValueError):
         self.field = field
 
 
+class UnknownSettingError(InvalidInputError, TypeError):
+    """A keyword `GenerationConfig` does not have: a TypeError, as any unknown keyword
+    argument is, that says which name to use."""
+
+
 class PromptTooLongError(InvalidInputError):
     """A prompt leaves no room to generate within the positions the models hold."""
 

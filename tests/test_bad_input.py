@@ -306,6 +306,23 @@ def test_out_of_range_parameters(llama_bundle, option, value, message):
     assert result.exit_code == 2 and message in result.output  # a usage error, as click's own
 
 
+def test_an_unknown_setting_names_the_one_to_use():
+    # OpenAI's, vLLM's and transformers' names for our settings, and a typo: each refused at
+    # the call, as a TypeError (any unknown keyword's kind) saying what to write
+    for given, said in [
+        ({"max_tokens": 8}, "no setting 'max_tokens': use max_new_tokens"),
+        ({"num_speculative_tokens": 2}, "no setting 'num_speculative_tokens': use num_draft"),
+        ({"do_sample": True}, "no setting 'do_sample': use temperature"),
+        ({"temprature": 0.5}, "no setting 'temprature': its settings are max_new_tokens, "),
+    ]:
+        with pytest.raises(TypeError, match=said) as caught:
+            GenerationConfig(**given)
+        assert isinstance(caught.value, InvalidInputError)
+        assert caught.value.field == next(iter(given))
+    assert "adaptive_draft" not in str(caught.value)  # deprecated: not offered
+    assert GenerationConfig(8, 2).num_draft_tokens == 2  # positional settings as before
+
+
 def test_non_numeric_parameter(llama_bundle):
     result = cli("generate", "--bundle", llama_bundle, "--prompt", "a", "--temperature", "hot")
     assert result.exit_code == 2 and "'hot' is not a valid float" in result.output

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from specrt.errors import InvalidInputError
+from specrt.errors import InvalidInputError, UnknownSettingError
 from specrt.validation import flag, integer, number, out_of_range
 
 MAX_DRAFT_TOKENS = 64
@@ -34,6 +35,41 @@ class SamplingParams:
         return self.temperature == 1 and self.top_k == 0 and self.top_p == 1
 
 
+# What users of the tools they know write for our settings: named in the refusal
+OTHER_NAMES = {
+    "max_tokens": "max_new_tokens",  # OpenAI, vLLM's SamplingParams
+    "num_speculative_tokens": "num_draft_tokens",  # vLLM
+    "num_assistant_tokens": "num_draft_tokens",  # transformers
+    "num_assistant_tokens_schedule": "draft_schedule",  # transformers
+    "do_sample": "temperature (0 is greedy, > 0 samples)",  # transformers
+    "stop_strings": "stop",  # transformers
+    "prompt_lookup_num_tokens": 'proposer="lookup" with num_draft_tokens',  # transformers
+}
+
+
+def _known_settings_only(cls: type) -> type:
+    """Refuse an unknown keyword saying what to write instead (the dataclass's own TypeError
+    names the keyword alone)."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:  # noqa: N807
+        for key in kwargs:
+            if key not in names:
+                instead = OTHER_NAMES.get(key)
+                listed = ", ".join(n for n in names if n != "adaptive_draft")  # deprecated
+                hint = f"use {instead}" if instead else f"its settings are {listed}"
+                raise UnknownSettingError(
+                    f"GenerationConfig has no setting {key!r}: {hint}", field=key
+                )
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_known_settings_only
 @dataclass(frozen=True)
 class GenerationConfig:
     """What to generate and how. The defaults are those of the CLI and the server too: the
