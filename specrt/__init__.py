@@ -33,6 +33,7 @@ _API = {
     "BundleError": "specrt.errors",
     "InvalidInputError": "specrt.errors",
     "PromptTooLongError": "specrt.errors",
+    "UnknownSettingError": "specrt.errors",
     "NumericalError": "specrt.errors",
     "OverloadedError": "specrt.errors",
     "ServiceClosedError": "specrt.errors",
