@@ -65,7 +65,7 @@ def answer(
     folder: Path,
     max_new_tokens: int,
     top_k: int,
-    batch_size: int = 32,
+    batch_size: int = 64,  # a CPU's decode step reads every weight once for the whole batch
     progress: bool = True,
     chat_template: bool = True,
     bf16: bool = False,
