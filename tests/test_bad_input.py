@@ -313,7 +313,8 @@ def test_an_unknown_setting_names_the_one_to_use():
         ({"max_tokens": 8}, "no setting 'max_tokens': use max_new_tokens"),
         ({"num_speculative_tokens": 2}, "no setting 'num_speculative_tokens': use num_draft"),
         ({"do_sample": True}, "no setting 'do_sample': use temperature"),
-        ({"temprature": 0.5}, "no setting 'temprature': its settings are max_new_tokens, "),
+        ({"temprature": 0.5}, "no setting 'temprature': did you mean 'temperature'\\?"),
+        ({"beams": 2}, "no setting 'beams': its settings are max_new_tokens, "),
     ]:
         with pytest.raises(TypeError, match=said) as caught:
             GenerationConfig(**given)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import warnings
 from dataclasses import dataclass, fields
@@ -57,9 +58,14 @@ def _known_settings_only(cls: type) -> type:
     def __init__(self, *args, **kwargs) -> None:  # noqa: N807
         for key in kwargs:
             if key not in names:
-                instead = OTHER_NAMES.get(key)
-                listed = ", ".join(n for n in names if n != "adaptive_draft")  # deprecated
-                hint = f"use {instead}" if instead else f"its settings are {listed}"
+                offered = [n for n in names if n != "adaptive_draft"]  # deprecated
+                close = difflib.get_close_matches(key, offered, 1)  # as recipes' keys are
+                if key in OTHER_NAMES:
+                    hint = f"use {OTHER_NAMES[key]}"
+                elif close:
+                    hint = f"did you mean {close[0]!r}?"
+                else:
+                    hint = f"its settings are {', '.join(offered)}"
                 raise UnknownSettingError(
                     f"GenerationConfig has no setting {key!r}: {hint}", field=key
                 )
