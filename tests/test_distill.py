@@ -490,6 +490,28 @@ def test_answers_made_in_batches_are_the_answers_made_one_prompt_at_a_time(
         assert np.allclose(one.top_probs, other.top_probs, atol=1e-5)
 
 
+@pytest.mark.parametrize("family,window", [("llama", None), ("gpt2", None), ("gemma2", 6)])
+def test_answers_are_the_targets_own_greedy_generation(target, tmp_path, family, window):
+    """The answers' cache writes each step in place (`data._cache`): every answer is what HF's
+    own `generate` gives the prompt with its own cache, past a sliding window (gemma2's local
+    layers keep HF's cache beside the full ones written in place)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specrt.distill import data
+
+    model_dir, _ = make_tiny_pair(family, tmp_path / "pair", seed=4, sliding_window=window)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = sorted(prompts_of(target[1]))[:8]
+    answers = data.answer(model, tokenizer, prompts, tmp_path / "a", 16, 4, progress=False)
+    for prompt, answer in zip(prompts, answers):
+        ids = torch.tensor([data.prompt_ids(tokenizer, prompt)])
+        with torch.no_grad():
+            own = model.generate(ids, max_new_tokens=16, do_sample=False)
+        assert answer.tokens.tolist() == own[0, ids.shape[1] :].tolist()
+
+
 def test_training_that_diverges_stops_and_replaces_nothing(target, tmp_path):
     """A learning rate that blows the weights up wrote a draft of NaN weights, exit 0 (the
     export failed on it later), and replaced a good draft under --force."""
