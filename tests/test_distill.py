@@ -461,10 +461,10 @@ def test_a_grown_prompt_set_asks_the_target_for_its_new_prompts_alone(target, tm
 def test_answers_made_in_batches_are_the_answers_made_one_prompt_at_a_time(
     target, tmp_path, family
 ):
-    """Prompts of one length are answered together without padding and the rest share padded
-    batches: every answer, its tokens and its top-k, is the one the target gives the prompt
-    alone (a padded row's positions start at its own first token, which GPT-2's learnt
-    positions show where rotary ones would not)."""
+    """Prompts of near lengths are answered together, padded: every answer, its tokens and its
+    top-k, is the one the target gives the prompt alone (a padded row's positions start at its
+    own first token, which GPT-2's learnt positions show where rotary ones would not). A batch
+    holds fewer rows where their cache would pass the budget."""
     import numpy as np
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -475,9 +475,13 @@ def test_answers_made_in_batches_are_the_answers_made_one_prompt_at_a_time(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = sorted(prompts_of(target[1]))[:12]
     ids = {i: data.prompt_ids(tokenizer, p) for i, p in enumerate(prompts)}
-    batches = [{len(ids[i]) for i in batch} for batch in data._batches(list(ids), ids, 4)]
-    assert any(len(lengths) > 1 for lengths in batches)  # some padded, some not
-    assert any(len(lengths) == 1 for lengths in batches)
+    batches = data._batches(list(ids), ids, 4)
+    assert [len(batch) for batch in batches] == [4, 4, 4]
+    assert any(len({len(ids[i]) for i in batch}) > 1 for batch in batches)  # padded
+    in_order = [len(ids[i]) for batch in batches for i in batch]
+    assert in_order == sorted(in_order)
+    two_rows = data._batches(list(ids), ids, 4, lambda length: data.CACHE_BUDGET // 2)
+    assert [len(batch) for batch in two_rows] == [2] * 6
     together = data.answer(
         model, tokenizer, prompts, tmp_path / "a", 12, 4, batch_size=4, progress=False
     )

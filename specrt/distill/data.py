@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,14 +66,14 @@ def answer(
     folder: Path,
     max_new_tokens: int,
     top_k: int,
-    batch_size: int = 64,  # a CPU's decode step reads every weight once for the whole batch
+    batch_size: int = 128,  # a decode step's products run faster on more rows (compute-bound)
     progress: bool = True,
     chat_template: bool = True,
     bf16: bool = False,
     exact: Path | None = None,
 ) -> list[Example]:
     """The target's greedy answers to ``prompts``, those not yet in ``folder`` generated (a batch
-    at a time, prompts of one length together: see `_batches`) and written there; all of them
+    at a time, prompts of near lengths together: see `_batches`) and written there; all of them
     returned in prompt order. ``bf16``: the target multiplies in bfloat16 (faster on a CPU with
     bfloat16 instructions: the answers are the longest part of a distillation), so the answers
     are those of the target rounded so: for training, not for measuring; an answer in ``exact``
@@ -105,8 +106,14 @@ def answer(
         desc="target answers",
         disable=not progress,
     )
-    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        for chunk in _batches(todo, ids, batch_size):
+    bf16_products = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with torch.inference_mode(), bf16_products, _grouped_attention(target):
+        position = _position_bytes(target)
+
+        def row_bytes(length: int) -> int:
+            return position * (length + max_new_tokens)
+
+        for chunk in _batches(todo, ids, batch_size, row_bytes):
             new, top, probs = _greedy(
                 target, [ids[i] for i in chunk], pad, eos, max_new_tokens, top_k
             )
@@ -126,21 +133,36 @@ def answer(
     return [load(found(prompt)) for prompt in prompts]
 
 
-def _batches(todo: list[int], ids: dict[int, list[int]], size: int) -> list[list[int]]:
-    """Batches of at most ``size`` prompts, those of one length together: a batch of prompts
-    of one length needs no padding and so no attention mask, which makes every step of a CPU
-    decode slower (docs/performance.md). Lengths too rare to fill half a batch share padded
-    ones."""
-    by_length: dict[int, list[int]] = {}
-    for index in todo:
-        by_length.setdefault(len(ids[index]), []).append(index)
-    batches, rare = [], []
-    for _, group in sorted(by_length.items()):
-        for start in range(0, len(group), size):
-            chunk = group[start : start + size]
-            (batches if len(chunk) >= max(size // 2, 1) else rare).append(chunk)
-    rare = [index for chunk in rare for index in chunk]  # still in order of length
-    return batches + [rare[start : start + size] for start in range(0, len(rare), size)]
+CACHE_BUDGET = 2 << 30  # bytes of keys and values a batch may hold
+
+
+def _position_bytes(target) -> int:
+    """Bytes of float32 keys and values a position of one row holds in the target's cache."""
+    config = target.config.get_text_config(decoder=True)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    width = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 2 * int(config.num_hidden_layers) * kv_heads * width * 4
+
+
+def _batches(
+    todo: list[int], ids: dict[int, list[int]], size: int, row_bytes=lambda length: 0
+) -> list[list[int]]:
+    """Batches of at most ``size`` prompts in order of length, so that a batch pads little: its
+    padded rows cost what unpadded ones do (`_grouped_attention`), and full batches of near
+    lengths pay more than one length a batch did (docs/performance.md). A batch holds fewer
+    where its rows' cache (``row_bytes`` of its longest prompt's length) would pass
+    `CACHE_BUDGET`."""
+    batches: list[list[int]] = []
+    for index in sorted(todo, key=lambda index: len(ids[index])):
+        fits = batches and len(batches[-1]) < size
+        if fits and (len(batches[-1]) + 1) * row_bytes(len(ids[index])) > CACHE_BUDGET:
+            fits = False
+        if fits:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
 
 
 def _greedy(
@@ -199,12 +221,56 @@ def _greedy(
     return torch.stack(tokens, 1), torch.stack(tops, 1), torch.stack(probs, 1)
 
 
+GROUPED_SDPA = "specrt_grouped_sdpa"
+
+
+@contextmanager
+def _grouped_attention(target):
+    """While answering, a target that attends with torch's SDPA hands it grouped keys and
+    values as they are (``enable_gqa``), padding mask or not: HF's own attention repeats them
+    for every query head where a batch is padded, a copy of every layer's cache at every step.
+    torch repeats them as HF does, so the numbers are the same."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = target.config.get_text_config(decoder=True)
+    if config._attn_implementation != "sdpa":  # eager (soft-capped Gemma 2) stays as it is
+        yield
+        return
+    AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    config._attn_implementation = GROUPED_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_):
+    import torch
+
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    # no mask: a prompt's causal pass (several queries), or one query over the whole cache
+    causal = attention_mask is None and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _cache(target, capacity: int):
     """The target's cache for a batch of answers: each full-attention layer writes a step's
     keys and values in place into buffers of ``capacity`` positions and attends over a view of
-    what is written, where HF's DynamicCache copies the whole cache at every step (answers
-    7-15% faster on SmolLM2 at a batch of 64: docs/performance.md). Sliding-window layers, which
-    keep a window, stay HF's own."""
+    what is written, where HF's DynamicCache copies the whole cache at every step
+    (docs/performance.md). Sliding-window layers, which keep a window, stay HF's own."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     class InPlaceLayer(DynamicLayer):
