@@ -155,11 +155,10 @@ def _batches(
     `CACHE_BUDGET`."""
     batches: list[list[int]] = []
     for index in sorted(todo, key=lambda index: len(ids[index])):
-        fits = batches and len(batches[-1]) < size
-        if fits and (len(batches[-1]) + 1) * row_bytes(len(ids[index])) > CACHE_BUDGET:
-            fits = False
-        if fits:
-            batches[-1].append(index)
+        last = batches[-1] if batches else []
+        grown = len(last) + 1
+        if last and grown <= size and grown * row_bytes(len(ids[index])) <= CACHE_BUDGET:
+            last.append(index)
         else:
             batches.append([index])
     return batches
