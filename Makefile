@@ -59,8 +59,8 @@ build/smollm2-draft/own_weights.safetensors: $(SMOLLM2) models/smollm2/diverse_p
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-draft --force $(DISTILL)
 
 # Its EAGLE-3 head, trained on the target's answers to the diverse prompts, which teach a head
-# more than the templated ones, and to more of them (about 97 minutes on 2 cores after the
-# draft, whose answers it shares: 33 answering, 17 reading the target's states, 47 training).
+# more than the templated ones, and to more of them (about 83 minutes on 2 cores after the
+# draft, whose answers it shares: 19 answering, 17 reading the target's states, 47 training).
 # After the draft (its answers), not again when the draft is: the head does not read it.
 build/smollm2-head/model.safetensors: $(SMOLLM2) models/smollm2/diverse_prompts.jsonl models/smollm2/head_prompts.jsonl | build/smollm2-draft/own_weights.safetensors
 	$(SPECRT) distill --target $(SMOLLM2) --out build/smollm2-head --force --kind eagle3 \
