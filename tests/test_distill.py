@@ -569,7 +569,7 @@ def test_held_out_prompts_that_are_also_trained_on_are_left_out_of_the_measure(t
     assert json.loads((out / "distill_report.json").read_text())["heldout_prompts"] == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "gemma3_text"])
 def test_the_loss_over_the_proposed_tokens_is_the_loss_of_the_draft_s_own_forward(
     target, tmp_path, family
 ):
@@ -623,3 +623,29 @@ def test_the_loss_over_the_proposed_tokens_is_the_loss_of_the_draft_s_own_forwar
     assert torch.allclose(loss, expected, atol=1e-5), (float(loss), float(expected))
     for one, other in zip(torch.autograd.grad(loss, own), reference):
         assert torch.allclose(one, other, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+@pytest.mark.parametrize(
+    "family",
+    ["gpt2", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3"],
+)
+def test_distill_makes_a_draft_and_a_head_for_every_family(tmp_path, family, kind):
+    """A target of any family the export takes gets a draft and a head, each proposing part of
+    the vocabulary as on a real target (Gemma 3's causal LM is its own base model and GPT-2
+    names its sizes otherwise: both stopped on a traceback). Llama's are made throughout this
+    module."""
+    target, _ = make_tiny_pair(family, tmp_path / "pair", seed=5, config={"num_hidden_layers": 2})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fib(n):\nNow is the time\nimport os\nSparse is better\n")
+    out = tmp_path / "out"
+    args = ["--kind", "eagle3"] if kind == "eagle3" else ["--layers", "1"]
+    result = CliRunner().invoke(
+        main,
+        ["distill", "--target", str(target), "--out", str(out), "--prompt-file", str(prompts)]
+        + ["--max-new-tokens", "8", "--steps", "2", "--seq-len", "32", "--draft-vocab", "40"]
+        + args,
+    )
+    assert result.exit_code == 0, result.output
+    made = "model.safetensors" if kind == "eagle3" else "own_weights.safetensors"
+    assert (out / made).is_file()

@@ -143,6 +143,48 @@ def test_heads_of_other_families_draft_on_the_portable_graphs(tmp_path, family):
     assert sum(r.stats.drafted_tokens for r in drafted) > 0
 
 
+@pytest.mark.parametrize("family", ["gpt2", "gemma"])
+def test_a_head_trained_for_a_family_unlike_llama_drafts_losslessly(tmp_path, family):
+    """`specrt distill --kind eagle3` then `specrt export --eagle` on families whose configs
+    and norms are not Llama's: GPT-2 names its sizes otherwise (the command stopped on a
+    traceback) and its engine computes the head's features; Gemma's final norm scales by one
+    plus its weight, the scale the head's norm starts from."""
+    from specrt.distill.eagle import new_head
+
+    target, _ = make_tiny_pair(family, tmp_path / "src", seed=5, config=LAYERS)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    head = tmp_path / "head"
+    args = ["distill", "--target", str(target), "--out", str(head), "--kind", "eagle3"]
+    args += ["--prompt-file", str(prompts), "--max-new-tokens", "8", "--steps", "2"]
+    result = CliRunner().invoke(main, [*args, "--head-vocab", str(HEAD_VOCAB)])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "bundle"
+    args = ["export", "--target", str(target), "--eagle", str(head), "--out", str(out)]
+    result = CliRunner().invoke(main, [*args, "--draft-precision", "float32"])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(out)
+    assert manifest.models["target"].export_check["features_max_abs_diff"] < 1e-5
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    for engine in ("auto", "portable"):
+        generator = SpeculativeGenerator.from_bundle(out, threads=1, engine=engine)
+        alone = generator.generate(PROMPTS[:3], replace(config, num_draft_tokens=0))
+        drafted = generator.generate(
+            PROMPTS[:3], replace(config, num_draft_tokens=3, **MODEL_DRAFTS)
+        )
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in alone], engine
+        assert sum(r.stats.drafted_tokens for r in drafted) > 0
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    if family == "gemma":
+        with torch.no_grad():
+            model.model.norm.weight.normal_()  # tiny Gemmas start at w = 0: made visible
+        expected = 1 + model.model.norm.weight
+    else:
+        expected = model.transformer.ln_f.weight
+    torch.testing.assert_close(new_head(model, [], 8).norm.weight, expected)
+
+
 @pytest.mark.parametrize("variant", ["default layers", "norm before residual"])
 def test_heads_of_either_variant_export_within_the_check(tmp_path, variant):
     """The authors' default layers (2, L/2, L-3: a target of 8 layers) read from a config

@@ -58,15 +58,16 @@ def new_head(target: torch.nn.Module, examples: list[Example], head_vocab: int) 
     vocab = int(config.vocab_size)
     kept = most_used(examples, head_vocab, vocab)
     layers = default_layers(int(config.num_hidden_layers))
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    # GPT-2 names its sizes otherwise and has no grouped keys: a Llama layer of its sizes
     head_config = LlamaConfig(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None)
-        or config.hidden_size // config.num_attention_heads,
+        hidden_size=hidden,
+        intermediate_size=_first(config, ("intermediate_size", "n_inner"), 4 * hidden),
+        num_attention_heads=heads,
+        num_key_value_heads=_first(config, ("num_key_value_heads",), heads),
+        head_dim=_first(config, ("head_dim",), hidden // heads),
         num_hidden_layers=1,
-        rms_norm_eps=config.rms_norm_eps,
+        rms_norm_eps=_first(config, ("rms_norm_eps", "layer_norm_epsilon"), 1e-6),
         rope_theta=getattr(config, "rope_theta", 10000.0),
         rope_scaling=getattr(config, "rope_scaling", None),
         max_position_embeddings=config.max_position_embeddings,
@@ -78,11 +79,30 @@ def new_head(target: torch.nn.Module, examples: list[Example], head_vocab: int) 
     with torch.no_grad():
         kept_t = torch.from_numpy(kept)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[kept_t])
-        head.norm.weight.copy_(target.model.norm.weight)
+        head.norm.weight.copy_(_final_norm_scale(target))
         head.d2t.copy_(kept_t - torch.arange(len(kept)))
         head.t2d.zero_()
         head.t2d[kept_t] = True
     return head
+
+
+def _first(config, names: tuple[str, ...], default):
+    """The first of ``names`` the config sets (not None), else ``default``."""
+    values = (getattr(config, name, None) for name in names)
+    return next((value for value in values if value is not None), default)
+
+
+def _final_norm_scale(target: torch.nn.Module) -> torch.Tensor:
+    """What the target's final norm multiplies a normalised state by: its weight, or one plus
+    it where the family stores it so (Gemma); a layer norm's weight (GPT-2) without its bias."""
+    import torch
+
+    body = target.base_model if target.base_model is not target else target.get_decoder()
+    norm = getattr(body, "norm", None) or body.ln_f
+    if isinstance(norm, torch.nn.LayerNorm):
+        return norm.weight.detach()
+    with torch.no_grad():  # an RMS norm of a state of ones is its scale, whatever its convention
+        return norm(torch.ones(1, norm.weight.shape[0])).float()[0]
 
 
 def head_loss(

@@ -122,6 +122,8 @@ class Scorer:
         import torch
 
         self.draft = draft
+        # the decoder under the output layer (Gemma 3's causal LM is its own base model)
+        self.body = draft.base_model if draft.base_model is not draft else draft.get_decoder()
         vocab = draft.get_output_embeddings().weight.shape[0]
         self.rows = None
         if proposed is not None and self._logits_are_head(sample):
@@ -144,7 +146,7 @@ class Scorer:
             return False
         with torch.no_grad():
             logits = self.draft(input_ids=sample).logits
-            hidden = self.draft.base_model(input_ids=sample).last_hidden_state
+            hidden = self.body(input_ids=sample).last_hidden_state
             fast = self.draft.get_output_embeddings()(hidden)
         return bool(torch.allclose(fast, logits, rtol=1e-4, atol=1e-4))
 
@@ -159,7 +161,7 @@ class Scorer:
         picked = self.index[top_ids]  # (answers, k): -1 where the draft has no such token
         probs = top_probs * (picked >= 0)
         usable = probs.sum(-1) > 0
-        hidden = self.draft.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
         hidden = hidden[rows[usable], cols[usable]]  # (usable answers, hidden)
         if not len(hidden):  # nothing the draft proposes: a step that changes nothing
             return hidden.sum() * 0.0

@@ -117,7 +117,7 @@ def build_ort_engine(
     if gemma:  # its RMSNorm scales by (1 + w)
         weights = {n: w + 1 if n.endswith("norm.weight") else w for n, w in weights.items()}
     if config.model_type == "gpt2":
-        graph = build_gpt2_graph(shape, weights, out, proposed)
+        graph = build_gpt2_graph(shape, weights, out, proposed, features)
     else:
         local = None
         if shape.local_rope_layers:

@@ -242,11 +242,12 @@ def build_gpt2_graph(
     weights: Mapping[str, np.ndarray],
     out_path: Path,
     proposed: np.ndarray | None = None,
+    features: EagleFeatures | None = None,
 ) -> Path:
     """GPT-2 graph: learned absolute positions, LayerNorm with bias, packed attention, tanh GELU.
 
     ``weights`` uses the HF state-dict names (``transformer.h.0.attn.c_attn.weight`` …; GPT-2's
-    Conv1D weights are already ``[in, out]``)."""
+    Conv1D weights are already ``[in, out]``); ``features``: as `build_decoder_graph`'s."""
     b = _GraphBuilder(weights, shape.dtype)
     positions = POSITION_IDS
     if shape.attention != "batched":  # past .. past+S-1, from the total and new lengths
@@ -315,7 +316,8 @@ def build_gpt2_graph(
 
     head = "lm_head.weight" if "lm_head.weight" in weights else "transformer.wte.weight"
     _output_layer(b, normed, weights[head], shape, proposed)
-    return _save(b, shape, out_path)
+    outputs = () if features is None else (_features(b, features, shape.dtype),)
+    return _save(b, shape, out_path, extra_outputs=outputs)
 
 
 def _output_layer(
