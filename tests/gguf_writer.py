@@ -1,8 +1,8 @@
-"""Write a tiny Llama checkpoint as a GGUF file, as llama.cpp's converter lays one out.
+"""Write a tiny Llama (or Qwen2) checkpoint as a GGUF file, as llama.cpp's converter lays one out.
 
-Float32 tensors under llama.cpp's names (its q/k rows permuted for its rotary layout), the
-config under ``llama.*`` keys and the tokenizer under ``tokenizer.ggml.*``: what transformers'
-GGUF reader takes back, so a test needs no download.
+Float32 tensors under llama.cpp's names (Llama's q/k rows permuted for its rotary layout), the
+config under ``llama.*`` (``qwen2.*``) keys and the tokenizer under ``tokenizer.ggml.*``: what
+transformers' GGUF reader takes back, so a test needs no download.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weights.shape)
 
 
-def write_llama_gguf(checkpoint: Path, path: Path, chat_template: str | None = None) -> Path:
-    """``checkpoint`` (a Llama Hugging Face folder with a tokenizer.json) as the GGUF ``path``."""
+def write_llama_gguf(
+    checkpoint: Path, path: Path, chat_template: str | None = None, arch: str = "llama"
+) -> Path:
+    """``checkpoint`` (a Llama or Qwen2 Hugging Face folder with a tokenizer.json) as the GGUF
+    ``path``."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     config = model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -50,14 +53,16 @@ def write_llama_gguf(checkpoint: Path, path: Path, chat_template: str | None = N
     if chat_template:
         writer.add_chat_template(chat_template)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(
+        getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers
+    )
     for name, tensor in model.state_dict().items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
         weights = tensor.numpy().astype(np.float32)
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             weights = _permute(weights, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             weights = _permute(weights, kv_heads)
         base, _, suffix = name.rpartition(".")
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", weights)

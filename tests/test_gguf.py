@@ -74,3 +74,16 @@ def test_a_folder_of_several_gguf_files_asks_which(tmp_path):
     assert "holds 2 GGUF files (model.Q4_1.gguf, model.Q8_0.gguf); pass the one" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "bundle").exists()
+
+
+def test_a_gguf_whose_tokenizer_cannot_be_read_is_one_line(tmp_path):
+    """A Qwen2 GGUF with a byte-pair tokenizer but no merges (the tiny tokenizer has none):
+    transformers' converter stops on an AttributeError, which was a traceback."""
+    target, draft = make_tiny_pair("qwen2", tmp_path / "hf", seed=3)
+    target_gguf = write_llama_gguf(target, tmp_path / "target.gguf", arch="qwen2")
+    args = ["export", "--target", str(target_gguf), "--draft", str(draft)]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "bundle")])
+    assert result.exit_code == 1
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith(f"Error: target GGUF file '{target_gguf}' cannot be read"), line
+    assert "Traceback" not in result.output and not (tmp_path / "bundle").exists()

@@ -75,7 +75,8 @@ def convert(gguf: Path, dest: Path, role: str) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True
         )
-    except (ValueError, KeyError, OSError, RuntimeError) as exc:
+    except Exception as exc:  # transformers' reader and converters fail in many ways on a file
+        # they do not take (a BPE tokenizer without its merges: AttributeError)
         raise ExportError(
             f"{role} GGUF file {str(gguf)!r} cannot be read ({type(exc).__name__}: "
             f"{str(exc)[:200]}); export a GGUF of a supported architecture, or its Hugging "
