@@ -181,6 +181,12 @@ def distill(
     from specrt.distill import distill as run
     from specrt.distill.train import TrainSettings, native_bf16
 
+    given = click.get_current_context().get_parameter_source("layers")
+    if kind == "eagle3" and given is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError(
+            "--layers cuts a draft model from the target (--kind draft); an EAGLE-3 head is one "
+            "layer of its own: leave --layers out"
+        )
     if steps and not prompt_file:
         raise click.UsageError("give --prompt-file (the prompts the target answers), or --steps 0")
     prompts = [prompt for path in prompt_file for prompt in _prompts((), path, chat=None)]
