@@ -156,7 +156,8 @@ def verify(
         inputs = [generator.tokenizer.encode(text, add_special_tokens=False) for text in texts]
     click.echo(_header(bundle, len(inputs), config))
     results = []
-    for result in run_checks(generator, inputs, samples, config, alpha, law_prompts):
+    checks = run_checks(generator, inputs, samples, config, alpha, law_prompts, _progress_bar())
+    for result in checks:
         results.append(result)
         click.echo(str(result))
         sys.stdout.flush()
@@ -195,3 +196,20 @@ def _header(bundle: Path, prompts: int, config: GenerationConfig) -> str:
         f"(sampled checks: {sampled.draft_schedule}, temperature {sampled.temperature:g}"
         f"{filters})"
     )
+
+
+def _progress_bar():
+    """A bar on stderr (where it is a terminal) for each sampled-law check: minutes of rows on
+    a larger target, which printed nothing meanwhile."""
+    from tqdm import tqdm
+
+    bars = {}
+
+    def progress(name: str, done: int, total: int) -> None:
+        if name not in bars:
+            bars[name] = tqdm(total=total, desc=name, unit="row", leave=False, disable=None)
+        bars[name].update(done - bars[name].n)
+        if done == total:
+            bars.pop(name).close()
+
+    return progress

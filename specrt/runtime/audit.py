@@ -24,7 +24,7 @@ verified no draft token would audit nothing. Each line says how many draft token
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -76,6 +76,10 @@ class CheckResult:
         return f"{self.name}: {self.detail} {verdict}"
 
 
+# A sampled-law check's progress: (its name, rows done, rows in all), after each row ends
+Progress = Callable[[str, int, int], None]
+
+
 def audit(
     bundle: str | Path | SpeculativeGenerator,
     prompts: Sequence[Prompt] | None = None,
@@ -83,9 +87,10 @@ def audit(
     config: GenerationConfig | None = None,
     alpha: float = DEFAULT_ALPHA,
     law_prompts: int = DEFAULT_LAW_PROMPTS,
+    progress: Progress | None = None,
 ) -> list[CheckResult]:
     """Every check's result (see `run_checks`)."""
-    return list(run_checks(bundle, prompts, samples, config, alpha, law_prompts))
+    return list(run_checks(bundle, prompts, samples, config, alpha, law_prompts, progress))
 
 
 def run_checks(
@@ -95,6 +100,7 @@ def run_checks(
     config: GenerationConfig | None = None,
     alpha: float = DEFAULT_ALPHA,
     law_prompts: int = DEFAULT_LAW_PROMPTS,
+    progress: Progress | None = None,
 ) -> Iterator[CheckResult]:
     """Audit ``bundle`` (a path, loaded with `AUDIT_BATCH` rows per call, or a loaded
     generator, which no other thread may use meanwhile) with ``config``'s drafting (proposer,
@@ -103,7 +109,8 @@ def run_checks(
     greedy identity and seeded identity (``config.max_new_tokens`` tokens a prompt; seed
     ``config.seed``, else `DEFAULT_SEED`), then the sampled law of the first two new tokens
     of each of the first ``law_prompts`` prompts, ``samples`` draws each, at false-alarm rate
-    ``alpha``."""
+    ``alpha``; ``progress`` is told of each sampled row as it ends (they are most of the time
+    on a larger target: each computes its prompt's pass)."""
     samples = integer("samples", samples, MIN_SAMPLES)
     alpha = number("alpha", alpha, "use a number in (0, 1)", lambda a: 0 < a < 1)
     law_prompts = integer("law_prompts", law_prompts, 0)
@@ -132,7 +139,7 @@ def run_checks(
     # K + 2 new tokens: after t1, room for a whole round of K drafts (a round emits one more)
     unseeded = replace(sampled, seed=None, max_new_tokens=sampled.num_draft_tokens + 2)
     for index in range(min(law_prompts, len(ids))):
-        yield _law(generator, index, ids[index], unseeded, samples, alpha)
+        yield _law(generator, index, ids[index], unseeded, samples, alpha, progress)
 
 
 def sampled_config(config: GenerationConfig) -> GenerationConfig:
@@ -230,10 +237,16 @@ def _law(
     config: GenerationConfig,
     samples: int,
     alpha: float,
+    progress: Progress | None = None,
 ) -> CheckResult:
     """``samples`` unseeded rows of ``prompt`` in batches; their first two new tokens against
     the target's exact law of that pair."""
-    results = dict(generator.run(Request(i, prompt, config) for i in range(samples)))
+    name = f"sampled law, prompt {index + 1}"
+    results = {}
+    for key, result in generator.run(Request(i, prompt, config) for i in range(samples)):
+        results[key] = result
+        if progress is not None:
+            progress(name, len(results), samples)
     ordered = [results[i] for i in range(samples)]
     for result in ordered:
         if result.error is not None:
@@ -244,7 +257,6 @@ def _law(
             )
     pairs = np.array([result.token_ids[:2] for result in ordered], dtype=np.int64)
     fit = _pair_fit(generator.target, prompt, pairs, config.sampling)
-    name = f"sampled law, prompt {index + 1}"
     detail = (
         f"chi-square p={fit.pvalue:.3g} over {samples} samples of the first two new tokens "
         f"({fit.cells} cells; {_drafts(ordered)}; false-alarm rate {alpha:g})"
