@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 OWN_WEIGHTS = "own_weights.safetensors"
 
 
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder under a causal LM's output layer (Gemma 3's causal LM is its own
+    ``base_model``; GPT-2's decoder is its ``base_model``, not its ``get_decoder()``)."""
+    return model.base_model if model.base_model is not model else model.get_decoder()
+
+
 def check_layers(config, layers: int) -> None:
     """A draft cut from the target keeps fewer layers than it has, and at least one."""
     total = int(config.num_hidden_layers)

@@ -25,6 +25,7 @@ import numpy as np
 
 from specrt.bundle import EAGLE3_ARCHITECTURE
 from specrt.distill.data import Example, most_used
+from specrt.distill.draft import decoder
 from specrt.distill.train import TrainSettings, batch, checkpointed_steps, soft_cross_entropy
 from specrt.distill.train import spans as train_spans
 
@@ -97,7 +98,7 @@ def _final_norm_scale(target: torch.nn.Module) -> torch.Tensor:
     it where the family stores it so (Gemma); a layer norm's weight (GPT-2) without its bias."""
     import torch
 
-    body = target.base_model if target.base_model is not target else target.get_decoder()
+    body = decoder(target)
     norm = getattr(body, "norm", None) or body.ln_f
     if isinstance(norm, torch.nn.LayerNorm):
         return norm.weight.detach()

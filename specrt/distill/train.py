@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specrt.distill.data import Example
-from specrt.distill.draft import own_names
+from specrt.distill.draft import decoder, own_names
 from specrt.errors import ExportError
 
 if TYPE_CHECKING:
@@ -122,8 +122,7 @@ class Scorer:
         import torch
 
         self.draft = draft
-        # the decoder under the output layer (Gemma 3's causal LM is its own base model)
-        self.body = draft.base_model if draft.base_model is not draft else draft.get_decoder()
+        self.body = decoder(draft)
         vocab = draft.get_output_embeddings().weight.shape[0]
         self.rows = None
         if proposed is not None and self._logits_are_head(sample):
