@@ -15,6 +15,7 @@ from specrt.errors import InvalidInputError, NumericalError
 from specrt.export import ENGINE_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import BatchRunner, Request
+from specrt.runtime.generator import row_rng
 from tests.test_greedy import PROMPTS
 
 
@@ -976,6 +977,52 @@ def test_a_prompt_longer_than_a_chunk_is_read_in_whole_chunks_then_its_end(
     results = dict(runner.run([]))
     expected = generator.generate(ids, replace(config, num_draft_tokens=0))
     assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]
+
+
+@pytest.mark.parametrize("chunk", [8, 256])
+def test_a_prompt_several_rows_share_is_read_once(llama_bundle, monkeypatch, chunk):
+    """Rows admitted with one prompt (``n`` samples, a law's rows, a shared system prompt):
+    the first reads it, in whole chunks then its end, and the others copy both caches and
+    draw their own first token from its logits. Each row is still the target alone's, greedy
+    and seeded (chunks of 8 positions too, as a long prompt has them at 256)."""
+    from specrt.backends import base, rows
+
+    monkeypatch.setattr(base, "PREFILL_CHUNK", chunk)  # `whole_chunks`
+    monkeypatch.setattr(rows, "PREFILL_CHUNK", chunk)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=6)
+    target, draft = generator.target, generator.draft
+    long, short = sorted(generator.encode_prompts(PROMPTS[:2]), key=len)[::-1]
+    assert len(long) > 9
+    ids = [long, short, long, long, short, long]
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=3)):
+        config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, ignore_eos=True,
+                                  draft_schedule="fixed", proposer="model", **sampling)  # fmt: skip
+        runner = BatchRunner(target, draft, generator.tokenizer, frozenset())
+        fed = {"target": 0, "draft": 0}
+        for name, decoder in (("target", target), ("draft", draft)):
+            monkeypatch.setattr(decoder, "_call", counted(decoder._call, fed, name))
+        runner.add([Request(i, p, config, row_rng(config, i)) for i, p in enumerate(ids)])
+        assert fed == {"target": len(long) + len(short), "draft": len(long) + len(short) - 2}
+        assert target.lengths[:6].tolist() == [len(p) for p in sorted(ids, key=len)]
+        assert draft.lengths[:6].tolist() == [len(p) - 1 for p in sorted(ids, key=len)]
+        monkeypatch.undo()
+        results = dict(runner.run([]))
+        expected = generator.generate(ids, replace(config, num_draft_tokens=0))
+        assert [results[i].token_ids for i in range(6)] == [r.token_ids for r in expected]
+        assert sum(results[i].stats.drafted_tokens for i in range(6))
+        monkeypatch.setattr(base, "PREFILL_CHUNK", chunk)
+        monkeypatch.setattr(rows, "PREFILL_CHUNK", chunk)
+
+
+def counted(call, fed: dict, name: str):
+    """``call`` (a decoder's ``_call``), adding the real positions each call feeds to
+    ``fed[name]``."""
+
+    def counting(start, n, tokens, keep_last, count, *args, **kwargs):
+        fed[name] += int(np.broadcast_to(count, n).sum())
+        return call(start, n, tokens, keep_last, count, *args, **kwargs)
+
+    return counting
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])

@@ -132,8 +132,9 @@ def test_rollback_on_the_device_cache(cuda_bundle):
 @pytest.mark.usefixtures("cuda_rule")
 def test_rows_of_the_device_cache_move_and_grow_with_their_content(batched_bundle, small_steps):
     """Rows prefilled together, one freed and another moved into its slot (as the scheduler
-    packs live rows), then fed together past the capacity (the buffers reallocated on the
-    device, the rows copied over): each row's logits are those of its tokens fed alone."""
+    packs live rows), one copied into the free slot, then fed together past the capacity (the
+    buffers reallocated on the device, the rows copied over): each row's logits are those of
+    its tokens fed alone."""
     decoder = cpu_twin(batched_bundle, max_batch=3).target
     alone = cpu_twin(batched_bundle).target
     rng = np.random.default_rng(2)
@@ -142,15 +143,17 @@ def test_rows_of_the_device_cache_move_and_grow_with_their_content(batched_bundl
     decoder.set_length(0, 0)
     decoder.move_row(2, 0)
     assert decoder.lengths.tolist() == [9, 12, 0] and decoder.capacity == 16
-    more = rng.integers(3, 40, (2, 20))
+    decoder.copy_row(1, 2)  # rows admitted with one prompt read it once
+    assert decoder.lengths.tolist() == [9, 12, 12]
+    more = rng.integers(3, 40, (3, 20))
     out = decoder.forward_rows(more, keep_last=20).logits
     assert decoder.capacity == 32
-    for row, prompt in enumerate((prompts[2], prompts[1])):
+    for row, prompt in enumerate((prompts[2], prompts[1], prompts[1])):
         alone.reset()
         expected = alone.forward(prompt + more[row].tolist(), keep_last=20).logits
         np.testing.assert_allclose(out[row], expected, atol=1e-3, rtol=0)
     picks = decoder.forward_rows(more[:, :1], keep_last=1, need=NEED_ARGMAX)
-    assert picks.logits is None and picks.argmax.shape == (2, 1)
+    assert picks.logits is None and picks.argmax.shape == (3, 1)
 
 
 @pytest.mark.usefixtures("cuda_rule")

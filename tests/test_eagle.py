@@ -480,6 +480,23 @@ def test_sampled_tokens_follow_the_target(generators, path):
     assert chi_square_pvalue(counts, expected) > ALPHA
 
 
+@pytest.mark.parametrize("path", ["batched", "portable"])
+def test_rows_of_one_prompt_read_it_once_and_draft_from_its_features(generators, path):
+    """Rows admitted with one prompt copy the first one's caches, the target's features for
+    the head included: each row is what the target alone gives it one row at a time, and
+    greedy rows of one prompt draft alike."""
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=5)):
+        config = GenerationConfig(max_new_tokens=30, ignore_eos=True, **sampling)
+        alone = generators["one row"].generate(prompts, replace(config, num_draft_tokens=0))
+        results = generators[path].generate(prompts, replace(config, **MODEL_DRAFTS))
+        assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+        kept = [r.stats.accepted_tokens for r in results]
+        assert kept[2] > 0 and kept[3] > 0
+        if config.greedy:  # the same drafts round after round: the head's state was copied
+            assert kept[0] == kept[2] == kept[3] and kept[1] == kept[4]
+
+
 def _second_token_law(target, prompt: list[int], temperature: float) -> np.ndarray:
     def law(ids: list[int]) -> np.ndarray:
         target.set_length(0, 0)

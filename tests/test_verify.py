@@ -245,12 +245,13 @@ def test_the_sampled_checks_draft_every_round_whatever_the_schedule(schedule):
 
 
 def test_the_caller_hears_of_each_sampled_row(demo):
-    """The sampled rows are most of an audit on a larger target (each computes its prompt's
-    pass: minutes on SmolLM2), so the caller hears of each as it ends: `specrt verify`'s bar."""
-    from specrt.runtime.audit import audit
+    """The sampled rows are most of an audit on a larger target (minutes on SmolLM2), so the
+    caller hears of them as each batch ends: `specrt verify`'s bar."""
+    from specrt.runtime.audit import AUDIT_BATCH, audit
 
     heard = []
     config = GenerationConfig(max_new_tokens=8)
     results = audit(demo, None, 100, config, law_prompts=1, progress=lambda *a: heard.append(a))
     assert results[-1].name == "sampled law, prompt 1"
-    assert heard == [("sampled law, prompt 1", done, 100) for done in range(1, 101)]
+    ends = [min(done, 100) for done in range(AUDIT_BATCH, 100 + AUDIT_BATCH, AUDIT_BATCH)]
+    assert heard == [("sampled law, prompt 1", done, 100) for done in ends]

@@ -83,13 +83,12 @@ class DeviceRowsDecoder(BatchedDecoder):
         itemsize = self._dtype().itemsize
         return sum(int(np.prod(block.shape())) * itemsize for block in self._blocks)
 
-    def move_row(self, source: int, dest: int) -> None:
+    def copy_row(self, source: int, dest: int) -> None:
         length = int(self.lengths[source])
-        self._move_features(source, dest, length)  # an EAGLE head's: on the host
+        self._copy_features(source, dest, length)  # an EAGLE head's: on the host
         for buffer in self._buffers:
             self._ops.rows(buffer, source, buffer, dest, length)
         self.lengths[dest] = length
-        self.lengths[source] = 0
 
     def clear_stale(self) -> None:
         # Rare (after NaN logits): through the host.

@@ -101,8 +101,12 @@ class EagleDraft(RowsDecoder):
         self.head.clear_stale()
 
     def move_row(self, source: int, dest: int) -> None:
-        self.head.move_row(source, dest)
-        self._verified[dest], self._verified[source] = self._verified[source], 0
+        self.copy_row(source, dest)
+        self.set_length(source, 0)
+
+    def copy_row(self, source: int, dest: int) -> None:
+        self.head.copy_row(source, dest)
+        self._verified[dest] = self._verified[source]
         self._newest[dest] = self._newest[source]
 
     # Feeding tokens ----------------------------------------------------------------------------

@@ -218,14 +218,19 @@ class RowsDecoder(DecoderBase):
                 buffer[(row, *before, slice(length, None))] = 0
 
     def move_row(self, source: int, dest: int) -> None:
-        """Copy ``source``'s cache and length into ``dest`` (packing live rows at the front)."""
+        """Move ``source``'s cache and length into ``dest`` (packing live rows at the front)."""
+        self.copy_row(source, dest)
+        self.lengths[source] = 0
+
+    def copy_row(self, source: int, dest: int) -> None:
+        """Copy ``source``'s cache and length into ``dest``; ``source`` keeps its own (rows
+        with one prompt read it once)."""
         length = int(self.lengths[source])
-        self._move_features(source, dest, length)
+        self._copy_features(source, dest, length)
         window = (slice(None),) * (self.POSITION_AXIS - 1) + (slice(0, length),)
         for buffer in self._buffers:
             buffer[(dest, *window)] = buffer[(source, *window)]
         self.lengths[dest] = length
-        self.lengths[source] = 0
 
     def _grow(self, needed: int) -> None:
         """Reallocate the cache with room for ``needed`` positions per row (fewer than now:
@@ -250,7 +255,7 @@ class RowsDecoder(DecoderBase):
         for i, (length, count) in enumerate(zip(lengths, counts)):
             self.features[start + i, length : length + count] = computed[i, :count]
 
-    def _move_features(self, source: int, dest: int, length: int) -> None:
+    def _copy_features(self, source: int, dest: int, length: int) -> None:
         if self._feature_width:
             self.features[dest, :length] = self.features[source, :length]
 

@@ -109,8 +109,8 @@ def run_checks(
     greedy identity and seeded identity (``config.max_new_tokens`` tokens a prompt; seed
     ``config.seed``, else `DEFAULT_SEED`), then the sampled law of the first two new tokens
     of each of the first ``law_prompts`` prompts, ``samples`` draws each, at false-alarm rate
-    ``alpha``; ``progress`` is told of each sampled row as it ends (they are most of the time
-    on a larger target: each computes its prompt's pass)."""
+    ``alpha``; ``progress`` is told of the sampled rows as each batch of them ends (they are
+    most of the time on a larger target)."""
     samples = integer("samples", samples, MIN_SAMPLES)
     alpha = number("alpha", alpha, "use a number in (0, 1)", lambda a: 0 < a < 1)
     law_prompts = integer("law_prompts", law_prompts, 0)
@@ -242,12 +242,7 @@ def _law(
     """``samples`` unseeded rows of ``prompt`` in batches; their first two new tokens against
     the target's exact law of that pair."""
     name = f"sampled law, prompt {index + 1}"
-    results = {}
-    for key, result in generator.run(Request(i, prompt, config) for i in range(samples)):
-        results[key] = result
-        if progress is not None:
-            progress(name, len(results), samples)
-    ordered = [results[i] for i in range(samples)]
+    ordered = _first_two(generator, prompt, config, samples, name, progress)
     for result in ordered:
         if result.error is not None:
             raise NumericalError(result.error)
@@ -276,6 +271,33 @@ def _law(
         return CheckResult(name, True, detail, tested=False)
     passed = fit.pvalue >= alpha  # a failure stands with or without drafts: the sampler's
     return CheckResult(name, passed, detail, tested=not passed or _drafted(ordered) > 0)
+
+
+def _first_two(
+    generator: SpeculativeGenerator,
+    prompt: list[int],
+    config: GenerationConfig,
+    samples: int,
+    name: str,
+    progress: Progress | None,
+) -> list[GenerationResult]:
+    """``samples`` rows of ``prompt``, a batch at a time through the generator's own runner,
+    each stopped once it has two new tokens: the first round decides the second, and the
+    rounds after it (most of a row's time) would change nothing tested."""
+    results: list[GenerationResult] = []
+    with generator._owned():
+        runner = generator.runner()
+        while len(results) < samples:
+            count = min(runner.max_batch, samples - len(results))
+            batch = [Request(len(results) + i, prompt, config) for i in range(count)]
+            done = [result for _, result in runner.add(batch)]
+            while any(len(tokens) < 2 for _, tokens in runner.active()):
+                done += [result for _, result in runner.step()]
+            done += [runner.cancel(request.key) for request, _ in list(runner.active())]
+            results += done
+            if progress is not None:
+                progress(name, len(results), samples)
+    return results
 
 
 def _pair_fit(

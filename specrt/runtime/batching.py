@@ -142,12 +142,22 @@ class BatchRunner:
         # The target reads a prompt as the one-row loop does: its whole chunks, then a pass
         # over the rest whose last position gives the first token (`first_tokens`), so a
         # request's first token comes right after its own prompt, not after a round of the
-        # batch. The draft sees all but the last prompt token.
+        # batch. The draft sees all but the last prompt token. A prompt several rows share is
+        # read once, by the first of them; the others copy its caches (`first_tokens` too).
         prompts = [row.request.prompt for row in rows]
-        self.target.prefill_rows(start, [whole_chunks(prompt) for prompt in prompts])
+        firsts = _firsts(prompts)
+        whole = [whole_chunks(p) if firsts[i] == i else [] for i, p in enumerate(prompts)]
+        self.target.prefill_rows(start, whole)
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
-            drafted = [prompt[:-1] if row.drafting else [] for row, prompt in zip(rows, prompts)]
+            firsts = _firsts([p if row.drafting else None for row, p in zip(rows, prompts)])
+            drafted = [
+                prompt[:-1] if row.drafting and firsts[i] == i else []
+                for i, (row, prompt) in enumerate(zip(rows, prompts))
+            ]
             self.draft.prefill_rows(start, drafted)
+            for i, first in enumerate(firsts):
+                if first != i and rows[i].drafting:
+                    self.draft.copy_row(start + first, start + i)
         lone = start == 0 and len(rows) == 1 and self._runs_alone
         for row in rows:
             row.round.k, row.round.match = 0, None
@@ -387,3 +397,12 @@ class BatchRunner:
             text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         row.stats.finish(time.perf_counter() - row.started)
         return GenerationResult(text, new_ids, row.finish_reason, row.stats, row.error)
+
+
+def _firsts(prompts: list) -> list[int]:
+    """For each prompt, the index of the first equal one (None: a row of its own)."""
+    seen: dict[tuple[int, ...], int] = {}
+    return [
+        i if prompt is None else seen.setdefault(tuple(prompt), i)
+        for i, prompt in enumerate(prompts)
+    ]

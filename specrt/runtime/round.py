@@ -151,25 +151,43 @@ def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> l
     the row's ``match`` if it has one (verified in the same pass: no model runs for it), and
     reads the last positions. A call of one row attends over that row's positions only; one
     over several rows would attend over the whole cache, which rows already running may have
-    grown far past these prompts."""
-    results = []
-    for slot, row in enumerate(rows, start):
-        started = time.perf_counter()
-        match = row.match or []
-        unread = row.tokens[int(target.lengths[slot]) :]
-        ids = np.array([unread + match], dtype=np.int64)  # [1, unread + M]
-        need = NEED_ARGMAX if row.sampling.greedy else NEED_LOGITS
-        out = target.forward_rows(ids, keep_last=len(match) + 1, start=slot, need=need)
-        failed: dict[int, str] = {}
-        args = match, None, _pick(out, 0), row.sampling, row.rng, len(row.tokens)
-        accepted, token = _row_verdict(failed, 0, *args)
-        seconds = time.perf_counter() - started
-        tokens = [] if failed else [*match[:accepted], token]
-        source = row.source if match else "model"
-        results.append(
-            RoundResult(len(match), accepted, tokens, 0.0, seconds, source, failed.get(0))
-        )
+    grown far past these prompts.
+
+    Rows with one prompt (and no match) read it once: the first of them reads it, the others
+    copy its cache and draw their own token from its logits, the very values their own pass
+    would have computed (``n`` samples of a prompt, a law's thousands of rows)."""
+    results: list[RoundResult | None] = [None] * len(rows)
+    alike: dict[object, list[int]] = {}
+    for i, row in enumerate(rows):
+        alike.setdefault(i if row.match else tuple(row.tokens), []).append(i)
+    for members in alike.values():
+        # all at once: a later call may write where this one's arrays are (kept arrays)
+        first, out = start + members[0], None
+        for i in members:
+            row, started = rows[i], time.perf_counter()
+            if out is None:
+                match = row.match or []
+                unread = row.tokens[int(target.lengths[first]) :]
+                ids = np.array([unread + match], dtype=np.int64)  # [1, unread + M]
+                greedy = all(rows[j].sampling.greedy for j in members)
+                need = NEED_ARGMAX if greedy else NEED_LOGITS
+                out = target.forward_rows(ids, keep_last=len(match) + 1, start=first, need=need)
+            else:
+                target.copy_row(first, start + i)
+            results[i] = _first_verdict(row, out, started)
     return results
+
+
+def _first_verdict(row: RowRound, out: Forward, started: float) -> RoundResult:
+    """A row's first token from the pass over its prompt (and match): ``out [1, M + 1, ...]``."""
+    failed: dict[int, str] = {}
+    match = row.match or []
+    args = match, None, _pick(out, 0), row.sampling, row.rng, len(row.tokens)
+    accepted, token = _row_verdict(failed, 0, *args)
+    seconds = time.perf_counter() - started
+    tokens = [] if failed else [*match[:accepted], token]
+    source = row.source if match else "model"
+    return RoundResult(len(match), accepted, tokens, 0.0, seconds, source, failed.get(0))
 
 
 def _row_verdict(failed: dict[int, str], i: int, *verify_args) -> tuple[int, int]:
