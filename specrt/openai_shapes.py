@@ -23,6 +23,7 @@ FIELDS = {
     "stop": "stop",
     "ignore_eos": "ignore_eos",  # vLLM's extension
 }
+MAX_N = 128  # choices one request may ask for (OpenAI's limit)
 # OpenAI's max_tokens for a completion that gives none. Chat has no such default: it runs until
 # the model stops or the context ends (as OpenAI's and vLLM's), which only the caller knows.
 DEFAULT_MAX_TOKENS = 16
@@ -106,21 +107,28 @@ def read_json(data: bytes | str) -> object:
         ) from None
 
 
-def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
+def read_request(
+    body: dict, kind: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS, max_n: int = 1
+):
     """An OpenAI request body of ``kind`` as (its prompt: a string or token ids for a
     completion, the messages for a chat; `GenerationConfig` fields it sets). ``null`` takes
     the default; fields for features specrt does not have are refused unless at their off
     value; ``default_max_tokens``: a completion's length where the body gives none (None: no
     length). A chat's length is never filled in: it runs to the end of the context, which the
-    caller knows. Raises `RequestError`."""
+    caller knows. ``n`` (`choices`) may be up to ``max_n``. Raises `RequestError`."""
     body = {key: value for key, value in body.items() if value is not None}  # null: default
     if not isinstance(body.get("stream", False), bool):
         raise RequestError("stream must be true or false", "stream")
     if not isinstance(body.get("stream_options", {}), dict):
         message = 'stream_options must be an object ({"include_usage": true})'
         raise RequestError(message, "stream_options")
-    if body.get("n", 1) != 1:
-        raise RequestError(f"n={json.dumps(body['n'])}: only n = 1 is supported", "n")
+    n = body.get("n", 1)
+    if max_n == 1 and n != 1:
+        raise RequestError(
+            f"n={json.dumps(n)}: only n = 1 is supported here; send one request per choice", "n"
+        )
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+        raise RequestError(f"n={json.dumps(n)}: use an integer from 1 to {max_n}", "n")
     if "stream_options" in body and not body.get("stream"):
         message = "stream_options is only allowed with stream: true (as OpenAI and vLLM answer)"
         raise RequestError(message, "stream_options")
@@ -168,6 +176,11 @@ def read_request(body: dict, kind: str, default_max_tokens: int | None = DEFAULT
     return prompt, options
 
 
+def choices(body: dict) -> int:
+    """How many choices a body `read_request` took asks for (its ``n``)."""
+    return body.get("n") or 1
+
+
 def new_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
 
@@ -179,21 +192,22 @@ def completion(
     text: str | None,
     finish_reason: str | None,
     final: bool = False,
+    index: int = 0,
 ) -> dict:
-    """A completion (``final``: the whole answer) or one streamed chunk of ``kind``; ``text``
-    None: the chat stream's opening chunk (the role alone)."""
+    """A completion (``final``: the whole answer) or one streamed chunk of ``kind``, of choice
+    ``index``; ``text`` None: the chat stream's opening chunk (the role alone)."""
     if kind == COMPLETION:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         name = "text_completion"
     elif final:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+        choice = {"index": index, "message": message, "finish_reason": finish_reason}
         name = "chat.completion"
     else:
         delta = {"role": "assistant"} if text is None else {"content": text}
         if finish_reason is not None and not text:
             delta = {}  # the finish chunk's delta is empty, as OpenAI sends it
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
         name = "chat.completion.chunk"
     return {
         "id": ident,

@@ -184,6 +184,58 @@ def test_seeded_sampling_is_reproducible(client):
     assert len({sample(11), sample(12), sample(13)}) > 1
 
 
+def test_n_choices_are_the_rows_generate_gives_one_prompt(server, client, reference):
+    """``n`` choices of one prompt, streamed or not, are what `generate` gives the prompt n
+    times: choice i samples from the stream (seed, i), so they differ and each is
+    reproducible. The usage counts the prompt once, the choices' tokens all."""
+    generator, _ = reference
+    prompt, sampled = PROMPTS[1], dict(max_tokens=16, temperature=1.0, seed=7)
+    config = GenerationConfig(max_new_tokens=16, temperature=1.0, seed=7)
+    results = generator.generate([prompt] * 3, config)
+    expected = [r.text for r in results]
+    assert len(set(expected)) > 1  # (else choices mixed up would pass)
+    reply = client.completions.create(model="tiny", prompt=prompt, n=3, **sampled)
+    assert [(c.index, c.text) for c in reply.choices] == list(enumerate(expected))
+    assert reply.usage.prompt_tokens == len(generator.encode_prompts([prompt])[0])
+    assert reply.usage.completion_tokens == sum(len(r.token_ids) for r in results)
+    assert reply.model_extra["speculative_decoding"]["rounds"] >= 3
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, n=3, stream=True,
+            stream_options={"include_usage": True}, **sampled,
+        )
+    )  # fmt: skip
+    texts, finished = ["", "", ""], []
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        texts[choice.index] += choice.text
+        finished += [choice.index] if choice.finish_reason else []
+    assert texts == expected and sorted(finished) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_a_client_gone_cancels_every_choice(server):
+    url = server[0]
+    body = {"prompt": PROMPTS[2], "max_tokens": 200, "stream": True, "n": 3}
+
+    def aborted() -> float:
+        metrics = scrape(httpx.get(f"{url}/metrics").text)
+        return metrics.get('vllm:request_success_total{finished_reason="abort"}', 0.0)
+
+    before = aborted()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # walk away mid-stream
+    deadline = time.monotonic() + 20
+    while aborted() - before < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted() - before == 3
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+
+
 def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
     url = server[0]
     cases = [
@@ -205,6 +257,12 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
             "max_tokens and max_completion_tokens differ",
         ),
         (dict(extra_body={"colour": 1}), openai.BadRequestError, "unknown field(s) ['colour']"),
+        (dict(n=0), openai.BadRequestError, "n=0: use an integer from 1 to 128"),
+        (dict(extra_body={"n": 1.5}), openai.BadRequestError, "n=1.5: use an integer"),
+        (dict(extra_body={"n": True}), openai.BadRequestError, "n=true: use an integer"),
+        (dict(n=129), openai.BadRequestError, "n=129: use an integer from 1 to 128"),
+        # more than the slots and the queue hold: never served, so not a 429 to retry
+        (dict(n=69), openai.BadRequestError, "n=69: this server holds at most 68 requests"),
     ]
     for overrides, kind, words in cases:
         request = {**dict(model="tiny", prompt="Simple is", max_tokens=4), **overrides}
@@ -602,6 +660,18 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                               n=2)  # fmt: skip
+        assert [c.message.content for c in reply.choices] == [expected.text] * 2
+        chunks = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, n=2, stream=True
+        )
+        roles, texts = [], ["", ""]
+        for c in chunks:
+            [choice] = c.choices
+            roles += [choice.index] if choice.delta.role else []
+            texts[choice.index] += choice.delta.content or ""
+        assert roles == [0, 1] and texts == [expected.text] * 2
         finish = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages,
                             "max_tokens": 12, "stream": True}).text.splitlines()  # fmt: skip
         last = json.loads([line for line in finish if line.startswith("data: {")][-1][6:])

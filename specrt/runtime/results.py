@@ -66,12 +66,44 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def total(cls, parts: list[GenerationStats]) -> GenerationStats:
+        """The counters of requests for one prompt (an OpenAI request's ``n`` choices) as one:
+        its prompt once, the rest summed; wall time the longest."""
+        total = cls(prompt_tokens=parts[0].prompt_tokens)
+        for part in parts:
+            for name in _SUMMED:
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+            _add_counts(total.accepted_per_position, part.accepted_per_position)
+            total.draft_stopped |= part.draft_stopped
+            for source, entry in part.proposers.items():
+                into = _proposer(total.proposers, source)
+                for name in ("rounds", "proposed", "accepted"):
+                    into[name] += entry[name]
+                _add_counts(into["accepted_per_position"], entry["accepted_per_position"])
+        total.finish(max(part.wall_time_s for part in parts))
+        return total
+
+
+_SUMMED = ("new_tokens", "rounds", "draft_rounds", "drafted_tokens", "accepted_tokens")
+
+
+def _add_counts(into: list[int], counts: list[int]) -> None:
+    """``into[i] += counts[i]``, ``into`` grown as needed."""
+    into.extend([0] * (len(counts) - len(into)))
+    for i, count in enumerate(counts):
+        into[i] += count
+
+
+def _proposer(table: dict[str, dict], source: str) -> dict:
+    """``source``'s entry in ``table`` (as `GenerationStats.proposers`), new ones at zero."""
+    empty = {"rounds": 0, "proposed": 0, "accepted": 0, "accepted_per_position": []}
+    return table.setdefault(source, empty)
+
 
 def add_proposer_round(table: dict[str, dict], source: str, drafted: int, accepted: int) -> None:
     """Count a drafting round of ``source`` in ``table`` (as `GenerationStats.proposers`)."""
-    entry = table.setdefault(
-        source, {"rounds": 0, "proposed": 0, "accepted": 0, "accepted_per_position": []}
-    )
+    entry = _proposer(table, source)
     entry["rounds"] += 1
     entry["proposed"] += drafted
     entry["accepted"] += accepted

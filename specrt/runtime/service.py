@@ -117,6 +117,11 @@ class Service:
         return len(self._waiting)
 
     @property
+    def capacity(self) -> int:
+        """Requests it holds at most at once: one a slot, and ``max_waiting`` queued."""
+        return self._runner.max_batch + self.max_waiting
+
+    @property
     def cache_usage(self) -> float:
         """The share of the target's KV cache positions (every slot at its most) that the
         running rows hold, 0 to 1."""
@@ -124,11 +129,16 @@ class Service:
         return float(target.lengths[:slots].sum()) / (slots * target.max_positions)
 
     def submit(
-        self, prompt: Prompt, config: GenerationConfig | None = None, per_token: bool = False
+        self,
+        prompt: Prompt,
+        config: GenerationConfig | None = None,
+        per_token: bool = False,
+        index: int = 0,
     ) -> RequestHandle:
         """Queue a request (its prompt checked now); returns its handle. A seeded request
-        samples from the stream ``(seed, 0)``, as `SpeculativeGenerator.generate` does for a
-        single prompt, so it is reproducible whatever else runs."""
+        samples from the stream ``(seed, index)``, as `SpeculativeGenerator.generate` does for
+        its row ``index``, so it is reproducible whatever else runs; ``index`` tells apart
+        samples of one prompt under one seed (an OpenAI request's ``n`` choices)."""
         config = GenerationConfig() if config is None else config
         if not isinstance(config, GenerationConfig):
             raise InvalidInputError(
@@ -141,9 +151,10 @@ class Service:
             )
         [ids] = self.generator.encode_prompts([prompt])
         per_token = flag("per_token", per_token)
+        index = integer("index", index, 0)
         if config.stop and self.generator.tokenizer is None:
             raise InvalidInputError("stop strings need the bundle's tokenizer")
-        rng = np.random.default_rng(None if config.seed is None else [config.seed, 0])
+        rng = np.random.default_rng(None if config.seed is None else [config.seed, index])
         key = next(self._keys)
         request = Request(key, ids, config, rng)
         tokenizer = self.generator.tokenizer

@@ -37,7 +37,9 @@ from specrt.openai_shapes import (
     CHAT,
     COMPLETION,
     FIELDS,
+    MAX_N,
     RequestError,
+    choices,
     completion,
     error_body,
     new_id,
@@ -46,7 +48,7 @@ from specrt.openai_shapes import (
 )
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.handles import RequestHandle
-from specrt.runtime.results import GenerationResult
+from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
 
@@ -117,7 +119,7 @@ def create_app(
             return error(400, "the request body must be a JSON object", "invalid_request_error")
         ident = new_id(kind)
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
-            handle, stream, with_usage = await run_in_threadpool(submit, body, kind, ident)
+            handles, stream, with_usage = await run_in_threadpool(submit, body, kind, ident)
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -133,32 +135,37 @@ def create_app(
             return error(400, str(exc), "invalid_request_error", param)
         if stream:
             return StreamingResponse(
-                events(handle, ident, kind, with_usage), media_type="text/event-stream"
+                events(handles, ident, kind, with_usage), media_type="text/event-stream"
             )
         try:
-            result = await until_disconnect(request, handle)
+            results = await until_disconnect(request, handles)
         except SpecrtError as exc:
             return error(500, str(exc), "server_error")
-        if result is None:  # the client went away: nobody reads this
+        if results is None:  # the client went away: nobody reads this
             return Response(status_code=499)
-        body = chunk(ident, kind, result.text, result.finish_reason, final=True)
-        body["usage"] = usage(result)
-        body["speculative_decoding"] = spec_stats(result)
+        body = chunk(ident, kind, "", None, final=True)
+        body["choices"] = [
+            chunk(ident, kind, r.text, r.finish_reason, final=True, index=i)["choices"][0]
+            for i, r in enumerate(results)
+        ]
+        body["usage"] = usage(results)
+        body["speculative_decoding"] = spec_stats(results)
         return JSONResponse(body)
 
-    async def until_disconnect(request: Request, handle: RequestHandle):
-        """The request's result; None if the client goes away first, which cancels it (its
-        slot freed at the next round), as a streaming client's going does."""
-        result = asyncio.ensure_future(handle.wait())
+    async def until_disconnect(request: Request, handles: list[RequestHandle]):
+        """The requests' results; None if the client goes away first, which cancels them
+        (their slots freed at the next round), as a streaming client's going does."""
+        results = asyncio.gather(*(handle.wait() for handle in handles))
         gone = asyncio.ensure_future(disconnected(request))
         try:
-            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # the client gone, or this handler cancelled (a shutdown's deadline)
             gone.cancel()
-            if not result.done():
-                result.cancel()
-                handle.cancel()
-        return result.result() if result.done() and not result.cancelled() else None
+            if not results.done():
+                results.cancel()
+                for handle in handles:
+                    handle.cancel()
+        return results.result() if results.done() and not results.cancelled() else None
 
     async def disconnected(request: Request) -> None:
         """Returns once the client has gone (its body was read: what comes next is that)."""
@@ -185,7 +192,9 @@ def create_app(
                 raise too_big
         return bytes(data)
 
-    def submit(body: dict, kind: str, ident: str) -> tuple[RequestHandle, bool, bool]:
+    def submit(body: dict, kind: str, ident: str) -> tuple[list[RequestHandle], bool, bool]:
+        """The request's ``n`` choices queued (rows of one prompt, which read it once); all or
+        none: a choice refused withdraws those queued before it."""
         if body.get("model") not in (None, model_name):  # null, as any field: the default
             raise _HttpError(
                 404,
@@ -195,7 +204,7 @@ def create_app(
                 "model",
             )
         try:
-            prompt, options = read_request(body, kind)
+            prompt, options = read_request(body, kind, max_n=MAX_N)
         except RequestError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
         if kind == CHAT:
@@ -205,44 +214,70 @@ def create_app(
             room = service.generator.target.max_positions - len(prompt)
             options.setdefault("max_new_tokens", max(1, room))
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
-        handle = service.submit(prompt, config)
-        handle.add_done_callback(metrics.record)
-        handle.add_gap_callback(metrics.inter_token_gap)
+        n = choices(body)
+        if n > service.capacity:  # refused whatever the load: not a 429 to retry
+            raise _HttpError(
+                400,
+                f"n={n}: this server holds at most {service.capacity} requests at once (a "
+                "slot each, or a place in the queue): ask for fewer choices",
+                "invalid_request_error",
+                "n",
+            )
+        handles: list[RequestHandle] = []
+        try:
+            for index in range(n):
+                handles.append(service.submit(prompt, config, index=index))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
         stream = bool(body.get("stream"))
-        log_received(ident, kind, handle, stream)
-        handle.add_done_callback(lambda done: log_finished(ident, done))
+        for handle in handles:
+            handle.add_done_callback(metrics.record)
+            handle.add_gap_callback(metrics.inter_token_gap)
+            log_received(ident, kind, handle, stream)
+            handle.add_done_callback(lambda done: log_finished(ident, done))
         options = body.get("stream_options") or {}
-        return handle, stream, bool(options.get("include_usage"))
+        return handles, stream, bool(options.get("include_usage"))
 
     async def events(
-        handle: RequestHandle, ident: str, kind: str, with_usage: bool
+        handles: list[RequestHandle], ident: str, kind: str, with_usage: bool
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per delta, a last one with the finish reason and the
-        speculative stats, and, where ``stream_options.include_usage`` asked, one with no
-        choices and the usage (as OpenAI sends it). A client that goes away cancels the
-        request (the handle's iterator closes). With the usage asked for, every other chunk
-        has ``"usage": null``, as OpenAI's."""
+        """Server-sent events: a chunk per delta of each choice (its ``index``), a last one of
+        each with its finish reason and speculative stats, and, where
+        ``stream_options.include_usage`` asked, one with no choices and the usage (as OpenAI
+        sends it). A client that goes away cancels the requests (their iterators close). With
+        the usage asked for, every other chunk has ``"usage": null``, as OpenAI's."""
         blank = {"usage": None} if with_usage else {}
         try:
             if kind == CHAT:  # the role comes first, as OpenAI sends it
-                yield sse({**chunk(ident, kind, None, None), **blank})
-            async for delta in handle:
-                yield sse({**chunk(ident, kind, delta, None), **blank})
-            result = handle.result()
+                for index in range(len(handles)):
+                    yield sse({**chunk(ident, kind, None, None, index=index), **blank})
+            async for index, delta in deltas(handles):
+                if delta is not None:
+                    yield sse({**chunk(ident, kind, delta, None, index=index), **blank})
+                    continue
+                result = handles[index].result()
+                final = {**chunk(ident, kind, "", result.finish_reason, index=index), **blank}
+                final["speculative_decoding"] = spec_stats([result])
+                yield sse(final)
+            results = [handle.result() for handle in handles]
         except SpecrtError as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error"}})
             return
-        final = {**chunk(ident, kind, "", result.finish_reason), **blank}
-        final["speculative_decoding"] = spec_stats(result)
-        yield sse(final)
         if with_usage:
-            yield sse({**chunk(ident, kind, None, None), "choices": [], "usage": usage(result)})
+            yield sse({**chunk(ident, kind, None, None), "choices": [], "usage": usage(results)})
         yield "data: [DONE]\n\n"
 
     def chunk(
-        ident: str, kind: str, text: str | None, finish_reason: str | None, final: bool = False
+        ident: str,
+        kind: str,
+        text: str | None,
+        finish_reason: str | None,
+        final: bool = False,
+        index: int = 0,
     ) -> dict:
-        return completion(ident, kind, model_name, text, finish_reason, final)
+        return completion(ident, kind, model_name, text, finish_reason, final, index)
 
     def chat_prompt(messages: object) -> list[int]:
         """The conversation rendered by the bundle's chat template, as token ids (the template
@@ -354,12 +389,41 @@ def log_finished(ident: str, handle: RequestHandle) -> None:
     )  # fmt: skip
 
 
-def usage(result: GenerationResult) -> dict:
-    return shapes.usage(result.stats.prompt_tokens, len(result.token_ids))
+async def deltas(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, str | None]]:
+    """``(choice, delta)`` as each handle's text comes, and ``(choice, None)`` as it ends; a
+    handle's error is raised. Leaving early closes every handle's iterator (cancelling it)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for delta in handle:
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except SpecrtError as exc:
+            queue.put_nowait((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, handle)) for i, handle in enumerate(handles)]
+    try:
+        ended = 0
+        while ended < len(handles):
+            index, delta = await queue.get()
+            if isinstance(delta, SpecrtError):
+                raise delta
+            ended += delta is None
+            yield index, delta
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
-def spec_stats(result: GenerationResult) -> dict:
-    return shapes.spec_stats(result.stats.to_dict())
+def usage(results: list[GenerationResult]) -> dict:
+    """One request's usage: its prompt once, the tokens of all its choices."""
+    completion_tokens = sum(len(result.token_ids) for result in results)
+    return shapes.usage(results[0].stats.prompt_tokens, completion_tokens)
+
+
+def spec_stats(results: list[GenerationResult]) -> dict:
+    return shapes.spec_stats(GenerationStats.total([r.stats for r in results]).to_dict())
 
 
 def sse(payload: dict) -> str:
