@@ -1014,6 +1014,39 @@ def test_a_prompt_several_rows_share_is_read_once(llama_bundle, monkeypatch, chu
         monkeypatch.setattr(rows, "PREFILL_CHUNK", chunk)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)
+def test_a_prompt_that_begins_as_a_running_row_reads_only_the_rest(
+    bundles, monkeypatch, arch, temperature
+):
+    """A shared system prompt: a row admitted while another runs copies the positions their
+    tokens share from it (16 or more) and the target reads the rest alone; a prefix under 16
+    tokens is read as before. Every row is the target alone's, greedy or seeded, in every
+    family (sliding windows among them)."""
+    generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, max_batch=4)
+    target = generator.target
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
+    assert len(system) >= 24
+    ends = [generator.encode_prompts([p])[0][1:] for p in PROMPTS[2:5]]
+    ids = [system + ends[0], system[:20] + ends[1], system[:10] + ends[2]]
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, ignore_eos=True,
+                              temperature=temperature, seed=5)  # fmt: skip
+    runner = BatchRunner(target, generator.draft, generator.tokenizer, frozenset())
+    requests = [Request(i, p, config, row_rng(config, i)) for i, p in enumerate(ids)]
+    runner.add(requests[:1])
+    runner.step()
+    fed = {"target": 0}
+    monkeypatch.setattr(target, "_call", counted(target._call, fed, "target"))
+    runner.add(requests[1:2])
+    assert fed["target"] == len(ids[1]) - 20
+    runner.add(requests[2:])  # 10 tokens in common: read whole
+    assert fed["target"] == len(ids[1]) - 20 + len(ids[2])
+    monkeypatch.undo()
+    results = dict(runner.run([]))
+    expected = generator.generate(ids, replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]
+
+
 def counted(call, fed: dict, name: str):
     """``call`` (a decoder's ``_call``), adding the real positions each call feeds to
     ``fed[name]``."""

@@ -38,6 +38,7 @@ from specrt.runtime.config import SamplingParams
 from specrt.runtime.round import RowRound, catch_up, draft_rows
 from specrt.runtime.sampling import warp
 from tests.stats import chi_square_pvalue
+from tests.test_batching import counted
 from tests.test_greedy import PROMPTS
 from tests.test_tensorrt import parse
 
@@ -495,6 +496,38 @@ def test_rows_of_one_prompt_read_it_once_and_draft_from_its_features(generators,
         assert kept[2] > 0 and kept[3] > 0
         if config.greedy:  # the same drafts round after round: the head's state was copied
             assert kept[0] == kept[2] == kept[3] and kept[1] == kept[4]
+
+
+@pytest.mark.parametrize("path", ["batched", "portable"])
+def test_a_row_that_shares_a_running_row_s_beginning_gets_its_features(generators, path):
+    """A row admitted while another runs, their prompts sharing 20 tokens: the target's cache
+    and the head's features of those positions are copied from the running row, and are what
+    reading the prompt alone gives; each row is the target alone's."""
+    generator = generators[path]
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
+    ids = [system + generator.encode_prompts([p])[0][1:] for p in PROMPTS[2:4]]
+    ids[1] = system[:20] + ids[1][len(system) :]
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True, **MODEL_DRAFTS)
+    target = generator.target
+    runner = generator.runner()
+    runner.add([Request(0, ids[0], config)])
+    runner.step()
+    fed, call = {"target": 0}, target._call
+    target._call = counted(call, fed, "target")
+    try:
+        runner.add([Request(1, ids[1], config)])
+    finally:
+        target._call = call
+    assert fed["target"] == len(ids[1]) - 20
+    shared = target.features[1, : len(ids[1])].copy()
+    results = dict(runner.run([]))
+    alone = generators["one row"].generate(ids, replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(2)] == [r.token_ids for r in alone]
+    check = generator.runner()
+    check.add([Request(1, ids[1], config)])  # read alone, in slot 0
+    np.testing.assert_allclose(shared, target.features[0, : len(ids[1])], atol=1e-5, rtol=0)
+    list(check.run([]))
+    assert np.abs(shared).max() > 0
 
 
 def _second_token_law(target, prompt: list[int], temperature: float) -> np.ndarray:

@@ -30,10 +30,11 @@ PREFILL_CHUNK = 256
 PAIR_ROWS = "pair_rows"
 
 
-def whole_chunks(prompt: Sequence[int]) -> Sequence[int]:
-    """The part of ``prompt`` prefilled ahead of its first pass: its whole chunks, leaving at
-    least its last token to the pass whose last position gives the first new token."""
-    return prompt[: (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK]
+def whole_chunks(prompt: Sequence[int], cached: int = 0) -> Sequence[int]:
+    """The part of ``prompt`` prefilled ahead of its first pass, after the ``cached`` positions
+    the cache holds already: whole chunks, leaving at least its last token to the pass whose
+    last position gives the first new token."""
+    return prompt[cached : cached + (len(prompt) - 1 - cached) // PREFILL_CHUNK * PREFILL_CHUNK]
 
 
 # What a call must bring back to the host. A device backend copies only that; a host backend

@@ -83,8 +83,8 @@ class DeviceRowsDecoder(BatchedDecoder):
         itemsize = self._dtype().itemsize
         return sum(int(np.prod(block.shape())) * itemsize for block in self._blocks)
 
-    def copy_row(self, source: int, dest: int) -> None:
-        length = int(self.lengths[source])
+    def copy_row(self, source: int, dest: int, length: int | None = None) -> None:
+        length = int(self.lengths[source]) if length is None else length
         self._copy_features(source, dest, length)  # an EAGLE head's: on the host
         for buffer in self._buffers:
             self._ops.rows(buffer, source, buffer, dest, length)

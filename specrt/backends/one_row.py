@@ -63,7 +63,8 @@ class OneRow:
     def move_row(self, source: int, dest: int) -> None:
         raise AssertionError("a decoder of one row has no other row to move")
 
-    copy_row = move_row
+    def copy_row(self, source: int, dest: int, length: int | None = None) -> None:
+        raise AssertionError("a decoder of one row has no other row to copy")
 
     def shrink(self, headroom: int = 0) -> None:
         pass  # allocated whole

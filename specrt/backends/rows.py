@@ -222,10 +222,10 @@ class RowsDecoder(DecoderBase):
         self.copy_row(source, dest)
         self.lengths[source] = 0
 
-    def copy_row(self, source: int, dest: int) -> None:
-        """Copy ``source``'s cache and length into ``dest``; ``source`` keeps its own (rows
-        with one prompt read it once)."""
-        length = int(self.lengths[source])
+    def copy_row(self, source: int, dest: int, length: int | None = None) -> None:
+        """Copy ``source``'s cache and length into ``dest``, or its first ``length`` positions
+        (a prefix the rows share); ``source`` keeps its own (rows with one prompt read it once)."""
+        length = int(self.lengths[source]) if length is None else length
         self._copy_features(source, dest, length)
         window = (slice(None),) * (self.POSITION_AXIS - 1) + (slice(0, length),)
         for buffer in self._buffers:

@@ -41,6 +41,9 @@ MAX_BATCH = 256
 # Positions past the longest row a cache keeps when it gives back capacity steps (rows grow by
 # a round's tokens at a time: a row about to pass the step would make it grow again at once).
 SHRINK_HEADROOM = 32
+# Prompt tokens a new row must share with a running row's for the target to copy them rather
+# than read them (fewer: a beginning of sequence, a chat template's first tokens, saves little).
+MIN_SHARED_PREFIX = 16
 
 
 class BatchRunner:
@@ -146,7 +149,11 @@ class BatchRunner:
         # read once, by the first of them; the others copy its caches (`first_tokens` too).
         prompts = [row.request.prompt for row in rows]
         firsts = _firsts(prompts)
-        whole = [whole_chunks(p) if firsts[i] == i else [] for i, p in enumerate(prompts)]
+        self._share_prefixes(rows, start, firsts)
+        whole = [
+            whole_chunks(p, int(self.target.lengths[start + i])) if firsts[i] == i else []
+            for i, p in enumerate(prompts)
+        ]
         self.target.prefill_rows(start, whole)
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
             firsts = _firsts([p if row.drafting else None for row, p in zip(rows, prompts)])
@@ -178,6 +185,26 @@ class BatchRunner:
         if any(result.error is not None for result in results):
             self._clear_stale()
         return done
+
+    def _share_prefixes(self, rows: list[Row], start: int, firsts: list[int]) -> None:
+        """A new row whose prompt begins as a running row's tokens do (a shared system
+        prompt, instructions before each input) copies those positions of the target's cache
+        from that row and reads only the rest: the values its own reading would compute."""
+        running = [
+            (slot, row.tokens, min(len(row.tokens), int(self.target.lengths[slot])))
+            for slot, row in enumerate(self.rows[:start])
+        ]
+        for i, row in enumerate(rows):
+            if firsts[i] != i or not running:
+                continue
+            prompt = row.tokens
+            source, shared = max(
+                ((slot, _shared(prompt, tokens, min(held, len(prompt) - 1)))
+                 for slot, tokens, held in running),
+                key=lambda found: found[1],
+            )  # fmt: skip
+            if shared >= MIN_SHARED_PREFIX:
+                self.target.copy_row(source, start + i, shared)
 
     def step(self) -> list[tuple[Request, GenerationResult]]:
         """One round over every row; the rows that finished leave, freeing their slots."""
@@ -406,3 +433,11 @@ def _firsts(prompts: list) -> list[int]:
         i if prompt is None else seen.setdefault(tuple(prompt), i)
         for i, prompt in enumerate(prompts)
     ]
+
+
+def _shared(a: list[int], b: list[int], most: int) -> int:
+    """How many of the first ``most`` tokens ``a`` and ``b`` have in common."""
+    for i in range(min(most, len(a), len(b))):
+        if a[i] != b[i]:
+            return i
+    return max(0, min(most, len(a), len(b)))

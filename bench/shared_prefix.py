@@ -1,0 +1,92 @@
+"""Rows that share a system prompt: the target copying the shared positions from a running row
+(`BatchRunner`'s prefix sharing) against reading every prompt whole, side by side.
+
+    .venv/bin/python bench/shared_prefix.py [--bundle engines/smollm2-int4] [--batch-size 8]
+        [--max-new-tokens 32] [--system-repeats 4] [--repeats 2]
+
+The held-out chat prompts (models/smollm2/heldout_prompts.jsonl), each after one long system
+message (a paragraph of instructions, ``--system-repeats`` times), through the bundle's chat
+template, greedy, EOS ignored, run by `SpeculativeGenerator.run` at ``--batch-size`` rows with
+the default config. The two modes alternate A B B A (``--repeats`` times) in one process;
+prints each mode's tokens/s and the ratio, and checks that both gave the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import specrt.runtime.batching as batching
+from specrt.chat import ChatTemplate
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.batching import Request
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEM = (
+    "You are a careful assistant for a public library. Answer in plain English, in short "
+    "paragraphs, without lists unless the reader asks for one. Say when you are unsure, and "
+    "never invent titles, dates or names. Prefer examples a reader can check at home. Keep "
+    "a friendly tone, and do not repeat the question back. "
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bundle", default=str(REPO / "engines" / "smollm2-int4"))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--system-repeats", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    generator = SpeculativeGenerator.from_bundle(args.bundle, max_batch=args.batch_size)
+    tokenizer = generator.tokenizer
+    template = ChatTemplate.from_directory(tokenizer.directory)
+    lines = (REPO / "models" / "smollm2" / "heldout_prompts.jsonl").read_text().splitlines()
+    system = SYSTEM * args.system_repeats
+    prompts = [
+        tokenizer.encode(
+            template.prompt(
+                [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": json.loads(line)["prompt"]},
+                ]
+            ),
+            add_special_tokens=False,
+        )
+        for line in lines
+    ]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    shared = min(len(p) for p in prompts)
+    while any(p[:shared] != prompts[0][:shared] for p in prompts):
+        shared -= 1
+    print(
+        f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+        f"the first {shared} alike; {args.max_new_tokens} new tokens each; batch "
+        f"{args.batch_size}; {args.bundle}"
+    )
+
+    def run(share: bool) -> tuple[float, dict]:
+        batching.MIN_SHARED_PREFIX = 16 if share else 1 << 30
+        started = time.perf_counter()
+        results = dict(generator.run(Request(i, p, config) for i, p in enumerate(prompts)))
+        return time.perf_counter() - started, {k: r.token_ids for k, r in results.items()}
+
+    run(True)  # warm up
+    seconds = {True: 0.0, False: 0.0}
+    outputs = {}
+    for _ in range(args.repeats):
+        for share in (True, False, False, True):
+            elapsed, outputs[share] = run(share)
+            seconds[share] += elapsed
+    tokens = args.repeats * 2 * len(prompts) * args.max_new_tokens
+    for share, name in ((False, "every prompt read whole"), (True, "shared positions copied")):
+        print(f"{name:26s} {tokens / seconds[share]:7.1f} tokens/s")
+    print(f"ratio (copied / read whole): {seconds[False] / seconds[True]:.2f}x")
+    print("outputs identical:", outputs[True] == outputs[False])
+
+
+if __name__ == "__main__":
+    main()
