@@ -1019,10 +1019,10 @@ def test_a_prompt_several_rows_share_is_read_once(llama_bundle, monkeypatch, chu
 def test_a_prompt_that_begins_as_a_running_row_reads_only_the_rest(
     bundles, monkeypatch, arch, temperature
 ):
-    """A shared system prompt: a row admitted while another runs copies the positions their
-    tokens share from it (16 or more) and the target reads the rest alone; a prefix under 16
-    tokens is read as before. Every row is the target alone's, greedy or seeded, in every
-    family (sliding windows among them)."""
+    """A shared system prompt: a row admitted while another runs, or beside one that reads
+    its prompt whole, copies the positions their tokens share from it (16 or more) and the
+    target reads the rest alone; a prefix under 16 tokens is read as before. Every row is the
+    target alone's, greedy or seeded, in every family (sliding windows among them)."""
     generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, max_batch=4)
     target = generator.target
     system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
@@ -1045,6 +1045,18 @@ def test_a_prompt_that_begins_as_a_running_row_reads_only_the_rest(
     results = dict(runner.run([]))
     expected = generator.generate(ids, replace(config, num_draft_tokens=0))
     assert [results[i].token_ids for i in range(3)] == [r.token_ids for r in expected]
+    # admitted together: the first reads, the others copy from it once it has
+    runner = BatchRunner(target, generator.draft, generator.tokenizer, frozenset())
+    together = [ids[1], ids[2], ids[0], ids[1]]
+    requests = [Request(i, p, config, row_rng(config, i)) for i, p in enumerate(together)]
+    fed["target"] = 0
+    monkeypatch.setattr(target, "_call", counted(target._call, fed, "target"))
+    runner.add(requests)
+    monkeypatch.undo()
+    assert fed["target"] == len(ids[0]) + len(ids[1]) - 20 + len(ids[2])
+    results = dict(runner.run([]))
+    expected = generator.generate(together, replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(4)] == [r.token_ids for r in expected]
 
 
 def counted(call, fed: dict, name: str):

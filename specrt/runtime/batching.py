@@ -128,17 +128,51 @@ class BatchRunner:
         rows = sorted((row for row in rows if not row.finish_reason), key=lambda r: len(r.tokens))
         if rows:
             start = len(self.rows)
+            rows, sources = self._arrange(rows)
             self.rows.extend(rows)
-            finished += self._leave(self._admit(rows, start))
+            finished += self._leave(self._admit(rows, start, sources))
         if self._left:
             for cache in (self.target, self.draft):  # give back what rows that left had grown
                 cache.shrink(SHRINK_HEADROOM)
             self._left = False
         return finished
 
-    def _admit(self, rows: list[Row], start: int) -> list[int]:
+    def _arrange(self, rows: list[Row]) -> tuple[list[Row], list[tuple[int, int] | None]]:
+        """New ``rows`` in the order of their slots: first those that read their whole prompt,
+        then those whose prompt begins as a running row's tokens or as a prompt read before it
+        (`MIN_SHARED_PREFIX` tokens or more in common: a shared system prompt, instructions
+        before each input). For each, where it copies that beginning from: ``(slot,
+        positions)``, or None. A prompt met again stays beside the first (`first_tokens`)."""
+        start = len(self.rows)
+        held = [  # (slot, tokens, positions of them its cache holds): running rows
+            (slot, row.tokens, min(len(row.tokens), int(self.target.lengths[slot])))
+            for slot, row in enumerate(self.rows)
+        ]
+        readers: list[Row] = []
+        copiers: list[tuple[Row, tuple[int, int]]] = []
+        placed: dict[tuple[int, ...], tuple[int, int] | None] = {}  # a prompt -> its source
+        for row in rows:
+            prompt = tuple(row.tokens)
+            if prompt not in placed:
+                found = [(_shared(row.tokens, tokens, most), slot) for slot, tokens, most in held]
+                shared, slot = max(found, default=(0, -1))
+                placed[prompt] = (slot, shared) if shared >= MIN_SHARED_PREFIX else None
+                if placed[prompt] is None:  # read whole: later prompts may begin as it does
+                    held.append((start + len(readers), row.tokens, len(row.tokens)))
+            if placed[prompt] is None:
+                readers.append(row)
+            else:
+                copiers.append((row, placed[prompt]))
+        return readers + [row for row, _ in copiers], [None] * len(readers) + [
+            source for _, source in copiers
+        ]
+
+    def _admit(
+        self, rows: list[Row], start: int, sources: list[tuple[int, int] | None]
+    ) -> list[int]:
         """Prefill ``rows`` into slots ``start ..`` and take their first tokens; the slots of
-        those finished."""
+        those finished. ``sources`` (`_arrange`): where a row copies its prompt's beginning
+        from (the rows that do come after those that read their whole prompt)."""
         for slot in range(start, start + len(rows)):
             self.target.set_length(slot, 0)
             self.draft.set_length(slot, 0)
@@ -147,22 +181,21 @@ class BatchRunner:
         # request's first token comes right after its own prompt, not after a round of the
         # batch. The draft sees all but the last prompt token. A prompt several rows share is
         # read once, by the first of them; the others copy its caches (`first_tokens` too).
+        # A row whose prompt begins as another's copies the target's positions of that
+        # beginning once the other's are read, and reads the rest.
         prompts = [row.request.prompt for row in rows]
         firsts = _firsts(prompts)
-        self._share_prefixes(rows, start, firsts)
-        whole = [
-            whole_chunks(p, int(self.target.lengths[start + i])) if firsts[i] == i else []
-            for i, p in enumerate(prompts)
-        ]
-        self.target.prefill_rows(start, whole)
+        readers = sources.count(None)
+        whole = [whole_chunks(p) if firsts[i] == i else [] for i, p in enumerate(prompts)]
+        self.target.prefill_rows(start, whole[:readers])
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
-            firsts = _firsts([p if row.drafting else None for row, p in zip(rows, prompts)])
+            drafting = _firsts([p if row.drafting else None for row, p in zip(rows, prompts)])
             drafted = [
-                prompt[:-1] if row.drafting and firsts[i] == i else []
+                prompt[:-1] if row.drafting and drafting[i] == i else []
                 for i, (row, prompt) in enumerate(zip(rows, prompts))
             ]
             self.draft.prefill_rows(start, drafted)
-            for i, first in enumerate(firsts):
+            for i, first in enumerate(drafting):
                 if first != i and rows[i].drafting:
                     self.draft.copy_row(start + first, start + i)
         lone = start == 0 and len(rows) == 1 and self._runs_alone
@@ -170,9 +203,22 @@ class BatchRunner:
             row.round.k, row.round.match = 0, None
         if lone:  # its first pass may verify a match too (no model runs for it)
             plan = self._plan_alone(rows[0], first=True)
-        results = first_tokens(self.target, [row.round for row in rows], start)
+        parts = [row.round for row in rows]
+        results = first_tokens(self.target, parts[:readers], start)
         if lone:
             self._learn_alone(rows[0], plan, results[0], first=True)
+        if readers < len(rows):
+            for i in range(readers, len(rows)):
+                source, shared = sources[i]
+                failed = source >= start and results[source - start].error is not None
+                if firsts[i] == i and not failed:  # (a failed reader's may hold NaN)
+                    self.target.copy_row(source, start + i, shared)
+            rest = [
+                whole_chunks(p, int(self.target.lengths[start + i])) if firsts[i] == i else []
+                for i, p in enumerate(prompts)
+            ]
+            self.target.prefill_rows(start + readers, rest[readers:])
+            results += first_tokens(self.target, parts[readers:], start + readers)
         done = []
         for slot, (row, result) in enumerate(zip(rows, results), start):
             if result.error is not None:
@@ -185,26 +231,6 @@ class BatchRunner:
         if any(result.error is not None for result in results):
             self._clear_stale()
         return done
-
-    def _share_prefixes(self, rows: list[Row], start: int, firsts: list[int]) -> None:
-        """A new row whose prompt begins as a running row's tokens do (a shared system
-        prompt, instructions before each input) copies those positions of the target's cache
-        from that row and reads only the rest: the values its own reading would compute."""
-        running = [
-            (slot, row.tokens, min(len(row.tokens), int(self.target.lengths[slot])))
-            for slot, row in enumerate(self.rows[:start])
-        ]
-        for i, row in enumerate(rows):
-            if firsts[i] != i or not running:
-                continue
-            prompt = row.tokens
-            source, shared = max(
-                ((slot, _shared(prompt, tokens, min(held, len(prompt) - 1)))
-                 for slot, tokens, held in running),
-                key=lambda found: found[1],
-            )  # fmt: skip
-            if shared >= MIN_SHARED_PREFIX:
-                self.target.copy_row(source, start + i, shared)
 
     def step(self) -> list[tuple[Request, GenerationResult]]:
         """One round over every row; the rows that finished leave, freeing their slots."""
@@ -435,9 +461,11 @@ def _firsts(prompts: list) -> list[int]:
     ]
 
 
-def _shared(a: list[int], b: list[int], most: int) -> int:
-    """How many of the first ``most`` tokens ``a`` and ``b`` have in common."""
-    for i in range(min(most, len(a), len(b))):
-        if a[i] != b[i]:
+def _shared(prompt: list[int], tokens: list[int], held: int) -> int:
+    """How many of ``prompt``'s first tokens are ``tokens``' first ``held``, leaving at least
+    its last token to read (the pass that gives its first new token)."""
+    most = min(held, len(prompt) - 1, len(tokens))
+    for i in range(most):
+        if prompt[i] != tokens[i]:
             return i
-    return max(0, min(most, len(a), len(b)))
+    return max(0, most)
