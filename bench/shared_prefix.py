@@ -2,12 +2,13 @@
 (`BatchRunner`'s prefix sharing) against reading every prompt whole, side by side.
 
     .venv/bin/python bench/shared_prefix.py [--bundle engines/smollm2-int4] [--batch-size 8]
-        [--max-new-tokens 32] [--system-repeats 4] [--repeats 2]
+        [--max-new-tokens 32] [--system-repeats 4] [--system-words N] [--repeats 2]
 
-The held-out chat prompts (models/smollm2/heldout_prompts.jsonl), each after one long system
-message (a paragraph of instructions, ``--system-repeats`` times), through the bundle's chat
-template, greedy, EOS ignored, run by `SpeculativeGenerator.run` at ``--batch-size`` rows with
-the default config. The two modes alternate A B B A (``--repeats`` times) in one process;
+The held-out chat prompts (models/smollm2/heldout_prompts.jsonl, or ``--prompt-file``), each
+after one long system message (a paragraph of instructions, ``--system-repeats`` times),
+through the bundle's chat template (without one: the message, a blank line, the prompt),
+greedy, EOS ignored, run by `SpeculativeGenerator.run` at ``--batch-size`` rows with the
+default config. The two modes alternate A B B A (``--repeats`` times) in one process;
 prints each mode's tokens/s and the ratio, and checks that both gave the same tokens.
 """
 
@@ -38,26 +39,26 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--system-repeats", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=None, help="its first N words")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--prompt-file", default=str(REPO / "models" / "smollm2" / "heldout_prompts.jsonl")
+    )
     args = parser.parse_args()
 
     generator = SpeculativeGenerator.from_bundle(args.bundle, max_batch=args.batch_size)
     tokenizer = generator.tokenizer
     template = ChatTemplate.from_directory(tokenizer.directory)
-    lines = (REPO / "models" / "smollm2" / "heldout_prompts.jsonl").read_text().splitlines()
-    system = SYSTEM * args.system_repeats
-    prompts = [
-        tokenizer.encode(
-            template.prompt(
-                [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": json.loads(line)["prompt"]},
-                ]
-            ),
-            add_special_tokens=False,
-        )
-        for line in lines
-    ]
+    lines = Path(args.prompt_file).read_text().splitlines()
+    system = " ".join((SYSTEM * args.system_repeats).split()[: args.system_words])
+
+    def prompt(question: str) -> list[int]:
+        if template is None:  # a model that completes text: the message, then the question
+            return tokenizer.encode(f"{system}\n\n{question}")
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return tokenizer.encode(template.prompt(chat), add_special_tokens=False)
+
+    prompts = [prompt(json.loads(line)["prompt"]) for line in lines if line.strip()]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     shared = min(len(p) for p in prompts)
     while any(p[:shared] != prompts[0][:shared] for p in prompts):

@@ -162,3 +162,27 @@ def test_the_engine_step_bench_times_each_graph_side_by_side(llama_bundle, tmp_p
     )
     assert missing.returncode != 0 and "no graph at" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_the_shared_prefix_bench_prints_both_modes_and_their_ratio(llama_bundle, tmp_path):
+    """`bench/shared_prefix.py` on a tiny chat bundle: both modes' tokens/s, the ratio, and the
+    same tokens either way."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a b", "c d e", "f")))
+    args = ["--bundle", str(chat_bundle(llama_bundle, tmp_path / "chat")), "--prompt-file",
+            str(prompts), "--repeats", "1", "--max-new-tokens", "4", "--batch-size", "2",
+            "--system-words", "5"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(repo / "bench" / "shared_prefix.py"), *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert "the first" in lines[0] and "alike" in lines[0]
+    assert lines[-2].startswith("ratio (copied / read whole): ")
+    assert lines[-1] == "outputs identical: True"
