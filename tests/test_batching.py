@@ -884,6 +884,26 @@ def test_a_prompt_that_reaches_nan_logits_fails_alone_at_admission(
         assert failed[i].error is None and failed[i].token_ids == clean[i].token_ids, i
 
 
+def test_a_row_that_copied_its_beginning_and_reaches_nan_fails_alone(llama_bundle, tmp_path):
+    """Two prompts sharing 20 tokens: the shorter reads them, the longer copies them and its
+    pass reaches NaN (positions 30 on): it fails alone, and the shorter runs as it does
+    without it."""
+    poisoned = poisoned_copy(llama_bundle, tmp_path, 30)
+    config = GenerationConfig(max_new_tokens=4, num_draft_tokens=2, ignore_eos=True)
+    results = {}
+    for bundle in (llama_bundle, poisoned):
+        generator = SpeculativeGenerator.from_bundle(
+            bundle, threads=1, max_batch=4, check_files=False
+        )
+        long = generator.encode_prompts([" ".join(PROMPTS[:8])])[0][:40]
+        prompts = [long, long[:20] + generator.encode_prompts(PROMPTS[:1])[0][1:3]]
+        assert len(prompts[1]) + 4 + 2 < 30
+        results[bundle] = dict(generator.run(Request(i, p, config) for i, p in enumerate(prompts)))
+    clean, failed = results[llama_bundle], results[poisoned]
+    assert failed[0].finish_reason == "error" and clean[0].error is None
+    assert failed[1].error is None and failed[1].token_ids == clean[1].token_ids
+
+
 def test_a_row_alone_in_the_batch_drafts_as_the_one_row_loop(llama_bundle):
     """The only row of a batch (a service with one client, a job's last row) runs the one-row
     loop's rounds: the adaptive schedule stops drafting token by token, where the load

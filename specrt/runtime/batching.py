@@ -210,8 +210,7 @@ class BatchRunner:
         if readers < len(rows):
             for i in range(readers, len(rows)):
                 source, shared = sources[i]
-                failed = source >= start and results[source - start].error is not None
-                if firsts[i] == i and not failed:  # (a failed reader's may hold NaN)
+                if firsts[i] == i:  # (a reader whose pass failed: its positions before are whole)
                     self.target.copy_row(source, start + i, shared)
             rest = [
                 whole_chunks(p, int(self.target.lengths[start + i])) if firsts[i] == i else []
