@@ -210,7 +210,7 @@ class BatchRunner:
         if readers < len(rows):
             for i in range(readers, len(rows)):
                 source, shared = sources[i]
-                if firsts[i] == i:  # (a reader whose pass failed: its positions before are whole)
+                if firsts[i] == i:  # (a failed pass leaves the positions before its NaN clean)
                     self.target.copy_row(source, start + i, shared)
             rest = [
                 whole_chunks(p, int(self.target.lengths[start + i])) if firsts[i] == i else []
