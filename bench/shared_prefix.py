@@ -1,5 +1,5 @@
 """Rows that share a system prompt: the target copying the shared positions from a running row
-(`BatchRunner`'s prefix sharing) against reading every prompt whole, side by side.
+(`specrt.runtime.prefixes`) against reading every prompt whole, side by side.
 
     .venv/bin/python bench/shared_prefix.py [--bundle engines/smollm2-int4] [--batch-size 8]
         [--max-new-tokens 32] [--system-repeats 4] [--system-words N] [--repeats 2]
@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-import specrt.runtime.batching as batching
+import specrt.runtime.prefixes as prefixes
 from specrt.chat import ChatTemplate
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import Request
@@ -70,7 +70,7 @@ def main() -> None:
     )
 
     def run(share: bool) -> tuple[float, dict]:
-        batching.MIN_SHARED_PREFIX = 16 if share else 1 << 30
+        prefixes.MIN_SHARED_PREFIX = 16 if share else 1 << 30
         started = time.perf_counter()
         results = dict(generator.run(Request(i, p, config) for i, p in enumerate(prompts)))
         return time.perf_counter() - started, {k: r.token_ids for k, r in results.items()}

@@ -21,6 +21,7 @@ from specrt.runtime.corpus import CorpusTable
 from specrt.runtime.hybrid import DRAFT_WINDOW, MatchAcceptance
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.planning import BatchPlanner, LonePlanner, Plan
+from specrt.runtime.prefixes import arrange, firsts_of
 from specrt.runtime.requests import LoneLearners, Request, Row
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RoundResult, catch_up, first_tokens, run_round
@@ -41,9 +42,6 @@ MAX_BATCH = 256
 # Positions past the longest row a cache keeps when it gives back capacity steps (rows grow by
 # a round's tokens at a time: a row about to pass the step would make it grow again at once).
 SHRINK_HEADROOM = 32
-# Prompt tokens a new row must share with a running row's for the target to copy them rather
-# than read them (fewer: a beginning of sequence, a chat template's first tokens, saves little).
-MIN_SHARED_PREFIX = 16
 
 
 class BatchRunner:
@@ -128,7 +126,7 @@ class BatchRunner:
         rows = sorted((row for row in rows if not row.finish_reason), key=lambda r: len(r.tokens))
         if rows:
             start = len(self.rows)
-            rows, sources = self._arrange(rows)
+            rows, sources = arrange(rows, self.rows, self.target.lengths)
             self.rows.extend(rows)
             finished += self._leave(self._admit(rows, start, sources))
         if self._left:
@@ -137,41 +135,11 @@ class BatchRunner:
             self._left = False
         return finished
 
-    def _arrange(self, rows: list[Row]) -> tuple[list[Row], list[tuple[int, int] | None]]:
-        """New ``rows`` in the order of their slots: first those that read their whole prompt,
-        then those whose prompt begins as a running row's tokens or as a prompt read before it
-        (`MIN_SHARED_PREFIX` tokens or more in common: a shared system prompt, instructions
-        before each input). For each, where it copies that beginning from: ``(slot,
-        positions)``, or None. A prompt met again stays beside the first (`first_tokens`)."""
-        start = len(self.rows)
-        held = [  # (slot, tokens, positions of them its cache holds): running rows
-            (slot, row.tokens, min(len(row.tokens), int(self.target.lengths[slot])))
-            for slot, row in enumerate(self.rows)
-        ]
-        readers: list[Row] = []
-        copiers: list[tuple[Row, tuple[int, int]]] = []
-        placed: dict[tuple[int, ...], tuple[int, int] | None] = {}  # a prompt -> its source
-        for row in rows:
-            prompt = tuple(row.tokens)
-            if prompt not in placed:
-                found = [(_shared(row.tokens, tokens, most), slot) for slot, tokens, most in held]
-                shared, slot = max(found, default=(0, -1))
-                placed[prompt] = (slot, shared) if shared >= MIN_SHARED_PREFIX else None
-                if placed[prompt] is None:  # read whole: later prompts may begin as it does
-                    held.append((start + len(readers), row.tokens, len(row.tokens)))
-            if placed[prompt] is None:
-                readers.append(row)
-            else:
-                copiers.append((row, placed[prompt]))
-        return readers + [row for row, _ in copiers], [None] * len(readers) + [
-            source for _, source in copiers
-        ]
-
     def _admit(
         self, rows: list[Row], start: int, sources: list[tuple[int, int] | None]
     ) -> list[int]:
         """Prefill ``rows`` into slots ``start ..`` and take their first tokens; the slots of
-        those finished. ``sources`` (`_arrange`): where a row copies its prompt's beginning
+        those finished. ``sources`` (`prefixes.arrange`): where a row copies its prompt's beginning
         from (the rows that do come after those that read their whole prompt)."""
         for slot in range(start, start + len(rows)):
             self.target.set_length(slot, 0)
@@ -184,12 +152,12 @@ class BatchRunner:
         # A row whose prompt begins as another's copies the target's positions of that
         # beginning once the other's are read, and reads the rest.
         prompts = [row.request.prompt for row in rows]
-        firsts = _firsts(prompts)
+        firsts = firsts_of(prompts)
         readers = sources.count(None)
         whole = [whole_chunks(p) if firsts[i] == i else [] for i, p in enumerate(prompts)]
         self.target.prefill_rows(start, whole[:readers])
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
-            drafting = _firsts([p if row.drafting else None for row, p in zip(rows, prompts)])
+            drafting = firsts_of([p if row.drafting else None for row, p in zip(rows, prompts)])
             drafted = [
                 prompt[:-1] if row.drafting and drafting[i] == i else []
                 for i, (row, prompt) in enumerate(zip(rows, prompts))
@@ -449,22 +417,3 @@ class BatchRunner:
             text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         row.stats.finish(time.perf_counter() - row.started)
         return GenerationResult(text, new_ids, row.finish_reason, row.stats, row.error)
-
-
-def _firsts(prompts: list) -> list[int]:
-    """For each prompt, the index of the first equal one (None: a row of its own)."""
-    seen: dict[tuple[int, ...], int] = {}
-    return [
-        i if prompt is None else seen.setdefault(tuple(prompt), i)
-        for i, prompt in enumerate(prompts)
-    ]
-
-
-def _shared(prompt: list[int], tokens: list[int], held: int) -> int:
-    """How many of ``prompt``'s first tokens are ``tokens``' first ``held``, leaving at least
-    its last token to read (the pass that gives its first new token)."""
-    most = min(held, len(prompt) - 1, len(tokens))
-    for i in range(most):
-        if prompt[i] != tokens[i]:
-            return i
-    return max(0, most)
