@@ -33,7 +33,7 @@ from specrt.export.eagle_export import _on_target_vocab
 from specrt.export.ort_eagle import vocab_map
 from specrt.export.tiny import make_tiny_head, make_tiny_pair
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
-from specrt.runtime.batching import Request
+from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.round import RowRound, catch_up, draft_rows
 from specrt.runtime.sampling import warp
@@ -413,6 +413,37 @@ def test_the_head_drafts_what_its_pytorch_reference_drafts_round_after_round(
             row.tokens += [*drafts[i, :kept].tolist(), int(rng.integers(3, vocab))]
             target.set_length(i, len(row.tokens) - 1)
             draft.set_length(i, len(row.tokens) - 1)
+
+
+def test_a_long_prompt_the_head_reads_at_admission_is_read_as_a_catch_up_reads_it(
+    bundle, monkeypatch
+):
+    """Prompts longer than a prefill chunk (8 here, 256 in use) admitted where the head reads
+    them at once (a fixed K): it reads token t into slot t - 1 as a catch-up does (it read
+    each a slot early), so its cache then holds what reading them later gives."""
+    from specrt.backends import base, eagle
+    from specrt.backends import rows as rows_module
+
+    for module in (base, rows_module, eagle):
+        monkeypatch.setattr(module, "PREFILL_CHUNK", 8)
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=2)
+    draft = generator.draft
+    config = GenerationConfig(max_new_tokens=8, num_draft_tokens=3, **MODEL_DRAFTS)
+    prompts = generator.encode_prompts([" ".join(PROMPTS[5:9]), PROMPTS[3]])
+    caches = []
+    for at_admission in (True, False):
+        monkeypatch.setattr(BatchRunner, "_model_drafts", lambda *_, now=at_admission: now)
+        runner = BatchRunner(generator.target, draft, generator.tokenizer, frozenset())
+        runner.add([Request(i, p, config) for i, p in enumerate(prompts)])
+        assert (draft.lengths[:2] > 8).tolist() == [at_admission] * 2
+        catch_up(draft, [row.round for row in runner.rows])  # (all but its last 8 at most)
+        held = draft.head.lengths[:2].tolist()
+        caches.append((held, [buffer[:2].copy() for buffer in draft.head._buffers]))
+    (held, admitted), (later, caught_up) = caches
+    for row, slots in enumerate(np.minimum(held, later).tolist()):
+        assert slots >= 16
+        for a, b in zip(admitted, caught_up):
+            np.testing.assert_allclose(a[row, :slots], b[row, :slots], atol=1e-5, rtol=0)
 
 
 def _reference_chain(model, reference, head, tokens: list[int], k: int, columns) -> list[int]:

@@ -158,8 +158,10 @@ class BatchRunner:
         self.target.prefill_rows(start, whole[:readers])
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
             drafting = firsts_of([p if row.drafting else None for row, p in zip(rows, prompts)])
-            drafted = [
-                prompt[:-1] if row.drafting and drafting[i] == i else []
+            drafted = [  # after what it holds: an EAGLE head holds a row's first token
+                prompt[int(self.draft.lengths[start + i]) : -1]
+                if row.drafting and drafting[i] == i
+                else []
                 for i, (row, prompt) in enumerate(zip(rows, prompts))
             ]
             self.draft.prefill_rows(start, drafted)
