@@ -1079,6 +1079,125 @@ def test_a_prompt_that_begins_as_a_running_row_reads_only_the_rest(
     assert [results[i].token_ids for i in range(4)] == [r.token_ids for r in expected]
 
 
+@pytest.mark.parametrize("arch", ENGINE_MODEL_TYPES)
+def test_a_prompt_that_begins_as_a_finished_row_reads_only_the_rest(bundles, monkeypatch, arch):
+    """Requests one after another with one system prompt (a service's), and a chat's next
+    turn repeating the conversation so far: a finished row's target cache stays in a free
+    slot, and a later prompt sharing 16 tokens or more with it copies them and reads the rest
+    (`cached_tokens` counts them), in every family (sliding windows among them), greedy and
+    seeded. The kept rows move with the cache's rows as it grows past them (a long row in
+    between) and shrinks back, and every row is the target alone's."""
+    from specrt.backends import rows
+
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)  # read at init: resizes every 16 positions
+    generator = SpeculativeGenerator.from_bundle(bundles[arch], threads=1, max_batch=3)
+    monkeypatch.undo()
+    target = generator.target
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
+    ends = [generator.encode_prompts([p])[0][1:] for p in PROMPTS[2:5]]
+    long = generator.encode_prompts([" ".join(PROMPTS[10:16])])[0]
+    assert len(system) >= 24 and len(long) > len(system) + 32
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=5)):
+        config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, ignore_eos=True,
+                                  proposer="model", **sampling)  # fmt: skip
+        runner = generator.runner()
+        fed = {"target": 0}
+        monkeypatch.setattr(target, "_call", counted(target._call, fed, "target"))
+
+        def alone(key, prompt, runner=runner, config=config, fed=fed):
+            return run_alone(runner, Request(key, prompt, config, row_rng(config, key)), fed)
+
+        first, read = alone(0, system + ends[0])
+        assert read == len(system + ends[0]) and first.stats.cached_tokens == 0
+        result, read = alone(1, long)  # grows the cache past the kept row, which moves
+        assert read == len(long)
+        second, read = alone(2, system + ends[1])  # the cache shrank back first
+        shared = common(system + ends[0], system + ends[1])
+        assert read == len(system + ends[1]) - shared and second.stats.cached_tokens == shared
+        turn = system + ends[0] + first.token_ids + ends[2]  # the first's conversation goes on
+        third, read = alone(3, turn)
+        held = len(system + ends[0]) + len(first.token_ids) - 1  # (its last token: maybe not fed)
+        assert third.stats.cached_tokens >= held and read == len(turn) - third.stats.cached_tokens
+        monkeypatch.undo()
+        prompts = [system + ends[0], long, system + ends[1], turn]
+        expected = generator.generate(prompts, replace(config, num_draft_tokens=0))
+        got = [r.token_ids for r in (first, result, second, third)]
+        assert got == [r.token_ids for r in expected]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_new_rows_take_kept_rows_slots(llama_bundle, monkeypatch, max_batch):
+    """A kept row's slot is a free one: with one slot, the next row is admitted where the
+    kept row is and reads only the rest there; rows that fill the batch take the kept slots,
+    which are given up (the rows read as they would without them), and every row is the
+    target alone's."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=max_batch)
+    target = generator.target
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
+    ends = [generator.encode_prompts([p])[0][1:] for p in PROMPTS[2:6]]
+    prompts = [system + end for end in ends]
+    config = GenerationConfig(max_new_tokens=8, num_draft_tokens=2, ignore_eos=True,
+                              draft_schedule="fixed", proposer="model")  # fmt: skip
+    runner = generator.runner()
+    results = dict(runner.run([Request(0, prompts[0], config)]))
+    assert list(runner.kept.slots) == [max_batch - 1]
+    fed = {"target": 0}
+    monkeypatch.setattr(target, "_call", counted(target._call, fed, "target"))
+    later = [Request(i, p, config) for i, p in enumerate(prompts[1 : max_batch + 1], 1)]
+    runner.add(later)
+    monkeypatch.undo()
+    if max_batch == 1:  # in its own slot
+        assert fed["target"] == len(prompts[1]) - common(prompts[0], prompts[1])
+    else:  # the kept slot taken: the first reads, the others copy from it
+        first = min(prompts[1:4], key=len)  # (admitted by length)
+        rest = [p for p in prompts[1:4] if p is not first]
+        assert fed["target"] == len(first) + sum(len(p) - common(first, p) for p in rest)
+    assert runner.kept.slots == {}
+    results.update(runner.run([]))
+    expected = generator.generate(prompts[: len(results)], replace(config, num_draft_tokens=0))
+    assert [results[i].token_ids for i in range(len(results))] == [r.token_ids for r in expected]
+
+
+def test_a_failed_row_gives_the_kept_rows_up(llama_bundle, tmp_path, monkeypatch):
+    """After a row's logits came out NaN every slot is cleared past its rows' positions, kept
+    rows' too: a prompt that begins as a kept row did reads it whole, and is the target
+    alone's (copying the cleared slot would give another answer)."""
+    poisoned = poisoned_copy(llama_bundle, tmp_path, 40)
+    generator = SpeculativeGenerator.from_bundle(poisoned, threads=1, max_batch=3,
+                                                 check_files=False)  # fmt: skip
+    clean = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0][:24]
+    ends = [generator.encode_prompts([p])[0][1:4] for p in PROMPTS[2:4]]
+    config = GenerationConfig(max_new_tokens=4, num_draft_tokens=2, ignore_eos=True)
+    runner = generator.runner()
+    [(_, first)] = runner.run([Request(0, system + ends[0], config)])
+    assert first.error is None and runner.kept.slots
+    [(_, failed)] = runner.run([Request(1, system + ends[0] + [5] * 20, config)])
+    assert failed.finish_reason == "error" and runner.kept.slots == {}
+    [(_, last)] = runner.run([Request(2, system + ends[1], config)])
+    assert last.stats.cached_tokens == 0
+    [expected] = clean.generate([system + ends[1]], replace(config, num_draft_tokens=0))
+    assert last.token_ids == expected.token_ids
+
+
+def run_alone(runner: BatchRunner, request: Request, fed: dict):
+    """``request`` admitted alone and run to its end: its result, and what the target was fed
+    to admit it."""
+    fed["target"] = 0
+    finished = runner.add([request])
+    admitted = fed["target"]
+    while runner.rows:
+        finished += runner.step()
+    [(_, result)] = finished
+    return result, admitted
+
+
+def common(held: list[int], prompt: list[int]) -> int:
+    """The tokens ``prompt`` shares with the beginning of ``held``, all but its last at most."""
+    most = min(len(held), len(prompt) - 1)
+    return next((i for i in range(most) if held[i] != prompt[i]), most)
+
+
 def counted(call, fed: dict, name: str):
     """``call`` (a decoder's ``_call``), adding the real positions each call feeds to
     ``fed[name]``."""

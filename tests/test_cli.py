@@ -16,6 +16,7 @@ from tests.conftest import chat_bundle
 
 STATS_KEYS = {
     "prompt_tokens",
+    "cached_tokens",
     "new_tokens",
     "rounds",
     "draft_rounds",

@@ -561,6 +561,32 @@ def test_a_row_that_shares_a_running_row_s_beginning_gets_its_features(generator
     assert np.abs(shared).max() > 0
 
 
+@pytest.mark.parametrize("path", ["batched", "portable"])
+def test_a_prompt_that_begins_as_a_finished_row_gets_its_features(generators, path):
+    """Requests one after another with one system prompt: the finished row's features stay
+    with its kept cache (moved to a free slot, then copied to the next row's), and are what
+    reading the prompt alone gives; each row is the target alone's."""
+    generator = generators[path]
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
+    ids = [system + generator.encode_prompts([p])[0][1:] for p in PROMPTS[2:4]]
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True, **MODEL_DRAFTS)
+    target = generator.target
+    runner = generator.runner()
+    [(_, first)] = runner.run([Request(0, ids[0], config)])
+    runner.add([Request(1, ids[1], config)])
+    second = runner.rows[0].stats
+    assert second.cached_tokens >= len(system)
+    copied = target.features[0, : len(ids[1])].copy()
+    [(_, result)] = runner.run([])
+    alone = generators["one row"].generate(ids, replace(config, num_draft_tokens=0))
+    assert [first.token_ids, result.token_ids] == [r.token_ids for r in alone]
+    check = generator.runner()
+    check.add([Request(1, ids[1], config)])  # read alone, in slot 0
+    np.testing.assert_allclose(copied, target.features[0, : len(ids[1])], atol=1e-5, rtol=0)
+    list(check.run([]))
+    assert np.abs(copied).max() > 0
+
+
 def _second_token_law(target, prompt: list[int], temperature: float) -> np.ndarray:
     def law(ids: list[int]) -> np.ndarray:
         target.set_length(0, 0)

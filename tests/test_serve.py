@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.prefixes import MIN_SHARED_PREFIX
 from tests.conftest import in_threads
 from tests.test_greedy import PROMPTS
 
@@ -133,7 +134,14 @@ def test_completions_streamed_or_not_equal_generate(server, client, reference):
             )
         )  # fmt: skip
         assert chunks[-2].choices[0].finish_reason == choice.finish_reason
-        assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+        details = {"prompt_tokens_details"}
+        assert chunks[-1].choices == []
+        usage = reply.usage.model_dump(exclude=details)
+        assert chunks[-1].usage.model_dump(exclude=details) == usage
+        # the prompt was just read: all but its last token come from the finished row's cache
+        ids = generator.encode_prompts([prompt])[0]
+        cached = len(ids) - 1 if len(ids) > MIN_SHARED_PREFIX else 0
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
         assert all(c.usage is None for c in chunks[:-1])
         # on the wire, as OpenAI's: "usage": null in every other chunk (clients that index
         # chunk["usage"] failed on its absence); stream_options without a stream is refused
@@ -142,7 +150,8 @@ def test_completions_streamed_or_not_equal_generate(server, client, reference):
         events = [json.loads(line[6:]) for line in raw.text.splitlines()
                   if line.startswith("data: {")]  # fmt: skip
         assert all("usage" in e and e["usage"] is None for e in events[:-1])
-        assert events[-1]["usage"] == reply.usage.model_dump(exclude_none=True)
+        usage = reply.usage.model_dump(exclude_none=True)
+        assert events[-1]["usage"] == {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
         raw = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=30)
         assert raw.status_code == 400 and raw.json()["error"]["param"] == "stream_options"
 
@@ -473,7 +482,8 @@ def scrape_counted(url: str, before: float) -> dict[str, float]:
 
 def test_metrics_count_speculation(server):
     body = {"model": "tiny", "prompt": PROMPTS[1] * 3, "max_tokens": 24, "ignore_eos": True}
-    httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)  # not only earlier tests'
+    for _ in range(2):  # not only earlier tests'; the second reads the first's cache
+        httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)
     assert "_created" not in httpx.get(f"{server[0]}/metrics").text  # none beside each counter
     values = scrape_counted(server[0], 0)
     assert values["vllm:generation_tokens_total"] > 0
@@ -492,6 +502,9 @@ def test_metrics_count_speculation(server):
     # Per-request histograms: their sums are the counters' totals.
     assert values["vllm:request_generation_tokens_sum"] == values["vllm:generation_tokens_total"]
     assert values["vllm:request_prompt_tokens_sum"] == values["vllm:prompt_tokens_total"]
+    # vLLM's prefix caching counters, in tokens: every prompt's looked up, the repeat's found
+    assert values["vllm:prefix_cache_queries_total"] == values["vllm:prompt_tokens_total"]
+    assert 0 < values["vllm:prefix_cache_hits_total"] < values["vllm:prefix_cache_queries_total"]
     assert 0 < values["vllm:request_queue_time_seconds_count"]
     assert (
         values["vllm:request_queue_time_seconds_count"]

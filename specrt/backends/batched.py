@@ -156,7 +156,7 @@ class BatchedDecoder(RowsDecoder):
         # the first (no row lands on one not moved yet). Only the rows' cached positions move:
         # the slots past them hold finite leftovers of the block, masked until overwritten.
         order = range(self.max_batch - 1, -1, -1) if capacity > old else range(self.max_batch)
-        lengths = np.minimum(self.lengths, keep).tolist()
+        lengths = self.moved_lengths(keep)
         buffers = []
         for block, previous in zip(self._blocks, self._buffers):
             new = block[: int(np.prod(shape))].reshape(shape)
@@ -181,11 +181,11 @@ class BatchedDecoder(RowsDecoder):
             self._grow(self.max_positions)
             self._grow(capacity)
 
-    def shrink(self, headroom: int = 0) -> None:
+    def shrink(self, headroom: int = 0, keep: int = 0) -> None:
         """Not with one row: its calls see its own positions only (`VIEW_STEP`), so a
         capacity kept after a long row costs nothing, and regrowing it costs copies."""
         if self.max_batch > 1:
-            super().shrink(headroom)
+            super().shrink(headroom, keep)
 
     # ---------------------------------------------------------------------------------------
     def _prepare(

@@ -85,6 +85,9 @@ class DeviceRowsDecoder(BatchedDecoder):
 
     def copy_row(self, source: int, dest: int, length: int | None = None) -> None:
         length = int(self.lengths[source]) if length is None else length
+        if source == dest:  # a finished row's slot taken by a prompt that begins as it did
+            self.lengths[dest] = length
+            return
         self._copy_features(source, dest, length)  # an EAGLE head's: on the host
         for buffer in self._buffers:
             self._ops.rows(buffer, source, buffer, dest, length)
@@ -118,7 +121,7 @@ class DeviceRowsDecoder(BatchedDecoder):
         # Growing, a row's new place starts past its old one: move the last row first;
         # shrinking, the first (no row lands on one not moved yet).
         order = range(self.max_batch - 1, -1, -1) if capacity > old else range(self.max_batch)
-        lengths = np.minimum(self.lengths, keep).tolist()
+        lengths = self.moved_lengths(keep)
         size = self._width  # elements per position
         for block in self._blocks:
             for row in order:
@@ -139,7 +142,7 @@ class DeviceRowsDecoder(BatchedDecoder):
             self._ops.zero(block)  # fresh device memory may hold NaN bit patterns
             buffer = _View(block, shape)
             if old is not None:
-                for row, length in enumerate(np.minimum(self.lengths, capacity).tolist()):
+                for row, length in enumerate(self.moved_lengths(capacity)):
                     self._ops.rows(old, row, buffer, row, length)
             blocks.append(block)
             buffers.append(buffer)

@@ -91,8 +91,8 @@ class EagleDraft(RowsDecoder):
         self.head.reset()
         self._verified[:] = 0
 
-    def shrink(self, headroom: int = 0) -> None:
-        self.head.shrink(headroom)
+    def shrink(self, headroom: int = 0, keep: int = 0) -> None:
+        self.head.shrink(headroom, keep)
 
     def reserve(self) -> None:
         self.head.reserve()

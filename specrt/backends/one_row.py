@@ -19,6 +19,7 @@ class OneRow:
     the decoder's."""
 
     max_batch = 1
+    copies_rows = False  # one row: a later prompt's calls start from an empty cache
     resizes = 0  # a one-row cache is allocated whole: no round pays for growing it
     windowed, catch_up_above = RowsDecoder.windowed, RowsDecoder.catch_up_above  # a model's
 
@@ -66,7 +67,7 @@ class OneRow:
     def copy_row(self, source: int, dest: int, length: int | None = None) -> None:
         raise AssertionError("a decoder of one row has no other row to copy")
 
-    def shrink(self, headroom: int = 0) -> None:
+    def shrink(self, headroom: int = 0, keep: int = 0) -> None:
         pass  # allocated whole
 
     def reserve(self) -> None:

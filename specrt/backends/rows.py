@@ -89,6 +89,9 @@ class RowsDecoder(DecoderBase):
     # further behind, `round.catch_up` feeds them first (logits dropped). An EAGLE head reads
     # a round's verified positions in that call: one call, where two cost another run.
     catch_up_above = 1
+    # Whether a row's cache can be copied into another slot (`copy_row`): what lets a prompt
+    # copy the beginning it shares with a running or finished row (`prefixes`).
+    copies_rows = True
 
     def __init__(
         self,
@@ -104,6 +107,9 @@ class RowsDecoder(DecoderBase):
         io = spec.io
         self.max_batch = max_batch
         self.lengths = np.zeros(max_batch, dtype=np.int64)
+        # Positions of free slots whose content a caller keeps (`prefixes.KeptRows`): a resize
+        # moves them with the rows' own (`moved_lengths`)
+        self.kept_lengths = np.zeros(max_batch, dtype=np.int64)
         self._names = list(
             zip([*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values])
         )
@@ -137,12 +143,15 @@ class RowsDecoder(DecoderBase):
         self.lengths[:] = 0
         self.shrink()
 
-    def shrink(self, headroom: int = 0) -> None:
+    def shrink(self, headroom: int = 0, keep: int = 0) -> None:
         """Give back the capacity steps no row needs, ``headroom`` positions past the longest
-        row kept (so that it does not grow again at once): attention over several rows reads
-        all of the capacity, so the rows after a long one would go on paying for its positions."""
+        row kept (so that it does not grow again at once), and never below ``keep`` positions
+        (a finished row's, kept for prompts that begin as it did: `prefixes.KeptRows`):
+        attention over several rows reads all of the capacity, so the rows after a long one
+        would go on paying for its positions."""
         longest, step = int(self.lengths.max(initial=0)), self._capacity_step()
-        steps = max(1, -(-(longest + headroom if longest else 0) // step))
+        needed = max(longest + headroom if longest else 0, keep)
+        steps = max(1, -(-needed // step))
         capacity = min(self.max_positions, steps * step)
         if self.capacity > capacity:
             self._grow(capacity)
@@ -226,11 +235,19 @@ class RowsDecoder(DecoderBase):
         """Copy ``source``'s cache and length into ``dest``, or its first ``length`` positions
         (a prefix the rows share); ``source`` keeps its own (rows with one prompt read it once)."""
         length = int(self.lengths[source]) if length is None else length
+        if source == dest:  # a finished row's slot taken by a prompt that begins as it did
+            self.lengths[dest] = length
+            return
         self._copy_features(source, dest, length)
         window = (slice(None),) * (self.POSITION_AXIS - 1) + (slice(0, length),)
         for buffer in self._buffers:
             buffer[(dest, *window)] = buffer[(source, *window)]
         self.lengths[dest] = length
+
+    def moved_lengths(self, capacity: int) -> list[int]:
+        """Each slot's positions a resize to ``capacity`` keeps: a row's cached ones, or those
+        of a finished row kept in a free slot."""
+        return np.minimum(np.maximum(self.lengths, self.kept_lengths), capacity).tolist()
 
     def _grow(self, needed: int) -> None:
         """Reallocate the cache with room for ``needed`` positions per row (fewer than now:

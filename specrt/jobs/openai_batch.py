@@ -25,7 +25,9 @@ def record(row_id: str | int, result: dict, chat: bool, model: str, status: int 
         return {**line, "response": response, "error": {"code": kind, "message": message}}
     kind = CHAT if chat else COMPLETION
     body = completion(new_id(kind), kind, model, result["text"], result["finish_reason"], True)
-    body["usage"] = usage(result["stats"]["prompt_tokens"], len(result["token_ids"]))
+    stats = result["stats"]
+    cached = stats.get("cached_tokens", 0)  # (records written before it was counted)
+    body["usage"] = usage(stats["prompt_tokens"], len(result["token_ids"]), cached)
     body["speculative_decoding"] = spec_stats(result["stats"])
     response["body"] = body
     return {**line, "response": response, "error": None}

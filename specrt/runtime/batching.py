@@ -21,7 +21,7 @@ from specrt.runtime.corpus import CorpusTable
 from specrt.runtime.hybrid import DRAFT_WINDOW, MatchAcceptance
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.planning import BatchPlanner, LonePlanner, Plan
-from specrt.runtime.prefixes import arrange, firsts_of
+from specrt.runtime.prefixes import KeptRows, arrange, firsts_of
 from specrt.runtime.requests import LoneLearners, Request, Row
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RoundResult, catch_up, first_tokens, run_round
@@ -70,6 +70,7 @@ class BatchRunner:
         self.lone = LonePlanner(suffix_cache)
         self._left = False  # rows left since the caches last gave back what they had grown
         self.rows: list[Row] = []  # in slots 0 .. len - 1
+        self.kept = KeptRows(target)  # finished rows' caches, in free slots
 
     @property
     def schedules(self) -> dict[str, LoadSchedule]:
@@ -117,8 +118,8 @@ class BatchRunner:
         """Prefill ``requests`` into the next free slots and give each its first token
         (`active` has it); returns those finished at once (a prompt that fills its length, a
         first token that ends it)."""
-        if not self.rows:  # the caches give back all they grew
-            self.target.shrink()
+        if not self.rows:  # the caches give back all they grew (not what kept rows hold)
+            self.target.shrink(keep=self.kept.longest)
             self.draft.shrink()
         rows = [self._new_row(request) for request in requests]
         finished = [(row.request, self._result(row)) for row in rows if row.finish_reason]
@@ -126,12 +127,18 @@ class BatchRunner:
         rows = sorted((row for row in rows if not row.finish_reason), key=lambda r: len(r.tokens))
         if rows:
             start = len(self.rows)
-            rows, sources = arrange(rows, self.rows, self.target.lengths)
+            kept = self.kept.sources(start, len(rows))
+            rows, sources = arrange(rows, self.rows, self.target.lengths, kept)
+            for source in filter(None, sources):
+                self.kept.used(source[0])
             self.rows.extend(rows)
             finished += self._leave(self._admit(rows, start, sources))
-        if self._left:
-            for cache in (self.target, self.draft):  # give back what rows that left had grown
-                cache.shrink(SHRINK_HEADROOM)
+        if self._left:  # give back what rows that left had grown; kept rows keep theirs
+            # while a row alone runs (its calls see its own positions only: `batched.VIEW_STEP`)
+            kept = self.kept.longest if len(self.rows) <= 1 else 0
+            self.target.shrink(SHRINK_HEADROOM, kept)
+            self.draft.shrink(SHRINK_HEADROOM)
+            self.kept.fit()
             self._left = False
         return finished
 
@@ -169,25 +176,29 @@ class BatchRunner:
                 if first != i and rows[i].drafting:
                     self.draft.copy_row(start + first, start + i)
         lone = start == 0 and len(rows) == 1 and self._runs_alone
-        for row in rows:
+        for i, row in enumerate(rows):
             row.round.k, row.round.match = 0, None
-        if lone:  # its first pass may verify a match too (no model runs for it)
-            plan = self._plan_alone(rows[0], first=True)
+            row.stats.cached_tokens = 0 if firsts[i] == i else len(prompts[i])
+        # A lone row's first pass may verify a match too (no model runs for it): planned once
+        # its cache holds what it copies
+        plan = self._plan_alone(rows[0], first=True) if lone and readers else None
         parts = [row.round for row in rows]
         results = first_tokens(self.target, parts[:readers], start)
-        if lone:
-            self._learn_alone(rows[0], plan, results[0], first=True)
         if readers < len(rows):
             for i in range(readers, len(rows)):
                 source, shared = sources[i]
                 if firsts[i] == i:  # (a failed pass leaves the positions before its NaN clean)
                     self.target.copy_row(source, start + i, shared)
+                    rows[i].stats.cached_tokens = shared
             rest = [
                 whole_chunks(p, int(self.target.lengths[start + i])) if firsts[i] == i else []
                 for i, p in enumerate(prompts)
             ]
             self.target.prefill_rows(start + readers, rest[readers:])
+            plan = self._plan_alone(rows[0], first=True) if lone else plan
             results += first_tokens(self.target, parts[readers:], start + readers)
+        if lone:
+            self._learn_alone(rows[0], plan, results[0], first=True)
         done = []
         for slot, (row, result) in enumerate(zip(rows, results), start):
             if result.error is not None:
@@ -380,7 +391,9 @@ class BatchRunner:
         self.draft.set_length(slot, 0)
 
     def _clear_stale(self) -> None:
-        """After a failed row: no NaN it left may stay where a later row could read it."""
+        """After a failed row: no NaN it left may stay where a later row could read it (kept
+        rows' slots are cleared too)."""
+        self.kept.clear()
         self.target.clear_stale()
         self.draft.clear_stale()
 
@@ -398,6 +411,7 @@ class BatchRunner:
         """Drop the row in ``slot``; the last row moves into it (the slots stay packed)."""
         self._left = True
         edge = len(self.rows) - 1
+        self.kept.keep(slot, self.rows[slot].tokens[: int(self.target.lengths[slot])], edge)
         if slot != edge:
             self.target.move_row(edge, slot)
             self.draft.move_row(edge, slot)

@@ -1,6 +1,7 @@
 """Prompts that begin alike: which of the rows admitted together read their whole prompt, and
-which copy its beginning from a row whose target cache holds it (a running row's, or one read
-just before), so that a shared system prompt or preamble is read once (`BatchRunner._admit`)."""
+which copy its beginning from a row whose target cache holds it (a running row's, one read just
+before, or a finished row's kept in a free slot: `KeptRows`), so that a shared system prompt or
+preamble, or the conversation a chat's next turn repeats, is read once (`BatchRunner._admit`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specrt.backends import RowsDecoder
 from specrt.runtime.requests import Row
 
 # Prompt tokens a new row must share with another's for the target to copy them rather than
@@ -18,18 +20,23 @@ Source = tuple[int, int]  # (slot, positions): where a row copies its prompt's b
 
 
 def arrange(
-    rows: list[Row], running: list[Row], lengths: np.ndarray
+    rows: list[Row],
+    running: list[Row],
+    lengths: np.ndarray,
+    kept: list[tuple[int, list[int]]] = (),
 ) -> tuple[list[Row], list[Source | None]]:
     """New ``rows`` in the order of their slots after the ``running`` ones (whose target cache
     holds ``lengths[slot]`` positions): first those that read their whole prompt, then those
-    whose prompt begins as a running row's tokens or as a prompt read before it
-    (`MIN_SHARED_PREFIX` tokens or more in common). For each, where it copies that beginning
-    from, or None. A prompt met again stays beside the first (`round.first_tokens`)."""
+    whose prompt begins as a running row's tokens, a ``kept`` finished row's (slot, the tokens
+    its cache holds) or a prompt read before it (`MIN_SHARED_PREFIX` tokens or more in
+    common). For each, where it copies that beginning from, or None. A prompt met again stays
+    beside the first (`round.first_tokens`)."""
     start = len(running)
     held = [  # (slot, tokens, positions of them its cache holds)
         (slot, row.tokens, min(len(row.tokens), int(lengths[slot])))
         for slot, row in enumerate(running)
     ]
+    held += [(slot, tokens, len(tokens)) for slot, tokens in kept]
     readers: list[Row] = []
     copiers: list[tuple[Row, Source]] = []
     placed: dict[tuple[int, ...], Source | None] = {}  # a prompt -> its source
@@ -66,3 +73,90 @@ def _shared(prompt: list[int], tokens: list[int], held: int) -> int:
         if prompt[i] != tokens[i]:
             return i
     return max(0, most)
+
+
+class KeptRows:
+    """Finished rows whose target cache stays in a free slot for a later prompt that begins as
+    one of them did: a service's requests with one system prompt arriving one after another,
+    a chat's next turn repeating the conversation so far. A finished row is copied into the
+    highest free slot (new rows take the lowest), the least recently used kept row giving its
+    slot up where none is free; in the last slot it stays where it is. A slot is given up
+    when a new row takes it or a failed row's NaN is cleared, and cut to what the cache holds
+    when it shrinks. The cache moves a kept row's positions with the rows' own when it resizes
+    (``kept_lengths``). Only the target's cache: a draft reads a window or every position
+    itself."""
+
+    def __init__(self, target: RowsDecoder) -> None:
+        self.target = target
+        self.on = getattr(target, "copies_rows", True)
+        self.slots: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (oldest first)
+
+    def keep(self, slot: int, tokens: list[int], edge: int) -> None:
+        """The row in ``slot`` (its cache holding ``tokens``) leaves; ``edge`` is the last
+        running slot, whose row then moves into ``slot``."""
+        if not self.on or len(tokens) < MIN_SHARED_PREFIX:
+            return
+        for other, held in list(self.slots.items()):
+            if tokens[: len(held)] == held:  # the new row holds all it does, and more
+                self._drop(other)
+            elif held[: len(tokens)] == tokens:
+                return
+        free = [s for s in range(self.target.max_batch - 1, edge, -1) if s not in self.slots]
+        if free:
+            dest = free[0]
+        elif self.slots:  # the least recently used one gives its slot up
+            dest = next(iter(self.slots))
+            self._drop(dest)
+        elif slot == edge:  # the last slot (one row: the only one)
+            dest = slot
+        else:
+            return
+        if dest != slot:
+            self.target.copy_row(slot, dest, len(tokens))
+            self.target.set_length(dest, 0)  # a free slot: calls and shrinking leave it out
+        self._set(dest, tokens)
+
+    def sources(self, start: int, count: int) -> list[tuple[int, list[int]]]:
+        """The kept rows ``count`` new rows in slots ``start ..`` may copy from: those they do
+        not take, and the first slot's own for a row admitted alone (it reads the rest there).
+        The slots they take are given up."""
+        usable = [
+            (slot, tokens)
+            for slot, tokens in self.slots.items()
+            if slot >= start + count or (count == 1 and slot == start)
+        ]
+        for slot in range(start, start + count):
+            self._drop(slot)
+        return usable
+
+    def used(self, slot: int) -> None:
+        """A new row copied from kept ``slot``: it is the most recently used."""
+        if slot in self.slots:
+            self.slots[slot] = self.slots.pop(slot)
+
+    def fit(self) -> None:
+        """After the cache shrank: each kept row holds what the capacity does."""
+        if not self.slots:
+            return
+        capacity = self.target.capacity
+        for slot, tokens in list(self.slots.items()):
+            if capacity < MIN_SHARED_PREFIX:
+                self._drop(slot)
+            else:
+                self._set(slot, tokens[:capacity])
+
+    @property
+    def longest(self) -> int:
+        return max(map(len, self.slots.values()), default=0)
+
+    def clear(self) -> None:
+        for slot in list(self.slots):
+            self._drop(slot)
+
+    def _set(self, slot: int, tokens: list[int]) -> None:
+        self.slots[slot] = tokens
+        self.target.kept_lengths[slot] = len(tokens)
+
+    def _drop(self, slot: int) -> None:
+        if self.slots.pop(slot, None) is not None:
+            self.target.kept_lengths[slot] = 0

@@ -17,6 +17,8 @@ class GenerationStats:
     tokens_per_round: tokens emitted per target pass (accepted + the corrected or bonus token).
     accepted_per_position: how often draft position i (0-based) was accepted.
     wall_time_s / tokens_per_second: generation wall time (prefill included), new tokens / it.
+    cached_tokens: prompt tokens the target did not read, their cache copied from a row that
+    holds them (a running row, one admitted beside it, a finished one kept: `prefixes`).
     draft_stopped: the sequence reached the draft model's max positions (or the prompt alone did),
     so the target decoded from there on alone.
     proposers: per proposer ("model", "lookup", "suffix", "corpus") of the rounds it drafted:
@@ -24,6 +26,7 @@ class GenerationStats:
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0
     draft_rounds: int = 0  # of them, rounds that verified draft tokens
@@ -69,8 +72,8 @@ class GenerationStats:
     @classmethod
     def total(cls, parts: list[GenerationStats]) -> GenerationStats:
         """The counters of requests for one prompt (an OpenAI request's ``n`` choices) as one:
-        its prompt once, the rest summed; wall time the longest."""
-        total = cls(prompt_tokens=parts[0].prompt_tokens)
+        its prompt once (as the first read it), the rest summed; wall time the longest."""
+        total = cls(prompt_tokens=parts[0].prompt_tokens, cached_tokens=parts[0].cached_tokens)
         for part in parts:
             for name in _SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(part, name))

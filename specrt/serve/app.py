@@ -417,9 +417,11 @@ async def deltas(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, str |
 
 
 def usage(results: list[GenerationResult]) -> dict:
-    """One request's usage: its prompt once, the tokens of all its choices."""
+    """One request's usage: its prompt once (as its first choice read it), the tokens of all
+    its choices."""
     completion_tokens = sum(len(result.token_ids) for result in results)
-    return shapes.usage(results[0].stats.prompt_tokens, completion_tokens)
+    stats = results[0].stats
+    return shapes.usage(stats.prompt_tokens, completion_tokens, stats.cached_tokens)
 
 
 def spec_stats(results: list[GenerationResult]) -> dict:

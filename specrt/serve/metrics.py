@@ -78,6 +78,9 @@ class Metrics:
             "status",
         )  # fmt: skip
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens")
+        # vLLM's prefix caching counters, in tokens: the prompts', those copied, not read
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
         self.drafts = counter(
             "vllm:spec_decode_num_drafts", "Verification passes that checked drafts"
@@ -179,6 +182,8 @@ class Metrics:
         # vLLM's names for why a request ended ("abort": cancelled, or its client went away)
         self.requests.labels(FINISHED_REASONS.get(result.finish_reason, result.finish_reason)).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.prefix_queries.inc(stats.prompt_tokens)
+        self.prefix_hits.inc(stats.cached_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         self.drafts.inc(stats.draft_rounds)
         self.draft_tokens.inc(stats.drafted_tokens)
