@@ -1,21 +1,26 @@
-"""Rows that share a system prompt: the target copying the shared positions from a running row
-(`specrt.runtime.prefixes`) against reading every prompt whole, side by side.
+"""Rows that share a system prompt: the target copying the shared positions from a running row,
+or from a finished one kept in a free slot (`specrt.runtime.prefixes`), against reading every
+prompt whole, side by side.
 
     .venv/bin/python bench/shared_prefix.py [--bundle engines/smollm2-int4] [--batch-size 8]
         [--max-new-tokens 32] [--system-repeats 4] [--system-words N] [--repeats 2]
+        [--one-at-a-time]
 
 The held-out chat prompts (models/smollm2/heldout_prompts.jsonl, or ``--prompt-file``), each
 after one long system message (a paragraph of instructions, ``--system-repeats`` times),
 through the bundle's chat template (without one: the message, a blank line, the prompt),
 greedy, EOS ignored, run by `SpeculativeGenerator.run` at ``--batch-size`` rows with the
-default config. The two modes alternate A B B A (``--repeats`` times) in one process;
-prints each mode's tokens/s and the ratio, and checks that both gave the same tokens.
+default config; with ``--one-at-a-time``, each prompt admitted alone once the one before has
+finished, as a service's one client sends them (the time to its first token printed too). The
+two modes alternate A B B A (``--repeats`` times) in one process; prints each mode's tokens/s
+and the ratio, and checks that both gave the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -41,6 +46,7 @@ def main() -> None:
     parser.add_argument("--system-repeats", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=None, help="its first N words")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--one-at-a-time", action="store_true", help="a service's one client")
     parser.add_argument(
         "--prompt-file", default=str(REPO / "models" / "smollm2" / "heldout_prompts.jsonl")
     )
@@ -69,22 +75,39 @@ def main() -> None:
         f"{args.batch_size}; {args.bundle}"
     )
 
+    first_token = {True: [], False: []}  # seconds, with --one-at-a-time
+
     def run(share: bool) -> tuple[float, dict]:
         prefixes.MIN_SHARED_PREFIX = 16 if share else 1 << 30
         started = time.perf_counter()
-        results = dict(generator.run(Request(i, p, config) for i, p in enumerate(prompts)))
-        return time.perf_counter() - started, {k: r.token_ids for k, r in results.items()}
+        if not args.one_at_a_time:
+            results = dict(generator.run(Request(i, p, config) for i, p in enumerate(prompts)))
+            return time.perf_counter() - started, {k: r.token_ids for k, r in results.items()}
+        runner, outputs = generator.runner(), {}
+        for i, ids in enumerate(prompts):
+            admitted = time.perf_counter()
+            finished = runner.add([Request(i, ids, config)])
+            first_token[share].append(time.perf_counter() - admitted)
+            while runner.rows:
+                finished += runner.step()
+            outputs[i] = finished[0][1].token_ids
+        return time.perf_counter() - started, outputs
 
     run(True)  # warm up
     seconds = {True: 0.0, False: 0.0}
     outputs = {}
+    for share in first_token:
+        first_token[share].clear()
     for _ in range(args.repeats):
         for share in (True, False, False, True):
             elapsed, outputs[share] = run(share)
             seconds[share] += elapsed
     tokens = args.repeats * 2 * len(prompts) * args.max_new_tokens
     for share, name in ((False, "every prompt read whole"), (True, "shared positions copied")):
-        print(f"{name:26s} {tokens / seconds[share]:7.1f} tokens/s")
+        line = f"{name:26s} {tokens / seconds[share]:7.1f} tokens/s"
+        if args.one_at_a_time:
+            line += f", first token after {1000 * statistics.median(first_token[share]):.0f} ms"
+        print(line)
     print(f"ratio (copied / read whole): {seconds[False] / seconds[True]:.2f}x")
     print("outputs identical:", outputs[True] == outputs[False])
 

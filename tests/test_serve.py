@@ -673,6 +673,17 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        # The next turn: the conversation so far comes from the finished request's cache
+        answer = {"role": "assistant", "content": expected.text}
+        turn = [*messages, answer, {"role": "user", "content": "def g"}]
+        next_ids = generator.tokenizer.encode(
+            f"{rendered}{expected.text}\n<user>def g\n<assistant>", add_special_tokens=False
+        )
+        [after] = generator.generate([next_ids], GenerationConfig(max_new_tokens=12))
+        reply = client.chat.completions.create(model="tiny", messages=turn, max_tokens=12)
+        assert reply.choices[0].message.content == after.text
+        assert reply.usage.prompt_tokens == len(next_ids)
+        assert reply.usage.prompt_tokens_details.cached_tokens >= len(ids) >= MIN_SHARED_PREFIX
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
                                                n=2)  # fmt: skip
         assert [c.message.content for c in reply.choices] == [expected.text] * 2
