@@ -264,13 +264,20 @@ def test_a_poor_draft_is_noticed_and_the_output_stays_the_targets(poor_bundles, 
     assert [r.token_ids for r in results] == alone
     drafted = sum(r.stats.drafted_tokens for r in results)
     assert sum(r.stats.accepted_tokens for r in results) < 0.5 * drafted
-    # The default: one request after another on one generator, as a service runs them
+    # The default: one request after another on one generator, as a service runs them. The
+    # guard judges measured round times, and a round of this tiny pair takes a fraction of a
+    # millisecond, which the other test worker on the same cores can double now and then: up
+    # to 3 attempts, each learning afresh (a guard that does not notice fails every one).
     default = GenerationConfig(**settings)
     assert default.proposer == "hybrid" and default.draft_schedule == "adaptive"
-    results = [generator.generate([prompt], default)[0] for prompt in prompts]
-    assert [r.token_ids for r in results] == alone
-    rounds = sum(r.stats.rounds for r in results)
-    model_rounds = sum(r.stats.proposers.get("model", {}).get("rounds", 0) for r in results)
+    for _ in range(3):
+        generator.forget_learning()
+        results = [generator.generate([prompt], default)[0] for prompt in prompts]
+        assert [r.token_ids for r in results] == alone
+        rounds = sum(r.stats.rounds for r in results)
+        model_rounds = sum(r.stats.proposers.get("model", {}).get("rounds", 0) for r in results)
+        if model_rounds <= 0.15 * rounds:
+            break
     assert model_rounds <= 0.15 * rounds, (model_rounds, rounds)
     guard = generator.one_row(default).guard
     assert guard is not None and guard.kinds[MODEL].state != "on"
