@@ -550,6 +550,8 @@ def test_a_row_that_shares_a_running_row_s_beginning_gets_its_features(generator
     finally:
         target._call = call
     assert fed["target"] == len(ids[1]) - 20
+    # the head's slots of those 20 tokens are the running row's: it reads only the rest
+    assert generator.draft.lengths[:2].tolist() == [len(ids[0]) + 1, 20]
     shared = target.features[1, : len(ids[1])].copy()
     results = dict(runner.run([]))
     alone = generators["one row"].generate(ids, replace(config, num_draft_tokens=0))

@@ -104,9 +104,14 @@ class EagleDraft(RowsDecoder):
         self.copy_row(source, dest)
         self.set_length(source, 0)
 
-    def copy_row(self, source: int, dest: int) -> None:
-        self.head.copy_row(source, dest)
-        self._verified[dest] = self._verified[source]
+    def copy_row(self, source: int, dest: int, length: int | None = None) -> None:
+        """Copy ``source``'s slots into ``dest``, or those of its first ``length`` tokens it
+        read from the target's features (a beginning the rows share: a slot reads the token
+        after its position too); the next catch-up reads the rest."""
+        slots = self._verified[source] if length is None else max(0, length - 1)
+        slots = min(int(slots), int(self._verified[source]))
+        self.head.copy_row(source, dest, slots if length is not None else None)
+        self._verified[dest] = slots
         self._newest[dest] = self._newest[source]
 
     # Feeding tokens ----------------------------------------------------------------------------

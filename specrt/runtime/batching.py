@@ -163,6 +163,10 @@ class BatchRunner:
         readers = sources.count(None)
         whole = [whole_chunks(p) if firsts[i] == i else [] for i, p in enumerate(prompts)]
         self.target.prefill_rows(start, whole[:readers])
+        if not self.draft.windowed:  # a head's slots of a running row's beginning are its own
+            for i, source in enumerate(sources):
+                if source and source[0] < start and firsts[i] == i and rows[i].drafting:
+                    self.draft.copy_row(source[0], start + i, source[1])
         if any(row.drafting for row in rows) and self._model_drafts(rows, start):
             drafting = firsts_of([p if row.drafting else None for row, p in zip(rows, prompts)])
             drafted = [  # after what it holds: an EAGLE head holds a row's first token
