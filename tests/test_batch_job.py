@@ -450,7 +450,7 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
          "url '/v1/embeddings': specrt batch answers /v1/completions and /v1/chat/completions"),
         ({"method": "GET", "body": {"prompt": "a"}}, "method 'GET'"),
         ({"body": {"prompt": "a", "stream": True}}, "a batch line cannot stream"),
-        ({"body": {"prompt": "a", "n": 2}}, "only n = 1 is supported"),
+        ({"body": {"prompt": "a", "n": 129}}, "n=129: use an integer from 1 to 128"),
         ({"body": {"prompt": "a", "logprobs": 2}}, "logprobs is not supported by specrt"),
         ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts"),
         ({"body": {"prompt": [1, "a"]}}, "prompt must be a string (or a list of token ids)"),
@@ -630,6 +630,53 @@ def test_openai_batch_files_get_openai_batch_output(llama_bundle, tmp_path):
     mixed = tmp_path / "mixed.jsonl"
     run(command(bundle, path, mixed))
     assert results(mixed)["text"]["text"] == expected["text"]["text"]
+
+
+def test_openai_lines_of_several_choices_get_them_all(llama_bundle, tmp_path):
+    """An OpenAI line's ``n``: its choices run as rows of their own (choice i drawing from the
+    stream (seed, i), as `generate`'s row i and `specrt serve`'s choice i do) and come back in
+    one line once all are done; our records keep the first's text where a record of one has it
+    and every choice under "choices". A Ray Data row of several choices is told to send one
+    row per choice."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    from specrt.jobs.batch import make_request
+    from specrt.jobs.rows import row_from_item
+
+    bundle = chat_bundle(llama_bundle, tmp_path)
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 6}
+    lines = [
+        {"custom_id": "text", "body": {"prompt": "for i in", "n": 3, **sampled}},
+        {"custom_id": "chat", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "def f"}], "n": 2, "max_tokens": 5}},
+        {"custom_id": "one", "body": {"prompt": "Simple is", "max_tokens": 4}},
+    ]  # fmt: skip
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output, ours = tmp_path / "out.jsonl", tmp_path / "ours.jsonl"
+    assert run(command(bundle, path, output)).returncode == 0
+    assert run(command(bundle, path, ours, "--output-format", "specrt")).returncode == 0
+    records = {r["custom_id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    assert sorted(records) == ["chat", "one", "text"]
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    expected = generator.generate(["for i in"] * 3, config)
+    text = Completion.model_validate(records["text"]["response"]["body"])
+    assert [c.index for c in text.choices] == [0, 1, 2]
+    assert [c.text for c in text.choices] == [r.text for r in expected]
+    assert len({c.text for c in text.choices}) > 1  # sampled: the choices differ
+    assert text.usage.prompt_tokens == len(generator.encode_prompts(["for i in"])[0])
+    assert text.usage.completion_tokens == sum(len(r.token_ids) for r in expected)
+    chat = ChatCompletion.model_validate(records["chat"]["response"]["body"])
+    assert len(chat.choices) == 2 and chat.choices[0].message == chat.choices[1].message
+    assert len(Completion.model_validate(records["one"]["response"]["body"]).choices) == 1
+    own = results(ours)
+    assert [c["text"] for c in own["text"]["choices"]] == [r.text for r in expected]
+    assert own["text"]["text"] == expected[0].text and "choices" not in own["one"]
+    row = row_from_item(lines[0], "line 1")
+    message = make_request(generator, row, GenerationConfig())["error"]["message"]
+    assert message == "n=3: only specrt batch answers several choices; send one row per choice"
 
 
 def test_resuming_reads_the_output_line_by_line(tmp_path):

@@ -3,8 +3,8 @@
 Input lines are ``{"id": ..., "prompt": "...", optional "max_new_tokens", "temperature",
 "top_k", "top_p", "seed", "num_draft_tokens", "stop"}``, or OpenAI batch-file lines
 (``custom_id``, ``method``, ``url``, ``body``: the body read as `specrt serve` reads that
-request); ``messages`` (OpenAI's chat form) in place of ``prompt`` is rendered with the bundle's
-chat template. The input is
+request; its ``n`` choices come back in one line); ``messages`` (OpenAI's chat form) in place
+of ``prompt`` is rendered with the bundle's chat template. The input is
 streamed (bounded memory but for the set of ids), as it was when the job started: lines
 appended while it runs are left to the next run; each finished row is written and flushed at
 once as ``{"id", "text", "token_ids", "finish_reason", "stats"}``, or ``{"id", "error"}`` for a
@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from specrt.errors import InvalidInputError
 from specrt.jobs import openai_batch
@@ -38,6 +39,14 @@ from specrt.jobs.rows import Row, check_ids, input_size, read_rows
 from specrt.runtime.batching import Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator, row_rng
+from specrt.runtime.results import GenerationResult, GenerationStats
+
+
+class Choice(NamedTuple):
+    """The key of choice ``index`` of a row that asks for several (an OpenAI line's ``n``)."""
+
+    row: str | int
+    index: int
 
 
 @dataclass
@@ -181,8 +190,11 @@ def run_batch(
             summary.wall_time_s = time.perf_counter() - started
             progress(summary, total)
 
+        choices: dict[str, list[GenerationResult | None]] = {}  # rows of n > 1 in flight
+
         def requests() -> Iterator[Request]:
-            """The rows to run, read as slots free up; the others are settled on the way."""
+            """The rows to run, read as slots free up; the others are settled on the way. A row
+            of ``n`` choices is ``n`` requests, choice i drawing from the stream (seed, i)."""
             for row in read_rows(input_path, input_name, size):
                 if str(row.id) in finished:
                     summary.skipped += 1
@@ -194,14 +206,27 @@ def run_batch(
                 unrun.discard(str(row.id))
                 if row.messages is not None:
                     chats.add(str(row.id))
-                request = make_request(generator, row, defaults)
+                request = make_request(generator, row, defaults, several=True)
                 if isinstance(request, dict):
                     write(request, 400)
-                else:
+                elif row.n == 1:
                     yield request
+                else:  # written once every choice is done (a kill runs the row again)
+                    choices[str(row.id)] = [None] * row.n
+                    for i in range(row.n):
+                        rng = row_rng(request.config, i)
+                        yield replace(request, key=Choice(row.id, i), rng=rng)
 
         for key, result in generator.run(requests()):
-            write({"id": key, **result.to_dict()}, 500 if result.error else 200)
+            if isinstance(key, Choice):
+                results = choices[str(key.row)]
+                results[key.index] = result
+                if all(results):
+                    del choices[str(key.row)]
+                    failed = any(r.error for r in results)
+                    write(choices_record(key.row, results), 500 if failed else 200)
+            else:
+                write({"id": key, **result.to_dict()}, 500 if result.error else 200)
         if output_path.is_file():  # pipes and devices have nothing to sync
             os.fsync(out.fileno())
     summary.wall_time_s = time.perf_counter() - started
@@ -214,11 +239,16 @@ def run_batch(
     return summary
 
 
-def make_request(generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig):
+def make_request(
+    generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig, several: bool = False
+):
     """The row as a `Request` (its prompt tokenized and checked, its config and own random
-    stream), or its error record."""
+    stream), or its error record; ``several``: the caller runs a row's ``n`` choices."""
     if row.error is not None:
         return {"id": row.id, "error": {"message": row.error}}
+    if row.n > 1 and not several:
+        message = f"n={row.n}: only specrt batch answers several choices; send one row per choice"
+        return {"id": row.id, "error": {"message": message}}
     try:
         config = replace(defaults, **row.options)
         if "seed" not in row.options and config.seed is not None:
@@ -228,6 +258,28 @@ def make_request(generator: SpeculativeGenerator, row: Row, defaults: Generation
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
     return Request(row.id, prompt, config, row_rng(config, 0))
+
+
+def choices_record(row_id: str | int, results: list[GenerationResult]) -> dict:
+    """The record of a row of several choices: each one's text, tokens and finish reason
+    under ``choices``, the first's also where a record of one has them (readers of those go
+    on working), the counters summed over them (`GenerationStats.total`); an error where
+    any failed."""
+    failed = next((r.error for r in results if r.error), None)
+    if failed is not None:
+        return {"id": row_id, "error": {"message": failed}}
+    first = results[0]
+    return {
+        "id": row_id,
+        "text": first.text,
+        "token_ids": first.token_ids,
+        "finish_reason": first.finish_reason,
+        "stats": GenerationStats.total([r.stats for r in results]).to_dict(),
+        "choices": [
+            {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason}
+            for r in results
+        ],
+    }
 
 
 def chat_prompt(generator: SpeculativeGenerator, messages: object) -> list[int]:

@@ -24,10 +24,16 @@ def record(row_id: str | int, result: dict, chat: bool, model: str, status: int 
         response["body"] = error_body(message, kind)
         return {**line, "response": response, "error": {"code": kind, "message": message}}
     kind = CHAT if chat else COMPLETION
-    body = completion(new_id(kind), kind, model, result["text"], result["finish_reason"], True)
+    ident, each = new_id(kind), result.get("choices", [result])  # a row of ``n`` choices
+    body = completion(ident, kind, model, result["text"], result["finish_reason"], True)
+    body["choices"] = [
+        completion(ident, kind, model, c["text"], c["finish_reason"], True, i)["choices"][0]
+        for i, c in enumerate(each)
+    ]
     stats = result["stats"]
     cached = stats.get("cached_tokens", 0)  # (records written before it was counted)
-    body["usage"] = usage(stats["prompt_tokens"], len(result["token_ids"]), cached)
+    generated = sum(len(c["token_ids"]) for c in each)
+    body["usage"] = usage(stats["prompt_tokens"], generated, cached)
     body["speculative_decoding"] = spec_stats(result["stats"])
     response["body"] = body
     return {**line, "response": response, "error": None}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from specrt.errors import InvalidInputError
-from specrt.openai_shapes import CHAT, COMPLETION, RequestError, read_request
+from specrt.openai_shapes import CHAT, COMPLETION, MAX_N, RequestError, choices, read_request
 from specrt.prompts import COMPRESSED
 
 ROW_OPTIONS = (
@@ -43,6 +43,7 @@ class Row:
     messages: object = None  # a chat line's, in place of the prompt (checked when rendered)
     named: bool = True  # False: a line too broken to give its id, named "line N" instead
     openai: bool = False  # an OpenAI batch-file line ("custom_id", "body")
+    n: int = 1  # choices of its prompt (an OpenAI body's "n")
 
 
 @contextmanager
@@ -238,10 +239,11 @@ def openai_row(item: dict, fallback_id: str) -> Row:
         return row
     kind = OPENAI_URLS.get(url) or (CHAT if "messages" in body else COMPLETION)
     try:
-        prompt, row.options = read_request(body, kind, default_max_tokens=None)
+        prompt, row.options = read_request(body, kind, default_max_tokens=None, max_n=MAX_N)
     except RequestError as exc:
         row.error = str(exc)
         return row
+    row.n = choices(body)
     if body.get("stream"):
         row.error = "a batch line cannot stream: leave stream out (or false)"
     elif kind == CHAT and prompt is None:
