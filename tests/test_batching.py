@@ -1100,6 +1100,7 @@ def test_a_prompt_that_begins_as_a_finished_row_reads_only_the_rest(bundles, mon
     for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=5)):
         config = GenerationConfig(max_new_tokens=12, num_draft_tokens=3, ignore_eos=True,
                                   proposer="model", **sampling)  # fmt: skip
+        target.reset()  # nothing kept from the greedy pass
         runner = generator.runner()
         fed = {"target": 0}
         monkeypatch.setattr(target, "_call", counted(target._call, fed, "target"))
@@ -1156,6 +1157,34 @@ def test_new_rows_take_kept_rows_slots(llama_bundle, monkeypatch, max_batch):
     results.update(runner.run([]))
     expected = generator.generate(prompts[: len(results)], replace(config, num_draft_tokens=0))
     assert [results[i].token_ids for i in range(len(results))] == [r.token_ids for r in expected]
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_generators_calls_share_the_kept_rows_and_its_own_use_of_row_0(llama_bundle, max_batch):
+    """`generate` after `generate` (one request after another from Python) copies a beginning
+    the last call's row held. The cache gives a kept slot up where anything writes it: a
+    caller using row 0 as a one-row decoder, where one slot keeps the row in place, makes the
+    next call read its prompt whole, and every answer is the target alone's."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=max_batch)
+    alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
+    ends = [generator.encode_prompts([p])[0][1:] for p in PROMPTS[2:5]]
+    prompts = [system + end for end in ends]
+    config = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    expected = alone.generate(prompts, replace(config, num_draft_tokens=0))
+    [first] = generator.generate(prompts[:1], config)
+    [second] = generator.generate(prompts[1:2], config)
+    assert first.stats.cached_tokens == 0
+    assert second.stats.cached_tokens == common(prompts[0], prompts[1])
+    generator.target.set_length(0, 0)
+    generator.target.forward(ends[2][:3], keep_last=1)  # row 0 as a one-row decoder
+    [third] = generator.generate(prompts[2:3], config)
+    if max_batch == 1:  # the kept row was in slot 0
+        assert third.stats.cached_tokens == 0
+    else:
+        assert third.stats.cached_tokens == max(common(p, prompts[2]) for p in prompts[:2])
+    got = [r.token_ids for r in (first, second, third)]
+    assert got == [r.token_ids for r in expected]
 
 
 def test_a_failed_row_gives_the_kept_rows_up(llama_bundle, tmp_path, monkeypatch):
@@ -1215,9 +1244,11 @@ def test_the_caches_give_back_what_they_grew_once_every_row_left(
 ):
     """Attention over several rows reads a cache's whole capacity, so after a long row the
     next rows would pay for its positions: once no row is left (an empty batch) both caches
-    shrink back to one step, and the rows after are still the target alone's. With one row
-    its calls see its own positions only, so the capacity stays (regrowing it would copy)."""
+    shrink back to one step, the target's to what its kept finished rows hold
+    (`prefixes.KeptRows`), and the rows after are still the target alone's. With one row its
+    calls see its own positions only, so the capacity stays (regrowing it would copy)."""
     from specrt.backends import rows
+    from specrt.runtime.prefixes import KeptRows
 
     monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=max_batch)
@@ -1234,7 +1265,8 @@ def test_the_caches_give_back_what_they_grew_once_every_row_left(
             assert min(capacity) > 16
             assert all(cache._rows[2] < cache.capacity for cache in caches)  # its views
         elif new_tokens == 4:
-            assert capacity == [16, 16]
+            kept = KeptRows.of(generator.rows_decoders[0]).longest
+            assert kept > 16 and capacity == [-(-kept // 16) * 16, 16]
         else:
             assert min(capacity) > 16
 

@@ -207,6 +207,9 @@ class BatchedDecoder(RowsDecoder):
         lengths = self.lengths[start : start + n].tolist()
         longest = max(lengths)
         self._check_room(longest, count)
+        if self.kept_positions:  # the call writes these slots: a finished row kept there goes
+            for slot in range(start, start + n):
+                self.kept_positions.pop(slot, None)
         if longest + count > self.capacity:
             real_end = longest + count
             padded = fed is not None and not isinstance(fed, int)  # rows past their tokens

@@ -85,6 +85,7 @@ class DeviceRowsDecoder(BatchedDecoder):
 
     def copy_row(self, source: int, dest: int, length: int | None = None) -> None:
         length = int(self.lengths[source]) if length is None else length
+        self.kept_positions.pop(dest, None)
         if source == dest:  # a finished row's slot taken by a prompt that begins as it did
             self.lengths[dest] = length
             return
@@ -95,6 +96,7 @@ class DeviceRowsDecoder(BatchedDecoder):
 
     def clear_stale(self) -> None:
         # Rare (after NaN logits): through the host.
+        self.kept_positions.clear()
         for buffer in self._buffers:
             content = buffer.numpy()
             for row, length in enumerate(self.lengths.tolist()):

@@ -153,6 +153,8 @@ class PortableRowsDecoder(RowsDecoder):
     ) -> Forward:
         """``hidden [n, S, width]`` (or one row's ``[width]``): an EAGLE head's input features."""
         io = self.spec.io
+        for slot in range(start, start + n):  # the call writes these slots
+            self.kept_positions.pop(slot, None)
         lengths = self.lengths[start : start + n]
         longest, count = int(lengths.max()), tokens.shape[1]
         self._check_room(longest, count)

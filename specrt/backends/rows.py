@@ -107,9 +107,11 @@ class RowsDecoder(DecoderBase):
         io = spec.io
         self.max_batch = max_batch
         self.lengths = np.zeros(max_batch, dtype=np.int64)
-        # Positions of free slots whose content a caller keeps (`prefixes.KeptRows`): a resize
-        # moves them with the rows' own (`moved_lengths`)
-        self.kept_lengths = np.zeros(max_batch, dtype=np.int64)
+        # Free slots whose first positions a caller keeps (`prefixes.KeptRows`), slot ->
+        # positions: a resize moves them with the rows' own (`moved_lengths`); a call or a copy
+        # that writes the slot, clearing, or a capacity below them gives them up here, where
+        # the keeper reads what still holds.
+        self.kept_positions: dict[int, int] = {}
         self._names = list(
             zip([*io.past_keys, *io.past_values], [*io.present_keys, *io.present_values])
         )
@@ -141,6 +143,7 @@ class RowsDecoder(DecoderBase):
 
     def reset(self) -> None:
         self.lengths[:] = 0
+        self.kept_positions.clear()
         self.shrink()
 
     def shrink(self, headroom: int = 0, keep: int = 0) -> None:
@@ -221,6 +224,7 @@ class RowsDecoder(DecoderBase):
         masked slot still enters attention's product with weight 0, and 0 x NaN is NaN, so NaN
         left by a failed row, or by another row's padding in a call it shared, would reach the
         next row given that slot."""
+        self.kept_positions.clear()
         before = (slice(None),) * (self.POSITION_AXIS - 1)
         for buffer in self._buffers:
             for row, length in enumerate(self.lengths.tolist()):
@@ -235,6 +239,7 @@ class RowsDecoder(DecoderBase):
         """Copy ``source``'s cache and length into ``dest``, or its first ``length`` positions
         (a prefix the rows share); ``source`` keeps its own (rows with one prompt read it once)."""
         length = int(self.lengths[source]) if length is None else length
+        self.kept_positions.pop(dest, None)
         if source == dest:  # a finished row's slot taken by a prompt that begins as it did
             self.lengths[dest] = length
             return
@@ -247,7 +252,10 @@ class RowsDecoder(DecoderBase):
     def moved_lengths(self, capacity: int) -> list[int]:
         """Each slot's positions a resize to ``capacity`` keeps: a row's cached ones, or those
         of a finished row kept in a free slot."""
-        return np.minimum(np.maximum(self.lengths, self.kept_lengths), capacity).tolist()
+        lengths = np.minimum(self.lengths, capacity).tolist()
+        for slot, positions in self.kept_positions.items():
+            lengths[slot] = max(lengths[slot], min(positions, capacity))
+        return lengths
 
     def _grow(self, needed: int) -> None:
         """Reallocate the cache with room for ``needed`` positions per row (fewer than now:
@@ -256,6 +264,8 @@ class RowsDecoder(DecoderBase):
         capacity = min(self.max_positions, -(-needed // step) * step)
         self._buffers = self._resized(capacity)
         self.capacity = capacity
+        for slot, positions in list(self.kept_positions.items()):  # what the capacity holds
+            self.kept_positions[slot] = min(positions, capacity)
         self.resizes += 1
         if self._feature_width:
             previous = self.features

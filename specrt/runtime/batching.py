@@ -70,7 +70,7 @@ class BatchRunner:
         self.lone = LonePlanner(suffix_cache)
         self._left = False  # rows left since the caches last gave back what they had grown
         self.rows: list[Row] = []  # in slots 0 .. len - 1
-        self.kept = KeptRows(target)  # finished rows' caches, in free slots
+        self.kept = KeptRows.of(target)  # finished rows in its free slots, whoever runs them
 
     @property
     def schedules(self) -> dict[str, LoadSchedule]:
@@ -138,7 +138,6 @@ class BatchRunner:
             kept = self.kept.longest if len(self.rows) <= 1 else 0
             self.target.shrink(SHRINK_HEADROOM, kept)
             self.draft.shrink(SHRINK_HEADROOM)
-            self.kept.fit()
             self._left = False
         return finished
 
@@ -396,8 +395,7 @@ class BatchRunner:
 
     def _clear_stale(self) -> None:
         """After a failed row: no NaN it left may stay where a later row could read it (kept
-        rows' slots are cleared too)."""
-        self.kept.clear()
+        rows' slots are cleared too, and given up)."""
         self.target.clear_stale()
         self.draft.clear_stale()
 

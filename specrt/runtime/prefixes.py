@@ -5,6 +5,7 @@ preamble, or the conversation a chat's next turn repeats, is read once (`BatchRu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +18,7 @@ from specrt.runtime.requests import Row
 MIN_SHARED_PREFIX = 16
 
 Source = tuple[int, int]  # (slot, positions): where a row copies its prompt's beginning from
+_KEEPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a cache -> its `KeptRows`
 
 
 def arrange(
@@ -80,22 +82,33 @@ class KeptRows:
     one of them did: a service's requests with one system prompt arriving one after another,
     a chat's next turn repeating the conversation so far. A finished row is copied into the
     highest free slot (new rows take the lowest), the least recently used kept row giving its
-    slot up where none is free; in the last slot it stays where it is. A slot is given up
-    when a new row takes it or a failed row's NaN is cleared, and cut to what the cache holds
-    when it shrinks. The cache moves a kept row's positions with the rows' own when it resizes
-    (``kept_lengths``). Only the target's cache: a draft reads a window or every position
-    itself."""
+    slot up where none is free; in the last slot it stays where it is. The cache says what
+    still holds (``kept_positions``): it moves a kept row's positions with the rows' own when
+    it resizes, and gives up a slot a call or a copy writes (a new row there, a caller using
+    row 0 directly), a cleared one (after a failed row) and what a smaller capacity cuts.
+    One for a cache (`of`), whoever runs rows on it: a generator's calls one after another
+    share it. Only the target's cache: a draft model reads a window, and a head reads every
+    position itself."""
 
     def __init__(self, target: RowsDecoder) -> None:
         self.target = target
         self.on = getattr(target, "copies_rows", True)
         self.slots: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (oldest first)
 
+    @classmethod
+    def of(cls, target: RowsDecoder) -> KeptRows:
+        """``target``'s: two keepers of one cache would each take the other's slots for theirs."""
+        kept = _KEEPERS.get(target)
+        if kept is None:
+            kept = _KEEPERS[target] = cls(target)
+        return kept
+
     def keep(self, slot: int, tokens: list[int], edge: int) -> None:
         """The row in ``slot`` (its cache holding ``tokens``) leaves; ``edge`` is the last
         running slot, whose row then moves into ``slot``."""
         if not self.on or len(tokens) < MIN_SHARED_PREFIX:
             return
+        self._sync()
         for other, held in list(self.slots.items()):
             if tokens[: len(held)] == held:  # the new row holds all it does, and more
                 self._drop(other)
@@ -114,12 +127,14 @@ class KeptRows:
         if dest != slot:
             self.target.copy_row(slot, dest, len(tokens))
             self.target.set_length(dest, 0)  # a free slot: calls and shrinking leave it out
-        self._set(dest, tokens)
+        self.slots[dest] = tokens
+        self.target.kept_positions[dest] = len(tokens)
 
     def sources(self, start: int, count: int) -> list[tuple[int, list[int]]]:
         """The kept rows ``count`` new rows in slots ``start ..`` may copy from: those they do
         not take, and the first slot's own for a row admitted alone (it reads the rest there).
         The slots they take are given up."""
+        self._sync()
         usable = [
             (slot, tokens)
             for slot, tokens in self.slots.items()
@@ -134,29 +149,21 @@ class KeptRows:
         if slot in self.slots:
             self.slots[slot] = self.slots.pop(slot)
 
-    def fit(self) -> None:
-        """After the cache shrank: each kept row holds what the capacity does."""
-        if not self.slots:
-            return
-        capacity = self.target.capacity
-        for slot, tokens in list(self.slots.items()):
-            if capacity < MIN_SHARED_PREFIX:
-                self._drop(slot)
-            else:
-                self._set(slot, tokens[:capacity])
-
     @property
     def longest(self) -> int:
+        self._sync()
         return max(map(len, self.slots.values()), default=0)
 
-    def clear(self) -> None:
-        for slot in list(self.slots):
-            self._drop(slot)
-
-    def _set(self, slot: int, tokens: list[int]) -> None:
-        self.slots[slot] = tokens
-        self.target.kept_lengths[slot] = len(tokens)
+    def _sync(self) -> None:
+        """Keep what the cache still holds of each kept row."""
+        held = self.target.kept_positions if self.slots else {}
+        for slot, tokens in list(self.slots.items()):
+            positions = held.get(slot, 0)
+            if positions < MIN_SHARED_PREFIX:
+                self._drop(slot)
+            elif positions < len(tokens):
+                self.slots[slot] = tokens[:positions]
 
     def _drop(self, slot: int) -> None:
         if self.slots.pop(slot, None) is not None:
-            self.target.kept_lengths[slot] = 0
+            self.target.kept_positions.pop(slot, None)
