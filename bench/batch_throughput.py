@@ -54,6 +54,7 @@ def contender(args: argparse.Namespace) -> dict:
         rows.write_text(
             "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts))
         )
+        generator.forget_kept_rows()  # each run reads the prompts itself
         started = time.perf_counter()
         summary = run_batch(generator, rows, Path(scratch) / "out.jsonl", config)
         seconds = time.perf_counter() - started

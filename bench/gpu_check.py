@@ -302,6 +302,7 @@ def group_query_one_row(bundle: Path, entry: dict, args) -> dict:
         generator.generate(entry["prompt_ids"][:1], config)  # warm-up
         rates = []
         for prompt in entry["prompt_ids"]:
+            generator.forget_kept_rows()  # each mode reads its prompts itself
             t0 = time.perf_counter()
             [result] = generator.generate([prompt], config)
             rates.append(len(result.token_ids) / (time.perf_counter() - t0))
@@ -329,6 +330,7 @@ def eagle_head(bundle: Path, entry: dict, args) -> dict:
         generator.generate(entry["prompt_ids"][:1], config)  # warm-up
         rates, tokens, kept, drafted = [], [], 0, 0
         for prompt in entry["prompt_ids"]:
+            generator.forget_kept_rows()  # each mode reads its prompts itself
             t0 = time.perf_counter()
             [result] = generator.generate([prompt], config)
             rates.append(len(result.token_ids) / (time.perf_counter() - t0))
@@ -392,6 +394,7 @@ def batches(bundle: Path, name: str, args, clock: Clock) -> dict:
             requests = [
                 Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(prompts)
             ]
+            generator.forget_kept_rows()  # each mode reads its prompts itself
             t0 = time.perf_counter()
             results = dict(generator.run(requests))
             seconds = time.perf_counter() - t0
@@ -453,6 +456,7 @@ def measure(bundle: Path, name: str, entry: dict, args, clock: Clock) -> None:
         bytes_before = pair.target.bytes_to_host + pair.draft.bytes_to_host
         wall_total = 0.0
         for prompt in prompts:
+            generator.forget_kept_rows()  # each mode reads its prompts itself
             model_before, t0 = generator.model_time_s, time.perf_counter()
             [result] = generator.generate([prompt], cfg)
             wall = time.perf_counter() - t0
@@ -495,6 +499,7 @@ def host_transfer(bundle: Path, name: str, args) -> dict:
             generator.generate(prompts[:1], config)  # warm-up
             rates, tokens[mode] = [], []
             for prompt in prompts:
+                generator.forget_kept_rows()  # each mode reads its prompts itself
                 t0 = time.perf_counter()
                 [result] = generator.generate([prompt], config)
                 rates.append(len(result.token_ids) / (time.perf_counter() - t0))

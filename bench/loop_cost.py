@@ -52,6 +52,7 @@ def main() -> None:
         tokens = dict.fromkeys(configs, 0)
         for prompt in prompts:
             for k, config in configs.items():
+                generator.forget_kept_rows()  # each K reads the prompt itself
                 model_before, started = generator.model_time_s, time.perf_counter()
                 [result] = generator.generate([prompt], config)
                 wall = time.perf_counter() - started

@@ -145,6 +145,7 @@ def run_workload(
                 config = GenerationConfig(
                     max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=temperature, **options
                 )
+                runner.forget_kept_rows()  # each contender reads the prompt itself
                 started = time.perf_counter()
                 [result] = runner.generate([prompt], config)
                 seconds[name][row].append(time.perf_counter() - started)
@@ -203,6 +204,7 @@ def run_batched(bundle: str, prompts: list[str], batch_size: int, repeats: int) 
             cache = SuffixCache() if options.pop("suffix", False) else None
             generator = learning_apart(loaded, cache)  # a batch job's process, from scratch
             config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, **options)
+            generator.forget_kept_rows()  # each contender reads the prompts itself
             started = time.perf_counter()
             results = generator.generate(prompts, config)
             seconds[name] += time.perf_counter() - started

@@ -72,13 +72,15 @@ def fresh(generator, corpus: bool = True):
     from the bundle's corpus where it has one (and ``corpus``)."""
     from specrt.runtime import SpeculativeGenerator
 
-    return SpeculativeGenerator(
+    runner = SpeculativeGenerator(
         generator.target,
         generator.draft,
         generator.tokenizer,
         generator.eos_token_ids,
         corpus=generator.corpus if corpus else None,
     )
+    runner.forget_kept_rows()  # and reads its prompts itself: no finished row's copy
+    return runner
 
 
 def chat_ids(generator, bundle: Path, prompts: list[str]) -> list[list[int]]:

@@ -1185,6 +1185,9 @@ def test_a_generators_calls_share_the_kept_rows_and_its_own_use_of_row_0(llama_b
         assert third.stats.cached_tokens == max(common(p, prompts[2]) for p in prompts[:2])
     got = [r.token_ids for r in (first, second, third)]
     assert got == [r.token_ids for r in expected]
+    generator.forget_kept_rows()  # what timing one mode against another needs
+    [again] = generator.generate(prompts[2:3], config)
+    assert again.stats.cached_tokens == 0 and again.token_ids == third.token_ids
 
 
 def test_a_failed_row_gives_the_kept_rows_up(llama_bundle, tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ class SpecrtContender:
             seed=seed,
             ignore_eos=True,
         )
+        self.generator.forget_kept_rows()  # each contender reads the prompt itself
         before = self.generator.model_time_s
         started = time.perf_counter()
         [result] = self.generator.generate([prompt], config)

@@ -36,8 +36,12 @@ def compare_with_target_only(
             prompts[:1], replace(warm, max_new_tokens=min(WARM_UP_TOKENS, config.max_new_tokens))
         )
     generator.forget_learning()
+    # Each mode reads each prompt itself (a finished row's kept copy would spare the second)
+    generator.forget_kept_rows()
     for prompt, result in zip(prompts, generator.stream(prompts, config)):
+        generator.forget_kept_rows()
         [alone] = generator.generate([prompt], baseline)
+        generator.forget_kept_rows()
         yield (
             result,
             Comparison(

@@ -23,6 +23,7 @@ from specrt.runtime.corpus import CorpusTable
 from specrt.runtime.hybrid import HybridChoice
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import SuffixCache
+from specrt.runtime.prefixes import KeptRows
 from specrt.runtime.requests import LoneLearners
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
@@ -373,6 +374,13 @@ class SpeculativeGenerator:
             even_rows = getattr(getattr(self.target, "spec", None), "even_rows", False)
             self._schedules[key] = make_schedule(name, config.num_draft_tokens, even_rows)
         return self._schedules[key]
+
+    def forget_kept_rows(self) -> None:
+        """Give up the finished rows kept for prompts that begin alike (`prefixes.KeptRows`):
+        the next calls read their prompts whole, as a fresh process's do (what timing one
+        mode against another on the same prompts needs: else the second reads none)."""
+        with self._owned():
+            KeptRows.of(self.rows_decoders[0]).clear()
 
     def forget_learning(self) -> None:
         """Start the learners afresh (the schedules, the hybrid's rates, the guards), as in a

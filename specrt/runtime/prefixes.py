@@ -149,6 +149,10 @@ class KeptRows:
         if slot in self.slots:
             self.slots[slot] = self.slots.pop(slot)
 
+    def clear(self) -> None:
+        for slot in list(self.slots):
+            self._drop(slot)
+
     @property
     def longest(self) -> int:
         self._sync()
