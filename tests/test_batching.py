@@ -16,6 +16,7 @@ from specrt.export import ENGINE_MODEL_TYPES
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.generator import row_rng
+from specrt.runtime.prefixes import KeptRows
 from tests.test_greedy import PROMPTS
 
 
@@ -1190,6 +1191,22 @@ def test_a_generators_calls_share_the_kept_rows_and_its_own_use_of_row_0(llama_b
     assert again.stats.cached_tokens == 0 and again.token_ids == third.token_ids
 
 
+def test_a_dropped_generator_frees_its_cache_whatever_it_kept(llama_bundle):
+    """The keeper of a cache's finished rows holds the cache weakly: a generator dropped after
+    its calls frees its models (a strong reference kept every generator a process loaded)."""
+    import gc
+    import weakref
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=2)
+    system = generator.encode_prompts([" ".join(PROMPTS[5:9])])[0]
+    generator.generate([system, system[:20]], GenerationConfig(max_new_tokens=4))
+    cache = weakref.ref(generator.rows_decoders[0])
+    assert KeptRows.of(cache()).slots  # it kept a row
+    del generator
+    gc.collect()
+    assert cache() is None
+
+
 def test_a_failed_row_gives_the_kept_rows_up(llama_bundle, tmp_path, monkeypatch):
     """After a row's logits came out NaN every slot is cleared past its rows' positions, kept
     rows' too: a prompt that begins as a kept row did reads it whole, and is the target
@@ -1251,7 +1268,6 @@ def test_the_caches_give_back_what_they_grew_once_every_row_left(
     (`prefixes.KeptRows`), and the rows after are still the target alone's. With one row its
     calls see its own positions only, so the capacity stays (regrowing it would copy)."""
     from specrt.backends import rows
-    from specrt.runtime.prefixes import KeptRows
 
     monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     generator = SpeculativeGenerator.from_bundle(llama_bundle, max_batch=max_batch)

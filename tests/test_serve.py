@@ -759,7 +759,8 @@ def test_requests_are_logged_as_they_come_and_end_unless_the_level_is_above_info
 ):
     """At --log-level info (the default), a line on stdout as each request comes (its id,
     route, prompt tokens, max_tokens, sampling, stream) and one as it ends (finish reason,
-    completion tokens, seconds), as vLLM logs them; at --log-level warning, neither."""
+    completion tokens, prompt tokens cached, seconds), as vLLM logs them; at --log-level
+    warning, neither."""
     reply = client.completions.create(
         model="tiny", prompt="Simple is", max_tokens=5, temperature=0.5, seed=3
     )
@@ -771,6 +772,7 @@ def test_requests_are_logged_as_they_come_and_end_unless_the_level_is_above_info
     finished = logged(server_log, f"finished request {reply.id}:")
     choice, count = reply.choices[0], reply.usage.completion_tokens
     assert f": {choice.finish_reason}, {count} completion tokens, " in finished
+    assert " prompt tokens cached, " in finished
     assert logged(server_log, "specrt serve: tiny on http://127.0.0.1:")  # the ready line
     quiet = tmp_path / "quiet.log"
     with running_server(llama_bundle, "--log-level", "warning", log=quiet) as (url, _):

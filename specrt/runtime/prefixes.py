@@ -91,9 +91,13 @@ class KeptRows:
     position itself."""
 
     def __init__(self, target: RowsDecoder) -> None:
-        self.target = target
+        self._target = weakref.ref(target)  # (a strong one would keep it in `_KEEPERS` for good)
         self.on = getattr(target, "copies_rows", True)
         self.slots: dict[int, list[int]] = {}  # slot -> the tokens its cache holds (oldest first)
+
+    @property
+    def target(self) -> RowsDecoder:
+        return self._target()
 
     @classmethod
     def of(cls, target: RowsDecoder) -> KeptRows:

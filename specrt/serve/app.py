@@ -384,8 +384,8 @@ def log_finished(ident: str, handle: RequestHandle) -> None:
         log.warning("request %s failed after %.2f s", ident, seconds)
         return
     log.info(
-        "finished request %s: %s, %d completion tokens, %.2f s",
-        ident, result.finish_reason, len(result.token_ids), seconds,
+        "finished request %s: %s, %d completion tokens, %d prompt tokens cached, %.2f s",
+        ident, result.finish_reason, len(result.token_ids), result.stats.cached_tokens, seconds,
     )  # fmt: skip
 
 
