@@ -1207,6 +1207,30 @@ def test_a_dropped_generator_frees_its_cache_whatever_it_kept(llama_bundle):
     assert cache() is None
 
 
+def test_rows_sharing_calls_take_back_the_capacity_kept_rows_hold(llama_bundle, monkeypatch):
+    """A long finished row kept at idle holds the target's capacity for the next row alone,
+    whose calls see its own positions only; rows admitted together would attend over all of
+    it, so the cache gives it back as they come (the kept row cut to what it holds), and the
+    rows are still the target alone's."""
+    from specrt.backends import rows
+    from specrt.runtime.batching import SHRINK_HEADROOM
+
+    monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=3)
+    target, keeper = generator.rows_decoders[0], KeptRows.of(generator.rows_decoders[0])
+    long = [t for p in generator.encode_prompts(PROMPTS[:12]) for t in p][:90]
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    generator.generate([long], config)
+    assert keeper.longest >= len(long) and target.capacity >= len(long)
+    short = [generator.encode_prompts([p])[0] for p in PROMPTS[2:4]]
+    assert max(map(len, short)) + 6 + SHRINK_HEADROOM < 80
+    results = generator.generate(short, config)
+    assert target.capacity < 80 and keeper.longest <= target.capacity
+    alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    expected = alone.generate(short, replace(config, num_draft_tokens=0))
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+
+
 def test_a_failed_row_gives_the_kept_rows_up(llama_bundle, tmp_path, monkeypatch):
     """After a row's logits came out NaN every slot is cleared past its rows' positions, kept
     rows' too: a prompt that begins as a kept row did reads it whole, and is the target

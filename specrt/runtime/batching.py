@@ -133,10 +133,13 @@ class BatchRunner:
                 self.kept.used(source[0])
             self.rows.extend(rows)
             finished += self._leave(self._admit(rows, start, sources))
-        if self._left:  # give back what rows that left had grown; kept rows keep theirs
-            # while a row alone runs (its calls see its own positions only: `batched.VIEW_STEP`)
-            kept = self.kept.longest if len(self.rows) <= 1 else 0
-            self.target.shrink(SHRINK_HEADROOM, kept)
+        # Give back what rows that left had grown. Kept rows keep theirs while a row runs alone
+        # (its calls see its own positions only: `batched.VIEW_STEP`); rows sharing calls
+        # would attend over it, so they take it back as they come.
+        alone = len(self.rows) <= 1
+        if self._left or not alone:
+            self.target.shrink(SHRINK_HEADROOM, self.kept.longest if alone else 0)
+        if self._left:
             self.draft.shrink(SHRINK_HEADROOM)
             self._left = False
         return finished
