@@ -679,6 +679,25 @@ def test_openai_lines_of_several_choices_get_them_all(llama_bundle, tmp_path):
     assert message == "n=3: only specrt batch answers several choices; send one row per choice"
 
 
+def test_the_summary_counts_the_prompt_tokens_copied(llama_bundle, tmp_path):
+    """Rows one after another (batch size 1) whose prompts begin alike copy that beginning
+    from the row before: the summary and the last line count the prompt tokens copied, and
+    each record says its own (`cached_tokens`)."""
+    system = "Simple is better than complex. Flat is better than nested. "
+    lines = [{"id": i, "prompt": system + end} for i, end in enumerate(["for i in", "def f"])]
+    path, output, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run(command(llama_bundle, path, output, "--batch-size", "1", "--summary", summary))
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    cached = [r["stats"]["cached_tokens"] for r in sorted(records, key=lambda r: r["id"])]
+    report = json.loads(summary.read_text())
+    assert cached[0] == 0 and cached[1] >= 16 and report["cached_tokens"] == cached[1]
+    prompts = sum(r["stats"]["prompt_tokens"] for r in records)
+    assert report["prompt_tokens"] == prompts
+    assert f"; {cached[1]} of {prompts} prompt tokens copied from a beginning" in done.stderr
+
+
 def test_resuming_reads_the_output_line_by_line(tmp_path):
     """A resumed job holds the ids done, not the output file: 48 MB of results read back grew
     the process by 104 MiB before (the file, then its lines), now by the ids alone."""

@@ -158,6 +158,12 @@ def batch(
         f"{result.cache_bytes / 2**20:.1f} MiB "
         f"({result.cache_bytes_per_row / 2**20:.1f} MiB per row at most)"
         + _proposer_line(result.proposers)
+        + (
+            f"; {result.cached_tokens} of {result.prompt_tokens} prompt tokens copied from "
+            "a beginning another row had read"
+            if result.cached_tokens
+            else ""
+        )
         + ("; written as OpenAI batch output" if result.output_format == "openai" else "")
         + (
             f"; suffix cache {result.suffix_cache_tokens} tokens, "

@@ -56,6 +56,8 @@ class Summary:
     failed: int = 0
     skipped: int = 0  # already in the output from an earlier run
     skipped_errors: int = 0  # of them, error records
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of them, copied from a row that held them (`prefixes`)
     new_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -77,6 +79,8 @@ class Summary:
             return
         stats = record["stats"]
         self.ok += 1
+        self.prompt_tokens += stats["prompt_tokens"]
+        self.cached_tokens += stats.get("cached_tokens", 0)
         self.new_tokens += stats["new_tokens"]
         self.drafted_tokens += stats["drafted_tokens"]
         self.accepted_tokens += stats["accepted_tokens"]
