@@ -16,7 +16,9 @@ adaptive (no new contender past CONTENDER_SHARE), the draft/target step cost c a
 cost v_K (greedy steps: each row's argmax comes back, not its logits), the time outside
 onnxruntime, the bytes each round brings back to the host; then, while the budget lasts, the
 one-row target alone with host inputs re-bound each call and with device twins
-(`specrt.backends.host_inputs.TRANSFER` "rebind" / "update"), the demo pair's one-row
+(`specrt.backends.host_inputs.TRANSFER` "rebind" / "update"), a prompt that copies its
+beginning from a finished row's kept cache (copied on the device) against the target alone,
+the demo pair's one-row
 GroupQueryAttention graph beside the batched one (`cuda_attention`), the draft step with CUDA
 graphs, and transformers assisted generation on the same GPU. Whether the CUDA provider takes
 every node of each engine is asked first. Writes one JSON report (after every phase), prints a
@@ -38,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +197,7 @@ def check_pair(name: str, built: tuple, entry: dict, step, args, budget_s: float
     if head is not None and "prompt_ids" in entry:
         probes.append(("eagle_head", eagle_head, head, entry, args))
     probes.append(("host_inputs", host_transfer, bundle, name, args))
+    probes.append(("kept_rows", kept_rows, bundle, name, args))
     if one_row is not None and "prompt_ids" in entry:
         probes.append(("group_query_one_row", group_query_one_row, one_row, entry, args))
     if not args.dry_run:
@@ -415,6 +419,24 @@ def batches(bundle: Path, name: str, args, clock: Clock) -> dict:
         )
         log(f"{name}: batch {batch}: {entry}")
     return out
+
+
+def kept_rows(bundle: Path, name: str, args) -> dict:
+    """A prompt that begins as a finished row did, on the device backend: the second of two
+    prompts sharing all but the first's last tokens copies that beginning from the first's
+    kept cache (copied on the device into a free slot, and back) and must be the target
+    alone's."""
+    generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run, 3))
+    first, other = prompts_for(name, generator, 2)
+    second = first[:-2] + other[:4]
+    config = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True, proposer="model")
+    generator.generate([first], config)
+    [copied] = generator.generate([second], config)
+    generator.forget_kept_rows()
+    [alone] = generator.generate([second], replace(config, num_draft_tokens=0))
+    equal = copied.token_ids == alone.token_ids
+    log(f"{name}: kept rows: {copied.stats.cached_tokens} tokens copied, equal: {equal}")
+    return {"cached_tokens": copied.stats.cached_tokens, "equals_target_only": equal}
 
 
 def measure(bundle: Path, name: str, entry: dict, args, clock: Clock) -> None:

@@ -28,6 +28,8 @@ def test_gpu_check_dry_run(tmp_path):
         assert {"target only", "K=1", "K=2", "adaptive K<=2"} <= set(entry["results"])
         assert entry["results"]["K=2"]["bytes_to_host_per_round"] < 1000  # argmax, not logits
         assert 0 < entry["cost_ratio"]
+        kept = entry["kept_rows"]  # a finished row's cache copied on the device
+        assert kept["equals_target_only"] is True and kept["cached_tokens"] >= 16
         if "group_query_one_row" in entry:  # the demo pair: the one-row graph beside it
             assert set(entry["group_query_one_row"]) == {"target only", "K=4"}
         for batch in ("1", "3"):  # rows per call on the device backend; the one-row reference
