@@ -24,15 +24,15 @@ FIELDS = {
     "ignore_eos": "ignore_eos",  # vLLM's extension
 }
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
+LOGPROBS_CONTEXT = 6  # tokens before one that its text is decoded after (`logprobs_body`)
+MAX_LOGPROBS = 20  # most likely tokens a position may list: OpenAI's limit, and the runtime's
 # OpenAI's max_tokens for a completion that gives none. Chat has no such default: it runs until
 # the model stops or the context ends (as OpenAI's and vLLM's), which only the caller knows.
 DEFAULT_MAX_TOKENS = 16
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
-# LangChain send the penalties at 0): no log-probabilities, echo, penalties, logit bias, tools
-# or structured output.
+# LangChain send the penalties at 0): no echo, penalties, logit bias, tools or structured
+# output. (Log-probabilities: `_logprobs`.)
 OFF_VALUES = {
-    "logprobs": (None, False),  # (a completion's 0 asks for the chosen tokens': not off)
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -65,6 +65,8 @@ IGNORED = {
     "metadata",
     "service_tier",
     "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
     *OFF_VALUES,
 }
 
@@ -164,6 +166,9 @@ def read_request(
         if not isinstance(prompt, (str, list)) or mixed:
             raise RequestError("prompt must be a string (or a list of token ids)", "prompt")
     options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
+    logprobs = _logprobs(body, kind)
+    if logprobs is not None:
+        options["logprobs"] = logprobs
     if default_max_tokens is not None and kind == COMPLETION:
         options.setdefault("max_new_tokens", default_max_tokens)
     if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
@@ -174,6 +179,73 @@ def read_request(
             field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
             raise RequestError(f"{field}={json.dumps(length)}: use an integer >= 1", field)
     return prompt, options
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The most likely tokens a body asks to list at each new token (0: the chosen one's
+    log-probability alone; None: none): a completion's ``logprobs`` (an integer), a chat's
+    ``logprobs: true`` with ``top_logprobs``, as OpenAI reads them."""
+    ask, top = body.get("logprobs"), body.get("top_logprobs")
+    rule = f"use an integer from 0 to {MAX_LOGPROBS}"
+    if kind == COMPLETION:
+        if top is not None:
+            message = "top_logprobs is a chat field: a completion gives logprobs (an integer)"
+            raise RequestError(message, "top_logprobs")
+        if ask is None:
+            return None
+        if not isinstance(ask, int) or isinstance(ask, bool) or not 0 <= ask <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs={json.dumps(ask)}: {rule}", "logprobs")
+        chosen = ask
+    else:
+        if ask is not None and not isinstance(ask, bool):
+            raise RequestError(f"logprobs={json.dumps(ask)}: use true or false", "logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                                or not 0 <= top <= MAX_LOGPROBS):  # fmt: skip
+            raise RequestError(f"top_logprobs={json.dumps(top)}: {rule}", "top_logprobs")
+        if not ask:
+            if top:
+                raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        chosen = top or 0
+    if body.get("stream"):
+        raise RequestError(
+            "log-probabilities are not streamed yet: leave stream out for them", "logprobs"
+        )
+    return chosen
+
+
+def logprobs_body(kind: str, entries: list, decode) -> dict:
+    """A choice's ``logprobs`` as OpenAI gives them, from `GenerationResult.logprobs`
+    (``decode``: token ids to text): a completion's token strings, log-probabilities, most
+    likely alternatives and text offsets; a chat's content entries with their bytes. A token's
+    text is what it adds after the tokens before it (decoded alone, a word's leading space
+    may be lost), an alternative's what it would have added there."""
+    ids = [entry.token for entry in entries]
+
+    def piece(i: int, token: int) -> str:
+        before = ids[max(0, i - LOGPROBS_CONTEXT) : i]
+        head = decode(before)
+        return decode([*before, token])[len(head) :]
+
+    chosen = [piece(i, token) for i, token in enumerate(ids)]
+    tops = [[(piece(i, t), lp) for t, lp in e.top] for i, e in enumerate(entries)]
+    if kind == COMPLETION:
+        offsets = [sum(map(len, chosen[:i])) for i in range(len(chosen))]
+        return {
+            "tokens": chosen,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(top) for top in tops],
+            "text_offset": offsets,
+        }
+
+    def item(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = [
+        {**item(text, e.logprob), "top_logprobs": [item(t, lp) for t, lp in top]}
+        for text, e, top in zip(chosen, entries, tops)
+    ]
+    return {"content": content, "refusal": None}
 
 
 def choices(body: dict) -> int:

@@ -1231,6 +1231,34 @@ def test_rows_sharing_calls_take_back_the_capacity_kept_rows_hold(llama_bundle, 
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=2)])
+def test_logprobs_are_the_targets_log_softmax_at_each_new_token(llama_bundle, sampling):
+    """``logprobs``: each new token's log-probability under the target's raw logits at its
+    position, and the most likely tokens there, in rows sharing calls with speculation on;
+    checked against one plain target pass over the prompt and the tokens (an off-by-one
+    position or a warped distribution fails)."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=3)
+    reference = SpeculativeGenerator.from_bundle(llama_bundle, threads=1).target
+    prompts = generator.encode_prompts(PROMPTS[:3])
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True, logprobs=3, **sampling)
+    results = generator.generate(prompts, config)
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified
+    for prompt, result in zip(prompts, results):
+        new = result.token_ids
+        reference.set_length(0, 0)
+        logits = reference.forward(prompt + new[:-1], keep_last=len(new)).logits
+        logits = np.asarray(logits, np.float64).reshape(len(new), -1)
+        expected = logits - logits.max(-1, keepdims=True)
+        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+        got = [entry.logprob for entry in result.logprobs]
+        assert [entry.token for entry in result.logprobs] == new
+        np.testing.assert_allclose(got, expected[np.arange(len(new)), new], atol=1e-4)
+        for entry, row in zip(result.logprobs, expected):
+            assert [t for t, _ in entry.top] == np.argsort(-row, kind="stable")[:3].tolist()
+    [plain] = generator.generate(prompts[:1], replace(config, logprobs=None))
+    assert plain.logprobs is None and "logprobs" not in plain.to_dict()
+
+
 def test_a_failed_row_gives_the_kept_rows_up(llama_bundle, tmp_path, monkeypatch):
     """After a row's logits came out NaN every slot is cleared past its rows' positions, kept
     rows' too: a prompt that begins as a kept row did reads it whole, and is the target

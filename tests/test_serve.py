@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -156,6 +157,33 @@ def test_completions_streamed_or_not_equal_generate(server, client, reference):
         assert raw.status_code == 400 and raw.json()["error"]["param"] == "stream_options"
 
 
+def test_logprobs_are_the_targets_own_as_openai_gives_them(client, reference):
+    """A completion's ``logprobs: N`` and a chat's ``logprobs: true, top_logprobs: N``: each
+    new token's log-probability under the target's own distribution (before temperature, as
+    vLLM's), with the N most likely tokens at its position, from the pass that verified it:
+    the values `generate` gives, with speculation or the target alone."""
+    generator, _ = reference
+    prompt = PROMPTS[1]
+    config = GenerationConfig(max_new_tokens=12, temperature=0.8, seed=4, logprobs=2)
+    [alone] = generator.generate([prompt], replace(config, num_draft_tokens=0))
+    [spec] = generator.generate([prompt], config)
+    assert spec.token_ids == alone.token_ids and len(spec.logprobs) == 12
+    for a, b in zip(spec.logprobs, alone.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.top[0][1] >= a.top[1][1] and a.top[0][1] >= a.logprob  # most likely first
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0.8, seed=4, logprobs=2
+    )
+    logprobs = reply.choices[0].logprobs
+    assert "".join(logprobs.tokens) == alone.text
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in alone.logprobs], abs=1e-4)
+    listed = [lp for top in logprobs.top_logprobs for lp in top.values()]
+    assert listed == pytest.approx([lp for e in alone.logprobs for _, lp in e.top], abs=1e-4)
+    assert logprobs.text_offset[:2] == [0, len(logprobs.tokens[0])]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
     _, expected = reference
     checked = 0
@@ -254,9 +282,10 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         (dict(model="gpt-4"), openai.NotFoundError, "not served here"),
         # too long: 400 with OpenAI's code, which clients catch to trim and retry (it was 413)
         (dict(prompt="Simple is better than complex. " * 30), None, "positions fit"),
-        (dict(logprobs=0), openai.BadRequestError, "logprobs is not"),  # 0 == False, but asks
+        (dict(logprobs=21), openai.BadRequestError, "logprobs=21: use an integer from 0 to 20"),
         (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
-        (dict(logprobs=2), openai.BadRequestError, "logprobs is not supported"),
+        (dict(logprobs=2, stream=True), openai.BadRequestError, "not streamed yet"),
+        (dict(extra_body={"top_logprobs": 2}), openai.BadRequestError, "a chat field"),
         (dict(echo=True), openai.BadRequestError, "echo is not supported"),
         (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty is not"),
         (dict(extra_body={"tool_choice": "auto"}), openai.BadRequestError, "tool_choice is not"),
@@ -684,6 +713,18 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         assert reply.choices[0].message.content == after.text
         assert reply.usage.prompt_tokens == len(next_ids)
         assert reply.usage.prompt_tokens_details.cached_tokens >= len(ids) >= MIN_SHARED_PREFIX
+        # A chat's log-probabilities: each new token's, with its 2 most likely alternatives
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2
+        )
+        content = reply.choices[0].logprobs.content
+        assert "".join(entry.token for entry in content) == expected.text
+        assert [len(entry.top_logprobs) for entry in content] == [2] * len(expected.token_ids)
+        assert all(e.top_logprobs[0].logprob >= e.logprob for e in content)
+        assert content[0].bytes == list(content[0].token.encode())
+        bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages,
+                         "top_logprobs": 2})  # fmt: skip
+        assert bad.status_code == 400 and "needs logprobs: true" in bad.text
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
                                                n=2)  # fmt: skip
         assert [c.message.content for c in reply.choices] == [expected.text] * 2

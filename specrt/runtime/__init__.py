@@ -7,6 +7,7 @@ gen = SpeculativeGenerator.from_bundle("engines/demo")
 
 from specrt.runtime.config import GenerationConfig, SamplingParams
 from specrt.runtime.generator import SpeculativeGenerator
+from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.lookup import SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
 
@@ -17,4 +18,5 @@ __all__ = [
     "SamplingParams",
     "SpeculativeGenerator",
     "SuffixCache",
+    "TokenLogprob",
 ]

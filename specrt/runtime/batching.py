@@ -375,7 +375,7 @@ class BatchRunner:
     def _settle(self, row: Row, result: RoundResult) -> None:
         """Append the round's tokens that stand (up to EOS, a stop string or the length) and
         count them; set the finish reason if the row is done."""
-        config = row.request.config
+        config, before = row.request.config, len(row.tokens)
         settled = settle(
             row.tokens,
             len(row.request.prompt),
@@ -385,6 +385,8 @@ class BatchRunner:
             row.stopper,
         )
         row.stats.add_round(result.drafted, min(result.accepted, settled.count), result.source)
+        if row.logprobs is not None and result.logprobs:
+            row.logprobs += result.logprobs[: len(row.tokens) - before]
         if settled.stopped:
             row.finish_reason, row.text = "stop", settled.text
         elif len(row.tokens) >= row.limit:
@@ -437,4 +439,6 @@ class BatchRunner:
         if text is None:
             text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         row.stats.finish(time.perf_counter() - row.started)
-        return GenerationResult(text, new_ids, row.finish_reason, row.stats, row.error)
+        result = GenerationResult(text, new_ids, row.finish_reason, row.stats, row.error)
+        result.logprobs = row.logprobs
+        return result

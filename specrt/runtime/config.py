@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass, fields
 
 from specrt.errors import InvalidInputError, UnknownSettingError
+from specrt.runtime.logprobs import MAX_LOGPROBS
 from specrt.validation import flag, integer, number, out_of_range
 
 MAX_DRAFT_TOKENS = 64
@@ -97,6 +98,10 @@ class GenerationConfig:
     they are. ``stop``: strings (or one string)
     that end a row where its new text first contains one; the text stops before it
     (`specrt.runtime.stopping`).
+    ``logprobs``: the target's log-probability of each new token and of the ``logprobs``
+    most likely tokens at its position (0: the chosen token's alone; None: none), its own
+    distribution before temperature, top-k and top-p, as vLLM returns them
+    (`GenerationResult.logprobs`).
     ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
     continuation of the longest n-gram (``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens)
     that ends the row and occurred earlier in its prompt or output (and of the generator's
@@ -118,6 +123,7 @@ class GenerationConfig:
     proposer: str = "hybrid"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -164,6 +170,9 @@ class GenerationConfig:
         high = integer("prompt_lookup_max", self.prompt_lookup_max, low, MAX_NGRAM, rule)
         set("prompt_lookup_min", low)
         set("prompt_lookup_max", high)
+        if self.logprobs is not None:
+            rule = f"use an integer in [0, {MAX_LOGPROBS}] (0: the chosen token's alone)"
+            set("logprobs", integer("logprobs", self.logprobs, 0, MAX_LOGPROBS, rule))
 
     @property
     def greedy(self) -> bool:

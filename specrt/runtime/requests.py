@@ -11,6 +11,7 @@ import numpy as np
 
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.hybrid import NO_MATCH_YET, HybridChoice
+from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.lookup import NgramIndex
 from specrt.runtime.results import GenerationStats
 from specrt.runtime.round import RowRound
@@ -73,9 +74,12 @@ class Row:
     text: str | None = None  # cut before a stop string
     error: str | None = None  # why it failed (finish reason "error")
     alone: LoneLearners | None = None  # what it runs alone with, once it does
+    logprobs: list[TokenLogprob] | None = None  # of its new tokens, where it asks for them
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:
-        sampling = self.request.config.sampling
-        rng = row_draws(self.request.config, self.request.rng)
-        self.round = RowRound(self.tokens, sampling, rng, 0)
+        config = self.request.config
+        rng = row_draws(config, self.request.rng)
+        self.round = RowRound(self.tokens, config.sampling, rng, 0, logprobs=config.logprobs)
+        if config.logprobs is not None:
+            self.logprobs = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specrt.runtime.logprobs import TokenLogprob
+
 
 @dataclass
 class GenerationStats:
@@ -129,13 +131,18 @@ class GenerationResult:
     # `SpeculativeGenerator.run` only: why this row failed alone (finish reason "error": its
     # logits came out NaN/inf) while the rows beside it went on.
     error: str | None = None
+    # Where the config asks (``logprobs``): each new token's, as `token_ids` (`logprobs`)
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
         if self.error is not None:
             return {"error": {"message": self.error}}
-        return {
+        record = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            record["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        return record

@@ -25,6 +25,7 @@ import numpy as np
 from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Forward, RowsDecoder
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
+from specrt.runtime.logprobs import TokenLogprob, token_logprobs
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
     Draws,
@@ -47,6 +48,7 @@ class RoundResult:
     verify_time_s: float
     source: str = "model"  # the proposer of the draft tokens
     error: str | None = None  # why this row failed (NaN/inf logits)
+    logprobs: list[TokenLogprob] | None = None  # of ``tokens``, where the row asks for them
 
 
 @dataclass
@@ -64,6 +66,7 @@ class RowRound:
     match: list[int] | None = None
     source: str = "model"
     offset: int = 0
+    logprobs: int | None = None  # most likely tokens to list at each new token's position
     # The draft's distributions ``[K, V]``, reused round after round: a fresh array each round
     # is large enough to come from mmap, and its page faults cost more than a draft step.
     q_buffer: np.ndarray | None = field(default=None, repr=False)
@@ -109,7 +112,8 @@ def run_round(
         ids[i, 0] = row.tokens[-1]
         ids[i, 1 : 1 + row.k] = proposal
     greedy = all(row.sampling.greedy for row in rows)
-    need = NEED_ARGMAX if greedy else NEED_LOGITS  # what a device backend brings back
+    logits = not greedy or any(row.logprobs is not None for row in rows)
+    need = NEED_LOGITS if logits else NEED_ARGMAX  # what a device backend brings back
     out = target.forward_rows(ids, keep_last=width + 1, start=start, need=need)
 
     # 3. Accept: (accepted, next token) per row; greedy rows in one argmax over the batch
@@ -131,18 +135,17 @@ def run_round(
             args = proposals[i], row_q, row_out, row.sampling, row.rng, len(row.tokens)
             verdicts.append((0, 0) if i in failed else _row_verdict(failed, i, *args))
     verify_time = time.perf_counter() - drafted_at
-    return [
-        RoundResult(
-            drafted=row.k,
-            accepted=accepted,
-            tokens=[] if i in failed else [*proposals[i][:accepted], token],
-            draft_time_s=drafted_at - started,
-            verify_time_s=verify_time,
-            source=row.source if row.match else "model",
-            error=failed.get(i),
-        )
-        for i, (row, (accepted, token)) in enumerate(zip(rows, verdicts))
-    ]
+    results = []
+    for i, (row, (accepted, token)) in enumerate(zip(rows, verdicts)):
+        tokens = [] if i in failed else [*proposals[i][:accepted], token]
+        result = RoundResult(
+            row.k, accepted, tokens, drafted_at - started, verify_time,
+            row.source if row.match else "model", failed.get(i),
+        )  # fmt: skip
+        if row.logprobs is not None and tokens:  # position j's logits chose token j
+            result.logprobs = token_logprobs(out.logits[i], tokens, row.logprobs)
+        results.append(result)
+    return results
 
 
 def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> list[RoundResult]:
@@ -170,7 +173,8 @@ def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> l
                 unread = row.tokens[int(target.lengths[first]) :]
                 ids = np.array([unread + match], dtype=np.int64)  # [1, unread + M]
                 greedy = all(rows[j].sampling.greedy for j in members)
-                need = NEED_ARGMAX if greedy else NEED_LOGITS
+                logits = not greedy or any(rows[j].logprobs is not None for j in members)
+                need = NEED_LOGITS if logits else NEED_ARGMAX
                 out = target.forward_rows(ids, keep_last=len(match) + 1, start=first, need=need)
             else:
                 target.copy_row(first, start + i)
@@ -187,7 +191,10 @@ def _first_verdict(row: RowRound, out: Forward, started: float) -> RoundResult:
     seconds = time.perf_counter() - started
     tokens = [] if failed else [*match[:accepted], token]
     source = row.source if match else "model"
-    return RoundResult(len(match), accepted, tokens, 0.0, seconds, source, failed.get(0))
+    result = RoundResult(len(match), accepted, tokens, 0.0, seconds, source, failed.get(0))
+    if row.logprobs is not None and tokens:
+        result.logprobs = token_logprobs(out.logits[0], tokens, row.logprobs)
+    return result
 
 
 def _row_verdict(failed: dict[int, str], i: int, *verify_args) -> tuple[int, int]:

@@ -70,6 +70,8 @@ def create_app(
     # A character escaped in JSON takes at most 6 bytes (\\uXXXX); the rest of a body is small.
     max_body = 6 * service.generator.max_prompt_chars + BODY_SLACK
     tokenizer = service.generator.tokenizer
+    # token ids as text (a bundle without a tokenizer: the ids themselves), for logprobs
+    decode = tokenizer.decode if tokenizer else (lambda ids: " ".join(map(str, ids)))
     template = ChatTemplate.from_directory(tokenizer.directory) if tokenizer else None
 
     async def health(request: Request) -> Response:
@@ -148,6 +150,9 @@ def create_app(
             chunk(ident, kind, r.text, r.finish_reason, final=True, index=i)["choices"][0]
             for i, r in enumerate(results)
         ]
+        for choice, result in zip(body["choices"], results):
+            if result.logprobs is not None:
+                choice["logprobs"] = shapes.logprobs_body(kind, result.logprobs, decode)
         body["usage"] = usage(results)
         body["speculative_decoding"] = spec_stats(results)
         return JSONResponse(body)
