@@ -25,9 +25,10 @@ class TokenLogprob:
 def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Each of ``tokens`` with its log-probability under ``logits [len(tokens), V]`` (row i
     the distribution it was chosen from), and the ``top`` most likely tokens of that row."""
-    rows = np.asarray(logits[: len(tokens)], dtype=np.float64)
+    rows = np.asarray(logits[: len(tokens)], dtype=np.float32)
     shifted = rows - rows.max(axis=-1, keepdims=True)
-    logs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # log-softmax
+    # log-softmax; the sum in float64 (a vocabulary of 10^5 terms)
+    logs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64))
     out = []
     for row, token in zip(logs, tokens):
         best: list[tuple[int, float]] = []
