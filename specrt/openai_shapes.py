@@ -4,6 +4,7 @@ client meets them. No HTTP here."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -221,16 +222,14 @@ def logprobs_body(kind: str, entries: list, decode) -> dict:
     text is what it adds after the tokens before it (decoded alone, a word's leading space
     may be lost), an alternative's what it would have added there."""
     ids = [entry.token for entry in entries]
-
-    def piece(i: int, token: int) -> str:
+    chosen, tops = [], []
+    for i, entry in enumerate(entries):
         before = ids[max(0, i - LOGPROBS_CONTEXT) : i]
-        head = decode(before)
-        return decode([*before, token])[len(head) :]
-
-    chosen = [piece(i, token) for i, token in enumerate(ids)]
-    tops = [[(piece(i, t), lp) for t, lp in e.top] for i, e in enumerate(entries)]
+        skip = len(decode(before))
+        chosen.append(decode([*before, entry.token])[skip:])
+        tops.append([(decode([*before, t])[skip:], lp) for t, lp in entry.top])
     if kind == COMPLETION:
-        offsets = [sum(map(len, chosen[:i])) for i in range(len(chosen))]
+        offsets = [0, *itertools.accumulate(map(len, chosen))][: len(chosen)]
         return {
             "tokens": chosen,
             "token_logprobs": [e.logprob for e in entries],

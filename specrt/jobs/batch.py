@@ -227,8 +227,8 @@ def run_batch(
                 results[key.index] = result
                 if all(results):
                     del choices[str(key.row)]
-                    failed = any(r.error for r in results)
-                    write(choices_record(key.row, results), 500 if failed else 200)
+                    record = choices_record(key.row, results)
+                    write(record, 500 if "error" in record else 200)
             else:
                 write({"id": key, **result.to_dict()}, 500 if result.error else 200)
         if output_path.is_file():  # pipes and devices have nothing to sync

@@ -415,7 +415,8 @@ class BatchRunner:
         return all(row.request.config.draft_schedule == "fixed" for row in rows)
 
     def _free(self, slot: int) -> None:
-        """Drop the row in ``slot``; the last row moves into it (the slots stay packed)."""
+        """Drop the row in ``slot``, its target cache kept for prompts that begin as it did
+        (`KeptRows.keep`); the last row moves into it (the slots stay packed)."""
         self._left = True
         edge = len(self.rows) - 1
         self.kept.keep(slot, self.rows[slot].tokens[: int(self.target.lengths[slot])], edge)
