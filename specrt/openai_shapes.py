@@ -9,6 +9,7 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 from specrt.errors import InvalidInputError
 
@@ -208,28 +209,27 @@ def _logprobs(body: dict, kind: str) -> int | None:
                 raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
             return None
         chosen = top or 0
-    if body.get("stream"):
-        raise RequestError(
-            "log-probabilities are not streamed yet: leave stream out for them", "logprobs"
-        )
     return chosen
 
 
-def logprobs_body(kind: str, entries: list, decode) -> dict:
+def logprobs_body(
+    kind: str, entries: list, decode, before: list[int] = (), offset: int = 0
+) -> dict:
     """A choice's ``logprobs`` as OpenAI gives them, from `GenerationResult.logprobs`
     (``decode``: token ids to text): a completion's token strings, log-probabilities, most
     likely alternatives and text offsets; a chat's content entries with their bytes. A token's
     text is what it adds after the tokens before it (decoded alone, a word's leading space
-    may be lost), an alternative's what it would have added there."""
-    ids = [entry.token for entry in entries]
+    may be lost), an alternative's what it would have added there. ``before``: the tokens
+    before ``entries`` (a stream's earlier chunks), ``offset``: their text's length."""
+    ids = [*before, *(entry.token for entry in entries)]
     chosen, tops = [], []
-    for i, entry in enumerate(entries):
-        before = ids[max(0, i - LOGPROBS_CONTEXT) : i]
-        skip = len(decode(before))
-        chosen.append(decode([*before, entry.token])[skip:])
-        tops.append([(decode([*before, t])[skip:], lp) for t, lp in entry.top])
+    for i, entry in enumerate(entries, len(before)):
+        context = ids[max(0, i - LOGPROBS_CONTEXT) : i]
+        skip = len(decode(context))
+        chosen.append(decode([*context, entry.token])[skip:])
+        tops.append([(decode([*context, t])[skip:], lp) for t, lp in entry.top])
     if kind == COMPLETION:
-        offsets = [0, *itertools.accumulate(map(len, chosen))][: len(chosen)]
+        offsets = list(itertools.accumulate(map(len, chosen), initial=offset))[: len(chosen)]
         return {
             "tokens": chosen,
             "token_logprobs": [e.logprob for e in entries],
@@ -245,6 +245,31 @@ def logprobs_body(kind: str, entries: list, decode) -> dict:
         for text, e, top in zip(chosen, entries, tops)
     ]
     return {"content": content, "refusal": None}
+
+
+def token_text(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids as text for log-probabilities: the bundle's tokenizer's decode, or (a bundle
+    without one) the ids themselves."""
+    if tokenizer is not None:
+        return tokenizer.decode
+    return lambda ids: " ".join(map(str, ids))
+
+
+class StreamedLogprobs:
+    """One streamed choice's ``logprobs`` chunk by chunk: each chunk's tokens read after the
+    ones before, as `logprobs_body` reads a whole answer's, the offsets counted on."""
+
+    def __init__(self, kind: str, decode) -> None:
+        self.kind, self.decode = kind, decode
+        self.ids: list[int] = []
+        self.offset = 0
+
+    def body(self, entries: list) -> dict:
+        body = logprobs_body(self.kind, entries, self.decode, self.ids, self.offset)
+        self.ids = [*self.ids, *(entry.token for entry in entries)][-LOGPROBS_CONTEXT:]
+        if self.kind == COMPLETION:
+            self.offset += sum(map(len, body["tokens"]))
+        return body
 
 
 def choices(body: dict) -> int:

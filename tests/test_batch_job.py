@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -451,7 +452,6 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
         ({"method": "GET", "body": {"prompt": "a"}}, "method 'GET'"),
         ({"body": {"prompt": "a", "stream": True}}, "a batch line cannot stream"),
         ({"body": {"prompt": "a", "n": 129}}, "n=129: use an integer from 1 to 128"),
-        ({"body": {"prompt": "a", "logprobs": 2}}, "logprobs are answered by specrt serve"),
         ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts"),
         ({"body": {"prompt": [1, "a"]}}, "prompt must be a string (or a list of token ids)"),
         # the url decides the kind of request (the body's keys decided, whatever the url)
@@ -677,6 +677,56 @@ def test_openai_lines_of_several_choices_get_them_all(llama_bundle, tmp_path):
     row = row_from_item(lines[0], "line 1")
     message = make_request(generator, row, GenerationConfig())["error"]["message"]
     assert message == "n=3: only specrt batch answers several choices; send one row per choice"
+
+
+def test_rows_asking_for_logprobs_get_them_as_specrt_serve_writes_them(llama_bundle, tmp_path):
+    """A line's ``logprobs`` (a completion's N, a chat's ``logprobs: true``, our rows' own
+    ``logprobs``): each new token's log-probability and its N most likely alternatives, the
+    values `generate` gives, in OpenAI's shape (every choice of an ``n`` line) or in our
+    records; Ray Data's results have no column for them, and its rows are told so."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    from specrt.jobs.batch import make_request
+    from specrt.jobs.rows import row_from_item
+
+    bundle = chat_bundle(llama_bundle, tmp_path)
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 6, "logprobs": 2}
+    lines = [
+        {"custom_id": "text", "body": {"prompt": "for i in", "n": 2, **sampled}},
+        {"custom_id": "chat", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "def f"}], "max_tokens": 5,
+                  "logprobs": True, "top_logprobs": 1}},
+    ]  # fmt: skip
+    path, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert run(command(bundle, path, output)).returncode == 0
+    records = {r["custom_id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    generator = SpeculativeGenerator.from_bundle(bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    expected = generator.generate(["for i in"] * 2, replace(config, logprobs=2))
+    text = Completion.model_validate(records["text"]["response"]["body"])
+    for choice, result in zip(text.choices, expected, strict=True):
+        assert "".join(choice.logprobs.tokens) == choice.text == result.text
+        values = [e.logprob for e in result.logprobs]
+        assert choice.logprobs.token_logprobs == pytest.approx(values, abs=1e-4)
+        assert [len(top) for top in choice.logprobs.top_logprobs] == [2] * len(values)
+    chat = ChatCompletion.model_validate(records["chat"]["response"]["body"])
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert len(content) == chat.usage.completion_tokens and len(content[0].top_logprobs) == 1
+    ours, own = tmp_path / "ours.jsonl", tmp_path / "own.jsonl"
+    ours.write_text(json.dumps({"id": "own", "prompt": "for i in", "logprobs": 1, **{
+        k: v for k, v in sampled.items() if k not in ("logprobs", "max_tokens")},
+        "max_new_tokens": 6}) + "\n")  # fmt: skip
+    assert run(command(bundle, ours, own)).returncode == 0
+    [record] = map(json.loads, own.read_text().splitlines())
+    [alone] = generator.generate(["for i in"], replace(config, logprobs=1))
+    assert [e["token_id"] for e in record["logprobs"]] == record["token_ids"] == alone.token_ids
+    assert [len(e["top"]) for e in record["logprobs"]] == [1] * len(alone.token_ids)
+    row = row_from_item(lines[1], "line 2")
+    message = make_request(generator, row, GenerationConfig())["error"]["message"]
+    assert message.startswith("logprobs: only specrt batch writes log-probabilities")
 
 
 def test_the_summary_counts_the_prompt_tokens_copied(llama_bundle, tmp_path):

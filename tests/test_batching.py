@@ -936,7 +936,7 @@ def test_admitted_rows_have_their_first_token_before_any_round(llama_bundle):
     ids = generator.encode_prompts(PROMPTS[:3])
     requests = [Request(i, p, config, np.random.default_rng(i)) for i, p in enumerate(ids)]
     assert runner.add(requests) == []
-    assert [new for _, new in runner.active()] == expected
+    assert [new for _, new, _ in runner.active()] == expected
     assert [len(row.tokens) for row in runner.rows] == [len(p) + 1 for p in ids]
     for (key, result), _ in zip(runner.run([]), range(3)):  # the rest: the target's own
         assert result.token_ids[:1] == expected[key]

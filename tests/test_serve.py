@@ -184,6 +184,28 @@ def test_logprobs_are_the_targets_own_as_openai_gives_them(client, reference):
     assert plain.choices[0].logprobs is None
 
 
+def test_streamed_logprobs_join_to_the_whole_answers(server, client, reference):
+    """Streamed, the chunks bring the log-probabilities of the tokens that came with their
+    text: joined, the tokens, values, alternatives and offsets of the answer unstreamed (a
+    stop string holding text back too; a chat's: the chat template's test)."""
+    _, expected = reference
+    prompt = next(p for p in PROMPTS if len(expected[p].text) >= 12)
+    stop = expected[prompt].text[6:9]
+    for extra in ({}, {"stop": [stop]}):
+        args = dict(model="tiny", prompt=prompt, max_tokens=12, seed=4, logprobs=2, **extra)
+        whole = client.completions.create(**args).choices[0]
+        chunks = list(client.completions.create(**args, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == whole.text
+        parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+        assert len(parts) > 1 and all(part.tokens for part in parts)
+        assert [t for part in parts for t in part.tokens] == whole.logprobs.tokens
+        assert [o for part in parts for o in part.text_offset] == whole.logprobs.text_offset
+        values = [v for part in parts for v in part.token_logprobs]
+        assert values == pytest.approx(whole.logprobs.token_logprobs, abs=1e-4)
+        tops = [top for part in parts for top in part.top_logprobs]
+        assert [list(top) for top in tops] == [list(top) for top in whole.logprobs.top_logprobs]
+
+
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
     _, expected = reference
     checked = 0
@@ -284,7 +306,6 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         (dict(prompt="Simple is better than complex. " * 30), None, "positions fit"),
         (dict(logprobs=21), openai.BadRequestError, "logprobs=21: use an integer from 0 to 20"),
         (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
-        (dict(logprobs=2, stream=True), openai.BadRequestError, "not streamed yet"),
         (dict(extra_body={"top_logprobs": 2}), openai.BadRequestError, "a chat field"),
         (dict(echo=True), openai.BadRequestError, "echo is not supported"),
         (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty is not"),
@@ -722,6 +743,19 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         assert [len(entry.top_logprobs) for entry in content] == [2] * len(expected.token_ids)
         assert all(e.top_logprobs[0].logprob >= e.logprob for e in content)
         assert content[0].bytes == list(content[0].token.encode())
+        chunks = client.chat.completions.create(  # streamed: the same entries, chunk by chunk
+            model="tiny", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2,
+            stream=True,
+        )  # fmt: skip
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        streamed = [entry for part in parts for entry in part.content]
+
+        def shown(entries):
+            return [(e.token, e.bytes, [a.token for a in e.top_logprobs]) for e in entries]
+
+        assert len(parts) > 1 and shown(streamed) == shown(content)
+        values = [e.logprob for e in streamed]
+        assert values == pytest.approx([e.logprob for e in content], abs=1e-4)
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages,
                          "top_logprobs": 2})  # fmt: skip
         assert bad.status_code == 400 and "needs logprobs: true" in bad.text

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,28 @@ def test_asyncio_tasks_stream_without_blocking_the_loop(service, serial):
     assert ticks >= max(3, 0.1 * seconds / 0.001), (ticks, seconds)
     for prompt, deltas, result in results:
         assert "".join(deltas) == result.text == serial[prompt].text
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-round", "per-token"])
+def test_deltas_bring_each_tokens_logprobs_once_and_in_order(service, serial, per_token):
+    """`RequestHandle.deltas`: each token's log-probabilities go out once, in order, with the
+    first text after the token came (a stop string holding text back too); joined they are the
+    result's. A request that asks for none gets None in every delta."""
+    prompt = next(p for p in PROMPTS if len(serial[p].text) >= 12)
+    stop = serial[prompt].text[6:9]
+    config = GenerationConfig(max_new_tokens=20, num_draft_tokens=3, logprobs=1)
+    for asked in (config, replace(config, stop=[stop])):
+        handle = service.submit(prompt, asked, per_token=per_token)
+        deltas = list(handle.deltas())
+        result = handle.result()
+        assert "".join(delta.text for delta in deltas) == result.text
+        assert [e for delta in deltas for e in delta.logprobs] == result.logprobs
+        assert [e.token for e in result.logprobs] == result.token_ids
+        assert len(deltas) > 1 and all(delta.logprobs for delta in deltas)
+    full = serial[prompt].text
+    assert result.finish_reason == "stop" and result.text == full[: full.index(stop)]
+    handle = service.submit(prompt, replace(config, logprobs=None), per_token=per_token)
+    assert all(delta.logprobs is None for delta in handle.deltas())
 
 
 def test_cancel_and_dropped_iterators_free_their_slots(service, serial):

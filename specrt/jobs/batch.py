@@ -36,6 +36,7 @@ from specrt.errors import InvalidInputError
 from specrt.jobs import openai_batch
 from specrt.jobs.output import _lock, done_ids
 from specrt.jobs.rows import Row, check_ids, input_size, read_rows
+from specrt.openai_shapes import token_text
 from specrt.runtime.batching import Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator, row_rng
@@ -175,12 +176,13 @@ def run_batch(
         summary.other_record_count = len(set(finished) - ids)
         unrun = ids - set(finished)  # each runs once: an id met again is never written twice
         started = time.perf_counter()
+        decode = token_text(generator.tokenizer)
 
         def write(record: dict, status: int = 200) -> None:
             line = record
             if output_format == "openai":
                 chat = str(record["id"]) in chats
-                line = openai_batch.record(record["id"], record, chat, model, status)
+                line = openai_batch.record(record["id"], record, chat, model, status, decode)
             chats.discard(str(record["id"]))
             text = json.dumps(line, ensure_ascii=False)
             if not text.isascii():
@@ -253,6 +255,12 @@ def make_request(
     if row.n > 1 and not several:
         message = f"n={row.n}: only specrt batch answers several choices; send one row per choice"
         return {"id": row.id, "error": {"message": message}}
+    if "logprobs" in row.options and not several:
+        message = (
+            "logprobs: only specrt batch writes log-probabilities (Ray Data's results have no "
+            "column for them); leave logprobs out"
+        )
+        return {"id": row.id, "error": {"message": message}}
     try:
         config = replace(defaults, **row.options)
         if "seed" not in row.options and config.seed is not None:
@@ -272,18 +280,10 @@ def choices_record(row_id: str | int, results: list[GenerationResult]) -> dict:
     failed = next((r.error for r in results if r.error), None)
     if failed is not None:
         return {"id": row_id, "error": {"message": failed}}
-    first = results[0]
-    return {
-        "id": row_id,
-        "text": first.text,
-        "token_ids": first.token_ids,
-        "finish_reason": first.finish_reason,
-        "stats": GenerationStats.total([r.stats for r in results]).to_dict(),
-        "choices": [
-            {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason}
-            for r in results
-        ],
-    }
+    keys = ("text", "token_ids", "finish_reason", "logprobs")
+    each = [{k: v for k, v in r.to_dict().items() if k in keys} for r in results]
+    stats = GenerationStats.total([r.stats for r in results]).to_dict()
+    return {"id": row_id, **each[0], "stats": stats, "choices": each}
 
 
 def chat_prompt(generator: SpeculativeGenerator, messages: object) -> list[int]:

@@ -5,16 +5,35 @@ a completion or chat completion as `specrt serve` answers), for tools that read 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
-from specrt.openai_shapes import CHAT, COMPLETION, completion, error_body, new_id, spec_stats, usage
+from specrt.openai_shapes import (
+    CHAT,
+    COMPLETION,
+    completion,
+    error_body,
+    logprobs_body,
+    new_id,
+    spec_stats,
+    usage,
+)
+from specrt.runtime.logprobs import TokenLogprob
 
 OUTPUT_FORMATS = ("auto", "specrt", "openai")  # auto: openai for an input of OpenAI lines only
 KEYS = {"id", "custom_id", "response", "error"}
 
 
-def record(row_id: str | int, result: dict, chat: bool, model: str, status: int = 200) -> dict:
+def record(
+    row_id: str | int,
+    result: dict,
+    chat: bool,
+    model: str,
+    status: int = 200,
+    decode: Callable[[list[int]], str] | None = None,
+) -> dict:
     """A row's line from its `specrt batch` record (``result``: a result or ``{"error"}``);
-    ``status``: 400 for a row that could not run, 500 for a row the model failed."""
+    ``status``: 400 for a row that could not run, 500 for a row the model failed. ``decode``
+    (token ids to text) writes the log-probabilities a row asked for."""
     line: dict = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row_id}
     response = {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}"}
     if "error" in result:
@@ -30,6 +49,10 @@ def record(row_id: str | int, result: dict, chat: bool, model: str, status: int 
         completion(ident, kind, model, c["text"], c["finish_reason"], True, i)["choices"][0]
         for i, c in enumerate(each)
     ]
+    for choice, c in zip(body["choices"], each):
+        if c.get("logprobs") is not None and decode is not None:
+            entries = [TokenLogprob(e["token_id"], e["logprob"], e["top"]) for e in c["logprobs"]]
+            choice["logprobs"] = logprobs_body(kind, entries, decode)
     stats = result["stats"]
     cached = stats.get("cached_tokens", 0)  # (records written before it was counted)
     generated = sum(len(c["token_ids"]) for c in each)

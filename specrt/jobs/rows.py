@@ -30,6 +30,7 @@ ROW_OPTIONS = (
     "num_draft_tokens",
     "stop",
     "proposer",
+    "logprobs",
 )
 OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 
@@ -244,11 +245,6 @@ def openai_row(item: dict, fallback_id: str) -> Row:
         row.error = str(exc)
         return row
     row.n = choices(body)
-    if "logprobs" in row.options:
-        row.error = (
-            "logprobs are answered by specrt serve and the Python API, not yet in batch output: "
-            "leave logprobs (and top_logprobs) out"
-        )
     if body.get("stream"):
         row.error = "a batch line cannot stream: leave stream out (or false)"
     elif kind == CHAT and prompt is None:

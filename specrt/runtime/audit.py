@@ -291,9 +291,9 @@ def _first_two(
             count = min(runner.max_batch, samples - len(results))
             batch = [Request(len(results) + i, prompt, config) for i in range(count)]
             done = [result for _, result in runner.add(batch)]
-            while any(len(tokens) < 2 for _, tokens in runner.active()):
+            while any(len(tokens) < 2 for _, tokens, _ in runner.active()):
                 done += [result for _, result in runner.step()]
-            done += [runner.cancel(request.key) for request, _ in list(runner.active())]
+            done += [runner.cancel(request.key) for request, *_ in list(runner.active())]
             results += done
             if progress is not None:
                 progress(name, len(results), samples)

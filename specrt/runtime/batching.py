@@ -19,6 +19,7 @@ from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.corpus import CorpusTable
 from specrt.runtime.hybrid import DRAFT_WINDOW, MatchAcceptance
+from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.lookup import NgramIndex, SuffixCache
 from specrt.runtime.planning import BatchPlanner, LonePlanner, Plan
 from specrt.runtime.prefixes import KeptRows, arrange, firsts_of
@@ -232,10 +233,11 @@ class BatchRunner:
             finished.append((row.request, self._result(row)))
         return finished
 
-    def active(self) -> Iterator[tuple[Request, list[int]]]:
-        """Each running request and its new tokens so far (valid until the next step)."""
+    def active(self) -> Iterator[tuple[Request, list[int], list[TokenLogprob] | None]]:
+        """Each running request, its new tokens so far and their log-probabilities where its
+        config asks for them (valid until the next step)."""
         for row in self.rows:
-            yield row.request, row.tokens[len(row.request.prompt) :]
+            yield row.request, row.tokens[len(row.request.prompt) :], row.logprobs
 
     def cancel(self, key: Hashable) -> GenerationResult | None:
         """Drop the running request ``key`` (its slot is free for the next); its result so

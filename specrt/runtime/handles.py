@@ -10,9 +10,11 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 
-from specrt.errors import InvalidInputError
+from specrt.errors import InvalidInputError, SpecrtError
 from specrt.runtime.batching import Request
+from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.streaming import TextDeltas
 from specrt.validation import number
@@ -20,11 +22,23 @@ from specrt.validation import number
 log = logging.getLogger("specrt")
 
 
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a request's text, with the log-probabilities of the tokens that came since
+    the piece before (None where the request asks for none). A round whose text is all held
+    back (half a character, the start of a stop string) hands its entries to the next piece;
+    the last piece may bring entries alone (empty text)."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
 class RequestHandle:
     """One submitted request: its text deltas as they come, its result, its cancellation.
 
     Deltas concatenate to the result's text exactly. Iterate it once (from a thread, or with
-    ``async for`` from asyncio); ``per_token=True`` at submit hands out one delta per token
+    ``async for`` from asyncio): the text pieces, or `deltas` / `adeltas` for `Delta` s with
+    their log-probabilities; ``per_token=True`` at submit hands out one delta per token
     instead of one per round."""
 
     def __init__(self, key: int, request: Request, deltas: TextDeltas, per_token: bool) -> None:
@@ -33,7 +47,8 @@ class RequestHandle:
         self._text = deltas
         self._per_token = per_token
         self._sent_tokens = 0
-        self._deltas: list[str] = []
+        self._sent_logprobs = 0  # entries handed out with the deltas so far
+        self._deltas: list[Delta] = []
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
         self._cancelled = False
@@ -99,6 +114,17 @@ class RequestHandle:
         return self._result
 
     def __iter__(self) -> Iterator[str]:
+        for delta in self.deltas():
+            if delta.text:
+                yield delta.text
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for delta in self.adeltas():
+            if delta.text:
+                yield delta.text
+
+    def deltas(self) -> Iterator[Delta]:
+        """The text pieces with their tokens' log-probabilities, from a thread."""
         seen = 0
         try:
             while True:
@@ -116,7 +142,8 @@ class RequestHandle:
             if not self.done:  # the consumer stopped early: free the slot
                 self.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    async def adeltas(self) -> AsyncIterator[Delta]:
+        """`deltas` for asyncio, never blocking the event loop."""
         loop = asyncio.get_running_loop()
         seen = 0
         waiter = None
@@ -153,17 +180,23 @@ class RequestHandle:
         return self.result()
 
     # For the service thread --------------------------------------------------------------
-    def _progress(self, new_ids: list[int], now: float | None = None) -> None:
-        """``now``: when the round that gave ``new_ids`` ended (one time for all its rows)."""
+    def _progress(
+        self,
+        new_ids: list[int],
+        now: float | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        """``now``: when the round that gave ``new_ids`` ended (one time for all its rows);
+        ``logprobs``: the row's entries so far, where its config asks for them."""
         if len(new_ids) > self._sent_tokens:
             self._tokens_came(now)
         if self._per_token:
             counts = range(self._sent_tokens + 1, len(new_ids) + 1)
-            pieces = [self._text.update(new_ids[:n]) for n in counts]
+            pieces = [(self._text.update(new_ids[:n]), n) for n in counts]
         else:
-            pieces = [self._text.update(new_ids)]
+            pieces = [(self._text.update(new_ids), len(new_ids))]
         self._sent_tokens = len(new_ids)
-        self._publish([p for p in pieces if p])
+        self._publish([self._delta(text, logprobs, n) for text, n in pieces if text])
 
     def _finish(
         self,
@@ -172,11 +205,21 @@ class RequestHandle:
         now: float | None = None,
     ) -> None:
         """The rest of the text (the last round's tokens, cut before a stop string) in one
-        delta, and the result."""
+        delta, with the entries not handed out yet, and the result."""
         if result is not None and len(result.token_ids) > self._sent_tokens:
             self._tokens_came(now)
         tail = self._text.finish(result.text) if result is not None else ""
-        self._publish([tail] if tail else [], result, error)
+        logprobs = result.logprobs if result is not None else None
+        last = self._delta(tail, logprobs, len(logprobs or ()))
+        self._publish([last] if tail or last.logprobs else [], result, error)
+
+    def _delta(self, text: str, logprobs: list[TokenLogprob] | None, upto: int) -> Delta:
+        """``text`` with the entries of ``logprobs`` up to ``upto`` not handed out yet."""
+        if logprobs is None:
+            return Delta(text)
+        entries = logprobs[self._sent_logprobs : upto]
+        self._sent_logprobs = max(self._sent_logprobs, upto)
+        return Delta(text, entries)
 
     def _tokens_came(self, now: float | None) -> None:
         now = time.perf_counter() if now is None else now
@@ -195,10 +238,10 @@ class RequestHandle:
             except Exception:  # a caller's bug must not stop the service
                 log.exception("specrt service: a gap callback failed")
 
-    def _publish(self, deltas: list[str], result=None, error=None) -> None:
+    def _publish(self, deltas: list[Delta], result=None, error=None) -> None:
         callbacks = []
         with self._changed:
-            if deltas and self.first_text_at is None:
+            if any(delta.text for delta in deltas) and self.first_text_at is None:
                 self.first_text_at = time.perf_counter()
             self._deltas.extend(deltas)
             if result is not None:
@@ -222,6 +265,34 @@ class RequestHandle:
                 loop.call_soon_threadsafe(_wake, waiter)
             except RuntimeError:  # its event loop is closed: nobody is waiting there
                 pass
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta | None]]:
+    """``(i, delta)`` as handle i's `Delta` s come, and ``(i, None)`` as it ends (an OpenAI
+    request's ``n`` choices in one stream); a handle's error is raised. Leaving early closes
+    every handle's iterator (cancelling it)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for delta in handle.adeltas():
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except SpecrtError as exc:
+            queue.put_nowait((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i, handle)) for i, handle in enumerate(handles)]
+    try:
+        ended = 0
+        while ended < len(handles):
+            index, delta = await queue.get()
+            if isinstance(delta, SpecrtError):
+                raise delta
+            ended += delta is None
+            yield index, delta
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 def seconds(name: str, value: object) -> float | None:

@@ -283,8 +283,10 @@ class Service:
             for request, result in self._runner.add([handle.request]):
                 self._running.pop(request.key)._finish(result)
             if handle.key in self._running:  # its first token, out at once
-                new_ids = next(ids for r, ids in self._runner.active() if r.key == handle.key)
-                handle._progress(new_ids)
+                _, new_ids, logprobs = next(
+                    row for row in self._runner.active() if row[0].key == handle.key
+                )
+                handle._progress(new_ids, logprobs=logprobs)
 
     def _drop_cancelled(self) -> None:
         for key, handle in list(self._running.items()):
@@ -302,8 +304,8 @@ class Service:
                 handle._finish(None, NumericalError(result.error))
             else:
                 handle._finish(result, now=now)
-        for request, new_ids in self._runner.active():
-            self._running[request.key]._progress(new_ids, now)
+        for request, new_ids, logprobs in self._runner.active():
+            self._running[request.key]._progress(new_ids, now, logprobs)
 
 
 def _service_thread(service_ref: weakref.ref) -> None:

@@ -47,7 +47,7 @@ from specrt.openai_shapes import (
     read_request,
 )
 from specrt.runtime.config import GenerationConfig
-from specrt.runtime.handles import RequestHandle
+from specrt.runtime.handles import RequestHandle, merged
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
@@ -71,7 +71,7 @@ def create_app(
     max_body = 6 * service.generator.max_prompt_chars + BODY_SLACK
     tokenizer = service.generator.tokenizer
     # token ids as text (a bundle without a tokenizer: the ids themselves), for logprobs
-    decode = tokenizer.decode if tokenizer else (lambda ids: " ".join(map(str, ids)))
+    decode = shapes.token_text(tokenizer)
     template = ChatTemplate.from_directory(tokenizer.directory) if tokenizer else None
 
     async def health(request: Request) -> Response:
@@ -258,9 +258,13 @@ def create_app(
             if kind == CHAT:  # the role comes first, as OpenAI sends it
                 for index in range(len(handles)):
                     yield sse({**chunk(ident, kind, None, None, index=index), **blank})
-            async for index, delta in deltas(handles):
+            logprobs = [shapes.StreamedLogprobs(kind, decode) for _ in handles]
+            async for index, delta in merged(handles):
                 if delta is not None:
-                    yield sse({**chunk(ident, kind, delta, None, index=index), **blank})
+                    part = {**chunk(ident, kind, delta.text, None, index=index), **blank}
+                    if delta.logprobs is not None:  # the tokens that came with this text
+                        part["choices"][0]["logprobs"] = logprobs[index].body(delta.logprobs)
+                    yield sse(part)
                     continue
                 result = handles[index].result()
                 final = {**chunk(ident, kind, "", result.finish_reason, index=index), **blank}
@@ -392,33 +396,6 @@ def log_finished(ident: str, handle: RequestHandle) -> None:
         "finished request %s: %s, %d completion tokens, %d prompt tokens cached, %.2f s",
         ident, result.finish_reason, len(result.token_ids), result.stats.cached_tokens, seconds,
     )  # fmt: skip
-
-
-async def deltas(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, str | None]]:
-    """``(choice, delta)`` as each handle's text comes, and ``(choice, None)`` as it ends; a
-    handle's error is raised. Leaving early closes every handle's iterator (cancelling it)."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, handle: RequestHandle) -> None:
-        try:
-            async for delta in handle:
-                queue.put_nowait((index, delta))
-            queue.put_nowait((index, None))
-        except SpecrtError as exc:
-            queue.put_nowait((index, exc))
-
-    pumps = [asyncio.ensure_future(pump(i, handle)) for i, handle in enumerate(handles)]
-    try:
-        ended = 0
-        while ended < len(handles):
-            index, delta = await queue.get()
-            if isinstance(delta, SpecrtError):
-                raise delta
-            ended += delta is None
-            yield index, delta
-    finally:
-        for task in pumps:
-            task.cancel()
 
 
 def usage(results: list[GenerationResult]) -> dict:
