@@ -24,6 +24,8 @@ FIELDS = {
     "seed": "seed",
     "stop": "stop",
     "ignore_eos": "ignore_eos",  # vLLM's extension
+    "min_p": "min_p",  # vLLM's extension
+    "stop_token_ids": "stop_token_ids",  # vLLM's extension
 }
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
 LOGPROBS_CONTEXT = 6  # tokens before one that its text is decoded after (`logprobs_body`)
@@ -46,11 +48,9 @@ OFF_VALUES = {
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
     # vLLM's extensions, which clients written for it send at these values
-    "min_p": (None, 0),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": (None, False),
-    "stop_token_ids": (None, []),
     "add_generation_prompt": (None, True),
     "chat_template_kwargs": (None, {}),
     "modalities": (None, ["text"]),

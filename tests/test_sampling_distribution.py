@@ -35,7 +35,8 @@ MODEL_DRAFTS = dict(proposer="model", draft_schedule="fixed")
 SETTINGS = [
     pytest.param(dict(temperature=1.0), id="t1.0"),
     pytest.param(dict(temperature=0.7, top_k=20), id="t0.7-topk20"),
-    pytest.param(dict(temperature=1.0, top_p=0.9), id="topp0.9"),
+    # hotter, so that min-p has tokens to drop (it keeps 1, 3, 7 where top-p alone keeps 2, 11, 26)
+    pytest.param(dict(temperature=2.0, top_p=0.95, min_p=0.05), id="t2.0-topp0.95-minp0.05"),
 ]
 
 
@@ -76,7 +77,12 @@ def next_token_probs(reference, sequences: np.ndarray, settings: dict) -> np.nda
     }
     feed.update({name: empty for name in spec.io.past_keys + spec.io.past_values})
     logits = session.run([spec.io.logits], feed)[0][:, -1, : reference.target.vocab_size]
-    return warp(logits, settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1))
+    temperature, top_k, top_p = (
+        settings["temperature"],
+        settings.get("top_k", 0),
+        settings.get("top_p", 1),
+    )
+    return warp(logits, temperature, top_k, top_p, min_p=settings.get("min_p", 0))
 
 
 def exact_marginals(reference, prompt: list[int], settings: dict) -> list[np.ndarray]:

@@ -206,6 +206,28 @@ def test_streamed_logprobs_join_to_the_whole_answers(server, client, reference):
         assert [list(top) for top in tops] == [list(top) for top in whole.logprobs.top_logprobs]
 
 
+def test_vllms_min_p_and_stop_token_ids_answer_as_generate_does(server, client, reference):
+    """vLLM's ``min_p`` (sampling) and ``stop_token_ids`` (the row ends at the first, which it
+    keeps), as `generate` gives them."""
+    generator, expected = reference
+    prompt = next(p for p in PROMPTS if len(expected[p].token_ids) >= 8)
+    config = GenerationConfig(max_new_tokens=12, temperature=1.5, seed=3, min_p=0.2)
+    [sampled], [unfiltered] = (
+        generator.generate([prompt], c) for c in (config, replace(config, min_p=0))
+    )
+    assert sampled.text != unfiltered.text  # the filter changes this answer
+    args = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=1.5, seed=3)
+    reply = client.completions.create(**args, extra_body={"min_p": 0.2})
+    assert reply.choices[0].text == sampled.text
+    stop = expected[prompt].token_ids[5]
+    cut = expected[prompt].token_ids[: expected[prompt].token_ids.index(stop) + 1]
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, extra_body={"stop_token_ids": [stop]}
+    )
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == len(cut)
+    assert reply.choices[0].text == generator.tokenizer.decode(cut)
+
+
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
     _, expected = reference
     checked = 0
@@ -334,7 +356,8 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         assert words in caught.value.response.json()["error"]["message"]
     # OpenAI's error body names the field at fault (it was null for the sampling fields)
     for field, value in [("temperature", -1), ("top_p", 2.0), ("top_k", -3), ("seed", "x"),
-                         ("stop", [""]), ("max_completion_tokens", 0)]:  # fmt: skip
+                         ("stop", [""]), ("max_completion_tokens", 0), ("min_p", 2),
+                         ("stop_token_ids", [-1])]:  # fmt: skip
         raw = httpx.post(f"{url}/v1/completions", json={"prompt": "a", field: value}, timeout=10)
         assert raw.status_code == 400 and raw.json()["error"]["param"] == field, raw.text
     # a path or method it does not serve: OpenAI's body ("Invalid URL"), not plain text
@@ -361,9 +384,6 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
     done = httpx.post(f"{url}/v1/completions", json=vllm_off, timeout=30)
     assert done.status_code == 200 and done.json()["usage"]["prompt_tokens"] == 3, done.text
     assert done.json()["usage"]["completion_tokens"] == 4  # ignore_eos taken
-    vllm_on = {**vllm_off, "min_p": 0.1}
-    done = httpx.post(f"{url}/v1/completions", json=vllm_on, timeout=30)
-    assert done.status_code == 400 and "min_p is not supported" in done.text
     raw = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": "4"}, timeout=10)
     assert raw.status_code == 400 and 'max_tokens="4"' in raw.json()["error"]["message"]
     chat = httpx.post(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specrt.errors import InvalidInputError
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime.batching import Request
 from specrt.runtime.stopping import StopStrings
 from tests.test_greedy import PROMPTS
 
@@ -69,3 +72,33 @@ def test_bad_stop_strings_are_refused():
         with pytest.raises(InvalidInputError, match="give at most 64 stop strings of 4096"):
             GenerationConfig(stop=many)
     assert len(GenerationConfig(stop=["x"] * 64).stop) == 64
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_stop_token_ids_end_a_row_at_the_first_one(llama_bundle, batch):
+    """``stop_token_ids`` (vLLM's): a target-only output cut at the first of a token taken
+    from its middle, which it keeps, whatever round emits it; with EOS ignored too. Rows
+    beside it without the stop run on."""
+    alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=24, num_draft_tokens=0, ignore_eos=True)
+    base = alone.generate(PROMPTS[:8], config)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=batch)
+    for prompt, full in zip(PROMPTS[:8], base):
+        stop = full.token_ids[5]
+        end = full.token_ids.index(stop) + 1
+        spec = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, ignore_eos=True)
+        [ids] = generator.encode_prompts([prompt])
+        configs = [replace(spec, stop_token_ids=[stop]), spec]
+        ran = dict(generator.run(Request(i, ids, c) for i, c in enumerate(configs)))
+        rows = [ran[0], ran[1]]
+        assert rows[0].token_ids == full.token_ids[:end] and rows[0].finish_reason == "stop"
+        assert rows[0].text == alone.tokenizer.decode(full.token_ids[:end])
+        assert rows[1].token_ids == full.token_ids and rows[1].finish_reason == "length"
+
+
+def test_bad_stop_token_ids_are_refused():
+    for bad in ([-1], ["a"], 3, [True], [1.0], list(range(65))):
+        with pytest.raises(InvalidInputError, match="stop_token_ids=") as caught:
+            GenerationConfig(stop_token_ids=bad)
+        assert caught.value.field == "stop_token_ids"
+    assert GenerationConfig(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)

@@ -232,11 +232,13 @@ def test_sample_never_draws_zero_probability_tokens():
 
 
 # ---------------------------------------------------------------------------------------------
-def test_warp_temperature_top_k_top_p_match_their_definitions():
+def test_warp_temperature_top_k_top_p_min_p_match_their_definitions():
     rng = np.random.default_rng(11)
     logits = rng.normal(size=(50, 20)) * 3
-    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 8, 0.6)]:
-        probs = warp(logits, temperature, top_k, top_p)
+    settings = [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.9, 0.0), (0.5, 8, 0.6, 0.0),
+                (1.0, 0, 1.0, 0.1), (0.8, 6, 0.9, 0.3), (1.0, 0, 1.0, 1.0)]  # fmt: skip
+    for temperature, top_k, top_p, min_p in settings:
+        probs = warp(logits, temperature, top_k, top_p, min_p=min_p)
         assert np.allclose(probs.sum(-1), 1.0)
         for row, got in zip(logits, probs):
             scores = row / temperature
@@ -257,9 +259,15 @@ def test_warp_temperature_top_k_top_p_match_their_definitions():
                 mask[kept] = True
                 soft = np.where(mask, soft, 0)
                 soft /= soft.sum()
+            if min_p:  # tokens less likely than min_p times the most likely one, after top-p
+                soft = np.where(soft >= min_p * soft.max(), soft, 0)
+                soft /= soft.sum()
             assert np.allclose(got, soft, atol=1e-12)
+            if min_p == 1.0:  # only the best token (no ties in these random logits)
+                assert np.count_nonzero(got) == 1
             # the loop's float32 warp: the same distribution to float32 rounding
-            fast = warp(row.astype(np.float32), temperature, top_k, top_p, dtype=np.float32)
+            fast = warp(row.astype(np.float32), temperature, top_k, top_p, min_p=min_p,
+                        dtype=np.float32)  # fmt: skip
             assert fast.dtype == np.float32 and np.abs(fast - soft).max() < 1e-6
             assert np.array_equal(fast == 0, soft == 0)  # the same tokens filtered out
 

@@ -36,7 +36,8 @@ from specrt.runtime.batching import DEFAULT_BATCH_SIZE, MAX_BATCH
     required=True,
     type=click.Path(path_type=Path),
     help='JSONL: {"id", "prompt" (or chat "messages"), optional "max_new_tokens", "temperature", '
-    '"top_k", "top_p", "seed", "num_draft_tokens", "stop", "proposer"}, or OpenAI batch-file '
+    '"top_k", "top_p", "min_p", "seed", "num_draft_tokens", "stop", "stop_token_ids", '
+    '"proposer", "logprobs"}, or OpenAI batch-file '
     'lines ("-": stdin).',
 )
 @click.option(

@@ -124,7 +124,7 @@ def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
         raise click.UsageError(_as_option(ctx, exc)) from exc
     if notes:  # options the run cannot use (a batch row or a request may set what they need)
         given = {n for n in params if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE}
-        sampling = [n for n in ("top_k", "top_p", "seed") if n in given]
+        sampling = [n for n in ("top_k", "top_p", "min_p", "seed") if n in given]
         if sampling and config.greedy:
             click.echo(f"note: {_flags(sampling)} nothing at --temperature 0 (greedy)", err=True)
         lookup = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if n in given]

@@ -118,6 +118,13 @@ TOP_K_TOP_P_OPTIONS = _stack(
     click.option(
         "--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off."
     ),
+    click.option(
+        "--min-p",
+        type=float,
+        default=DEFAULTS["min_p"],
+        show_default=True,
+        help="Drop tokens less likely than this times the most likely one; 0 = off.",
+    ),
 )
 PROMPT_LOOKUP_OPTIONS = _stack(
     click.option(
@@ -189,6 +196,13 @@ generation_options = _stack(
         "--stop",
         multiple=True,
         help="Stop where the new text first contains this string (repeatable; not output).",
+    ),
+    click.option(
+        "--stop-token-id",
+        "stop_token_ids",
+        type=int,
+        multiple=True,
+        help="Stop at this token, as at EOS (repeatable; kept in the output's tokens).",
     ),
     click.option(
         "--adaptive-draft",

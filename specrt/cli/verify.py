@@ -187,6 +187,7 @@ def _header(bundle: Path, prompts: int, config: GenerationConfig) -> str:
         [
             f", top-k {sampled.top_k}" if sampled.top_k else "",
             f", top-p {sampled.top_p:g}" if sampled.top_p < 1 else "",
+            f", min-p {sampled.min_p:g}" if sampled.min_p > 0 else "",
         ]
     )
     return (

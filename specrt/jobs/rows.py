@@ -26,9 +26,11 @@ ROW_OPTIONS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
     "seed",
     "num_draft_tokens",
     "stop",
+    "stop_token_ids",
     "proposer",
     "logprobs",
 )

@@ -341,7 +341,7 @@ def _target_law(
 
     def law(logits: np.ndarray) -> np.ndarray:
         s = sampling
-        p = warp(logits, s.temperature, s.top_k, s.top_p, target.role, LOOP_DTYPE)
+        p = warp(logits, s.temperature, s.top_k, s.top_p, target.role, LOOP_DTYPE, s.min_p)
         p = p.astype(np.float64)
         return p / p.sum()
 

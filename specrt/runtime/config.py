@@ -20,11 +20,13 @@ MAX_NGRAM = 16
 @dataclass(frozen=True)
 class SamplingParams:
     """How logits become a token, the part of `GenerationConfig` the draft steps and the verifier
-    need: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
+    need: ``temperature`` 0 is greedy; ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 switch those
+    filters off."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -34,7 +36,7 @@ class SamplingParams:
     def identity_warp(self) -> bool:
         """Sampling from the model's own distribution (temperature 1, no filters): a graph's
         softmax output can be used as it is."""
-        return self.temperature == 1 and self.top_k == 0 and self.top_p == 1
+        return self.temperature == 1 and self.top_k == 0 and self.top_p == 1 and self.min_p == 0
 
 
 # What users of the tools they know write for our settings: named in the refusal
@@ -89,15 +91,17 @@ class GenerationConfig:
     classic +2 after a fully accepted round, -1 otherwise (transformers' schedule). Both are
     capped at ``num_draft_tokens``; the output is the same either way. ``adaptive_draft=True``
     (deprecated, with a warning) sets ``draft_schedule="adaptive"``.
-    ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0`` and
-    ``top_p == 1`` switch those filters off. ``num_draft_tokens == 0`` runs the target alone: the
-    baseline every comparison uses. ``seed`` makes sampling reproducible, bit for bit across calls
-    and processes; row ``i`` of a batch uses the stream ``(seed, i)``, and a row's tokens are
-    those the target alone samples under that seed (its draws are keyed by position, whatever
-    is drafted: `sampling.KeyedDraws`), so the draft length, proposer and batch leave them as
-    they are. ``stop``: strings (or one string)
-    that end a row where its new text first contains one; the text stops before it
-    (`specrt.runtime.stopping`).
+    ``temperature == 0`` means greedy decoding, as in transformers and vLLM. ``top_k == 0``,
+    ``top_p == 1`` and ``min_p == 0`` switch those filters off (``min_p``: tokens less likely
+    than ``min_p`` times the most likely one are dropped, after top-p, as transformers' order).
+    ``num_draft_tokens == 0`` runs the target alone: the baseline every comparison uses.
+    ``seed`` makes sampling reproducible, bit for bit across calls and processes; row ``i`` of a
+    batch uses the stream ``(seed, i)``, and a row's tokens are those the target alone samples under
+    that seed (its draws are keyed by position, whatever is drafted: `sampling.KeyedDraws`), so the
+    draft length, proposer and batch leave them as they are. ``stop``: strings (or one string) that
+    end a row where its new text first contains one; the text stops before it
+    (`specrt.runtime.stopping`). ``stop_token_ids``: tokens that end a row as EOS does (kept in its
+    tokens; vLLM's), whether or not EOS is ignored.
     ``logprobs``: the target's log-probability of each new token and of the ``logprobs``
     most likely tokens at its position (0: the chosen token's alone; None: none), its own
     distribution before temperature, top-k and top-p, as vLLM returns them
@@ -115,11 +119,13 @@ class GenerationConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     adaptive_draft: bool = False
     draft_schedule: str = "adaptive"
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     proposer: str = "hybrid"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
@@ -139,6 +145,8 @@ class GenerationConfig:
         set("top_k", integer("top_k", self.top_k, 0, rule=rule))
         rule = "use a number in (0, 1] (1 = no nucleus filter)"
         set("top_p", number("top_p", self.top_p, rule, lambda p: 0 < p <= 1))
+        rule = "use a number in [0, 1] (0 = no min-p filter)"
+        set("min_p", number("min_p", self.min_p, rule, lambda p: 0 <= p <= 1))
         if self.seed is not None:
             rule = "use a non-negative integer, or none for a random seed"
             set("seed", integer("seed", self.seed, 0, rule=rule))
@@ -159,6 +167,7 @@ class GenerationConfig:
                 set("draft_schedule", "adaptive")
             set("adaptive_draft", False)  # said once: copies (`replace`) do not say it again
         set("stop", stop_strings(self.stop))
+        set("stop_token_ids", stop_ids(self.stop_token_ids))
         if self.proposer not in PROPOSERS:
             raise out_of_range("proposer", self.proposer, f"use one of {PROPOSERS}")
         rule = f"use an integer in [1, {MAX_NGRAM}]"
@@ -186,7 +195,7 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 # Every new token is matched against each stop string of its row in the shared loop, so a
@@ -216,3 +225,14 @@ def stop_strings(stop: object) -> tuple[str, ...]:
             "stop",
         )
     return tuple(stop)
+
+
+def stop_ids(ids: object) -> tuple[int, ...]:
+    """``ids`` as a tuple of token ids (non-negative integers)."""
+    if not isinstance(ids, (list, tuple)):
+        message = f"stop_token_ids={ids!r}: use a list of token ids (integers >= 0)"
+        raise InvalidInputError(message, "stop_token_ids")
+    if len(ids) > MAX_STOP_STRINGS:  # matched at every token, as stop strings are
+        message = f"stop_token_ids=[{len(ids)} ids]: give at most {MAX_STOP_STRINGS}"
+        raise InvalidInputError(message, "stop_token_ids")
+    return tuple(integer("stop_token_ids", i, 0, rule="use token ids (integers >= 0)") for i in ids)

@@ -283,7 +283,7 @@ def _draft_token(row: RowRound, i: int, step: int, picked: Forward, q) -> int:
         q[i][step] = probabilities[i]
         check_probabilities(q[i][step], logits[i], "draft")
     else:
-        q[i][step] = warp(logits[i], s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE)
+        q[i][step] = warp(logits[i], s.temperature, s.top_k, s.top_p, "draft", LOOP_DTYPE, s.min_p)
     return draw(q[i][step], row.rng, len(row.tokens) + step)
 
 

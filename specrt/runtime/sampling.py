@@ -1,8 +1,8 @@
-"""Logits -> probabilities (temperature, top-k, top-p) and drawing a token.
+"""Logits -> probabilities (temperature, top-k, top-p, min-p) and drawing a token.
 
 The draft and the target go through the very same `warp`, so the rejection sampler compares
 distributions of the same kind and the output follows the *warped* target distribution exactly.
-Order of the filters follows transformers: temperature, then top-k, then top-p.
+Order of the filters follows transformers: temperature, then top-k, top-p and min-p.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def warp(
     top_p: float = 1.0,
     model: str | None = None,
     dtype: type = np.float64,
+    min_p: float = 0.0,
 ) -> np.ndarray:
     """Turn logits ``[..., V]`` into sampling probabilities, rows summing to 1.
 
@@ -129,6 +130,9 @@ def warp(
         keep = np.empty_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    if min_p > 0.0:  # the best token always stays (min_p <= 1)
+        probs[probs < min_p * probs.max(axis=-1, keepdims=True)] = 0.0
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
 
@@ -246,8 +250,9 @@ class WarpedRows:
                 check_probabilities(row, logits, self._model)
             else:
                 s = self._sampling
+                logits = self._logits[index]
                 row = warp(
-                    self._logits[index], s.temperature, s.top_k, s.top_p, self._model, LOOP_DTYPE
+                    logits, s.temperature, s.top_k, s.top_p, self._model, LOOP_DTYPE, s.min_p
                 )
             self._rows[index] = row
         return row

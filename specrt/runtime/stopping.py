@@ -66,10 +66,14 @@ def settle(
     stopper: StopStrings | None,
 ) -> Settled:
     """Append a round's ``emitted`` tokens to the row's ``tokens``, up to and including the
-    first EOS (unless EOS is ignored), and up to the token that completes a stop string."""
+    first EOS (unless EOS is ignored) or stop token, and up to the token that completes a stop
+    string."""
     eos = None
-    if not config.ignore_eos and not eos_token_ids.isdisjoint(emitted):
-        eos = next(i for i, t in enumerate(emitted) if t in eos_token_ids)
+    ends = frozenset() if config.ignore_eos else eos_token_ids
+    if config.stop_token_ids:
+        ends = ends.union(config.stop_token_ids)
+    if not ends.isdisjoint(emitted):
+        eos = next(i for i, t in enumerate(emitted) if t in ends)
         emitted = emitted[: eos + 1]
     before = len(tokens)
     tokens.extend(emitted)
