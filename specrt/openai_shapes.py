@@ -26,6 +26,10 @@ FIELDS = {
     "ignore_eos": "ignore_eos",  # vLLM's extension
     "min_p": "min_p",  # vLLM's extension
     "stop_token_ids": "stop_token_ids",  # vLLM's extension
+    "logit_bias": "logit_bias",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",  # vLLM's extension
 }
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
 LOGPROBS_CONTEXT = 6  # tokens before one that its text is decoded after (`logprobs_body`)
@@ -34,14 +38,10 @@ MAX_LOGPROBS = 20  # most likely tokens a position may list: OpenAI's limit, and
 # the model stops or the context ends (as OpenAI's and vLLM's), which only the caller knows.
 DEFAULT_MAX_TOKENS = 16
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
-# LangChain send the penalties at 0): no echo, penalties, logit bias, tools or structured
-# output. (Log-probabilities: `_logprobs`.)
+# LangChain send them so): no echo, tools or structured output. (Log-probabilities:
+# `_logprobs`.)
 OFF_VALUES = {
     "echo": (None, False),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),  # vLLM's extension
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),

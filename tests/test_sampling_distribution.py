@@ -10,10 +10,10 @@ rejection sampling (each given its own stream here, so an outcome is reproducibl
 by their keyed draws, whose tokens are then also checked to be the target alone's, one for one.
 
 False-alarm rate: each chi-square test rejects a correct sampler with probability ALPHA = 1e-4;
-there are 3 settings x 3 positions x 2 modes x 2 paths = 36 tests without a seed, 3 settings x 3
-positions x 2 paths = 18 seeded, and 2 settings x 3 positions x 4 cases through prompt lookup and
+there are 4 settings x 3 positions x 2 modes x 2 paths = 48 tests without a seed, 4 settings x 3
+positions x 2 paths = 24 seeded, and 2 settings x 3 positions x 4 cases through prompt lookup and
 the hybrid = 24 more, so a correct implementation fails this module with probability at most
-8e-3 (seeds are fixed, so a given outcome is reproducible).
+1e-2 (seeds are fixed, so a given outcome is reproducible).
 """
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ SETTINGS = [
     pytest.param(dict(temperature=0.7, top_k=20), id="t0.7-topk20"),
     # hotter, so that min-p has tokens to drop (it keeps 1, 3, 7 where top-p alone keeps 2, 11, 26)
     pytest.param(dict(temperature=2.0, top_p=0.95, min_p=0.05), id="t2.0-topp0.95-minp0.05"),
+    # the logits processors: the bias takes the best first token (5) from 0.998 to 0.5, the
+    # penalties move each position's law by 0.75-0.99 in total variation x 2
+    pytest.param(
+        dict(
+            temperature=1.0,
+            logit_bias={5: -6.0},
+            repetition_penalty=1.5,
+            frequency_penalty=2.0,
+            presence_penalty=1.0,
+        ),
+        id="bias-penalties",
+    ),  # fmt: skip
 ]
 
 
@@ -65,8 +77,11 @@ def reference(bundle):
     return SpeculativeGenerator.from_bundle(bundle, threads=1, engine="portable")
 
 
-def next_token_probs(reference, sequences: np.ndarray, settings: dict) -> np.ndarray:
-    """Warped target distribution after each row of ``sequences`` (one batched pass, no cache)."""
+def next_token_probs(
+    reference, sequences: np.ndarray, settings: dict, prompt_length: int
+) -> np.ndarray:
+    """Warped target distribution after each row of ``sequences`` (one batched pass, no cache),
+    their first ``prompt_length`` tokens the prompt (for the logits processors)."""
     spec, session = reference.target.spec, reference.target.session
     batch, length = sequences.shape
     empty = np.zeros((batch, spec.num_kv_heads, 0, spec.head_dim), np.float32)
@@ -77,6 +92,11 @@ def next_token_probs(reference, sequences: np.ndarray, settings: dict) -> np.nda
     }
     feed.update({name: empty for name in spec.io.past_keys + spec.io.past_values})
     logits = session.run([spec.io.logits], feed)[0][:, -1, : reference.target.vocab_size]
+    processors = GenerationConfig(**settings).processors
+    if processors is not None:
+        rows = [processors.apply(row[None], seq, prompt_length, []) for row, seq in
+                zip(logits, sequences.tolist())]  # fmt: skip
+        logits = np.concatenate(rows)
     temperature, top_k, top_p = (
         settings["temperature"],
         settings.get("top_k", 0),
@@ -88,14 +108,15 @@ def next_token_probs(reference, sequences: np.ndarray, settings: dict) -> np.nda
 def exact_marginals(reference, prompt: list[int], settings: dict) -> list[np.ndarray]:
     vocab = reference.target.vocab_size
     tokens = np.arange(vocab)
-    p1 = next_token_probs(reference, np.array([prompt]), settings)[0]
+    length = len(prompt)
+    p1 = next_token_probs(reference, np.array([prompt]), settings, length)[0]
     p2_given_1 = next_token_probs(
-        reference, np.array([prompt + [t] for t in tokens]), settings
+        reference, np.array([prompt + [t] for t in tokens]), settings, length
     )  # [t1, t2]
     m3 = np.zeros(vocab)
     for t1 in np.flatnonzero(p1):
         rows = np.array([prompt + [t1, t2] for t2 in tokens])
-        p3 = next_token_probs(reference, rows, settings)  # [t2, t3]
+        p3 = next_token_probs(reference, rows, settings, length)  # [t2, t3]
         m3 += p1[t1] * (p2_given_1[t1] @ p3)
     return [p1, p1 @ p2_given_1, m3]
 

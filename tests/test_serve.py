@@ -206,9 +206,10 @@ def test_streamed_logprobs_join_to_the_whole_answers(server, client, reference):
         assert [list(top) for top in tops] == [list(top) for top in whole.logprobs.top_logprobs]
 
 
-def test_vllms_min_p_and_stop_token_ids_answer_as_generate_does(server, client, reference):
-    """vLLM's ``min_p`` (sampling) and ``stop_token_ids`` (the row ends at the first, which it
-    keeps), as `generate` gives them."""
+def test_penalties_bias_min_p_and_stop_token_ids_answer_as_generate_does(server, client, reference):
+    """OpenAI's ``logit_bias`` and penalties, vLLM's ``repetition_penalty``, ``min_p``
+    (sampling) and ``stop_token_ids`` (the row ends at the first, which it keeps), as
+    `generate` gives them."""
     generator, expected = reference
     prompt = next(p for p in PROMPTS if len(expected[p].token_ids) >= 8)
     config = GenerationConfig(max_new_tokens=12, temperature=1.5, seed=3, min_p=0.2)
@@ -226,6 +227,16 @@ def test_vllms_min_p_and_stop_token_ids_answer_as_generate_does(server, client, 
     )
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == len(cut)
     assert reply.choices[0].text == generator.tokenizer.decode(cut)
+    penalties = dict(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"7": 3})
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, **penalties,
+        extra_body={"repetition_penalty": 1.2},
+    )  # fmt: skip
+    config = GenerationConfig(max_new_tokens=16, repetition_penalty=1.2, **penalties)
+    [processed], [plain] = (generator.generate([prompt], c) for c in (config, replace(config, **{
+        "logit_bias": {}, "repetition_penalty": 1, "frequency_penalty": 0, "presence_penalty": 0}
+    )))  # fmt: skip
+    assert reply.choices[0].text == processed.text != plain.text
 
 
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
@@ -330,7 +341,8 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
         (dict(extra_body={"top_logprobs": 2}), openai.BadRequestError, "a chat field"),
         (dict(echo=True), openai.BadRequestError, "echo is not supported"),
-        (dict(frequency_penalty=0.5), openai.BadRequestError, "frequency_penalty is not"),
+        (dict(frequency_penalty=2.5), openai.BadRequestError, "frequency_penalty=2.5 is out"),
+        (dict(logit_bias={"99999": 1}), openai.BadRequestError, "logit_bias names token 99999"),
         (dict(extra_body={"tool_choice": "auto"}), openai.BadRequestError, "tool_choice is not"),
         (
             dict(extra_body={"max_completion_tokens": 5}),

@@ -126,6 +126,30 @@ TOP_K_TOP_P_OPTIONS = _stack(
         help="Drop tokens less likely than this times the most likely one; 0 = off.",
     ),
 )
+PENALTY_OPTIONS = _stack(
+    click.option(
+        "--repetition-penalty",
+        type=float,
+        default=DEFAULTS["repetition_penalty"],
+        show_default=True,
+        help="Divide the positive logits (multiply the negative) of tokens in the prompt or "
+        "the output by this; 1 = off.",
+    ),
+    click.option(
+        "--frequency-penalty",
+        type=float,
+        default=DEFAULTS["frequency_penalty"],
+        show_default=True,
+        help="Subtract this times a token's count in the output from its logit; 0 = off.",
+    ),
+    click.option(
+        "--presence-penalty",
+        type=float,
+        default=DEFAULTS["presence_penalty"],
+        show_default=True,
+        help="Subtract this from the logit of each token the output holds; 0 = off.",
+    ),
+)
 PROMPT_LOOKUP_OPTIONS = _stack(
     click.option(
         "--prompt-lookup-min",
@@ -183,6 +207,7 @@ generation_options = _stack(
         help="0 = greedy.",
     ),
     TOP_K_TOP_P_OPTIONS,
+    PENALTY_OPTIONS,
     click.option(
         "--seed",
         type=int,

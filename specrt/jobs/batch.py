@@ -265,6 +265,7 @@ def make_request(
         config = replace(defaults, **row.options)
         if "seed" not in row.options and config.seed is not None:
             config = replace(config, seed=row_seed(config.seed, row.id))
+        generator.check_config(config)
         text = row.prompt if row.messages is None else chat_prompt(generator, row.messages)
         [prompt] = generator.encode_prompts([text])
     except InvalidInputError as exc:

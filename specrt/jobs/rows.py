@@ -33,6 +33,10 @@ ROW_OPTIONS = (
     "stop_token_ids",
     "proposer",
     "logprobs",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 

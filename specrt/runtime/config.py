@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 from specrt.errors import InvalidInputError, UnknownSettingError
 from specrt.runtime.logprobs import MAX_LOGPROBS
+from specrt.runtime.processors import LogitsProcessors
 from specrt.validation import flag, integer, number, out_of_range
 
 MAX_DRAFT_TOKENS = 64
@@ -130,6 +131,10 @@ class GenerationConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -182,6 +187,13 @@ class GenerationConfig:
         if self.logprobs is not None:
             rule = f"use an integer in [0, {MAX_LOGPROBS}] (0: the chosen token's alone)"
             set("logprobs", integer("logprobs", self.logprobs, 0, MAX_LOGPROBS, rule))
+        set("logit_bias", logit_bias(self.logit_bias))
+        rule = "use a number > 0 (1 = none; above 1 discourages repeating)"
+        penalty = number("repetition_penalty", self.repetition_penalty, rule, lambda r: r > 0)
+        set("repetition_penalty", penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            rule = "use a number in [-2, 2] (0 = none), as OpenAI's"
+            set(name, number(name, getattr(self, name), rule, lambda v: -2 <= v <= 2))
 
     @property
     def greedy(self) -> bool:
@@ -192,6 +204,15 @@ class GenerationConfig:
         """Sampling under a seed: the row draws by position (`sampling.KeyedDraws`), so its
         tokens depend on the seed and the target alone."""
         return self.seed is not None and not self.greedy
+
+    @property
+    def processors(self) -> LogitsProcessors | None:
+        """The logits processors the config asks for (`specrt.runtime.processors`); None:
+        none."""
+        found = LogitsProcessors(
+            self.logit_bias, self.repetition_penalty, self.presence_penalty, self.frequency_penalty
+        )
+        return found if found.active else None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -236,3 +257,34 @@ def stop_ids(ids: object) -> tuple[int, ...]:
         message = f"stop_token_ids=[{len(ids)} ids]: give at most {MAX_STOP_STRINGS}"
         raise InvalidInputError(message, "stop_token_ids")
     return tuple(integer("stop_token_ids", i, 0, rule="use token ids (integers >= 0)") for i in ids)
+
+
+MAX_BIAS = 100  # OpenAI's bound on a logit_bias value (-100 bans a token, 100 forces it)
+MAX_BIASED = 1024  # tokens one config may bias: added at every position of every round
+
+
+def logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``bias`` ({token id: value}, ids as integers or as the decimal strings JSON keys are,
+    or (id, value) pairs) as sorted (id, value) pairs."""
+    rule = f"use {{token id: a number in [-{MAX_BIAS}, {MAX_BIAS}]}}"
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (list, tuple, type({}.items()))):
+        raise InvalidInputError(f"logit_bias={bias!r}: {rule}", "logit_bias")
+    pairs = list(pairs)
+    if len(pairs) > MAX_BIASED:
+        message = f"logit_bias of {len(pairs)} tokens: give at most {MAX_BIASED}"
+        raise InvalidInputError(message, "logit_bias")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidInputError(f"logit_bias={bias!r}: {rule}", "logit_bias")
+        token, value = pair
+        if isinstance(token, str) and token.isdigit() and token.isascii():
+            token = int(token)
+        token = integer("logit_bias", token, 0, rule=f"token ids are integers >= 0; {rule}")
+        try:
+            out[token] = number(f"logit_bias[{token}]", value, rule, lambda v: abs(v) <= MAX_BIAS)
+        except InvalidInputError as exc:
+            exc.field = "logit_bias"  # the request's field, as the server names it
+            raise
+    return tuple(sorted(out.items()))

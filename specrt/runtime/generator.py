@@ -112,6 +112,19 @@ class SpeculativeGenerator:
         return self.target.run_time_s + self.draft.run_time_s
 
     # ----------------------------------------------------------------------------------------
+    def check_config(self, config: GenerationConfig) -> None:
+        """Refuse, before any work, what this bundle cannot do with ``config``: stop strings
+        without its tokenizer, a logit_bias for a token past its vocabulary."""
+        if config.stop and self.tokenizer is None:
+            raise InvalidInputError("stop strings need the bundle's tokenizer", "stop")
+        vocab = self.target.vocab_size
+        if config.logit_bias and config.logit_bias[-1][0] >= vocab:
+            raise InvalidInputError(
+                f"logit_bias names token {config.logit_bias[-1][0]}, past this model's "
+                f"vocabulary (ids 0 to {vocab - 1})",
+                "logit_bias",
+            )
+
     def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         """Tokenize and check every prompt before any work starts."""
         if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
@@ -212,6 +225,7 @@ class SpeculativeGenerator:
                 f"config must be a GenerationConfig, not {type(config).__name__} (build one "
                 "with GenerationConfig(max_new_tokens=..., ...))"
             )
+        self.check_config(config)
         return self._rows(self.encode_prompts(prompts), config)
 
     def _rows(
@@ -301,6 +315,10 @@ class SpeculativeGenerator:
             raise InvalidInputError(f"{name}: config must be a GenerationConfig")
         if not isinstance(request.rng, np.random.Generator):
             raise InvalidInputError(f"{name}: rng must be a numpy Generator (row_rng)")
+        try:
+            self.check_config(request.config)
+        except InvalidInputError as exc:  # which of the run's requests it is
+            raise InvalidInputError(f"{name}: {exc}", exc.field) from None
         request = request.fresh()
         if isinstance(request.prompt, str):
             try:

@@ -80,6 +80,14 @@ class Row:
     def __post_init__(self) -> None:
         config = self.request.config
         rng = row_draws(config, self.request.rng)
-        self.round = RowRound(self.tokens, config.sampling, rng, 0, logprobs=config.logprobs)
+        self.round = RowRound(
+            self.tokens,
+            config.sampling,
+            rng,
+            0,
+            logprobs=config.logprobs,
+            processors=config.processors,
+            prompt_length=len(self.request.prompt),
+        )
         if config.logprobs is not None:
             self.logprobs = []

@@ -26,6 +26,7 @@ from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Forward, RowsDecoder
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
+from specrt.runtime.processors import LogitsProcessors
 from specrt.runtime.sampling import (
     LOOP_DTYPE,
     Draws,
@@ -67,6 +68,8 @@ class RowRound:
     source: str = "model"
     offset: int = 0
     logprobs: int | None = None  # most likely tokens to list at each new token's position
+    processors: LogitsProcessors | None = None  # the bias and penalties, where it asks
+    prompt_length: int = 0  # of ``tokens`` (the penalties count the output's tokens)
     # The draft's distributions ``[K, V]``, reused round after round: a fresh array each round
     # is large enough to come from mmap, and its page faults cost more than a draft step.
     q_buffer: np.ndarray | None = field(default=None, repr=False)
@@ -112,15 +115,16 @@ def run_round(
         ids[i, 0] = row.tokens[-1]
         ids[i, 1 : 1 + row.k] = proposal
     greedy = all(row.sampling.greedy for row in rows)
-    logits = not greedy or any(row.logprobs is not None for row in rows)
+    logits = not greedy or any(_reads_logits(row) for row in rows)
     need = NEED_LOGITS if logits else NEED_ARGMAX  # what a device backend brings back
     out = target.forward_rows(ids, keep_last=width + 1, start=start, need=need)
+    scores = _processed(out, rows, proposals)  # what the target chooses by
 
     # 3. Accept: (accepted, next token) per row; greedy rows in one argmax over the batch
     verdicts: list[tuple[int, int]] = []
     if greedy and not failed:
         try:
-            choices = greedy_tokens(_flat(out), "target")  # [n * (W+1)]
+            choices = greedy_tokens(_flat(scores), "target")  # [n * (W+1)]
             stride = width + 1
             verdicts = [
                 accept_greedy(proposals[i], choices[i * stride : (i + 1) * stride])
@@ -130,7 +134,7 @@ def run_round(
             verdicts = []  # find the row(s) below
     if not verdicts:
         for i, row in enumerate(rows):
-            row_out = _pick(out, (i, slice(0, row.k + 1)))  # [k+1, V]
+            row_out = _pick(scores, (i, slice(0, row.k + 1)))  # [k+1, V]
             row_q = q[i][: row.k] if q[i] is not None and not row.match else None
             args = proposals[i], row_q, row_out, row.sampling, row.rng, len(row.tokens)
             verdicts.append((0, 0) if i in failed else _row_verdict(failed, i, *args))
@@ -146,6 +150,25 @@ def run_round(
             result.logprobs = token_logprobs(out.logits[i], tokens, row.logprobs)
         results.append(result)
     return results
+
+
+def _reads_logits(row: RowRound) -> bool:
+    """Whether a greedy row needs the target's logits, not its argmax alone."""
+    return row.logprobs is not None or row.processors is not None
+
+
+def _processed(out: Forward, rows: list[RowRound], proposals: list[list[int]]) -> Forward:
+    """The target's pass with each row's logits processors applied at its positions (its
+    proposal before each counted as generated); ``out`` itself where no row has any."""
+    if all(row.processors is None for row in rows):
+        return out
+    logits = out.logits.copy()  # the raw ones stay for the log-probabilities
+    for i, row in enumerate(rows):
+        if row.processors is not None:
+            kept = slice(0, len(proposals[i]) + 1)
+            args = row.tokens, row.prompt_length, proposals[i]
+            logits[i, kept] = row.processors.apply(logits[i, kept], *args)
+    return Forward(logits)  # without the graph's softmax: it is the unprocessed one
 
 
 def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> list[RoundResult]:
@@ -173,7 +196,7 @@ def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> l
                 unread = row.tokens[int(target.lengths[first]) :]
                 ids = np.array([unread + match], dtype=np.int64)  # [1, unread + M]
                 greedy = all(rows[j].sampling.greedy for j in members)
-                logits = not greedy or any(rows[j].logprobs is not None for j in members)
+                logits = not greedy or any(_reads_logits(rows[j]) for j in members)
                 need = NEED_LOGITS if logits else NEED_ARGMAX
                 out = target.forward_rows(ids, keep_last=len(match) + 1, start=first, need=need)
             else:
@@ -186,7 +209,8 @@ def _first_verdict(row: RowRound, out: Forward, started: float) -> RoundResult:
     """A row's first token from the pass over its prompt (and match): ``out [1, M + 1, ...]``."""
     failed: dict[int, str] = {}
     match = row.match or []
-    args = match, None, _pick(out, 0), row.sampling, row.rng, len(row.tokens)
+    scores = _processed(out, [row], [match])  # ``out``'s one row is this row's
+    args = match, None, _pick(scores, 0), row.sampling, row.rng, len(row.tokens)
     accepted, token = _row_verdict(failed, 0, *args)
     seconds = time.perf_counter() - started
     tokens = [] if failed else [*match[:accepted], token]
@@ -236,7 +260,8 @@ def draft_rows(
     ragged = bool((real != width).any())
     newest = (np.arange(n), real - 1)  # each row's newest real token, in a ragged first call
     greedy = all(row.sampling.greedy for row in rows)
-    need = NEED_ARGMAX if greedy else NEED_LOGITS
+    processed = any(row.processors is not None for row in rows)
+    need = NEED_ARGMAX if greedy and not processed else NEED_LOGITS
     for step in range(k):
         if step == 0 and ragged:
             out = draft.forward_rows(ids, keep_last=width, fed=real, start=start, need=need)
@@ -245,6 +270,8 @@ def draft_rows(
             newest_ids = ids if step == 0 else drafts[:, step - 1 : step]  # [n, 1 or width]
             out = draft.forward_rows(newest_ids, keep_last=1, start=start, need=need)
             picked = _pick(out, (slice(None), 0))  # [n, V]
+        if processed:  # drafting as the target will choose: more of it kept
+            picked = _draft_processed(picked, rows, drafts[:, :step])
         if greedy and not failed:
             try:
                 drafts[:, step] = greedy_tokens(picked, "draft")
@@ -258,6 +285,17 @@ def draft_rows(
                 rows[0].k = min(rows[0].k, step + 1)
                 return drafts[:, : step + 1], q
     return drafts, q
+
+
+def _draft_processed(picked: Forward, rows: list[RowRound], drafted: np.ndarray) -> Forward:
+    """A draft step's logits ``[n, V]`` with each row's logits processors applied, as after
+    its tokens and its drafts so far ``drafted [n, step]``."""
+    logits = np.array(picked.logits, dtype=np.float32)
+    for i, row in enumerate(rows):
+        if row.processors is not None:
+            before = [*row.tokens, *drafted[i].tolist()]
+            logits[i] = row.processors.apply(logits[i : i + 1], before, row.prompt_length, [])[0]
+    return Forward(logits)
 
 
 def _draft_each(rows, step: int, picked: Forward, q, drafts: np.ndarray, failed) -> None:

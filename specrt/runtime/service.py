@@ -152,8 +152,7 @@ class Service:
         [ids] = self.generator.encode_prompts([prompt])
         per_token = flag("per_token", per_token)
         index = integer("index", index, 0)
-        if config.stop and self.generator.tokenizer is None:
-            raise InvalidInputError("stop strings need the bundle's tokenizer")
+        self.generator.check_config(config)
         rng = np.random.default_rng(None if config.seed is None else [config.seed, index])
         key = next(self._keys)
         request = Request(key, ids, config, rng)
