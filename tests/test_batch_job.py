@@ -430,7 +430,7 @@ def test_our_lines_take_openai_s_max_tokens_as_max_new_tokens():
         ({"prompt": "a", "n": 1, "user": "u", "stream": False, "logprobs": None, "echo": False,
           "frequency_penalty": 0, "presence_penalty": 0.0, "best_of": 1, "suffix": None,
           "response_format": {"type": "text"}, "store": False, "metadata": {"k": "v"}},
-         {}, "a"),
+         {"frequency_penalty": 0, "presence_penalty": 0.0}, "a"),  # (taken: off, as given)
         ({"prompt": "a", "top_k": 5, "max_tokens": 3}, {"top_k": 5, "max_new_tokens": 3}, "a"),
         ({"prompt": ["a"]}, {}, "a"),  # one prompt in a list, as OpenAI takes it
         ({"prompt": [5, 6, 7]}, {}, [5, 6, 7]),  # token ids

@@ -153,3 +153,18 @@ def test_bad_processor_settings_are_refused_naming_the_field(generators):
     vocab = generator.target.vocab_size
     with pytest.raises(InvalidInputError, match=f"logit_bias names token {vocab}, past"):
         generator.generate(["a"], GenerationConfig(logit_bias={vocab: 1}))
+
+
+def test_seeded_rows_beside_rows_with_processors_sample_as_they_do_alone(generators):
+    """Rows sharing calls with rows that have processors keep the graph's softmax at
+    temperature 1 (the processed rows warp their own logits): a seeded row's tokens are those
+    it draws alone, and so are the processed rows'."""
+    prompts = generators["one row"].encode_prompts(PROMPTS[:4])
+    plain = GenerationConfig(max_new_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    processed = replace(plain, frequency_penalty=1.0, logit_bias={7: 2.0})
+    configs = [plain if i % 2 else processed for i in range(4)]
+    requests = [Request(i, ids, c) for i, (ids, c) in enumerate(zip(prompts, configs))]
+    ran = dict(generators["batched"].run(requests))
+    for i, (ids, config) in enumerate(zip(prompts, configs)):
+        [alone] = generators["one row"].generate([ids], replace(config, num_draft_tokens=0))
+        assert ran[i].token_ids == alone.token_ids, i

@@ -134,7 +134,7 @@ def run_round(
             verdicts = []  # find the row(s) below
     if not verdicts:
         for i, row in enumerate(rows):
-            row_out = _pick(scores, (i, slice(0, row.k + 1)))  # [k+1, V]
+            row_out = _own(row, _pick(scores, (i, slice(0, row.k + 1))))  # [k+1, V]
             row_q = q[i][: row.k] if q[i] is not None and not row.match else None
             args = proposals[i], row_q, row_out, row.sampling, row.rng, len(row.tokens)
             verdicts.append((0, 0) if i in failed else _row_verdict(failed, i, *args))
@@ -168,7 +168,16 @@ def _processed(out: Forward, rows: list[RowRound], proposals: list[list[int]]) -
             kept = slice(0, len(proposals[i]) + 1)
             args = row.tokens, row.prompt_length, proposals[i]
             logits[i, kept] = row.processors.apply(logits[i, kept], *args)
-    return Forward(logits)  # without the graph's softmax: it is the unprocessed one
+    return Forward(logits, out.probabilities)  # the softmax: the other rows' (`_own`)
+
+
+def _own(row: RowRound, picked: Forward) -> Forward:
+    """A row's part of a `_processed` pass: without the graph's softmax where the row's logits
+    were processed (it is the unprocessed one), so the row's sampling warps its own; rows
+    without processors keep it, and sample as they would in any other call."""
+    if row.processors is None or picked.probabilities is None:
+        return picked
+    return Forward(picked.logits)
 
 
 def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> list[RoundResult]:
@@ -210,7 +219,7 @@ def _first_verdict(row: RowRound, out: Forward, started: float) -> RoundResult:
     failed: dict[int, str] = {}
     match = row.match or []
     scores = _processed(out, [row], [match])  # ``out``'s one row is this row's
-    args = match, None, _pick(scores, 0), row.sampling, row.rng, len(row.tokens)
+    args = match, None, _own(row, _pick(scores, 0)), row.sampling, row.rng, len(row.tokens)
     accepted, token = _row_verdict(failed, 0, *args)
     seconds = time.perf_counter() - started
     tokens = [] if failed else [*match[:accepted], token]
