@@ -38,10 +38,9 @@ MAX_LOGPROBS = 20  # most likely tokens a position may list: OpenAI's limit, and
 # the model stops or the context ends (as OpenAI's and vLLM's), which only the caller knows.
 DEFAULT_MAX_TOKENS = 16
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
-# LangChain send them so): no echo, tools or structured output. (Log-probabilities:
-# `_logprobs`.)
+# LangChain send them so): no tools or structured output. (Log-probabilities: `_logprobs`;
+# echo: `read_request`.)
 OFF_VALUES = {
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -69,6 +68,7 @@ IGNORED = {
     "parallel_tool_calls",
     "logprobs",
     "top_logprobs",
+    "echo",
     *OFF_VALUES,
 }
 
@@ -171,6 +171,13 @@ def read_request(
     logprobs = _logprobs(body, kind)
     if logprobs is not None:
         options["logprobs"] = logprobs
+    if echoed(body, kind):
+        if body.get("stream"):
+            raise RequestError("echo is not streamed: leave stream out for it", "echo")
+        if logprobs is not None:  # the prompt's tokens are listed too
+            options["prompt_logprobs"] = logprobs
+        if options.get("max_new_tokens") == 0:  # the prompt alone (`scored_only`)
+            options["max_new_tokens"] = 1
     if default_max_tokens is not None and kind == COMPLETION:
         options.setdefault("max_new_tokens", default_max_tokens)
     if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
@@ -181,6 +188,31 @@ def read_request(
             field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
             raise RequestError(f"{field}={json.dumps(length)}: use an integer >= 1", field)
     return prompt, options
+
+
+def echoed(body: dict, kind: str) -> bool:
+    """Whether a completion body asks for its prompt before the answer (``echo``, with its
+    tokens' log-probabilities where it asks for them). Raises `RequestError`."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo={json.dumps(echo)}: use true or false", "echo")
+    if echo and kind == CHAT:
+        raise RequestError("echo is a completion field: a chat answer has no prompt text", "echo")
+    return echo
+
+
+def scored_only(body: dict) -> bool:
+    """An echoed completion with ``max_tokens: 0``: the prompt and its log-probabilities alone
+    (one token is generated, and left out)."""
+    return bool(body.get("echo")) and body.get("max_tokens", body.get("max_completion_tokens")) == 0
+
+
+def prompt_text(body: dict, ids: list[int], decode) -> str:
+    """An echoed completion's prompt: its text as the body gives it, or its token ids'."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else decode(ids)
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -227,13 +259,14 @@ def logprobs_body(
         context = ids[max(0, i - LOGPROBS_CONTEXT) : i]
         skip = len(decode(context))
         chosen.append(decode([*context, entry.token])[skip:])
-        tops.append([(decode([*context, t])[skip:], lp) for t, lp in entry.top])
+        top = entry.top  # None: an echoed prompt's first token, which nothing predicts
+        tops.append(None if top is None else [(decode([*context, t])[skip:], lp) for t, lp in top])
     if kind == COMPLETION:
         offsets = list(itertools.accumulate(map(len, chosen), initial=offset))[: len(chosen)]
         return {
             "tokens": chosen,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(top) for top in tops],
+            "top_logprobs": [None if top is None else dict(top) for top in tops],
             "text_offset": offsets,
         }
 

@@ -452,6 +452,7 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
         ({"method": "GET", "body": {"prompt": "a"}}, "method 'GET'"),
         ({"body": {"prompt": "a", "stream": True}}, "a batch line cannot stream"),
         ({"body": {"prompt": "a", "n": 129}}, "n=129: use an integer from 1 to 128"),
+        ({"body": {"prompt": "a", "echo": True}}, "echo is answered by specrt serve"),
         ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts"),
         ({"body": {"prompt": [1, "a"]}}, "prompt must be a string (or a list of token ids)"),
         # the url decides the kind of request (the body's keys decided, whatever the url)

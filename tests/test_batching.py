@@ -1639,3 +1639,41 @@ def test_a_request_takes_text_and_its_seed_gives_its_stream(llama_bundle):
     with pytest.raises(InvalidInputError, match="request 'empty': the prompt is empty"):
         dict(generator.run([Request("empty", "", config)]))
     assert Request("x", "a").config == GenerationConfig()
+
+
+def test_prompt_logprobs_are_the_targets_log_softmax_at_each_prompt_token(
+    llama_bundle, monkeypatch
+):
+    """``prompt_logprobs``: each prompt token's log-probability after the tokens before it
+    (None for the first), checked against one plain target pass, for a prompt longer than a
+    chunk of its reading (16 here), a prompt two rows share and one that a finished row's cache
+    holds: a row asking for them reads its whole prompt itself (nothing copied), and its tokens
+    are the target alone's."""
+    import specrt.runtime.round
+
+    monkeypatch.setattr(specrt.runtime.round, "PREFILL_CHUNK", 16)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=3)
+    reference = SpeculativeGenerator.from_bundle(llama_bundle, threads=1).target
+    long = [t for ids in generator.encode_prompts(PROMPTS[:8]) for t in ids][:60]
+    short = generator.encode_prompts(PROMPTS[:1])[0]
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    generator.generate([long], replace(config, prompt_logprobs=None))  # kept: its cache holds it
+    results = generator.generate([long, short, short], config)
+    alone = generator.generate([long, short, short], replace(config, num_draft_tokens=0))
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+    for prompt, result in zip([long, short, short], results):
+        assert result.stats.cached_tokens == 0 and len(result.prompt_logprobs) == len(prompt)
+        reference.set_length(0, 0)
+        logits = reference.forward(prompt[:-1], keep_last=len(prompt) - 1).logits
+        logits = np.asarray(logits, np.float64).reshape(len(prompt) - 1, -1)
+        expected = logits - logits.max(-1, keepdims=True)
+        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+        first, *rest = result.prompt_logprobs
+        assert first is None and [entry.token for entry in rest] == prompt[1:]
+        got = [entry.logprob for entry in rest]
+        np.testing.assert_allclose(got, expected[np.arange(len(rest)), prompt[1:]], atol=1e-4)
+        for entry, row in zip(rest, expected):
+            assert [t for t, _ in entry.top] == np.argsort(-row, kind="stable")[:2].tolist()
+    assert results[0].to_dict()["prompt_logprobs"][0] is None
+    [plain] = generator.generate([long], replace(config, prompt_logprobs=None))
+    assert plain.prompt_logprobs is None and plain.stats.cached_tokens > 0  # (copied, as ever)

@@ -239,6 +239,44 @@ def test_penalties_bias_min_p_and_stop_token_ids_answer_as_generate_does(server,
     assert reply.choices[0].text == processed.text != plain.text
 
 
+def test_echo_gives_the_prompt_and_its_logprobs_before_the_answer(server, client, reference):
+    """``echo`` (as evaluation harnesses send it, to score a text): the prompt before the
+    answer, with each prompt token's log-probability (None for the first) where ``logprobs``
+    asks, the target's own as `generate` gives them (``prompt_logprobs``); ``max_tokens: 0``
+    gives the prompt alone. Streamed or in a chat, a 400 saying so."""
+    generator, expected = reference
+    prompt = PROMPTS[2]
+    ids = generator.encode_prompts([prompt])[0]
+    config = GenerationConfig(max_new_tokens=4, logprobs=1, prompt_logprobs=1)
+    [result] = generator.generate([prompt], config)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True)
+    assert reply.choices[0].text == prompt + result.text and reply.choices[0].logprobs is None
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1
+    )
+    logprobs = reply.choices[0].logprobs
+    assert reply.choices[0].text == prompt + result.text
+    assert len(logprobs.tokens) == len(ids) + 4 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None and len(logprobs.top_logprobs[1]) == 1
+    values = [e.logprob for e in [*result.prompt_logprobs[1:], *result.logprobs]]
+    assert logprobs.token_logprobs[1:] == pytest.approx(values, abs=1e-4)
+    assert "".join(logprobs.tokens) == generator.tokenizer.decode(ids + result.token_ids)
+    scored = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(values[:-4], abs=1e-4)
+    url = server[0]
+    bad = [
+        ({"prompt": prompt, "echo": True, "stream": True}, "echo is not streamed"),
+        ({"prompt": prompt, "echo": 1}, "echo=1: use true or false"),
+        ({"prompt": prompt, "max_tokens": 0}, "max_tokens=0: use an integer"),
+    ]
+    for body, words in bad:
+        raw = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert raw.status_code == 400 and words in raw.json()["error"]["message"], raw.text
+
+
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
     _, expected = reference
     checked = 0
@@ -340,7 +378,7 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         (dict(logprobs=21), openai.BadRequestError, "logprobs=21: use an integer from 0 to 20"),
         (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
         (dict(extra_body={"top_logprobs": 2}), openai.BadRequestError, "a chat field"),
-        (dict(echo=True), openai.BadRequestError, "echo is not supported"),
+        (dict(extra_body={"echo": "yes"}), openai.BadRequestError, 'echo="yes": use true'),
         (dict(frequency_penalty=2.5), openai.BadRequestError, "frequency_penalty=2.5 is out"),
         (dict(logit_bias={"99999": 1}), openai.BadRequestError, "logit_bias names token 99999"),
         (dict(extra_body={"tool_choice": "auto"}), openai.BadRequestError, "tool_choice is not"),
@@ -791,6 +829,8 @@ def test_chat_completions_render_the_bundles_chat_template(llama_bundle, tmp_pat
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages,
                          "top_logprobs": 2})  # fmt: skip
         assert bad.status_code == 400 and "needs logprobs: true" in bad.text
+        bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "echo": True})
+        assert bad.status_code == 400 and "echo is a completion field" in bad.text
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
                                                n=2)  # fmt: skip
         assert [c.message.content for c in reply.choices] == [expected.text] * 2

@@ -251,6 +251,8 @@ def openai_row(item: dict, fallback_id: str) -> Row:
         row.error = str(exc)
         return row
     row.n = choices(body)
+    if body.get("echo"):
+        row.error = "echo is answered by specrt serve, not in batch output: leave echo out"
     if body.get("stream"):
         row.error = "a batch line cannot stream: leave stream out (or false)"
     elif kind == CHAT and prompt is None:

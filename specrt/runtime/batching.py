@@ -25,7 +25,7 @@ from specrt.runtime.planning import BatchPlanner, LonePlanner, Plan
 from specrt.runtime.prefixes import KeptRows, arrange, firsts_of
 from specrt.runtime.requests import LoneLearners, Request, Row
 from specrt.runtime.results import GenerationResult, GenerationStats
-from specrt.runtime.round import RoundResult, catch_up, first_tokens, run_round
+from specrt.runtime.round import RoundResult, catch_up, first_tokens, read_prompt, run_round
 from specrt.runtime.schedules import LoadSchedule
 from specrt.runtime.stopping import StopStrings, settle
 from specrt.runtime.tokenizer import BundleTokenizer
@@ -155,16 +155,19 @@ class BatchRunner:
             self.target.set_length(slot, 0)
             self.draft.set_length(slot, 0)
         # The target reads a prompt as the one-row loop does: its whole chunks, then a pass
-        # over the rest whose last position gives the first token (`first_tokens`), so a
-        # request's first token comes right after its own prompt, not after a round of the
-        # batch. The draft sees all but the last prompt token. A prompt several rows share is
-        # read once, by the first of them; the others copy its caches (`first_tokens` too).
-        # A row whose prompt begins as another's copies the target's positions of that
-        # beginning once the other's are read, and reads the rest.
+        # over the rest whose last position gives the first token (`first_tokens`), right
+        # after its own prompt. The draft sees all but the last prompt token. A prompt several
+        # rows share is read once, by the first; the others copy its caches. A row whose prompt
+        # begins as another's copies that beginning once the other's is read; reads the rest.
         prompts = [row.request.prompt for row in rows]
-        firsts = firsts_of(prompts)
+        asked = [row.request.config.prompt_logprobs for row in rows]  # a prompt's own logits
+        firsts = firsts_of([p if top is None else None for p, top in zip(prompts, asked)])
         readers = sources.count(None)
         whole = [whole_chunks(p) if firsts[i] == i else [] for i, p in enumerate(prompts)]
+        for i, top in enumerate(asked):  # read whole with its logits, all but the last token
+            if top is not None:
+                rows[i].prompt_logprobs = read_prompt(self.target, start + i, prompts[i], top)
+                whole[i] = []
         self.target.prefill_rows(start, whole[:readers])
         if not self.draft.windowed:  # a head's slots of a running row's beginning are its own
             for i, source in enumerate(sources):
@@ -443,5 +446,5 @@ class BatchRunner:
             text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
         row.stats.finish(time.perf_counter() - row.started)
         result = GenerationResult(text, new_ids, row.finish_reason, row.stats, row.error)
-        result.logprobs = row.logprobs
+        result.logprobs, result.prompt_logprobs = row.logprobs, row.prompt_logprobs
         return result

@@ -106,7 +106,9 @@ class GenerationConfig:
     ``logprobs``: the target's log-probability of each new token and of the ``logprobs``
     most likely tokens at its position (0: the chosen token's alone; None: none), its own
     distribution before temperature, top-k and top-p, as vLLM returns them
-    (`GenerationResult.logprobs`).
+    (`GenerationResult.logprobs`). ``prompt_logprobs`` (vLLM's): the same for each prompt
+    token after the first (`GenerationResult.prompt_logprobs`); the row then reads its whole
+    prompt itself, whatever a cache holds of it.
     ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
     continuation of the longest n-gram (``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens)
     that ends the row and occurred earlier in its prompt or output (and of the generator's
@@ -131,6 +133,7 @@ class GenerationConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -187,6 +190,10 @@ class GenerationConfig:
         if self.logprobs is not None:
             rule = f"use an integer in [0, {MAX_LOGPROBS}] (0: the chosen token's alone)"
             set("logprobs", integer("logprobs", self.logprobs, 0, MAX_LOGPROBS, rule))
+        if self.prompt_logprobs is not None:
+            rule = f"use an integer in [0, {MAX_LOGPROBS}] (0: each prompt token's alone)"
+            top = integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, rule)
+            set("prompt_logprobs", top)
         set("logit_bias", logit_bias(self.logit_bias))
         rule = "use a number > 0 (1 = none; above 1 discourages repeating)"
         penalty = number("repetition_penalty", self.repetition_penalty, rule, lambda r: r > 0)

@@ -43,6 +43,9 @@ def arrange(
     copiers: list[tuple[Row, Source]] = []
     placed: dict[tuple[int, ...], Source | None] = {}  # a prompt -> its source
     for row in rows:
+        if row.request.config.prompt_logprobs is not None:  # its prompt's logits: read whole
+            readers.append(row)
+            continue
         prompt = tuple(row.tokens)
         if prompt not in placed:
             found = [(_shared(row.tokens, tokens, most), slot) for slot, tokens, most in held]

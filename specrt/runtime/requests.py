@@ -75,6 +75,7 @@ class Row:
     error: str | None = None  # why it failed (finish reason "error")
     alone: LoneLearners | None = None  # what it runs alone with, once it does
     logprobs: list[TokenLogprob] | None = None  # of its new tokens, where it asks for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of its prompt's, if asked
     round: RowRound = field(init=False)
 
     def __post_init__(self) -> None:

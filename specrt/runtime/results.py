@@ -133,6 +133,8 @@ class GenerationResult:
     error: str | None = None
     # Where the config asks (``logprobs``): each new token's, as `token_ids` (`logprobs`)
     logprobs: list[TokenLogprob] | None = None
+    # Where the config asks (``prompt_logprobs``): each prompt token's, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict:
         if self.error is not None:
@@ -145,4 +147,6 @@ class GenerationResult:
         }
         if self.logprobs is not None:
             record["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        if self.prompt_logprobs is not None:
+            record["prompt_logprobs"] = [e and e.to_dict() for e in self.prompt_logprobs]
         return record

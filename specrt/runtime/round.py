@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Forward, RowsDecoder
+from specrt.backends.base import PREFILL_CHUNK
 from specrt.errors import NumericalError
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
@@ -212,6 +213,22 @@ def first_tokens(target: RowsDecoder, rows: list[RowRound], start: int = 0) -> l
                 target.copy_row(first, start + i)
             results[i] = _first_verdict(row, out, started)
     return results
+
+
+def read_prompt(
+    target: RowsDecoder, slot: int, prompt: list[int], top: int
+) -> list[TokenLogprob | None]:
+    """Feed ``prompt`` but its last token to ``target``'s row ``slot`` (empty), a chunk a call
+    with every position's logits kept, and return each prompt token's entry (None for the
+    first, which nothing predicts); the pass over the last token gives the first new one."""
+    entries: list[TokenLogprob | None] = [None]
+    body = prompt[:-1]
+    for offset in range(0, len(body), PREFILL_CHUNK):
+        chunk = body[offset : offset + PREFILL_CHUNK]
+        ids = np.array([chunk], dtype=np.int64)
+        out = target.forward_rows(ids, keep_last=len(chunk), start=slot, need=NEED_LOGITS)
+        entries += token_logprobs(out.logits[0], prompt[offset + 1 : offset + 1 + len(chunk)], top)
+    return entries
 
 
 def _first_verdict(row: RowRound, out: Forward, started: float) -> RoundResult:

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -48,6 +49,7 @@ from specrt.openai_shapes import (
 )
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.handles import RequestHandle, merged
+from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
@@ -145,14 +147,26 @@ def create_app(
             return error(500, str(exc), "server_error")
         if results is None:  # the client went away: nobody reads this
             return Response(status_code=499)
+        asked = body
+        echo = shapes.echoed(asked, kind)
+        if echo and shapes.scored_only(asked):  # the prompt alone
+            results = [
+                replace(r, text="", token_ids=[], logprobs=r.logprobs and []) for r in results
+            ]
+        prompt = handles[0].request.prompt
         body = chunk(ident, kind, "", None, final=True)
-        body["choices"] = [
-            chunk(ident, kind, r.text, r.finish_reason, final=True, index=i)["choices"][0]
-            for i, r in enumerate(results)
-        ]
-        for choice, result in zip(body["choices"], results):
-            if result.logprobs is not None:
-                choice["logprobs"] = shapes.logprobs_body(kind, result.logprobs, decode)
+        body["choices"] = []
+        for i, result in enumerate(results):
+            text, entries = result.text, result.logprobs
+            if echo:  # the prompt before the answer, as OpenAI's echo gives it
+                text = shapes.prompt_text(asked, prompt, decode) + text
+                if entries is not None:
+                    first = TokenLogprob(prompt[0], None, None)  # nothing predicts it
+                    entries = [first, *result.prompt_logprobs[1:], *entries]
+            choice = chunk(ident, kind, text, result.finish_reason, final=True, index=i)
+            if entries is not None:
+                choice["choices"][0]["logprobs"] = shapes.logprobs_body(kind, entries, decode)
+            body["choices"].append(choice["choices"][0])
         body["usage"] = usage(results)
         body["speculative_decoding"] = spec_stats(results)
         return JSONResponse(body)
