@@ -111,43 +111,35 @@ PROPOSER_OPTION = click.option(
 )
 
 
+def _setting(flag: str, kind: type, help: str):
+    """An option for the `GenerationConfig` field of its name, with that field's default."""
+    name = flag[2:].replace("-", "_")
+    return click.option(flag, type=kind, default=DEFAULTS[name], show_default=True, help=help)
+
+
 TOP_K_TOP_P_OPTIONS = _stack(
-    click.option(
-        "--top-k", type=int, default=DEFAULTS["top_k"], show_default=True, help="0 = off."
-    ),
-    click.option(
-        "--top-p", type=float, default=DEFAULTS["top_p"], show_default=True, help="1 = off."
-    ),
-    click.option(
-        "--min-p",
-        type=float,
-        default=DEFAULTS["min_p"],
-        show_default=True,
-        help="Drop tokens less likely than this times the most likely one; 0 = off.",
+    _setting("--top-k", int, "0 = off."),
+    _setting("--top-p", float, "1 = off."),
+    _setting(
+        "--min-p", float, "Drop tokens less likely than this times the most likely one; 0 = off."
     ),
 )
 PENALTY_OPTIONS = _stack(
-    click.option(
+    _setting(
         "--repetition-penalty",
-        type=float,
-        default=DEFAULTS["repetition_penalty"],
-        show_default=True,
-        help="Divide the positive logits (multiply the negative) of tokens in the prompt or "
-        "the output by this; 1 = off.",
+        float,
+        "Divide the positive logits (multiply the negative) of tokens in the prompt or the "
+        "output by this; 1 = off.",
     ),
-    click.option(
+    _setting(
         "--frequency-penalty",
-        type=float,
-        default=DEFAULTS["frequency_penalty"],
-        show_default=True,
-        help="Subtract this times a token's count in the output from its logit; 0 = off.",
+        float,
+        "Subtract this times a token's count in the output from its logit; 0 = off.",
     ),
-    click.option(
+    _setting(
         "--presence-penalty",
-        type=float,
-        default=DEFAULTS["presence_penalty"],
-        show_default=True,
-        help="Subtract this from the logit of each token the output holds; 0 = off.",
+        float,
+        "Subtract this from the logit of each token the output holds; 0 = off.",
     ),
 )
 PROMPT_LOOKUP_OPTIONS = _stack(
