@@ -53,6 +53,7 @@ from specrt.bench.costs import step_seconds  # noqa: E402
 from specrt.bench.runner import predicted_speedup  # noqa: E402
 from specrt.prompts import read_prompt_file  # noqa: E402
 from specrt.runtime import GenerationConfig, SpeculativeGenerator  # noqa: E402
+from specrt.runtime.batching import Request  # noqa: E402
 from specrt.runtime.loading import load_pair  # noqa: E402
 
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -198,6 +199,7 @@ def check_pair(name: str, built: tuple, entry: dict, step, args, budget_s: float
         probes.append(("eagle_head", eagle_head, head, entry, args))
     probes.append(("host_inputs", host_transfer, bundle, name, args))
     probes.append(("kept_rows", kept_rows, bundle, name, args))
+    probes.append(("processors", processors, bundle, name, args))
     if one_row is not None and "prompt_ids" in entry:
         probes.append(("group_query_one_row", group_query_one_row, one_row, entry, args))
     if not args.dry_run:
@@ -437,6 +439,36 @@ def kept_rows(bundle: Path, name: str, args) -> dict:
     equal = copied.token_ids == alone.token_ids
     log(f"{name}: kept rows: {copied.stats.cached_tokens} tokens copied, equal: {equal}")
     return {"cached_tokens": copied.stats.cached_tokens, "equals_target_only": equal}
+
+
+def processors(bundle: Path, name: str, args) -> dict:
+    """The logits processors and log-probabilities on the device backend (its logits brought
+    back for them): rows with a bias and the penalties, greedy and seeded, sharing calls with a
+    row without them, each against the target alone; the log-probabilities of the prompt and
+    of the new tokens the same either way. (The float16 engines may part at a near-tie, as
+    their greedy output may: the report says where.)"""
+    generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run, 3))
+    prompts = prompts_for(name, generator, 3)
+    processed = dict(repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={5: -2.0})
+    out = {}
+    for label, sampling in (("greedy", {}), ("seeded", dict(temperature=0.8, seed=3))):
+        config = GenerationConfig(
+            max_new_tokens=args.new_tokens, ignore_eos=True, proposer="model", logprobs=1,
+            prompt_logprobs=1, **sampling,
+        )  # fmt: skip
+        configs = [replace(config, **processed)] * 2 + [config]
+        requests = [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, configs))]
+        ran = dict(generator.run(requests))
+        generator.forget_kept_rows()
+        equal, close = [], []
+        for i, (prompt, own) in enumerate(zip(prompts, configs)):
+            [alone] = generator.generate([prompt], replace(own, num_draft_tokens=0))
+            equal.append(ran[i].token_ids == alone.token_ids)
+            pairs = zip(ran[i].prompt_logprobs[1:], alone.prompt_logprobs[1:])
+            close.append(max(abs(a.logprob - b.logprob) for a, b in pairs) < 1e-3)
+        out[label] = {"equals_target_only": equal, "prompt_logprobs_agree": close}
+        log(f"{name}: processors, {label}: equal {equal}, prompt log-probabilities {close}")
+    return out
 
 
 def measure(bundle: Path, name: str, entry: dict, args, clock: Clock) -> None:

@@ -30,6 +30,9 @@ def test_gpu_check_dry_run(tmp_path):
         assert 0 < entry["cost_ratio"]
         kept = entry["kept_rows"]  # a finished row's cache copied on the device
         assert kept["equals_target_only"] is True and kept["cached_tokens"] >= 16
+        for checked in entry["processors"].values():  # the bias, penalties and logprobs
+            assert checked == {"equals_target_only": [True] * 3,
+                               "prompt_logprobs_agree": [True] * 3}  # fmt: skip
         if "group_query_one_row" in entry:  # the demo pair: the one-row graph beside it
             assert set(entry["group_query_one_row"]) == {"target only", "K=4"}
         for batch in ("1", "3"):  # rows per call on the device backend; the one-row reference
