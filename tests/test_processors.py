@@ -62,12 +62,12 @@ def test_each_position_is_processed_as_defined(settings):
         tokens = rng.integers(0, vocab, size=prompt_length + int(rng.integers(0, 8))).tolist()
         proposal = rng.integers(0, vocab, size=int(rng.integers(0, 5))).tolist()
         logits = rng.normal(size=(len(proposal) + 1, vocab)).astype(np.float32) * 3
-        got = config.processors.apply(logits, tokens, prompt_length, proposal)
-        assert got.dtype == np.float32 and got is not logits
+        given = logits.copy()
+        got = config.processors.apply(given, tokens, prompt_length, proposal)
+        assert got is given  # in place
         for j in range(len(proposal) + 1):
             want = by_definition(logits[j], tokens + proposal[:j], prompt_length, settings)
             assert np.allclose(got[j], want, rtol=1e-6, atol=1e-5), (trial, j)
-    assert np.array_equal(logits, logits.copy())  # the raw logits are left as they were
 
 
 def test_no_processors_is_none_and_off_values_are_none():
@@ -168,3 +168,23 @@ def test_seeded_rows_beside_rows_with_processors_sample_as_they_do_alone(generat
     for i, (ids, config) in enumerate(zip(prompts, configs)):
         [alone] = generators["one row"].generate([ids], replace(config, num_draft_tokens=0))
         assert ran[i].token_ids == alone.token_ids, i
+
+
+def test_logprobs_of_processed_rows_are_the_models_own(generators):
+    """A row with processors lists its tokens' log-probabilities under the model's raw logits
+    (vLLM's default), not the processed ones: checked against one plain target pass (reading
+    the processed ones fails it)."""
+    generator = generators["batched"]
+    prompts = generator.encode_prompts(PROMPTS[:3])
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True, logprobs=2,
+                              repetition_penalty=1.5, logit_bias={7: 4.0})  # fmt: skip
+    reference = generators["one row"].target
+    for prompt, result in zip(prompts, generator.generate(prompts, config)):
+        new = result.token_ids
+        reference.set_length(0, 0)
+        logits = reference.forward(prompt + new[:-1], keep_last=len(new)).logits
+        logits = np.asarray(logits, np.float64).reshape(len(new), -1)
+        expected = logits - logits.max(-1, keepdims=True)
+        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+        got = [entry.logprob for entry in result.logprobs]
+        np.testing.assert_allclose(got, expected[np.arange(len(new)), new], atol=1e-4)

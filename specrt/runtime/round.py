@@ -119,7 +119,7 @@ def run_round(
     logits = not greedy or any(_reads_logits(row) for row in rows)
     need = NEED_LOGITS if logits else NEED_ARGMAX  # what a device backend brings back
     out = target.forward_rows(ids, keep_last=width + 1, start=start, need=need)
-    scores = _processed(out, rows, proposals)  # what the target chooses by
+    scores, raw = _processed(out, rows, proposals)  # what the target chooses by
 
     # 3. Accept: (accepted, next token) per row; greedy rows in one argmax over the batch
     verdicts: list[tuple[int, int]] = []
@@ -148,7 +148,8 @@ def run_round(
             row.source if row.match else "model", failed.get(i),
         )  # fmt: skip
         if row.logprobs is not None and tokens:  # position j's logits chose token j
-            result.logprobs = token_logprobs(out.logits[i], tokens, row.logprobs)
+            logits = raw.get(i, out.logits[i])
+            result.logprobs = token_logprobs(logits, tokens, row.logprobs)
         results.append(result)
     return results
 
@@ -158,18 +159,23 @@ def _reads_logits(row: RowRound) -> bool:
     return row.logprobs is not None or row.processors is not None
 
 
-def _processed(out: Forward, rows: list[RowRound], proposals: list[list[int]]) -> Forward:
+def _processed(
+    out: Forward, rows: list[RowRound], proposals: list[list[int]]
+) -> tuple[Forward, dict[int, np.ndarray]]:
     """The target's pass with each row's logits processors applied at its positions (its
-    proposal before each counted as generated); ``out`` itself where no row has any."""
+    proposal before each counted as generated), in place, and the raw logits of processed
+    rows that list log-probabilities; ``out`` itself where no row has any."""
     if all(row.processors is None for row in rows):
-        return out
-    logits = out.logits.copy()  # the raw ones stay for the log-probabilities
+        return out, {}
+    raw = {}
     for i, row in enumerate(rows):
         if row.processors is not None:
-            kept = slice(0, len(proposals[i]) + 1)
-            args = row.tokens, row.prompt_length, proposals[i]
-            logits[i, kept] = row.processors.apply(logits[i, kept], *args)
-    return Forward(logits, out.probabilities)  # the softmax: the other rows' (`_own`)
+            kept = out.logits[i, : len(proposals[i]) + 1]
+            if row.logprobs is not None:
+                raw[i] = kept.copy()
+            row.processors.apply(kept, row.tokens, row.prompt_length, proposals[i])
+    # not ``out``: a backend's own argmax is the raw logits'; the softmax: the other rows'
+    return Forward(out.logits, out.probabilities), raw
 
 
 def _own(row: RowRound, picked: Forward) -> Forward:
@@ -235,8 +241,11 @@ def _first_verdict(row: RowRound, out: Forward, started: float) -> RoundResult:
     """A row's first token from the pass over its prompt (and match): ``out [1, M + 1, ...]``."""
     failed: dict[int, str] = {}
     match = row.match or []
-    scores = _processed(out, [row], [match])  # ``out``'s one row is this row's
-    args = match, None, _own(row, _pick(scores, 0)), row.sampling, row.rng, len(row.tokens)
+    picked = _pick(out, 0)
+    if row.processors is not None:  # on a copy: rows of one prompt share ``out``
+        logits = np.array(picked.logits, dtype=np.float32)
+        picked = Forward(row.processors.apply(logits, row.tokens, row.prompt_length, match))
+    args = match, None, picked, row.sampling, row.rng, len(row.tokens)
     accepted, token = _row_verdict(failed, 0, *args)
     seconds = time.perf_counter() - started
     tokens = [] if failed else [*match[:accepted], token]
@@ -316,12 +325,11 @@ def draft_rows(
 def _draft_processed(picked: Forward, rows: list[RowRound], drafted: np.ndarray) -> Forward:
     """A draft step's logits ``[n, V]`` with each row's logits processors applied, as after
     its tokens and its drafts so far ``drafted [n, step]``."""
-    logits = np.array(picked.logits, dtype=np.float32)
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows):  # in place: the step's own arrays
         if row.processors is not None:
             before = [*row.tokens, *drafted[i].tolist()]
-            logits[i] = row.processors.apply(logits[i : i + 1], before, row.prompt_length, [])[0]
-    return Forward(logits)
+            row.processors.apply(picked.logits[i : i + 1], before, row.prompt_length, [])
+    return Forward(picked.logits)  # (the graph's softmax is the unprocessed one)
 
 
 def _draft_each(rows, step: int, picked: Forward, q, drafts: np.ndarray, failed) -> None:
