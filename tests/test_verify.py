@@ -85,6 +85,24 @@ def test_verify_passes_with_other_proposers(demo, options):
     assert "draft tokens kept" in lines["sampled law, prompt 1"]
 
 
+def test_verify_audits_the_logits_processors(demo, monkeypatch):
+    """With penalties the audit's law is the processed target's: it passes, and a runtime
+    whose rounds verify against the raw logits (the processing dropped there, the first token
+    still processed) fails the sampled law (the target alone runs the same rounds, so the
+    identities cannot see it)."""
+    penalties = ("--repetition-penalty", 1.3, "--frequency-penalty", 0.5, "--presence-penalty", 0.3)
+    options = (*penalties, "--samples", 500, "--law-prompts", 1, "--alpha", 1e-4)
+    result = verify(demo, *options)
+    assert result.exit_code == 0, result.output
+    assert "repetition penalty 1.3, frequency penalty 0.5, presence penalty 0.3" in result.output
+    assert all(line.endswith(" PASS") for line in checks(result.output).values())
+    monkeypatch.setattr(round_module, "_processed", lambda out, rows, proposals: (out, {}))
+    result = verify(demo, *penalties)  # 2000 samples of each of two prompts
+    assert result.exit_code == 1, result.output
+    laws = [line for name, line in checks(result.output).items() if "law" in name]
+    assert any(line.endswith(" FAIL") for line in laws), result.output
+
+
 def test_a_wrong_residual_fails_the_sampled_law_only(demo, monkeypatch):
     """After a rejection the token is drawn from p instead of norm(max(0, p - q)): greedy and
     seeded rows never use it, so only the chi-square check can see it."""

@@ -17,6 +17,7 @@ from specrt.cli.common import (
     _prompts,
 )
 from specrt.cli.options import (
+    PENALTY_OPTIONS,
     PROMPT_LOOKUP_OPTIONS,
     PROPOSER_OPTION,
     TOP_K_TOP_P_OPTIONS,
@@ -105,6 +106,7 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationC
     help="The sampled checks' temperature (greedy is checked as well).",
 )
 @TOP_K_TOP_P_OPTIONS
+@PENALTY_OPTIONS
 @click.option(
     "--seed",
     type=int,
@@ -188,6 +190,7 @@ def _header(bundle: Path, prompts: int, config: GenerationConfig) -> str:
             f", top-k {sampled.top_k}" if sampled.top_k else "",
             f", top-p {sampled.top_p:g}" if sampled.top_p < 1 else "",
             f", min-p {sampled.min_p:g}" if sampled.min_p > 0 else "",
+            _penalties(config),
         ]
     )
     return (
@@ -214,3 +217,13 @@ def _progress_bar():
             bars.pop(name).close()
 
     return progress
+
+
+def _penalties(config: GenerationConfig) -> str:
+    """The penalties ``config`` sets, as the header names them."""
+    off = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    return "".join(
+        f", {name.replace('_', ' ')} {getattr(config, name):g}"
+        for name, value in off.items()
+        if getattr(config, name) != value
+    )

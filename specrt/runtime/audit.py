@@ -36,6 +36,7 @@ from specrt.runtime.batching import Request
 from specrt.runtime.chi_square import MIN_EXPECTED, Fit, goodness_of_fit
 from specrt.runtime.config import GenerationConfig, SamplingParams
 from specrt.runtime.generator import Prompt, SpeculativeGenerator, row_rng
+from specrt.runtime.processors import LogitsProcessors
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.sampling import LOOP_DTYPE, warp
 from specrt.validation import integer, number
@@ -251,7 +252,7 @@ def _law(
                 f"prompt {index + 1} leaves room for fewer than 2 new tokens: shorten it"
             )
     pairs = np.array([result.token_ids[:2] for result in ordered], dtype=np.int64)
-    fit = _pair_fit(generator.target, prompt, pairs, config.sampling)
+    fit = _pair_fit(generator.target, prompt, pairs, config.sampling, config.processors)
     detail = (
         f"chi-square p={fit.pvalue:.3g} over {samples} samples of the first two new tokens "
         f"({fit.cells} cells; {_drafts(ordered)}; false-alarm rate {alpha:g})"
@@ -301,7 +302,11 @@ def _first_two(
 
 
 def _pair_fit(
-    target: Decoder, prompt: list[int], pairs: np.ndarray, sampling: SamplingParams
+    target: Decoder,
+    prompt: list[int],
+    pairs: np.ndarray,
+    sampling: SamplingParams,
+    processors: LogitsProcessors | None = None,
 ) -> Fit:
     """The chi-square fit of ``pairs [N, 2]`` to the target's law of (t1, t2) after ``prompt``.
 
@@ -310,7 +315,7 @@ def _pair_fit(
     that often if its t1 is), pooled further by `goodness_of_fit`. Every sampled pair is also
     checked to be possible (probability > 0 under top-k / top-p)."""
     n, vocab = len(pairs), target.vocab_size
-    first, conditional = _target_law(target, prompt, pairs[:, 0], sampling, n)
+    first, conditional = _target_law(target, prompt, pairs[:, 0], sampling, n, processors)
     frequent = np.flatnonzero(first * n >= MIN_EXPECTED)
     observed, expected = [], []
     for t1 in frequent.tolist():
@@ -333,13 +338,18 @@ def _target_law(
     firsts: np.ndarray,
     sampling: SamplingParams,
     samples: int,
+    processors: LogitsProcessors | None = None,
 ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """The target's warped distribution of t1 after ``prompt``, and of t2 after prompt + t1
     for each t1 sampled or expected at least `MIN_EXPECTED` times in ``samples``: the prompt
     fed once, then each t1 after it (the cache rolled back to the prompt in between). The
-    warp is the runtime's own, in its dtype, so top-k and top-p cut where the runtime does."""
+    warp is the runtime's own, in its dtype, so top-k and top-p cut where the runtime does;
+    so are the logits processors (t1 counted as generated)."""
 
-    def law(logits: np.ndarray) -> np.ndarray:
+    def law(logits: np.ndarray, context: list[int]) -> np.ndarray:
+        if processors is not None:
+            logits = np.array(logits[None], dtype=np.float32)
+            logits = processors.apply(logits, context, len(prompt), [])[0]
         s = sampling
         p = warp(logits, s.temperature, s.top_k, s.top_p, target.role, LOOP_DTYPE, s.min_p)
         p = p.astype(np.float64)
@@ -347,13 +357,13 @@ def _target_law(
 
     target.reset()
     try:
-        first = law(target.forward(prompt, keep_last=1).logits[-1])
+        first = law(target.forward(prompt, keep_last=1).logits[-1], prompt)
         wanted = set(np.flatnonzero(first * samples >= MIN_EXPECTED).tolist())
         wanted |= set(np.unique(firsts).tolist())
         conditional = {}
         for t1 in sorted(wanted):
             target.rollback(len(prompt))
-            conditional[t1] = law(target.forward([t1], keep_last=1).logits[-1])
+            conditional[t1] = law(target.forward([t1], keep_last=1).logits[-1], [*prompt, t1])
     finally:
         target.reset()  # the runner sets each slot's length as it admits a row; clean anyway
     return first, conditional
