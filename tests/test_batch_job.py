@@ -452,7 +452,7 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
         ({"method": "GET", "body": {"prompt": "a"}}, "method 'GET'"),
         ({"body": {"prompt": "a", "stream": True}}, "a batch line cannot stream"),
         ({"body": {"prompt": "a", "n": 129}}, "n=129: use an integer from 1 to 128"),
-        ({"body": {"prompt": "a", "echo": True}}, "echo is answered by specrt serve"),
+        ({"body": {"prompt": "a", "echo": 1}}, "echo=1: use true or false"),
         ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts"),
         ({"body": {"prompt": [1, "a"]}}, "prompt must be a string (or a list of token ids)"),
         # the url decides the kind of request (the body's keys decided, whatever the url)
@@ -698,6 +698,10 @@ def test_rows_asking_for_logprobs_get_them_as_specrt_serve_writes_them(llama_bun
         {"custom_id": "chat", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "def f"}], "max_tokens": 5,
                   "logprobs": True, "top_logprobs": 1}},
+        {"custom_id": "echo", "body": {"prompt": "for i in", "max_tokens": 3, "echo": True,
+                                       "logprobs": 1}},
+        {"custom_id": "scored", "body": {"prompt": "for i in", "max_tokens": 0, "echo": True,
+                                         "logprobs": 0}},
     ]  # fmt: skip
     path, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -716,6 +720,24 @@ def test_rows_asking_for_logprobs_get_them_as_specrt_serve_writes_them(llama_bun
     content = chat.choices[0].logprobs.content
     assert "".join(e.token for e in content) == chat.choices[0].message.content
     assert len(content) == chat.usage.completion_tokens and len(content[0].top_logprobs) == 1
+    # echo: the prompt and its tokens' entries (the first's None) before the answer's, as
+    # `specrt serve` answers it; max_tokens 0: the prompt alone
+    ids = generator.encode_prompts(["for i in"])[0]
+    [scored] = generator.generate(["for i in"], GenerationConfig(max_new_tokens=1,
+                                                                  prompt_logprobs=0))  # fmt: skip
+    expected_prompt = [e.logprob for e in scored.prompt_logprobs[1:]]
+    # (null for the first token, as OpenAI and vLLM answer; the openai package's type says a
+    # number, so these are read as JSON)
+    echo = records["echo"]["response"]["body"]["choices"][0]
+    assert echo["text"].startswith("for i in") and len(echo["logprobs"]["tokens"]) == len(ids) + 3
+    assert echo["logprobs"]["token_logprobs"][0] is None
+    assert echo["logprobs"]["top_logprobs"][0] is None
+    got = echo["logprobs"]["token_logprobs"][1 : len(ids)]
+    assert got == pytest.approx(expected_prompt, abs=1e-4)
+    only = records["scored"]["response"]["body"]
+    assert only["choices"][0]["text"] == "for i in" and only["usage"]["completion_tokens"] == 0
+    got = only["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert got == pytest.approx(expected_prompt, abs=1e-4)
     ours, own = tmp_path / "ours.jsonl", tmp_path / "own.jsonl"
     ours.write_text(json.dumps({"id": "own", "prompt": "for i in", "logprobs": 1, **{
         k: v for k, v in sampled.items() if k not in ("logprobs", "max_tokens")},

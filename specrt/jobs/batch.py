@@ -182,8 +182,10 @@ def run_batch(
             line = record
             if output_format == "openai":
                 chat = str(record["id"]) in chats
-                line = openai_batch.record(record["id"], record, chat, model, status, decode)
+                echo = echoes.get(str(record["id"]))
+                line = openai_batch.record(record["id"], record, chat, model, status, decode, echo)
             chats.discard(str(record["id"]))
+            echoes.pop(str(record["id"]), None)
             text = json.dumps(line, ensure_ascii=False)
             if not text.isascii():
                 try:
@@ -197,6 +199,7 @@ def run_batch(
             progress(summary, total)
 
         choices: dict[str, list[GenerationResult | None]] = {}  # rows of n > 1 in flight
+        echoes: dict[str, openai_batch.Echo] = {}  # echoed rows in flight: their prompts
 
         def requests() -> Iterator[Request]:
             """The rows to run, read as slots free up; the others are settled on the way. A row
@@ -213,6 +216,9 @@ def run_batch(
                 if row.messages is not None:
                     chats.add(str(row.id))
                 request = make_request(generator, row, defaults, several=True)
+                if row.echo and not isinstance(request, dict):
+                    text = row.prompt if isinstance(row.prompt, str) else decode(request.prompt)
+                    echoes[str(row.id)] = openai_batch.Echo(text, request.prompt, row.scored_only)
                 if isinstance(request, dict):
                     write(request, 400)
                 elif row.n == 1:
@@ -281,7 +287,7 @@ def choices_record(row_id: str | int, results: list[GenerationResult]) -> dict:
     failed = next((r.error for r in results if r.error), None)
     if failed is not None:
         return {"id": row_id, "error": {"message": failed}}
-    keys = ("text", "token_ids", "finish_reason", "logprobs")
+    keys = ("text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs")
     each = [{k: v for k, v in r.to_dict().items() if k in keys} for r in results]
     stats = GenerationStats.total([r.stats for r in results]).to_dict()
     return {"id": row_id, **each[0], "stats": stats, "choices": each}

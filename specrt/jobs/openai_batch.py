@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from typing import NamedTuple
 
 from specrt.openai_shapes import (
     CHAT,
@@ -23,6 +24,15 @@ OUTPUT_FORMATS = ("auto", "specrt", "openai")  # auto: openai for an input of Op
 KEYS = {"id", "custom_id", "response", "error"}
 
 
+class Echo(NamedTuple):
+    """An echoed completion's prompt: its text (as the line gave it), its token ids, and
+    whether the line asked for it alone (``max_tokens: 0``)."""
+
+    text: str
+    ids: list[int]
+    scored_only: bool
+
+
 def record(
     row_id: str | int,
     result: dict,
@@ -30,10 +40,12 @@ def record(
     model: str,
     status: int = 200,
     decode: Callable[[list[int]], str] | None = None,
+    echo: Echo | None = None,
 ) -> dict:
     """A row's line from its `specrt batch` record (``result``: a result or ``{"error"}``);
     ``status``: 400 for a row that could not run, 500 for a row the model failed. ``decode``
-    (token ids to text) writes the log-probabilities a row asked for."""
+    (token ids to text) writes the log-probabilities a row asked for; ``echo``: the prompt
+    an echoed completion gives before its answer, as `specrt serve` answers it."""
     line: dict = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row_id}
     response = {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}"}
     if "error" in result:
@@ -50,16 +62,30 @@ def record(
         for i, c in enumerate(each)
     ]
     for choice, c in zip(body["choices"], each):
-        if c.get("logprobs") is not None and decode is not None:
-            entries = [TokenLogprob(e["token_id"], e["logprob"], e["top"]) for e in c["logprobs"]]
+        entries = _entries(c.get("logprobs"))
+        if echo is not None:
+            if echo.scored_only:  # the prompt alone: the one token generated is left out
+                choice["text"], entries = "", entries and []
+            choice["text"] = echo.text + choice["text"]
+            if entries is not None:  # the prompt's first token: nothing predicts it
+                prompt = _entries(c["prompt_logprobs"][1:])
+                entries = [TokenLogprob(echo.ids[0], None, None), *prompt, *entries]
+        if entries is not None and decode is not None:
             choice["logprobs"] = logprobs_body(kind, entries, decode)
     stats = result["stats"]
     cached = stats.get("cached_tokens", 0)  # (records written before it was counted)
-    generated = sum(len(c["token_ids"]) for c in each)
+    generated = 0 if echo and echo.scored_only else sum(len(c["token_ids"]) for c in each)
     body["usage"] = usage(stats["prompt_tokens"], generated, cached)
     body["speculative_decoding"] = spec_stats(result["stats"])
     response["body"] = body
     return {**line, "response": response, "error": None}
+
+
+def _entries(records: list[dict] | None) -> list[TokenLogprob] | None:
+    """Log-probability entries as our records hold them, as `TokenLogprob` s."""
+    if records is None:
+        return None
+    return [TokenLogprob(e["token_id"], e["logprob"], e["top"]) for e in records]
 
 
 def is_record(line: object) -> bool:

@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import IO
 
 from specrt.errors import InvalidInputError
-from specrt.openai_shapes import CHAT, COMPLETION, MAX_N, RequestError, choices, read_request
+from specrt.openai_shapes import (
+    CHAT,
+    COMPLETION,
+    MAX_N,
+    RequestError,
+    choices,
+    echoed,
+    read_request,
+    scored_only,
+)
 from specrt.prompts import COMPRESSED
 
 ROW_OPTIONS = (
@@ -51,6 +60,8 @@ class Row:
     named: bool = True  # False: a line too broken to give its id, named "line N" instead
     openai: bool = False  # an OpenAI batch-file line ("custom_id", "body")
     n: int = 1  # choices of its prompt (an OpenAI body's "n")
+    echo: bool = False  # an OpenAI completion's "echo": the prompt before the answer
+    scored_only: bool = False  # echo with "max_tokens": 0 (the prompt alone)
 
 
 @contextmanager
@@ -251,8 +262,7 @@ def openai_row(item: dict, fallback_id: str) -> Row:
         row.error = str(exc)
         return row
     row.n = choices(body)
-    if body.get("echo"):
-        row.error = "echo is answered by specrt serve, not in batch output: leave echo out"
+    row.echo, row.scored_only = echoed(body, kind), scored_only(body)
     if body.get("stream"):
         row.error = "a batch line cannot stream: leave stream out (or false)"
     elif kind == CHAT and prompt is None:
