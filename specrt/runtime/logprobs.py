@@ -5,6 +5,7 @@ token: a round's target call computes every position it emits, so they cost no m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,17 +25,22 @@ class TokenLogprob:
 
 def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Each of ``tokens`` with its log-probability under ``logits [len(tokens), V]`` (row i
-    the distribution it was chosen from), and the ``top`` most likely tokens of that row."""
+    the distribution it was chosen from), and the ``top`` most likely tokens of that row (ties:
+    the lower id first). Only the log-sum-exp is taken over the vocabulary, and the top by a
+    partition of the values: a whole log-softmax and an argpartition of each row cost ~0.9 ms a
+    token at 49152 (CHANGELOG.md, 2026-12-07)."""
     rows = np.asarray(logits[: len(tokens)], dtype=np.float32)
-    shifted = rows - rows.max(axis=-1, keepdims=True)
-    # log-softmax; the sum in float64 (a vocabulary of 10^5 terms)
-    logs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64))
+    vocab = rows.shape[-1]
     out = []
-    for row, token in zip(logs, tokens):
+    for row, token in zip(rows, tokens):
+        peak = float(row.max())
+        total = np.exp(row - peak).sum(dtype=np.float64)  # 10^5 terms: summed in float64
+        lse = peak + math.log(float(total))
         best: list[tuple[int, float]] = []
         if top:
-            ids = np.argpartition(-row, top - 1)[:top]
-            ids = ids[np.argsort(-row[ids], kind="stable")]
-            best = [(int(i), float(row[i])) for i in ids]
-        out.append(TokenLogprob(int(token), float(row[token]), best))
+            kth = np.partition(row, vocab - top)[vocab - top]
+            ids = np.flatnonzero(row >= kth)  # the top, and any tied with the last of them
+            ids = ids[np.argsort(-row[ids], kind="stable")][:top]
+            best = [(int(i), float(row[i]) - lse) for i in ids]
+        out.append(TokenLogprob(int(token), float(row[token]) - lse, best))
     return out
