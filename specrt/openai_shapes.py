@@ -172,8 +172,9 @@ def read_request(
     if logprobs is not None:
         options["logprobs"] = logprobs
     if echoed(body, kind):
-        if body.get("stream"):
-            raise RequestError("echo is not streamed: leave stream out for it", "echo")
+        if body.get("stream") and scored_only(body):
+            message = "echo with max_tokens 0 is not streamed: leave stream out for it"
+            raise RequestError(message, "max_tokens")
         if logprobs is not None:  # the prompt's tokens are listed too
             options["prompt_logprobs"] = logprobs
         if options.get("max_new_tokens") == 0:  # the prompt alone (`scored_only`)
@@ -205,6 +206,11 @@ def scored_only(body: dict) -> bool:
     """An echoed completion with ``max_tokens: 0``: the prompt and its log-probabilities alone
     (one token is generated, and left out)."""
     return bool(body.get("echo")) and body.get("max_tokens", body.get("max_completion_tokens")) == 0
+
+
+def echo_text(body: dict, kind: str, ids: list[int], decode) -> str | None:
+    """The prompt text an echoed completion gives before its answer (None: not echoed)."""
+    return prompt_text(body, ids, decode) if echoed(body, kind) else None
 
 
 def prompt_text(body: dict, ids: list[int], decode) -> str:

@@ -243,7 +243,7 @@ def test_echo_gives_the_prompt_and_its_logprobs_before_the_answer(server, client
     """``echo`` (as evaluation harnesses send it, to score a text): the prompt before the
     answer, with each prompt token's log-probability (None for the first) where ``logprobs``
     asks, the target's own as `generate` gives them (``prompt_logprobs``); ``max_tokens: 0``
-    gives the prompt alone. Streamed or in a chat, a 400 saying so."""
+    gives the prompt alone; streamed, the prompt's chunk comes first. In a chat, a 400."""
     generator, expected = reference
     prompt = PROMPTS[2]
     ids = generator.encode_prompts([prompt])[0]
@@ -267,8 +267,19 @@ def test_echo_gives_the_prompt_and_its_logprobs_before_the_answer(server, client
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
     assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(values[:-4], abs=1e-4)
     url = server[0]
+    # streamed: the prompt's chunk first (with its entries), then the answer's, as unstreamed
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=1, stream=True
+    ))  # fmt: skip
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for part in parts for t in part.tokens] == logprobs.tokens
+    assert [o for part in parts for o in part.text_offset] == logprobs.text_offset
+    streamed = [v for part in parts for v in part.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(values, abs=1e-4)
     bad = [
-        ({"prompt": prompt, "echo": True, "stream": True}, "echo is not streamed"),
+        ({"prompt": prompt, "echo": True, "stream": True, "max_tokens": 0}, "is not streamed"),
         ({"prompt": prompt, "echo": 1}, "echo=1: use true or false"),
         ({"prompt": prompt, "max_tokens": 0}, "max_tokens=0: use an integer"),
     ]

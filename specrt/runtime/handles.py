@@ -48,6 +48,7 @@ class RequestHandle:
         self._per_token = per_token
         self._sent_tokens = 0
         self._sent_logprobs = 0  # entries handed out with the deltas so far
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None  # set as it is admitted
         self._deltas: list[Delta] = []
         self._result: GenerationResult | None = None
         self._error: BaseException | None = None
@@ -68,6 +69,14 @@ class RequestHandle:
         self.token_gaps: list[float] = []  # between rounds that gave it tokens
 
     # For the consumer --------------------------------------------------------------------
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's log-probabilities where the config asks for them
+        (``prompt_logprobs``), once the request is admitted (before its first delta)."""
+        if self._prompt_logprobs is None and self._result is not None:
+            return self._result.prompt_logprobs
+        return self._prompt_logprobs
+
     @property
     def done(self) -> bool:
         return self._result is not None or self._error is not None

@@ -282,10 +282,10 @@ class Service:
             for request, result in self._runner.add([handle.request]):
                 self._running.pop(request.key)._finish(result)
             if handle.key in self._running:  # its first token, out at once
-                _, new_ids, logprobs = next(
-                    row for row in self._runner.active() if row[0].key == handle.key
-                )
-                handle._progress(new_ids, logprobs=logprobs)
+                row = next(row for row in self._runner.rows if row.request.key == handle.key)
+                handle._prompt_logprobs = row.prompt_logprobs  # before its first delta
+                new_ids = row.tokens[len(row.request.prompt) :]
+                handle._progress(new_ids, logprobs=row.logprobs)
 
     def _drop_cancelled(self) -> None:
         for key, handle in list(self._running.items()):

@@ -138,8 +138,9 @@ def create_app(
             param = next((f for f, ours in FIELDS.items() if ours == exc.field and f in body), None)
             return error(400, str(exc), "invalid_request_error", param)
         if stream:
+            echo = shapes.echo_text(body, kind, handles[0].request.prompt, decode)
             return StreamingResponse(
-                events(handles, ident, kind, with_usage), media_type="text/event-stream"
+                events(handles, ident, kind, with_usage, echo), media_type="text/event-stream"
             )
         try:
             results = await until_disconnect(request, handles)
@@ -147,19 +148,18 @@ def create_app(
             return error(500, str(exc), "server_error")
         if results is None:  # the client went away: nobody reads this
             return Response(status_code=499)
-        asked = body
-        echo = shapes.echoed(asked, kind)
-        if echo and shapes.scored_only(asked):  # the prompt alone
+        prompt = handles[0].request.prompt
+        echo = shapes.echo_text(body, kind, prompt, decode)
+        if echo is not None and shapes.scored_only(body):  # the prompt alone
             results = [
                 replace(r, text="", token_ids=[], logprobs=r.logprobs and []) for r in results
             ]
-        prompt = handles[0].request.prompt
         body = chunk(ident, kind, "", None, final=True)
         body["choices"] = []
         for i, result in enumerate(results):
             text, entries = result.text, result.logprobs
-            if echo:  # the prompt before the answer, as OpenAI's echo gives it
-                text = shapes.prompt_text(asked, prompt, decode) + text
+            if echo is not None:  # the prompt before the answer, as OpenAI's echo gives it
+                text = echo + text
                 if entries is not None:
                     first = TokenLogprob(prompt[0], None, None)  # nothing predicts it
                     entries = [first, *result.prompt_logprobs[1:], *entries]
@@ -260,7 +260,7 @@ def create_app(
         return handles, stream, bool(options.get("include_usage"))
 
     async def events(
-        handles: list[RequestHandle], ident: str, kind: str, with_usage: bool
+        handles: list[RequestHandle], ident: str, kind: str, with_usage: bool, echo: str | None
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta of each choice (its ``index``), a last one of
         each with its finish reason and speculative stats, and, where
@@ -273,7 +273,17 @@ def create_app(
                 for index in range(len(handles)):
                     yield sse({**chunk(ident, kind, None, None, index=index), **blank})
             logprobs = [shapes.StreamedLogprobs(kind, decode) for _ in handles]
+            echoed: set[int] = set()
             async for index, delta in merged(handles):
+                if echo is not None and index not in echoed:  # the prompt before the answer
+                    echoed.add(index)
+                    part = {**chunk(ident, kind, echo, None, index=index), **blank}
+                    entries = handles[index].prompt_logprobs
+                    if entries is not None:  # the first token: nothing predicts it
+                        first = TokenLogprob(handles[index].request.prompt[0], None, None)
+                        body = logprobs[index].body([first, *entries[1:]])
+                        part["choices"][0]["logprobs"] = body
+                    yield sse(part)
                 if delta is not None:
                     part = {**chunk(ident, kind, delta.text, None, index=index), **blank}
                     if delta.logprobs is not None:  # the tokens that came with this text
