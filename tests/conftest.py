@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specrt.export import SUPPORTED_MODEL_TYPES, export_bundle
@@ -150,3 +151,13 @@ def small_steps(monkeypatch):
 
     monkeypatch.setattr(rows, "CAPACITY_STEP", 16)
     monkeypatch.setattr(device_rows, "DEVICE_CAPACITY_STEP", 16)
+
+
+def log_softmax_after(target, tokens: list[int], count: int) -> np.ndarray:
+    """The target's log-softmax ``[count, V]`` (float64) at the last ``count`` positions of
+    one plain pass over ``tokens`` from an empty row 0: the reference for log-probabilities."""
+    target.set_length(0, 0)
+    logits = target.forward(tokens, keep_last=count).logits
+    logits = np.asarray(logits, np.float64).reshape(count, -1)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))

@@ -17,6 +17,7 @@ from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import BatchRunner, Request
 from specrt.runtime.generator import row_rng
 from specrt.runtime.prefixes import KeptRows
+from tests.conftest import log_softmax_after
 from tests.test_greedy import PROMPTS
 
 
@@ -1245,11 +1246,7 @@ def test_logprobs_are_the_targets_log_softmax_at_each_new_token(llama_bundle, sa
     assert sum(r.stats.accepted_tokens for r in results) > 0  # drafts were verified
     for prompt, result in zip(prompts, results):
         new = result.token_ids
-        reference.set_length(0, 0)
-        logits = reference.forward(prompt + new[:-1], keep_last=len(new)).logits
-        logits = np.asarray(logits, np.float64).reshape(len(new), -1)
-        expected = logits - logits.max(-1, keepdims=True)
-        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+        expected = log_softmax_after(reference, prompt + new[:-1], len(new))
         got = [entry.logprob for entry in result.logprobs]
         assert [entry.token for entry in result.logprobs] == new
         np.testing.assert_allclose(got, expected[np.arange(len(new)), new], atol=1e-4)
@@ -1663,11 +1660,7 @@ def test_prompt_logprobs_are_the_targets_log_softmax_at_each_prompt_token(
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
     for prompt, result in zip([long, short, short], results):
         assert result.stats.cached_tokens == 0 and len(result.prompt_logprobs) == len(prompt)
-        reference.set_length(0, 0)
-        logits = reference.forward(prompt[:-1], keep_last=len(prompt) - 1).logits
-        logits = np.asarray(logits, np.float64).reshape(len(prompt) - 1, -1)
-        expected = logits - logits.max(-1, keepdims=True)
-        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+        expected = log_softmax_after(reference, prompt[:-1], len(prompt) - 1)
         first, *rest = result.prompt_logprobs
         assert first is None and [entry.token for entry in rest] == prompt[1:]
         got = [entry.logprob for entry in rest]

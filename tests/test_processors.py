@@ -14,6 +14,7 @@ from specrt.errors import InvalidInputError
 from specrt.runtime import GenerationConfig, SpeculativeGenerator
 from specrt.runtime.batching import Request
 from specrt.runtime.processors import LogitsProcessors
+from tests.conftest import log_softmax_after
 from tests.test_greedy import PROMPTS
 
 
@@ -181,10 +182,6 @@ def test_logprobs_of_processed_rows_are_the_models_own(generators):
     reference = generators["one row"].target
     for prompt, result in zip(prompts, generator.generate(prompts, config)):
         new = result.token_ids
-        reference.set_length(0, 0)
-        logits = reference.forward(prompt + new[:-1], keep_last=len(new)).logits
-        logits = np.asarray(logits, np.float64).reshape(len(new), -1)
-        expected = logits - logits.max(-1, keepdims=True)
-        expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+        expected = log_softmax_after(reference, prompt + new[:-1], len(new))
         got = [entry.logprob for entry in result.logprobs]
         np.testing.assert_allclose(got, expected[np.arange(len(new)), new], atol=1e-4)
