@@ -35,6 +35,28 @@ def test_the_datasets_own_columns_come_through(llama_bundle):
         predictor({**batch, "text": np.array(["t", "u"])})
 
 
+def test_log_probabilities_are_the_predictors_columns(llama_bundle):
+    """``SpecrtPredictor(..., logprobs=N)``: columns of each new token's log-probability and
+    its N most likely tokens, the values `generate` gives; a row asking on its own is told to
+    give them to the predictor (the columns are the predictor's, the same for every batch)."""
+    import numpy as np
+
+    from specrt.jobs.ray_data import SpecrtPredictor
+
+    predictor = SpecrtPredictor(str(llama_bundle), max_new_tokens=4, ignore_eos=True, logprobs=2)
+    batch = {"id": np.array(["a", "b"]), "prompt": np.array(["Simple is", "def fibonacci(n):"])}
+    out = predictor(batch)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    for i, result in enumerate(generator.generate(["Simple is", "def fibonacci(n):"], config)):
+        assert out["logprobs"][i] == pytest.approx([e.logprob for e in result.logprobs], abs=1e-4)
+        assert out["top_token_ids"][i] == [[t for t, _ in e.top] for e in result.logprobs]
+        assert [len(lps) for lps in out["top_logprobs"][i]] == [2] * 4
+    plain = SpecrtPredictor(str(llama_bundle), max_new_tokens=4)
+    asked = plain({"id": np.array(["c"]), "prompt": np.array(["x"]), "logprobs": np.array([1])})
+    assert "logprobs" not in asked and "give SpecrtPredictor logprobs=N" in asked["error"][0]
+
+
 WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
 
 

@@ -263,8 +263,8 @@ def make_request(
         return {"id": row.id, "error": {"message": message}}
     if "logprobs" in row.options and not several:
         message = (
-            "logprobs: only specrt batch writes log-probabilities (Ray Data's results have no "
-            "column for them); leave logprobs out"
+            "logprobs: a Ray Data row cannot ask for log-probabilities on its own (its "
+            "results' columns are the predictor's): give SpecrtPredictor logprobs=N instead"
         )
         return {"id": row.id, "error": {"message": message}}
     try:

@@ -38,6 +38,8 @@ from specrt.runtime.lookup import SuffixCache
 
 STATS = ("new_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate")
 OUTPUT_COLUMNS = ("id", "text", "token_ids", "finish_reason", "error", *STATS)
+# Where the predictor is given ``logprobs=N``: per row, a list an entry per new token
+LOGPROBS_COLUMNS = ("logprobs", "top_token_ids", "top_logprobs")
 # The columns a row is read from (`row_from_item`); the others pass through.
 ROW_COLUMNS = {"id", "prompt", "messages", "custom_id", "body", *ROW_OPTIONS}
 
@@ -49,7 +51,9 @@ class SpecrtPredictor:
     hybrid proposer and the adaptive schedule unless given. ``max_batch``: rows of a Ray batch
     that share each model call (the onnxruntime engine and the portable graph).
     ``suffix_cache_tokens``: > 0 keeps a suffix cache of that many tokens per actor (rows then
-    propose from earlier rows' text)."""
+    propose from earlier rows' text). ``logprobs=N`` adds the columns ``logprobs`` (each new
+    token's), ``top_token_ids`` and ``top_logprobs`` (its N most likely tokens'): the columns
+    are the predictor's, so a row cannot ask for them on its own."""
 
     def __init__(
         self,
@@ -67,13 +71,17 @@ class SpecrtPredictor:
         cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
         self.generator = SpeculativeGenerator.from_bundle(bundle, suffix_cache=cache, **options)
         self.defaults = GenerationConfig(**generation)
+        # The results' columns, one set for every batch (Arrow blocks must agree)
+        self.columns = OUTPUT_COLUMNS + (
+            LOGPROBS_COLUMNS if self.defaults.logprobs is not None else ()
+        )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         columns = {name: list(values) for name, values in batch.items()}
         count = len(next(iter(columns.values()))) if columns else 0
-        out: dict[str, list] = {name: [] for name in OUTPUT_COLUMNS}
+        out: dict[str, list] = {name: [] for name in self.columns}
         kept = [name for name in columns if name not in ROW_COLUMNS]  # the user's own columns
-        clash = sorted(set(kept) & set(OUTPUT_COLUMNS))
+        clash = sorted(set(kept) & set(self.columns))
         if clash:
             raise InvalidInputError(
                 f"the dataset's column(s) {clash} would be overwritten by the results; rename "
@@ -102,6 +110,11 @@ class SpecrtPredictor:
             out["error"].append(record["error"]["message"] if "error" in record else None)
             for name in STATS:
                 out[name].append(stats.get(name, 0))
+            if "logprobs" in out:  # each new token's, and its most likely ones' ids and values
+                entries = record.get("logprobs", [])
+                out["logprobs"].append([e["logprob"] for e in entries])
+                out["top_token_ids"].append([[t for t, _ in e["top"]] for e in entries])
+                out["top_logprobs"].append([[lp for _, lp in e["top"]] for e in entries])
         for name in kept:
             out[name] = columns[name]
         return out
