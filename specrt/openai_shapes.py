@@ -30,6 +30,7 @@ FIELDS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",  # vLLM's extension
+    "min_tokens": "min_tokens",  # vLLM's extension
 }
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
 LOGPROBS_CONTEXT = 6  # tokens before one that its text is decoded after (`logprobs_body`)

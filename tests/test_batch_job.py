@@ -684,7 +684,7 @@ def test_rows_asking_for_logprobs_get_them_as_specrt_serve_writes_them(llama_bun
     """A line's ``logprobs`` (a completion's N, a chat's ``logprobs: true``, our rows' own
     ``logprobs``): each new token's log-probability and its N most likely alternatives, the
     values `generate` gives, in OpenAI's shape (every choice of an ``n`` line) or in our
-    records; Ray Data's results have no column for them, and its rows are told so."""
+    records; a Ray Data row asking on its own is told to give them to the predictor."""
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
 
@@ -749,7 +749,7 @@ def test_rows_asking_for_logprobs_get_them_as_specrt_serve_writes_them(llama_bun
     assert [len(e["top"]) for e in record["logprobs"]] == [1] * len(alone.token_ids)
     row = row_from_item(lines[1], "line 2")
     message = make_request(generator, row, GenerationConfig())["error"]["message"]
-    assert message.startswith("logprobs: only specrt batch writes log-probabilities")
+    assert message.startswith("logprobs: a Ray Data row cannot ask for log-probabilities")
 
 
 def test_the_summary_counts_the_prompt_tokens_copied(llama_bundle, tmp_path):

@@ -19,11 +19,13 @@ from tests.test_greedy import PROMPTS
 
 
 def by_definition(logits: np.ndarray, context: list[int], prompt_length: int, settings: dict):
-    """One position's logits processed as vLLM defines it, token by token: the bias; the
-    repetition penalty on every token of the prompt and the output (a positive logit divided,
-    a negative one multiplied); minus frequency x count and presence once present, for the
-    output's tokens."""
+    """One position's logits processed as vLLM defines it, token by token: no end token
+    (``ends``) before ``min_tokens`` new ones; the bias; the repetition penalty on every token
+    of the prompt and the output (a positive logit divided, a negative one multiplied); minus
+    frequency x count and presence once present, for the output's tokens."""
     row = np.array(logits, dtype=np.float64)
+    if len(context) - prompt_length < settings.get("min_tokens", 0):  # no end yet
+        row[list(settings["ends"])] = -np.inf
     for token, value in settings.get("logit_bias", {}).items():
         row[token] += value
     r = settings.get("repetition_penalty", 1.0)
@@ -185,3 +187,37 @@ def test_logprobs_of_processed_rows_are_the_models_own(generators):
         expected = log_softmax_after(reference, prompt + new[:-1], len(new))
         got = [entry.logprob for entry in result.logprobs]
         np.testing.assert_allclose(got, expected[np.arange(len(new)), new], atol=1e-4)
+
+
+def test_min_tokens_hold_off_the_stop_tokens_and_eos(generators):
+    """``min_tokens`` (vLLM's): a stop token cannot come before that many new tokens. An
+    output that the target alone ends at its first stop token runs on to the first one after
+    ``min_tokens`` (4 more), speculative or not, one row or batched, as a decode written out
+    here gives it; EOS, made near certain by a bias, comes right after the 5 held off."""
+    generator = generators["one row"]
+    [prompt] = generator.encode_prompts(PROMPTS[2:3])
+    plain = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    [alone] = generator.generate([prompt], replace(plain, num_draft_tokens=0))
+    ids = alone.token_ids  # a stop token first met at new token 4 or later
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    stop, least = ids[at], at + 4
+    settings = dict(min_tokens=least, ends=[stop])
+    expected = reference_greedy(generators["portable"], prompt, 24, settings)
+    ends = [i + 1 for i, t in enumerate(expected) if t == stop and i >= least - 1]
+    cut, reason = (ends[0], "stop") if ends else (24, "length")
+    config = replace(plain, stop_token_ids=[stop], min_tokens=least)
+    [early] = generator.generate([prompt], replace(config, min_tokens=0, num_draft_tokens=0))
+    assert len(early.token_ids) == at + 1  # without min_tokens it ends at the stop token
+    for path in ("one row", "batched"):
+        for k in (0, 3):
+            [result] = generators[path].generate([prompt], replace(config, num_draft_tokens=k))
+            assert result.token_ids == expected[:cut] and result.finish_reason == reason, (path, k)
+    [eos] = sorted(generator.eos_token_ids)[:1]
+    forced = GenerationConfig(max_new_tokens=24, logit_bias={eos: 30.0}, min_tokens=5)
+    for k in (0, 3):
+        [result] = generators["batched"].generate([prompt], replace(forced, num_draft_tokens=k))
+        assert len(result.token_ids) == 6 and result.token_ids[-1] == eos, k
+        assert eos not in result.token_ids[:5]
+    with pytest.raises(InvalidInputError, match="min_tokens=25 is out of range") as caught:
+        GenerationConfig(max_new_tokens=24, min_tokens=25)
+    assert caught.value.field == "min_tokens"

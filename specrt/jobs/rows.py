@@ -46,6 +46,7 @@ ROW_OPTIONS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_tokens",
 )
 OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 

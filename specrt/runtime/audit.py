@@ -252,7 +252,8 @@ def _law(
                 f"prompt {index + 1} leaves room for fewer than 2 new tokens: shorten it"
             )
     pairs = np.array([result.token_ids[:2] for result in ordered], dtype=np.int64)
-    fit = _pair_fit(generator.target, prompt, pairs, config.sampling, config.processors)
+    processors = config.processors_for(generator.eos_token_ids)
+    fit = _pair_fit(generator.target, prompt, pairs, config.sampling, processors)
     detail = (
         f"chi-square p={fit.pvalue:.3g} over {samples} samples of the first two new tokens "
         f"({fit.cells} cells; {_drafts(ordered)}; false-alarm rate {alpha:g})"

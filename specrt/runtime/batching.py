@@ -258,12 +258,11 @@ class BatchRunner:
         stats = GenerationStats(prompt_tokens=len(prompt), accepted_per_position=[0] * k_max)
         limit = min(self.target.max_positions, len(prompt) + config.max_new_tokens)
         drafting = k_max > 0 and len(prompt) < self.draft.max_positions
-        stopper = None
-        if config.stop:
-            if self.tokenizer is None:
-                raise InvalidInputError("stop strings need the bundle's tokenizer")
-            stopper = StopStrings(config.stop, self.tokenizer.incremental())
+        if config.stop and self.tokenizer is None:  # (callers check first: `check_config`)
+            raise InvalidInputError("stop strings need the bundle's tokenizer")
+        stopper = StopStrings(config.stop, self.tokenizer.incremental()) if config.stop else None
         row = Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
+        row.round.processors = config.processors_for(self.eos_token_ids)  # (`min_tokens`: EOS)
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             row.index.corpus = self.corpus

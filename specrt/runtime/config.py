@@ -103,6 +103,8 @@ class GenerationConfig:
     end a row where its new text first contains one; the text stops before it
     (`specrt.runtime.stopping`). ``stop_token_ids``: tokens that end a row as EOS does (kept in its
     tokens; vLLM's), whether or not EOS is ignored.
+    ``min_tokens`` (vLLM's): new tokens before which neither EOS nor a stop token can be
+    drawn (their logits held at -inf); stop strings still end a row.
     ``logprobs``: the target's log-probability of each new token and of the ``logprobs``
     most likely tokens at its position (0: the chosen token's alone; None: none), its own
     distribution before temperature, top-k and top-p, as vLLM returns them
@@ -138,6 +140,7 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -198,6 +201,8 @@ class GenerationConfig:
         rule = "use a number > 0 (1 = none; above 1 discourages repeating)"
         penalty = number("repetition_penalty", self.repetition_penalty, rule, lambda r: r > 0)
         set("repetition_penalty", penalty)
+        rule = f"use an integer in [0, max_new_tokens] (max_new_tokens is {self.max_new_tokens})"
+        set("min_tokens", integer("min_tokens", self.min_tokens, 0, self.max_new_tokens, rule))
         for name in ("presence_penalty", "frequency_penalty"):
             rule = "use a number in [-2, 2] (0 = none), as OpenAI's"
             set(name, number(name, getattr(self, name), rule, lambda v: -2 <= v <= 2))
@@ -215,10 +220,16 @@ class GenerationConfig:
     @property
     def processors(self) -> LogitsProcessors | None:
         """The logits processors the config asks for (`specrt.runtime.processors`); None:
-        none."""
+        none. ``min_tokens`` holds off the stop tokens here: `processors_for` EOS too."""
+        return self.processors_for(())
+
+    def processors_for(self, eos_token_ids) -> LogitsProcessors | None:
+        """`processors`, with ``min_tokens`` holding off a model's EOS too (unless ignored)."""
+        ends = (() if self.ignore_eos else tuple(sorted(eos_token_ids))) + self.stop_token_ids
         found = LogitsProcessors(
-            self.logit_bias, self.repetition_penalty, self.presence_penalty, self.frequency_penalty
-        )
+            self.logit_bias, self.repetition_penalty, self.presence_penalty,
+            self.frequency_penalty, self.min_tokens, ends,
+        )  # fmt: skip
         return found if found.active else None
 
     @property

@@ -4,7 +4,8 @@ and presence penalties, applied to the target's logits before sampling or the ar
 They change the target's distribution, so the output is that of the target alone with the same
 processors: a verification pass applies them at each of its positions as if the proposal before
 that position had been generated (the penalties count it), and the rejection sampler then
-compares against the processed distribution. Order as vLLM's: the bias, then the repetition
+compares against the processed distribution. Order as vLLM's: ``min_tokens`` (EOS and the
+stop tokens held off until that many new tokens), the bias, then the repetition
 penalty (on every token of the prompt and the output: a positive logit divided by it, a
 negative one multiplied), then the frequency and presence penalties (on the output's tokens:
 minus ``frequency`` times the count, minus ``presence`` once present). The log-probabilities a
@@ -25,10 +26,12 @@ class LogitsProcessors:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0  # new tokens before which ``ends`` cannot be drawn (vLLM's)
+    ends: tuple[int, ...] = ()  # EOS (unless ignored) and the stop tokens
 
     @property
     def active(self) -> bool:
-        return bool(self.logit_bias) or self.penalized
+        return bool(self.logit_bias) or self.penalized or bool(self.min_tokens and self.ends)
 
     @property
     def penalized(self) -> bool:
@@ -47,6 +50,11 @@ class LogitsProcessors:
         a pass over it, or a fresh copy (its page faults), cost a tenth of a small target's
         step (CHANGELOG.md, 2026-12-07)."""
         out = logits
+        if self.min_tokens and self.ends:  # too few new tokens yet: no end may come
+            made = len(tokens) - prompt_length
+            ends = [t for t in self.ends if t < out.shape[-1]]
+            for j in range(max(0, min(len(out), self.min_tokens - made))):
+                out[j, ends] = -np.inf
         if self.logit_bias:
             ids, values = zip(*self.logit_bias)
             out[:, list(ids)] += np.asarray(values, dtype=out.dtype)
