@@ -18,7 +18,7 @@ from specrt.openai_shapes import (
     spec_stats,
     usage,
 )
-from specrt.runtime.logprobs import TokenLogprob
+from specrt.runtime.logprobs import TokenLogprob, echoed_entries
 
 OUTPUT_FORMATS = ("auto", "specrt", "openai")  # auto: openai for an input of OpenAI lines only
 KEYS = {"id", "custom_id", "response", "error"}
@@ -67,9 +67,8 @@ def record(
             if echo.scored_only:  # the prompt alone: the one token generated is left out
                 choice["text"], entries = "", entries and []
             choice["text"] = echo.text + choice["text"]
-            if entries is not None:  # the prompt's first token: nothing predicts it
-                prompt = _entries(c["prompt_logprobs"][1:])
-                entries = [TokenLogprob(echo.ids[0], None, None), *prompt, *entries]
+            if entries is not None:
+                entries = [*echoed_entries(echo.ids, _entries(c["prompt_logprobs"])), *entries]
         if entries is not None and decode is not None:
             choice["logprobs"] = logprobs_body(kind, entries, decode)
     stats = result["stats"]
@@ -82,10 +81,11 @@ def record(
 
 
 def _entries(records: list[dict] | None) -> list[TokenLogprob] | None:
-    """Log-probability entries as our records hold them, as `TokenLogprob` s."""
+    """Log-probability entries as our records hold them (None: a prompt's first), as
+    `TokenLogprob` s."""
     if records is None:
         return None
-    return [TokenLogprob(e["token_id"], e["logprob"], e["top"]) for e in records]
+    return [e and TokenLogprob(e["token_id"], e["logprob"], e["top"]) for e in records]
 
 
 def is_record(line: object) -> bool:

@@ -44,3 +44,9 @@ def token_logprobs(logits: np.ndarray, tokens: list[int], top: int) -> list[Toke
             best = [(int(i), float(row[i]) - lse) for i in ids]
         out.append(TokenLogprob(int(token), float(row[token]) - lse, best))
     return out
+
+
+def echoed_entries(prompt: list[int], entries: list[TokenLogprob | None]) -> list[TokenLogprob]:
+    """A prompt's entries (``prompt_logprobs``) as an echo lists them: its first token's with
+    no value (OpenAI's ``null``), which nothing predicts."""
+    return [TokenLogprob(prompt[0], None, None), *entries[1:]]

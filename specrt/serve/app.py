@@ -49,7 +49,7 @@ from specrt.openai_shapes import (
 )
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.handles import RequestHandle, merged
-from specrt.runtime.logprobs import TokenLogprob
+from specrt.runtime.logprobs import echoed_entries
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
@@ -161,8 +161,7 @@ def create_app(
             if echo is not None:  # the prompt before the answer, as OpenAI's echo gives it
                 text = echo + text
                 if entries is not None:
-                    first = TokenLogprob(prompt[0], None, None)  # nothing predicts it
-                    entries = [first, *result.prompt_logprobs[1:], *entries]
+                    entries = [*echoed_entries(prompt, result.prompt_logprobs), *entries]
             choice = chunk(ident, kind, text, result.finish_reason, final=True, index=i)
             if entries is not None:
                 choice["choices"][0]["logprobs"] = shapes.logprobs_body(kind, entries, decode)
@@ -279,10 +278,9 @@ def create_app(
                     echoed.add(index)
                     part = {**chunk(ident, kind, echo, None, index=index), **blank}
                     entries = handles[index].prompt_logprobs
-                    if entries is not None:  # the first token: nothing predicts it
-                        first = TokenLogprob(handles[index].request.prompt[0], None, None)
-                        body = logprobs[index].body([first, *entries[1:]])
-                        part["choices"][0]["logprobs"] = body
+                    if entries is not None:
+                        entries = echoed_entries(handles[index].request.prompt, entries)
+                        part["choices"][0]["logprobs"] = logprobs[index].body(entries)
                     yield sse(part)
                 if delta is not None:
                     part = {**chunk(ident, kind, delta.text, None, index=index), **blank}
