@@ -45,6 +45,11 @@ class NumericalError(SpecrtError):
     """A model produced NaN or infinite logits."""
 
 
+class GrammarDeadEnd(NumericalError):
+    """A row's structured output cannot go on: no token of the model's vocabulary continues
+    it. The row fails alone, as a row with NaN logits does."""
+
+
 class OverloadedError(SpecrtError):
     """The service's batch and its waiting queue are full: retry later."""
 

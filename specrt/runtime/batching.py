@@ -18,6 +18,7 @@ from specrt.backends.base import PREFILL_CHUNK, whole_chunks
 from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.corpus import CorpusTable
+from specrt.runtime.grammar import row_grammar
 from specrt.runtime.hybrid import DRAFT_WINDOW, MatchAcceptance
 from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.lookup import NgramIndex, SuffixCache
@@ -262,7 +263,8 @@ class BatchRunner:
             raise InvalidInputError("stop strings need the bundle's tokenizer")
         stopper = StopStrings(config.stop, self.tokenizer.incremental()) if config.stop else None
         row = Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
-        row.round.processors = config.processors_for(self.eos_token_ids)  # (`min_tokens`: EOS)
+        grammar = row_grammar(config, self.tokenizer, self.eos_token_ids, self.target.vocab_size)
+        row.round.processors = config.processors_for(self.eos_token_ids, grammar)
         if config.proposer != "model":
             row.index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             row.index.corpus = self.corpus
@@ -272,8 +274,7 @@ class BatchRunner:
         return row
 
     def _round(self, rows: list[Row], start: int) -> list[int]:
-        """One round over ``rows`` (in slots ``start ..``); returns the slots of rows that
-        finished."""
+        """One round over ``rows`` (in slots ``start ..``); the slots of rows that finished."""
         # 1. Plan: each row's share, the draft model's K tokens or a match: a lone row's by
         #    its own schedule, rows sharing calls' by the load schedule (`planning`)
         lone = len(rows) == 1 and self._runs_alone
@@ -403,8 +404,7 @@ class BatchRunner:
         self.draft.set_length(slot, 0)
 
     def _clear_stale(self) -> None:
-        """After a failed row: no NaN it left may stay where a later row could read it (kept
-        rows' slots are cleared too, and given up)."""
+        """After a failed row: no NaN it left stays where a later row (or kept row) reads."""
         self.target.clear_stale()
         self.draft.clear_stale()
 

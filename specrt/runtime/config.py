@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass, fields
 
 from specrt.errors import InvalidInputError, UnknownSettingError
+from specrt.runtime.grammar import GrammarState, StructuredOutput
 from specrt.runtime.logprobs import MAX_LOGPROBS
 from specrt.runtime.processors import LogitsProcessors
 from specrt.validation import flag, integer, number, out_of_range
@@ -105,6 +106,9 @@ class GenerationConfig:
     tokens; vLLM's), whether or not EOS is ignored.
     ``min_tokens`` (vLLM's): new tokens before which neither EOS nor a stop token can be
     drawn (their logits held at -inf); stop strings still end a row.
+    ``structured_output`` (vLLM's ``structured_outputs``; a `StructuredOutput` or a dict of its
+    fields): a JSON schema, any JSON object, a regex, choices or a Lark grammar the answer
+    follows, ending with EOS where it is complete (`specrt.runtime.grammar`).
     ``logprobs``: the target's log-probability of each new token and of the ``logprobs``
     most likely tokens at its position (0: the chosen token's alone; None: none), its own
     distribution before temperature, top-k and top-p, as vLLM returns them
@@ -141,6 +145,7 @@ class GenerationConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -206,6 +211,8 @@ class GenerationConfig:
         for name in ("presence_penalty", "frequency_penalty"):
             rule = "use a number in [-2, 2] (0 = none), as OpenAI's"
             set(name, number(name, getattr(self, name), rule, lambda v: -2 <= v <= 2))
+        if self.structured_output is not None:
+            set("structured_output", structured_output(self))
 
     @property
     def greedy(self) -> bool:
@@ -223,18 +230,46 @@ class GenerationConfig:
         none. ``min_tokens`` holds off the stop tokens here: `processors_for` EOS too."""
         return self.processors_for(())
 
-    def processors_for(self, eos_token_ids) -> LogitsProcessors | None:
-        """`processors`, with ``min_tokens`` holding off a model's EOS too (unless ignored)."""
+    def processors_for(
+        self, eos_token_ids, grammar: GrammarState | None = None
+    ) -> LogitsProcessors | None:
+        """`processors`, with ``min_tokens`` holding off a model's EOS too (unless ignored),
+        and a row's own ``grammar`` (`grammar.row_grammar`) where it asks for structured
+        output."""
         ends = (() if self.ignore_eos else tuple(sorted(eos_token_ids))) + self.stop_token_ids
         found = LogitsProcessors(
             self.logit_bias, self.repetition_penalty, self.presence_penalty,
-            self.frequency_penalty, self.min_tokens, ends,
+            self.frequency_penalty, self.min_tokens, ends, grammar,
         )  # fmt: skip
         return found if found.active else None
 
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+def structured_output(config: GenerationConfig) -> StructuredOutput:
+    """``config.structured_output`` (a `StructuredOutput`, or a dict of its fields), checked
+    against the rest of the config and compiled once."""
+    given = config.structured_output
+    if isinstance(given, dict):
+        unknown = sorted(set(given) - {f.name for f in fields(StructuredOutput)})
+        if unknown:
+            rule = "give one of json, json_object, regex, choice, grammar"
+            raise InvalidInputError(f"structured_output has {unknown}: {rule}", "structured_output")
+        given = StructuredOutput(**given)
+    if not isinstance(given, StructuredOutput):
+        message = f"structured_output={given!r}: give a StructuredOutput (or a dict of its fields)"
+        raise InvalidInputError(message, "structured_output")
+    if config.ignore_eos or config.min_tokens:  # the grammar ends the answer with EOS
+        name = "ignore_eos" if config.ignore_eos else "min_tokens"
+        raise InvalidInputError(
+            f"{name} cannot be combined with structured output, whose answer ends with EOS "
+            "where its grammar is complete: leave one out",
+            name,
+        )
+    given.check()
+    return given
 
 
 # Every new token is matched against each stop string of its row in the shared loop, so a

@@ -114,9 +114,13 @@ class SpeculativeGenerator:
     # ----------------------------------------------------------------------------------------
     def check_config(self, config: GenerationConfig) -> None:
         """Refuse, before any work, what this bundle cannot do with ``config``: stop strings
-        without its tokenizer, a logit_bias for a token past its vocabulary."""
+        or structured output without its tokenizer, a logit_bias for a token past its
+        vocabulary."""
         if config.stop and self.tokenizer is None:
             raise InvalidInputError("stop strings need the bundle's tokenizer", "stop")
+        if config.structured_output and (self.tokenizer is None or not self.eos_token_ids):
+            message = "structured output needs the bundle's tokenizer and an EOS token to end with"
+            raise InvalidInputError(message, "structured_output")
         vocab = self.target.vocab_size
         if config.logit_bias and config.logit_bias[-1][0] >= vocab:
             raise InvalidInputError(

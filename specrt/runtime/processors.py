@@ -8,16 +8,19 @@ compares against the processed distribution. Order as vLLM's: ``min_tokens`` (EO
 stop tokens held off until that many new tokens), the bias, then the repetition
 penalty (on every token of the prompt and the output: a positive logit divided by it, a
 negative one multiplied), then the frequency and presence penalties (on the output's tokens:
-minus ``frequency`` times the count, minus ``presence`` once present). The log-probabilities a
-row asks for stay the model's own (vLLM's default).
+minus ``frequency`` times the count, minus ``presence`` once present), then a structured
+output's grammar (`specrt.runtime.grammar`: -inf for the tokens it does not allow). The
+log-probabilities a row asks for stay the model's own (vLLM's default).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from specrt.runtime.grammar import GrammarState
 
 
 @dataclass(frozen=True)
@@ -28,10 +31,12 @@ class LogitsProcessors:
     frequency_penalty: float = 0.0
     min_tokens: int = 0  # new tokens before which ``ends`` cannot be drawn (vLLM's)
     ends: tuple[int, ...] = ()  # EOS (unless ignored) and the stop tokens
+    grammar: GrammarState | None = field(default=None, compare=False)  # the row's own
 
     @property
     def active(self) -> bool:
-        return bool(self.logit_bias) or self.penalized or bool(self.min_tokens and self.ends)
+        ended = bool(self.min_tokens and self.ends)
+        return bool(self.logit_bias) or self.penalized or ended or self.grammar is not None
 
     @property
     def penalized(self) -> bool:
@@ -42,13 +47,19 @@ class LogitsProcessors:
         )
 
     def apply(
-        self, logits: np.ndarray, tokens: list[int], prompt_length: int, proposal: list[int]
+        self,
+        logits: np.ndarray,
+        tokens: list[int],
+        prompt_length: int,
+        proposal: list[int],
+        draft: bool = False,
     ) -> np.ndarray:
         """``logits [m, V]`` processed in place (and returned): row j as after ``tokens``
         (the row so far, its first ``prompt_length`` the prompt) and ``proposal[:j]``. Only
         the tokens the row holds are touched, and nothing is allocated the vocabulary's size:
         a pass over it, or a fresh copy (its page faults), cost a tenth of a small target's
-        step (CHANGELOG.md, 2026-12-07)."""
+        step (CHANGELOG.md, 2026-12-07). ``draft``: a draft step's logits (a grammar with no
+        way on leaves them as they are; the target's raise `GrammarDeadEnd`)."""
         out = logits
         if self.min_tokens and self.ends:  # too few new tokens yet: no end may come
             made = len(tokens) - prompt_length
@@ -58,8 +69,15 @@ class LogitsProcessors:
         if self.logit_bias:
             ids, values = zip(*self.logit_bias)
             out[:, list(ids)] += np.asarray(values, dtype=out.dtype)
-        if not self.penalized:
-            return out
+        if self.penalized:
+            self._penalize(out, tokens, prompt_length, proposal)
+        if self.grammar is not None:
+            self.grammar.apply(out, tokens[prompt_length:], proposal, draft)
+        return out
+
+    def _penalize(
+        self, out: np.ndarray, tokens: list[int], prompt_length: int, proposal: list[int]
+    ) -> None:
         seen, counts = set(tokens), Counter(tokens[prompt_length:])
         for j, row in enumerate(out):
             if j:  # the proposal before this position counts as generated
@@ -75,4 +93,3 @@ class LogitsProcessors:
                 times = np.fromiter(counts.values(), np.float64, len(counts))
                 cut = self.frequency_penalty * times + self.presence_penalty
                 row[ids] -= cut.astype(out.dtype)
-        return out

@@ -24,7 +24,7 @@ import numpy as np
 
 from specrt.backends import NEED_ARGMAX, NEED_LOGITS, Forward, RowsDecoder
 from specrt.backends.base import PREFILL_CHUNK
-from specrt.errors import NumericalError
+from specrt.errors import GrammarDeadEnd, NumericalError
 from specrt.runtime.config import SamplingParams
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
 from specrt.runtime.processors import LogitsProcessors
@@ -119,7 +119,7 @@ def run_round(
     logits = not greedy or any(_reads_logits(row) for row in rows)
     need = NEED_LOGITS if logits else NEED_ARGMAX  # what a device backend brings back
     out = target.forward_rows(ids, keep_last=width + 1, start=start, need=need)
-    scores, raw = _processed(out, rows, proposals)  # what the target chooses by
+    scores, raw = _processed(out, rows, proposals, failed)  # what the target chooses by
 
     # 3. Accept: (accepted, next token) per row; greedy rows in one argmax over the batch
     verdicts: list[tuple[int, int]] = []
@@ -160,11 +160,12 @@ def _reads_logits(row: RowRound) -> bool:
 
 
 def _processed(
-    out: Forward, rows: list[RowRound], proposals: list[list[int]]
+    out: Forward, rows: list[RowRound], proposals: list[list[int]], failed: dict[int, str]
 ) -> tuple[Forward, dict[int, np.ndarray]]:
     """The target's pass with each row's logits processors applied at its positions (its
     proposal before each counted as generated), in place, and the raw logits of processed
-    rows that list log-probabilities; ``out`` itself where no row has any."""
+    rows that list log-probabilities; ``out`` itself where no row has any. A row whose
+    structured output has no way on fails alone (in ``failed``)."""
     if all(row.processors is None for row in rows):
         return out, {}
     raw = {}
@@ -173,7 +174,10 @@ def _processed(
             kept = out.logits[i, : len(proposals[i]) + 1]
             if row.logprobs is not None:
                 raw[i] = kept.copy()
-            row.processors.apply(kept, row.tokens, row.prompt_length, proposals[i])
+            try:
+                row.processors.apply(kept, row.tokens, row.prompt_length, proposals[i])
+            except GrammarDeadEnd as exc:
+                failed[i] = str(exc)
     # not ``out``: a backend's own argmax is the raw logits'; the softmax: the other rows'
     return Forward(out.logits, out.probabilities), raw
 
@@ -244,9 +248,12 @@ def _first_verdict(row: RowRound, out: Forward, started: float) -> RoundResult:
     picked = _pick(out, 0)
     if row.processors is not None:  # on a copy: rows of one prompt share ``out``
         logits = np.array(picked.logits, dtype=np.float32)
-        picked = Forward(row.processors.apply(logits, row.tokens, row.prompt_length, match))
+        try:
+            picked = Forward(row.processors.apply(logits, row.tokens, row.prompt_length, match))
+        except GrammarDeadEnd as exc:
+            failed[0] = str(exc)
     args = match, None, picked, row.sampling, row.rng, len(row.tokens)
-    accepted, token = _row_verdict(failed, 0, *args)
+    accepted, token = (0, 0) if failed else _row_verdict(failed, 0, *args)
     seconds = time.perf_counter() - started
     tokens = [] if failed else [*match[:accepted], token]
     source = row.source if match else "model"
@@ -328,7 +335,7 @@ def _draft_processed(picked: Forward, rows: list[RowRound], drafted: np.ndarray)
     for i, row in enumerate(rows):  # in place: the step's own arrays
         if row.processors is not None:
             before = [*row.tokens, *drafted[i].tolist()]
-            row.processors.apply(picked.logits[i : i + 1], before, row.prompt_length, [])
+            row.processors.apply(picked.logits[i : i + 1], before, row.prompt_length, [], True)
     return Forward(picked.logits)  # (the graph's softmax is the unprocessed one)
 
 
