@@ -32,6 +32,14 @@ class InvalidInputError(SpecrtError, ValueError):
         self.field = field
 
 
+class RequestError(InvalidInputError):
+    """An OpenAI request body specrt cannot answer as asked; ``param``: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class UnknownSettingError(InvalidInputError, TypeError):
     """A keyword `GenerationConfig` does not have: a TypeError, as any unknown keyword
     argument is, that says which name to use."""

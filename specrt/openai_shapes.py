@@ -11,7 +11,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from specrt.errors import InvalidInputError
+from specrt.errors import RequestError
+from specrt.openai_structured import STRUCTURED, structured_output
 
 COMPLETION, CHAT = "completion", "chat"
 # OpenAI request fields -> GenerationConfig fields (top_k is an extension, as in vLLM).
@@ -39,14 +40,13 @@ MAX_LOGPROBS = 20  # most likely tokens a position may list: OpenAI's limit, and
 # the model stops or the context ends (as OpenAI's and vLLM's), which only the caller knows.
 DEFAULT_MAX_TOKENS = 16
 # Fields accepted only at values that ask for nothing specrt does not do (clients such as
-# LangChain send them so): no tools or structured output. (Log-probabilities: `_logprobs`;
+# LangChain send them so): no tools. (Log-probabilities: `_logprobs`;
 # echo: `read_request`.)
 OFF_VALUES = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     # vLLM's extensions, which clients written for it send at these values
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
@@ -72,14 +72,7 @@ IGNORED = {
     "echo",
     *OFF_VALUES,
 }
-
-
-class RequestError(InvalidInputError):
-    """A request body specrt cannot answer as asked; ``param``: the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+IGNORED |= set(STRUCTURED)  # read by `structured_output`
 
 
 def _same(value: object, off: object) -> bool:
@@ -169,6 +162,9 @@ def read_request(
         if not isinstance(prompt, (str, list)) or mixed:
             raise RequestError("prompt must be a string (or a list of token ids)", "prompt")
     options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
+    structured = structured_output(body)
+    if structured is not None:
+        options["structured_output"] = structured
     logprobs = _logprobs(body, kind)
     if logprobs is not None:
         options["logprobs"] = logprobs

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime import GenerationConfig, SpeculativeGenerator, StructuredOutput
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
@@ -413,11 +413,14 @@ def test_a_null_setting_is_the_default_and_unknown_fields_name_the_lines_own_for
 
 
 def test_our_lines_take_openai_s_max_tokens_as_max_new_tokens():
-    """A line written for OpenAI's API says max_tokens: it was refused as an unknown field."""
+    """A line written for OpenAI's API says max_tokens: it was refused as an unknown field.
+    (Our lines take ``structured_output`` as `GenerationConfig` does.)"""
     from specrt.jobs.rows import row_from_item
 
     row = row_from_item({"id": 1, "prompt": "a", "max_tokens": 5}, "line 1")
     assert row.error is None and row.options == {"max_new_tokens": 5}
+    row = row_from_item({"id": 3, "prompt": "a", "structured_output": {"regex": "a+"}}, "line 3")
+    assert row.error is None and row.options == {"structured_output": {"regex": "a+"}}
     row = row_from_item({"id": 2, "prompt": "a", "max_tokens": 5, "max_new_tokens": 5}, "line 2")
     assert row.error == 'a line gives "max_new_tokens" or "max_tokens" (its OpenAI name), not both'
     assert row.id == 2
@@ -434,6 +437,12 @@ def test_our_lines_take_openai_s_max_tokens_as_max_new_tokens():
         ({"prompt": "a", "top_k": 5, "max_tokens": 3}, {"top_k": 5, "max_new_tokens": 3}, "a"),
         ({"prompt": ["a"]}, {}, "a"),  # one prompt in a list, as OpenAI takes it
         ({"prompt": [5, 6, 7]}, {}, [5, 6, 7]),  # token ids
+        # structured output: vLLM's and OpenAI's fields
+        ({"prompt": "a", "guided_regex": "a+"},
+         {"structured_output": StructuredOutput(regex="a+")}, "a"),
+        ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}}}},
+         {"structured_output": StructuredOutput(json={"type": "object"})}, "a"),
     ],
 )  # fmt: skip
 def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
@@ -461,6 +470,8 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
         ({"url": "/v1/completions", "body": {"messages": []}},
          "a completion request gives a prompt, not messages"),
         ({"body": "{\"prompt\": \"a\"}"}, '"body" must be an object'),
+        ({"body": {"prompt": "a", "guided_regex": "[a-"}},
+         "guided_regex: the structured output does not compile"),
     ],
 )  # fmt: skip
 def test_openai_lines_specrt_cannot_answer_are_told_why_under_their_own_id(line, message):

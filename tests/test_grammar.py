@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from specrt.errors import InvalidInputError, NumericalError
-from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime import GenerationConfig, SpeculativeGenerator, StructuredOutput
 from specrt.runtime.batching import Request
-from specrt.runtime.grammar import StructuredOutput, row_grammar
+from specrt.runtime.grammar import row_grammar
 from specrt.runtime.sampling import warp
 from tests.conftest import build_bundle
 from tests.stats import chi_square_pvalue
@@ -303,7 +303,7 @@ def test_bad_structured_outputs_are_refused_naming_the_field(generators):
         (dict(grammar="start: missing_rule"), "does not compile"),
         (dict(choice=["a", ""]), "give non-empty strings"),
         (dict(json="{not json"), "not valid JSON"),
-        (dict(shape="x"), r"structured_output has \['shape'\]"),
+        (dict(shape="x"), r"structured output with \[.shape.\]"),
     ]
     for given, words in cases:
         with pytest.raises(InvalidInputError, match=words) as caught:
@@ -316,3 +316,34 @@ def test_bad_structured_outputs_are_refused_naming_the_field(generators):
     config = GenerationConfig(structured_output={"json": {"type": "object"}})
     assert config.structured_output == StructuredOutput(json='{"type": "object"}')
     assert hash(config)  # a config stays hashable
+
+
+def test_the_command_line_takes_a_grammar_and_refuses_a_bad_one_in_one_line(llama_bundle, tmp_path):
+    """`specrt generate --regex/--choice/--grammar/--json-schema`: the answer follows it, as the
+    library's; a regex that does not compile, or a schema file that is not there, is a usage
+    error (status 2) of one line."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    base = ["generate", "--bundle", str(llama_bundle), "--prompt", "Simple is", "--json"]
+    lark = tmp_path / "answer.lark"
+    lark.write_text('start: "ab" ("c" | "d")+ "."\n')
+    for option, pattern in [
+        (["--regex", ENDS.regex], ENDS.regex),
+        (["--choice", "cab", "--choice", "ace"], "cab|ace"),
+        (["--grammar", str(lark)], r"ab[cd]+(\.|$)"),  # (it may run to the length)
+    ]:
+        result = CliRunner().invoke(main, [*base, *option, "--max-new-tokens", "24"])
+        assert result.exit_code == 0, result.output
+        record = json.loads(result.output)
+        assert re.fullmatch(pattern, record["text"]), record
+    for option, words in [
+        (["--regex", "[a-"], "does not compile"),
+        (["--json-schema", str(tmp_path / "none.json")], "no such file"),
+        (["--regex", "a+", "--choice", "a"], "give one of json, json_object, regex"),
+    ]:
+        result = CliRunner().invoke(main, [*base, *option])
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert "Traceback" not in result.output
+        assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1

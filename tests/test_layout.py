@@ -22,6 +22,8 @@ BASE = {
     "specrt.checksums",
     "specrt.chat",  # chat templates, for the server's chat route and batch jobs' chat lines
     "specrt.openai_shapes",  # OpenAI's bodies, for the server and batch jobs' OpenAI output
+    "specrt.openai_structured",  # ... their structured-output fields
+    "specrt.structured",  # what a structured output asks for (a config's value)
 }
 ALLOWED = {
     "base": BASE,

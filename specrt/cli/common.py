@@ -118,6 +118,9 @@ def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
         )
     if params.pop("adaptive_draft", False):  # the deprecated flag: the same schedule
         params["draft_schedule"] = "adaptive"
+    structured = _structured(params)
+    if structured:
+        params["structured_output"] = structured
     try:
         config = GenerationConfig(**params)
     except InvalidInputError as exc:
@@ -135,6 +138,30 @@ def _generation_config(params: dict, notes: bool = False) -> GenerationConfig:
                 err=True,
             )
     return config
+
+
+def _structured(params: dict) -> dict:
+    """The structured-output options (taken out of ``params``) as `StructuredOutput` fields;
+    a schema or grammar given as a file is read."""
+    given = {
+        "json": params.pop("json_schema", None),
+        "json_object": params.pop("json_object", False),
+        "regex": params.pop("regex", None),
+        "choice": params.pop("choice", ()),
+        "grammar": params.pop("grammar", None),
+    }
+    schema = given["json"]
+    if schema and not schema.lstrip().startswith("{") and not Path(schema).is_file():
+        message = f"--json-schema {schema}: no such file (give a schema's file or its JSON text)"
+        raise click.UsageError(message)
+    for name, flag in (("json", "--json-schema"), ("grammar", "--grammar")):
+        value = given[name]
+        if value and not value.lstrip().startswith("{") and Path(value).is_file():
+            try:
+                given[name] = Path(value).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise click.UsageError(f"{flag} {value}: cannot read it ({exc})") from None
+    return {name: value for name, value in given.items() if value}
 
 
 def _prompts(

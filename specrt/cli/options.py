@@ -142,6 +142,16 @@ PENALTY_OPTIONS = _stack(
         "Subtract this from the logit of each token the output holds; 0 = off.",
     ),
 )
+STRUCTURED_OPTIONS = _stack(
+    click.option(
+        "--json-schema",
+        help="Hold the output to this JSON schema: a file, or the schema's JSON text.",
+    ),
+    click.option("--json-object", is_flag=True, help="Hold the output to a JSON object."),
+    click.option("--regex", help="Hold the output to this regular expression."),
+    click.option("--choice", multiple=True, help="Hold the output to one of these (repeatable)."),
+    click.option("--grammar", help="Hold the output to this Lark grammar: a file, or its text."),
+)
 PROMPT_LOOKUP_OPTIONS = _stack(
     click.option(
         "--prompt-lookup-min",
@@ -233,6 +243,7 @@ generation_options = _stack(
         show_default=True,
         help="How many tokens each round drafts (adaptive = --adaptive-draft).",
     ),
+    STRUCTURED_OPTIONS,
     PROPOSER_OPTION,
     PROMPT_LOOKUP_OPTIONS,
 )

@@ -10,6 +10,7 @@ from specrt.runtime.generator import SpeculativeGenerator
 from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.lookup import SuffixCache
 from specrt.runtime.results import GenerationResult, GenerationStats
+from specrt.structured import StructuredOutput
 
 __all__ = [
     "GenerationConfig",
@@ -17,6 +18,7 @@ __all__ = [
     "GenerationStats",
     "SamplingParams",
     "SpeculativeGenerator",
+    "StructuredOutput",
     "SuffixCache",
     "TokenLogprob",
 ]

@@ -8,9 +8,10 @@ import warnings
 from dataclasses import dataclass, fields
 
 from specrt.errors import InvalidInputError, UnknownSettingError
-from specrt.runtime.grammar import GrammarState, StructuredOutput
+from specrt.runtime.grammar import GrammarState
 from specrt.runtime.logprobs import MAX_LOGPROBS
 from specrt.runtime.processors import LogitsProcessors
+from specrt.structured import StructuredOutput
 from specrt.validation import flag, integer, number, out_of_range
 
 MAX_DRAFT_TOKENS = 64
@@ -251,16 +252,7 @@ class GenerationConfig:
 def structured_output(config: GenerationConfig) -> StructuredOutput:
     """``config.structured_output`` (a `StructuredOutput`, or a dict of its fields), checked
     against the rest of the config and compiled once."""
-    given = config.structured_output
-    if isinstance(given, dict):
-        unknown = sorted(set(given) - {f.name for f in fields(StructuredOutput)})
-        if unknown:
-            rule = "give one of json, json_object, regex, choice, grammar"
-            raise InvalidInputError(f"structured_output has {unknown}: {rule}", "structured_output")
-        given = StructuredOutput(**given)
-    if not isinstance(given, StructuredOutput):
-        message = f"structured_output={given!r}: give a StructuredOutput (or a dict of its fields)"
-        raise InvalidInputError(message, "structured_output")
+    given = StructuredOutput.of(config.structured_output)
     if config.ignore_eos or config.min_tokens:  # the grammar ends the answer with EOS
         name = "ignore_eos" if config.ignore_eos else "min_tokens"
         raise InvalidInputError(

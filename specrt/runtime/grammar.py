@@ -1,13 +1,11 @@
-"""Structured output: an answer held to a JSON schema, a regular expression, a list of choices
-or a Lark grammar, as vLLM's structured outputs and OpenAI's ``response_format`` ask for it.
+"""Structured output (`specrt.structured.StructuredOutput`) in the loop.
 
 The grammar is one more logits processor (`specrt.runtime.processors`): at each position the
 tokens it does not allow get -inf, as if the tokens before had been generated. A verification
 pass masks each of its positions after the proposal before it, the draft drafts under the same
 masks, and the rejection sampler compares against the masked distribution, so the output is
 the target's under the grammar, exactly, speculative or not. The masks come from llguidance
-(Microsoft's, one of vLLM's backends), which reads the bundle's tokenizer.json; it is imported
-only when a grammar is asked for (``pip install 'specrt[structured]'``).
+(Microsoft's, one of vLLM's backends), which reads the bundle's tokenizer.json.
 """
 
 from __future__ import annotations
@@ -15,97 +13,11 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
 from specrt.errors import GrammarDeadEnd, InvalidInputError
-
-FIELD = "structured_output"
-INSTALL = "pip install 'specrt[structured]' (llguidance)"
-MAX_GRAMMAR_CHARS = 1 << 20  # compiled for each request: far above any real schema
-
-
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError:
-        raise InvalidInputError(f"structured output needs llguidance: {INSTALL}", FIELD) from None
-    return llguidance
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """What the answer must match, one of: ``json`` a JSON schema (a dict or its JSON text),
-    ``json_object`` any JSON object (OpenAI's JSON mode), ``regex`` a regular expression (the
-    whole answer), ``choice`` one of these strings, ``grammar`` a Lark grammar (llguidance's
-    dialect). The answer then ends with EOS, where the grammar allows it to."""
-
-    json: str | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] = ()
-    grammar: str | None = None
-    json_object: bool = False
-
-    def __post_init__(self) -> None:
-        schema = self.json
-        if isinstance(
-            schema, dict
-        ):  # its text (in its order: the answer keeps it): the config stays hashable
-            object.__setattr__(self, "json", json.dumps(schema))
-        elif schema is not None:
-            try:
-                parsed = json.loads(schema) if isinstance(schema, str) else None
-            except ValueError as exc:
-                message = f"the JSON schema is not valid JSON: {exc}"
-                raise InvalidInputError(message, FIELD) from None
-            if not isinstance(parsed, dict):
-                raise InvalidInputError(f"json={schema!r}: give a JSON schema (an object)", FIELD)
-        if isinstance(self.choice, (list, tuple)):
-            object.__setattr__(self, "choice", tuple(self.choice))
-        if not isinstance(self.choice, tuple) or not all(
-            isinstance(c, str) and c for c in self.choice
-        ):
-            raise InvalidInputError(f"choice={self.choice!r}: give non-empty strings", FIELD)
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidInputError(f"{name}={value!r}: give a non-empty string", FIELD)
-        if not isinstance(self.json_object, bool):
-            raise InvalidInputError("json_object: use True or False", FIELD)
-        given = [
-            n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n)
-        ]
-        if len(given) != 1:
-            rule = "give one of json, json_object, regex, choice, grammar"
-            raise InvalidInputError(f"structured output with {given or 'nothing'}: {rule}", FIELD)
-        if len(self.spec) > MAX_GRAMMAR_CHARS:
-            raise InvalidInputError(
-                f"the structured output's grammar has {len(self.spec)} characters: give one of "
-                f"at most {MAX_GRAMMAR_CHARS}",
-                FIELD,
-            )
-
-    @property
-    def spec(self) -> str:
-        """llguidance's grammar for it (its JSON text)."""
-        matcher = _llguidance().LLMatcher
-        if self.json is not None:
-            return matcher.grammar_from_json_schema(self.json)
-        if self.json_object:
-            return matcher.grammar_from_json_schema({"type": "object"})
-        if self.regex is not None:
-            return matcher.grammar_from_regex(self.regex)
-        if self.choice:  # vLLM builds its choices' regex so too
-            return matcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
-        return matcher.grammar_from_lark(self.grammar)
-
-    def check(self) -> None:
-        """Refuse a grammar llguidance cannot compile (a bad regex, an unknown Lark rule),
-        before any work."""
-        error = _llguidance().LLMatcher.validate_grammar(self.spec)
-        if error:
-            raise InvalidInputError(f"the structured output does not compile: {error}", FIELD)
+from specrt.structured import FIELD, llguidance_module
 
 
 class GrammarState:
@@ -199,7 +111,7 @@ def _executor():
     fight onnxruntime's for these cores."""
     global _EXECUTOR
     if _EXECUTOR is None:
-        _EXECUTOR = _llguidance().LLExecutor(num_threads=1)
+        _EXECUTOR = llguidance_module().LLExecutor(num_threads=1)
     return _EXECUTOR
 
 
@@ -207,7 +119,7 @@ def guidance_tokenizer(tokenizer, eos_token_ids: tuple[int, ...], vocab: int):
     """llguidance's tokenizer for a `tokenizers.Tokenizer`: read from its JSON where llguidance
     knows its decoder (byte-level BPE; SentencePiece's byte fallback), else from each token's
     bytes as a Metaspace decoder writes them ("▁" a space, "<0xAB>" a byte)."""
-    llguidance = _llguidance()
+    llguidance = llguidance_module()
     try:
         return llguidance.LLTokenizer(
             tokenizer.to_str(), n_vocab=vocab, eos_token=list(eos_token_ids)
@@ -270,7 +182,7 @@ def row_grammar(config, tokenizer, eos_token_ids, vocab: int) -> GrammarState | 
     if config.structured_output is None:
         return None
     guidance = tokenizer.guidance(tuple(sorted(eos_token_ids)), vocab)
-    matcher = _llguidance().LLMatcher(guidance, config.structured_output.spec, log_level=0)
+    matcher = llguidance_module().LLMatcher(guidance, config.structured_output.spec, log_level=0)
     if matcher.is_error():
         message = f"the structured output does not compile: {matcher.get_error()}"
         raise InvalidInputError(message, FIELD)
