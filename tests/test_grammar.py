@@ -347,3 +347,30 @@ def test_the_command_line_takes_a_grammar_and_refuses_a_bad_one_in_one_line(llam
         assert result.exit_code == 2 and words in result.output, result.output
         assert "Traceback" not in result.output
         assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
+
+
+def test_a_match_is_cut_where_the_grammar_refuses_a_token(generators):
+    """Prompt lookup's match is verified only as far as the grammar allows: a refused token
+    would be rejected, so verifying it (and the rest) is work for nothing."""
+    from specrt.runtime.lookup import NgramIndex
+    from specrt.runtime.planning import _match
+    from specrt.runtime.requests import Row
+
+    generator = generators["one row"]
+    pieces = generator.tokenizer._tokenizer.token_to_id
+    ids = [pieces("▁" if c == " " else c) for c in "cab bad. cab bax"]
+    prompt, output = ids[:9], ids[9:12]  # "cab bad. ", then "cab" written
+    config = GenerationConfig(max_new_tokens=24, structured_output=ENDS)
+    for structured, expected in ((ENDS, " bad."), (None, " bad. ca")):
+        request = Request(0, prompt, replace(config, structured_output=structured))
+        row = Row(request, prompt + output, 64, True, None, 0.0)
+        row.round.processors = request.config.processors_for(
+            generator.eos_token_ids,
+            row_grammar(request.config, generator.tokenizer, generator.eos_token_ids, 47),
+        )
+        row.index = NgramIndex(1, 3)
+        row.index.prompt_length = len(prompt)
+        found = _match(row, None, 8, 0)
+        text = "".join(" " if t == pieces("▁") else generator.tokenizer._tokenizer.id_to_token(t)
+                       for t in found.tokens)  # fmt: skip
+        assert text == expected, (structured, text)

@@ -331,10 +331,15 @@ def _match(
 ) -> Proposal | None:
     """The row's match of up to ``cap`` tokens (its own text, else the suffix cache), or its
     corpus's proposal of up to ``corpus_cap`` (default: ``cap``; 0: none), as `find_match`
-    chooses."""
+    chooses; under a structured output, only as far as its grammar allows."""
     corpus_cap = cap if corpus_cap is None else corpus_cap
     if row.index is None or max(cap, corpus_cap) <= 0:
         return None
     found = find_match(row.index, suffix_cache, row.tokens, max(cap, corpus_cap), corpus_cap > 0)
     found = found.first(corpus_cap if found.source == "corpus" else cap)
+    grammar = row.round.processors and row.round.processors.grammar
+    if grammar and found.tokens:  # a token the grammar refuses is rejected: not worth verifying
+        found = found.first(
+            grammar.valid_prefix(row.tokens[row.round.prompt_length :], found.tokens)
+        )
     return found if found.tokens else None
