@@ -2,9 +2,9 @@
 into the runtime (greedy identity catches a greedy bug; the chi-square check a bug that only
 touches unseeded sampling); its chi-square survival function against scipy's; bad input.
 
-False-alarm rate: the runs expected to pass have 2 + 1 + 1 sampled-law checks at alpha 1e-3
-(the default, in the first) and 1e-4, so a correct runtime fails this module with probability
-at most 2.2e-3 (unseeded rows draw from fresh entropy: a failure is not reproducible by seed).
+False-alarm rate: the runs expected to pass have 2 + 1 + 1 + 1 sampled-law checks at alpha
+1e-3 (the default, in the first) and 1e-4, so a correct runtime fails this module with
+probability at most 2.3e-3 (unseeded rows draw from fresh entropy: a failure is not reproducible by seed).
 Power against the wrong residual, computed exactly from the demo pair's target and draft laws
 (noncentral chi-square; CHANGELOG.md, 2026-12-04): the default run's two law checks miss it
 with probability 0.021 and 0.00066, and the test needs only one of them to see it (1.4e-5)."""
@@ -96,11 +96,26 @@ def test_verify_audits_the_logits_processors(demo, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "repetition penalty 1.3, frequency penalty 0.5, presence penalty 0.3" in result.output
     assert all(line.endswith(" PASS") for line in checks(result.output).values())
-    monkeypatch.setattr(round_module, "_processed", lambda out, rows, proposals: (out, {}))
+    monkeypatch.setattr(round_module, "_processed", lambda out, rows, *_: (out, {}))
     result = verify(demo, *penalties)  # 2000 samples of each of two prompts
     assert result.exit_code == 1, result.output
     laws = [line for name, line in checks(result.output).items() if "law" in name]
     assert any(line.endswith(" FAIL") for line in laws), result.output
+
+
+def test_verify_audits_structured_output(demo, monkeypatch):
+    """Under a grammar the audit's law is the masked target's: it passes, and a runtime whose
+    rounds verify against the unmasked logits (the first token still masked) fails the
+    sampled law: its second tokens include ones the grammar refuses."""
+    grammar = ("--regex", "[a-z_ ():=.\n]{2,80}")
+    result = verify(demo, *grammar, "--samples", 500, "--law-prompts", 1, "--alpha", 1e-4)
+    assert result.exit_code == 0, result.output
+    assert "structured output)" in result.output
+    assert all(line.endswith(" PASS") for line in checks(result.output).values())
+    monkeypatch.setattr(round_module, "_processed", lambda out, rows, *_: (out, {}))
+    result = verify(demo, *grammar, "--samples", 500, "--law-prompts", 1)
+    assert result.exit_code == 1, result.output
+    assert checks(result.output)["sampled law, prompt 1"].endswith(" FAIL"), result.output
 
 
 def test_a_wrong_residual_fails_the_sampled_law_only(demo, monkeypatch):

@@ -20,6 +20,7 @@ from specrt.cli.options import (
     PENALTY_OPTIONS,
     PROMPT_LOOKUP_OPTIONS,
     PROPOSER_OPTION,
+    STRUCTURED_OPTIONS,
     TOP_K_TOP_P_OPTIONS,
     load_options,
 )
@@ -107,6 +108,7 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS, GenerationC
 )
 @TOP_K_TOP_P_OPTIONS
 @PENALTY_OPTIONS
+@STRUCTURED_OPTIONS
 @click.option(
     "--seed",
     type=int,
@@ -191,6 +193,7 @@ def _header(bundle: Path, prompts: int, config: GenerationConfig) -> str:
             f", top-p {sampled.top_p:g}" if sampled.top_p < 1 else "",
             f", min-p {sampled.min_p:g}" if sampled.min_p > 0 else "",
             _penalties(config),
+            ", structured output" if config.structured_output else "",
         ]
     )
     return (

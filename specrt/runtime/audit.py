@@ -11,7 +11,8 @@ give the target's own output here, with these settings?
   target's warped distribution in law only. The first new token comes from the target's prompt
   pass, the second from the first verified round, so the law of the pair ``(t1, t2)`` is
   computed exactly from the target alone (its logits after the prompt and after prompt + t1,
-  warped as the runtime warps them) and ``samples`` draws of the pair are tested against it
+  warped as the runtime warps them, under its logits processors and a structured output's
+  grammar) and ``samples`` draws of the pair are tested against it
   (Pearson's chi-square, small cells pooled). A correct runtime fails it with probability
   ``alpha``, the false-alarm rate.
 
@@ -36,6 +37,7 @@ from specrt.runtime.batching import Request
 from specrt.runtime.chi_square import MIN_EXPECTED, Fit, goodness_of_fit
 from specrt.runtime.config import GenerationConfig, SamplingParams
 from specrt.runtime.generator import Prompt, SpeculativeGenerator, row_rng
+from specrt.runtime.grammar import row_grammar
 from specrt.runtime.processors import LogitsProcessors
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.sampling import LOOP_DTYPE, warp
@@ -131,7 +133,8 @@ def run_checks(
     ids = generator.encode_prompts(list(DEFAULT_PROMPTS if prompts is None else prompts))
 
     # Every row runs to max_new_tokens: more tokens compared, and the pair's law is defined
-    config = replace(config, ignore_eos=True, stop=())
+    # (a structured output's answer ends with EOS where its grammar is complete)
+    config = replace(config, ignore_eos=config.structured_output is None, stop=())
     greedy = replace(config, temperature=0.0, seed=None)
     yield from _identity("greedy identity", generator, ids, greedy)
     sampled = sampled_config(config)
@@ -252,7 +255,9 @@ def _law(
                 f"prompt {index + 1} leaves room for fewer than 2 new tokens: shorten it"
             )
     pairs = np.array([result.token_ids[:2] for result in ordered], dtype=np.int64)
-    processors = config.processors_for(generator.eos_token_ids)
+    eos, vocab = generator.eos_token_ids, generator.target.vocab_size
+    grammar = row_grammar(config, generator.tokenizer, eos, vocab)  # follows each context
+    processors = config.processors_for(eos, grammar)
     fit = _pair_fit(generator.target, prompt, pairs, config.sampling, processors)
     detail = (
         f"chi-square p={fit.pvalue:.3g} over {samples} samples of the first two new tokens "
