@@ -445,8 +445,9 @@ def processors(bundle: Path, name: str, args) -> dict:
     """The logits processors and log-probabilities on the device backend (its logits brought
     back for them): rows with a bias and the penalties, greedy and seeded, sharing calls with a
     row without them, each against the target alone; the log-probabilities of the prompt and
-    of the new tokens the same either way. (The float16 engines may part at a near-tie, as
-    their greedy output may: the report says where.)"""
+    of the new tokens the same either way; rows under a grammar (structured output) too.
+    (The float16 engines may part at a near-tie, as their greedy output may: the report says
+    where.)"""
     generator = SpeculativeGenerator.from_pair(generator_for(bundle, args.dry_run, 3))
     prompts = prompts_for(name, generator, 3)
     processed = dict(repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={5: -2.0})
@@ -468,6 +469,19 @@ def processors(bundle: Path, name: str, args) -> dict:
             close.append(max(abs(a.logprob - b.logprob) for a, b in pairs) < 1e-3)
         out[label] = {"equals_target_only": equal, "prompt_logprobs_agree": close}
         log(f"{name}: processors, {label}: equal {equal}, prompt log-probabilities {close}")
+    # structured output: a grammar's masks (EOS then ends a row, so it is not ignored)
+    regex = {"regex": "[a-z ,.]{1,400}"}
+    grammar = GenerationConfig(max_new_tokens=args.new_tokens, structured_output=regex)
+    seeded = replace(grammar, temperature=0.8, seed=3)
+    configs = [grammar, seeded, replace(grammar, structured_output=None)]
+    ran = dict(generator.run(Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, configs))))
+    generator.forget_kept_rows()
+    equal = []
+    for i, (prompt, own) in enumerate(zip(prompts, configs)):
+        [alone] = generator.generate([prompt], replace(own, num_draft_tokens=0))
+        equal.append(ran[i].token_ids == alone.token_ids)
+    out["structured"] = {"equals_target_only": equal}
+    log(f"{name}: processors, structured output (greedy, seeded, none): equal {equal}")
     return out
 
 

@@ -30,7 +30,9 @@ def test_gpu_check_dry_run(tmp_path):
         assert 0 < entry["cost_ratio"]
         kept = entry["kept_rows"]  # a finished row's cache copied on the device
         assert kept["equals_target_only"] is True and kept["cached_tokens"] >= 16
-        for checked in entry["processors"].values():  # the bias, penalties and logprobs
+        processors = dict(entry["processors"])
+        assert processors.pop("structured") == {"equals_target_only": [True] * 3}
+        for checked in processors.values():  # the bias, penalties and logprobs
             assert checked == {"equals_target_only": [True] * 3,
                                "prompt_logprobs_agree": [True] * 3}  # fmt: skip
         if "group_query_one_row" in entry:  # the demo pair: the one-row graph beside it

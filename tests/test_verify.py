@@ -4,7 +4,8 @@ touches unseeded sampling); its chi-square survival function against scipy's; ba
 
 False-alarm rate: the runs expected to pass have 2 + 1 + 1 + 1 sampled-law checks at alpha
 1e-3 (the default, in the first) and 1e-4, so a correct runtime fails this module with
-probability at most 2.3e-3 (unseeded rows draw from fresh entropy: a failure is not reproducible by seed).
+probability at most 2.3e-3 (unseeded rows draw from fresh entropy: a failure is not
+reproducible by seed).
 Power against the wrong residual, computed exactly from the demo pair's target and draft laws
 (noncentral chi-square; CHANGELOG.md, 2026-12-04): the default run's two law checks miss it
 with probability 0.021 and 0.00066, and the test needs only one of them to see it (1.4e-5)."""
