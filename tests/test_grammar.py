@@ -129,7 +129,8 @@ def test_greedy_output_is_the_targets_under_the_grammar(generators, structured):
     target alone and speculative decoding (the draft model, prompt lookup and the hybrid, one
     row, and rows sharing calls beside rows without a grammar), as the decode written out here
     gives it; its text matches the grammar where it ends, and differs from the output without
-    one (the test has power)."""
+    one (the test has power). A row alone drafts the tokens the grammar forces (kept, greedy
+    or seeded), the target alone never."""
     prompts = PROMPTS[:4]
     encoded = generators["one row"].encode_prompts(prompts)
     expected = [reference_greedy(generators["portable"], ids, 24, structured) for ids in encoded]
@@ -147,6 +148,15 @@ def test_greedy_output_is_the_targets_under_the_grammar(generators, structured):
                     assert re.fullmatch(pattern, result.text), result.text
     if structured is ENDS:  # the grammar ends every answer: EOS right after its full stop
         assert all(e[-1] in generators["one row"].eos_token_ids for e in expected)
+        # a row alone drafts what the grammar forces ("ab" after "c"): all kept
+        alone_rows = generators["one row"].generate(prompts, replace(base, num_draft_tokens=3))
+        forced = [r.stats.proposers.get("grammar") for r in alone_rows]
+        assert any(forced) and all(f["accepted"] == f["proposed"] for f in forced if f)
+        seeded = replace(base, temperature=1.0, seed=5)
+        drafted = generators["one row"].generate(prompts, seeded)
+        alone = generators["one row"].generate(prompts, replace(seeded, num_draft_tokens=0))
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in alone]
+        assert not any("grammar" in r.stats.proposers for r in alone)  # the baseline's own
     requests = [Request(i, ids, base if i % 2 else replace(base, structured_output=None))
                 for i, ids in enumerate(encoded)]  # fmt: skip
     ran = dict(generators["batched"].run(requests))

@@ -58,6 +58,14 @@ class GrammarState:
             return 0
         return self._matcher.validate_tokens(proposal)
 
+    def forced(self, generated: list[int]) -> list[int]:
+        """The tokens the grammar allows alone after ``generated`` (a JSON schema's keys and
+        punctuation): the target takes them with probability 1, so they are drafts that are
+        always kept."""
+        if not self._follow(generated) or self._matcher.is_stopped():
+            return []
+        return self._matcher.compute_ff_tokens()
+
     def apply(
         self, logits: np.ndarray, generated: list[int], proposal: list[int], draft: bool = False
     ) -> None:

@@ -24,6 +24,7 @@ from specrt.runtime.schedules.guard import CORPUS, MATCH, MODEL, PLAIN, Speculat
 # them not worth verifying (their acceptance is learnt only from verified ones, so it stands);
 # twice as many each time that holds, up to 8x
 MATCH_RECHECK_EVERY = 8
+GRAMMAR = "grammar"  # the source of the tokens a structured output's grammar forces
 
 
 @dataclass
@@ -257,6 +258,10 @@ class LonePlanner:
         waits for drafting (a match costs nothing). Where the row has a guard, what it does
         not allow this round (`SpeculationGuard.caps`) is left out."""
         config, part = row.request.config, row.round
+        forced = _forced(row, room)
+        if forced:  # the grammar allows these alone: a round verifies them, kept for sure
+            part.match, part.k, part.source = forced, len(forced), GRAMMAR
+            return Plan(0, {0: Proposal(forced, 0, GRAMMAR)}, None)
         hybrid, schedule, guard = learners
         model_cap, match_cap = (room, room) if guard is None else guard.caps()
         corpus_cap = room if guard is None else guard.corpus
@@ -311,6 +316,8 @@ class LonePlanner:
         ``seconds`` as a whole (None: not timed), ``caught_up_s`` of them the draft catching
         up before the round."""
         hybrid, schedule, guard = learners
+        if GRAMMAR in (found.source for found in plan.matched.values()):
+            return  # kept for sure: no measure of drafting, nor of a plain round
         verify_time = None if first else result.verify_time_s
         if guard is not None and seconds is not None and not first:
             kind = PLAIN if not result.drafted else MODEL
@@ -324,6 +331,14 @@ class LonePlanner:
             history = row.match_history
             args = result.drafted, result.accepted, result.draft_time_s, verify_time
             row.match_history = hybrid.observe(found, history, *args)
+
+
+def _forced(row: Row, cap: int) -> list[int]:
+    """Up to ``cap`` tokens a structured output's grammar allows alone after the row's."""
+    grammar = row.round.processors and row.round.processors.grammar
+    if not grammar or cap <= 0:
+        return []
+    return grammar.forced(row.tokens[row.round.prompt_length :])[:cap]
 
 
 def _match(

@@ -23,8 +23,9 @@ class GenerationStats:
     holds them (a running row, one admitted beside it, a finished one kept: `prefixes`).
     draft_stopped: the sequence reached the draft model's max positions (or the prompt alone did),
     so the target decoded from there on alone.
-    proposers: per proposer ("model", "lookup", "suffix", "corpus") of the rounds it drafted:
-    rounds, proposed and accepted tokens, accepted_per_position (as long as the whole request's).
+    proposers: per proposer ("model", "lookup", "suffix", "corpus", "grammar": the tokens a
+    structured output forces) of the rounds it drafted: rounds, proposed and accepted tokens,
+    accepted_per_position (as long as the whole request's).
     """
 
     prompt_tokens: int = 0

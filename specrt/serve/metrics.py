@@ -102,7 +102,7 @@ class Metrics:
         )
         self.proposer_draft_tokens = counter(
             "specrt:proposer_num_draft_tokens",
-            "Draft tokens proposed, by proposer (model, lookup, suffix, corpus)",
+            "Draft tokens proposed, by proposer (model, lookup, suffix, corpus, grammar)",
             "proposer",
         )
         self.proposer_accepted_tokens = counter(
