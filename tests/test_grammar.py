@@ -129,8 +129,8 @@ def test_greedy_output_is_the_targets_under_the_grammar(generators, structured):
     target alone and speculative decoding (the draft model, prompt lookup and the hybrid, one
     row, and rows sharing calls beside rows without a grammar), as the decode written out here
     gives it; its text matches the grammar where it ends, and differs from the output without
-    one (the test has power). A row alone drafts the tokens the grammar forces (kept, greedy
-    or seeded), the target alone never."""
+    one (the test has power). Rows draft the tokens the grammar forces (kept, greedy or
+    seeded), the target alone never."""
     prompts = PROMPTS[:4]
     encoded = generators["one row"].encode_prompts(prompts)
     expected = [reference_greedy(generators["portable"], ids, 24, structured) for ids in encoded]
@@ -148,10 +148,11 @@ def test_greedy_output_is_the_targets_under_the_grammar(generators, structured):
                     assert re.fullmatch(pattern, result.text), result.text
     if structured is ENDS:  # the grammar ends every answer: EOS right after its full stop
         assert all(e[-1] in generators["one row"].eos_token_ids for e in expected)
-        # a row alone drafts what the grammar forces ("ab" after "c"): all kept
-        alone_rows = generators["one row"].generate(prompts, replace(base, num_draft_tokens=3))
-        forced = [r.stats.proposers.get("grammar") for r in alone_rows]
-        assert any(forced) and all(f["accepted"] == f["proposed"] for f in forced if f)
+        # rows draft what the grammar forces ("ab" after "c"), alone or batched: all kept
+        for path in ("one row", "batched"):
+            ran = generators[path].generate(prompts, replace(base, num_draft_tokens=3))
+            forced = [r.stats.proposers.get("grammar") for r in ran]
+            assert any(forced) and all(f["accepted"] == f["proposed"] for f in forced if f)
         seeded = replace(base, temperature=1.0, seed=5)
         drafted = generators["one row"].generate(prompts, seeded)
         alone = generators["one row"].generate(prompts, replace(seeded, num_draft_tokens=0))

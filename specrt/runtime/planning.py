@@ -91,6 +91,10 @@ class BatchPlanner:
             row.round.match = None
         priced = without_draft is not None
         matched = self._verified_matches(rows, found, caps, k, width, priced, probe, schedule)
+        for i, (row, cap) in enumerate(zip(rows, caps)):  # kept for sure: before any draft
+            forced = [] if i in matched else _forced(row, cap)
+            if forced:
+                matched[i] = Proposal(forced, 0, GRAMMAR)
         for i, proposal in matched.items():
             row = rows[i]
             row.round.k, row.round.match = len(proposal.tokens), proposal.tokens
@@ -110,7 +114,7 @@ class BatchPlanner:
         k, matched, schedule = plan.k, plan.matched, plan.schedule
         for i, proposal in matched.items():
             row, result = rows[i], results[i]
-            if result.error is None:
+            if result.error is None and proposal.source != GRAMMAR:  # (kept for sure)
                 acceptance = self.matches[row.request.config.greedy]
                 acceptance.record(proposal, row.match_history, result.drafted, result.accepted)
                 row.match_history = outcome(result.drafted, result.accepted)
