@@ -121,6 +121,8 @@ class SpeculativeGenerator:
         if config.structured_output and (self.tokenizer is None or not self.eos_token_ids):
             message = "structured output needs the bundle's tokenizer and an EOS token to end with"
             raise InvalidInputError(message, "structured_output")
+        if config.structured_output:  # read once, here: a tokenizer it cannot read says so now
+            self.tokenizer.guidance(tuple(sorted(self.eos_token_ids)), self.target.vocab_size)
         vocab = self.target.vocab_size
         if config.logit_bias and config.logit_bias[-1][0] >= vocab:
             raise InvalidInputError(

@@ -134,8 +134,12 @@ def guidance_tokenizer(tokenizer, eos_token_ids: tuple[int, ...], vocab: int):
         )
     except ValueError:  # "can't determine decoder type"
         pass
-    wrapper = llguidance.TokenizerWrapper(_Pieces(tokenizer, eos_token_ids[0]))
-    return llguidance.LLTokenizer(wrapper, n_vocab=vocab, eos_token=list(eos_token_ids))
+    try:
+        wrapper = llguidance.TokenizerWrapper(_Pieces(tokenizer, eos_token_ids[0]))
+        return llguidance.LLTokenizer(wrapper, n_vocab=vocab, eos_token=list(eos_token_ids))
+    except (ValueError, RuntimeError) as exc:
+        message = f"structured output cannot read this bundle's tokenizer ({exc})"
+        raise InvalidInputError(message, FIELD) from None
 
 
 class _Pieces:
