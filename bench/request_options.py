@@ -64,13 +64,19 @@ def speed(generator: SpeculativeGenerator, config: GenerationConfig, prompt: str
     return len(result.token_ids), time.perf_counter() - started
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def loaded(description: str) -> tuple[SpeculativeGenerator, argparse.Namespace]:
+    """The command line of these benchmarks (``--bundle``, ``--max-new-tokens``,
+    ``--threads``) and the bundle it names, loaded."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--bundle", default="engines/smollm2-poor-int4")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    generator = SpeculativeGenerator.from_bundle(args.bundle, threads=args.threads)
+    return SpeculativeGenerator.from_bundle(args.bundle, threads=args.threads), args
+
+
+def main() -> None:
+    generator, args = loaded(__doc__)
     host_costs(generator.target.vocab_size)
     options = {"penalties": PENALTIES, "logprobs=5": dict(logprobs=5)}
     for label, base in (

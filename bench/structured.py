@@ -11,7 +11,6 @@ two taking turns A B B A on each prompt (fresh caches for every run: `forget_kep
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specrt.runtime import GenerationConfig, SpeculativeGenerator, StructuredOutput  # noqa: E402
 from specrt.runtime.grammar import row_grammar  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from request_options import loaded  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -77,12 +79,7 @@ def run(generator: SpeculativeGenerator, config: GenerationConfig, prompt: str) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", default="engines/smollm2-poor-int4")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    generator = SpeculativeGenerator.from_bundle(args.bundle, threads=args.threads)
+    generator, args = loaded(__doc__)
     structured = StructuredOutput(json=SCHEMA)
     default = GenerationConfig(max_new_tokens=args.max_new_tokens, structured_output=structured)
     alone = replace(default, num_draft_tokens=0)

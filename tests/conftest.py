@@ -60,6 +60,16 @@ def llama_bundle(bundles):
     return bundles["llama"]
 
 
+def generator_paths(bundle) -> dict:
+    """One bundle's generators as tests compare them: one row a call, rows sharing calls, and
+    the portable graph (the reference decodes written out over it)."""
+    return {
+        "one row": SpeculativeGenerator.from_bundle(bundle, threads=1),
+        "batched": SpeculativeGenerator.from_bundle(bundle, threads=1, max_batch=4),
+        "portable": SpeculativeGenerator.from_bundle(bundle, threads=1, engine="portable"),
+    }
+
+
 @pytest.fixture(scope="session")
 def llama_generator(llama_bundle):
     return SpeculativeGenerator.from_bundle(llama_bundle, threads=1)

@@ -21,7 +21,7 @@ from specrt.runtime import GenerationConfig, SpeculativeGenerator, StructuredOut
 from specrt.runtime.batching import Request
 from specrt.runtime.grammar import row_grammar
 from specrt.runtime.sampling import warp
-from tests.conftest import build_bundle
+from tests.conftest import build_bundle, generator_paths
 from tests.stats import chi_square_pvalue
 from tests.test_greedy import PROMPTS
 
@@ -55,11 +55,7 @@ def allowed_after(generator, structured: StructuredOutput, tokens: list[int]) ->
 
 @pytest.fixture(scope="module")
 def generators(llama_bundle):
-    return {
-        "one row": SpeculativeGenerator.from_bundle(llama_bundle, threads=1),
-        "batched": SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4),
-        "portable": SpeculativeGenerator.from_bundle(llama_bundle, threads=1, engine="portable"),
-    }
+    return generator_paths(llama_bundle)
 
 
 @pytest.mark.parametrize("structured", [WORDS, ENDS], ids=["words", "ends"])

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from specrt.errors import InvalidInputError
-from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from specrt.runtime import GenerationConfig
 from specrt.runtime.batching import Request
 from specrt.runtime.processors import LogitsProcessors
-from tests.conftest import log_softmax_after
+from tests.conftest import generator_paths, log_softmax_after
 from tests.test_greedy import PROMPTS
 
 
@@ -102,11 +102,7 @@ def reference_greedy(portable, prompt: list[int], steps: int, settings: dict) ->
 
 @pytest.fixture(scope="module")
 def generators(llama_bundle):
-    return {
-        "one row": SpeculativeGenerator.from_bundle(llama_bundle, threads=1),
-        "batched": SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=4),
-        "portable": SpeculativeGenerator.from_bundle(llama_bundle, threads=1, engine="portable"),
-    }
+    return generator_paths(llama_bundle)
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
