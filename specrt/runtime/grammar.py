@@ -116,7 +116,7 @@ _EXECUTOR = None
 
 def _executor():
     """One llguidance executor of one thread: the masks are small, and a pool of its own would
-    fight onnxruntime's for these cores."""
+    fight onnxruntime's for the host's cores."""
     global _EXECUTOR
     if _EXECUTOR is None:
         _EXECUTOR = llguidance_module().LLExecutor(num_threads=1)
