@@ -57,6 +57,28 @@ def test_log_probabilities_are_the_predictors_columns(llama_bundle):
     assert "logprobs" not in asked and "give SpecrtPredictor logprobs=N" in asked["error"][0]
 
 
+def test_structured_output_from_the_predictor_or_a_row(llama_bundle):
+    """A structured output given to the predictor holds every row to it, and a row's own
+    ``structured_output`` column (a regex here) holds that row, as `generate` gives them."""
+    import numpy as np
+
+    from specrt.jobs.ray_data import SpecrtPredictor
+
+    regex = r"(cab|bad|ace)( (cab|bad|ace)){0,3}\."
+    predictor = SpecrtPredictor(
+        str(llama_bundle), max_new_tokens=24, structured_output={"regex": regex}
+    )
+    prompts = ["Simple is", "def fibonacci(n):"]
+    out = predictor({"id": np.array(["a", "b"]), "prompt": np.array(prompts)})
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    config = GenerationConfig(max_new_tokens=24, structured_output={"regex": regex})
+    assert out["text"] == [r.text for r in generator.generate(prompts, config)]
+    plain = SpecrtPredictor(str(llama_bundle), max_new_tokens=24)
+    rows = {"id": np.array(["c"]), "prompt": np.array(prompts[:1]),
+            "structured_output": np.array([{"choice": ["ace", "bad cab"]}])}  # fmt: skip
+    assert plain(rows)["text"][0] in ("ace", "bad cab")
+
+
 WORDS = ["Simple", "is", "better", "than", "def", "fibonacci(n):", "for", "i", "in", "range(10)"]
 
 
