@@ -663,12 +663,14 @@ def test_metrics_count_speculation(server):
         <= values["vllm:spec_decode_num_draft_tokens_total"]
     )
     assert values["vllm:e2e_request_latency_seconds_count"] > 0
-    # The same counts split by proposer (the server's default is the hybrid): they add up.
+    # The same counts split by proposer (the server's default is the hybrid; "grammar": the
+    # tokens a structured output forced, where an earlier test asked for one): they add up.
     by_proposer: dict[str, float] = {}
     for name, value in values.items():
         if name.startswith("specrt:proposer_num_draft_tokens_total{"):
             by_proposer[name.split('proposer="')[1].split('"')[0]] = value
-    assert set(by_proposer) <= {"model", "lookup", "suffix"} and "lookup" in by_proposer
+    assert set(by_proposer) <= {"model", "lookup", "suffix", "grammar"}
+    assert "lookup" in by_proposer
     assert sum(by_proposer.values()) == values["vllm:spec_decode_num_draft_tokens_total"]
     # Per-request histograms: their sums are the counters' totals.
     assert values["vllm:request_generation_tokens_sum"] == values["vllm:generation_tokens_total"]
