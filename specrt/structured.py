@@ -6,6 +6,7 @@ ask for it; checked and compiled to llguidance's grammar here, masked by
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, fields
@@ -40,9 +41,7 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         schema = self.json
-        if isinstance(
-            schema, dict
-        ):  # its text (in its order: the answer keeps it): the config stays hashable
+        if isinstance(schema, dict):  # as text, in its order (the answer keeps it): hashable
             object.__setattr__(self, "json", json.dumps(schema))
         elif schema is not None:
             try:
@@ -85,8 +84,6 @@ class StructuredOutput:
             if unknown:
                 rule = "give one of json, json_object, regex, choice, grammar"
                 raise InvalidInputError(f"structured output with {unknown}: {rule}", FIELD)
-            if not isinstance(given.get("choice", ()), (list, tuple)):
-                raise InvalidInputError("choice: give a list of strings", FIELD)
             given = cls(**given)
         if not isinstance(given, cls):
             message = (
@@ -95,9 +92,10 @@ class StructuredOutput:
             raise InvalidInputError(message, FIELD)
         return given
 
-    @property
+    @functools.cached_property
     def spec(self) -> str:
-        """llguidance's grammar for it (its JSON text)."""
+        """llguidance's grammar for it (its JSON text), built once: a request's config and
+        each of its rows read it."""
         matcher = llguidance_module().LLMatcher
         if self.json is not None:
             return matcher.grammar_from_json_schema(self.json)
@@ -111,9 +109,13 @@ class StructuredOutput:
 
     def check(self) -> None:
         """Refuse a grammar llguidance cannot compile (a bad regex, an unknown Lark rule),
-        before any work."""
-        error = llguidance_module().LLMatcher.validate_grammar(self.spec)
+        before any work (compiled once: a server reads the body, then makes its config)."""
+        error = self._compile_error
         if error:  # llguidance's message, without the lines that point a caret at the text
             lines = [line.strip() for line in error.splitlines() if line.strip()]
             said = " ".join([lines[0], *(line for line in lines[1:] if line.startswith("error"))])
             raise InvalidInputError(f"the structured output does not compile: {said}", FIELD)
+
+    @functools.cached_property
+    def _compile_error(self) -> str:
+        return llguidance_module().LLMatcher.validate_grammar(self.spec)

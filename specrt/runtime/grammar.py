@@ -34,11 +34,10 @@ class GrammarState:
     def _follow(self, generated: list[int]) -> bool:
         """Bring the matcher to ``generated``; False where a token of it breaks the grammar
         (past a dead end the masks let through), which the matcher then stops before."""
-        same = 0
-        for seen, token in zip(self._seen, generated):
-            if seen != token:
-                break
-            same += 1
+        same = len(self._seen)
+        if generated[:same] != self._seen:  # rolled back (else: one comparison, not a loop)
+            same = next((i for i, (a, b) in enumerate(zip(self._seen, generated)) if a != b),
+                        min(same, len(generated)))  # fmt: skip
         if same < len(self._seen):
             self._matcher.rollback(len(self._seen) - same)
         whole = True
