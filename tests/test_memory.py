@@ -132,3 +132,37 @@ def test_specrt_serve_takes_the_slots_its_budget_holds(llama_bundle, tmp_path):
     )  # fmt: skip
     assert refused.returncode != 0 and "holds 0 positions" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_calls_of_every_shape_write_their_outputs_into_one_buffer(llama_bundle, max_batch):
+    """Host outputs of each call shape (rows x positions kept x vocabulary) in arrays of their
+    own would add up over a job's shapes, each paying page faults on first write: every shape
+    shares the largest one's memory (tracemalloc counts numpy's allocations)."""
+    import tracemalloc
+
+    import numpy as np
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=max_batch)
+    target = generator.target
+    target.prefill_rows(0, [[5, 6, 7]] * max_batch)
+    shapes = [(n, width) for width in range(1, 7) for n in range(1, max_batch + 1)]
+
+    def call(n: int, width: int):
+        out = target.forward_rows(np.full((n, width), 3, dtype=np.int64), keep_last=width)
+        for row in range(n):
+            target.set_length(row, 3)
+        return out
+
+    tracemalloc.start()
+    try:
+        for shape in shapes:
+            call(*shape)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    largest = call(max_batch, 6)
+    outputs = 2 if largest.probabilities is not None else 1
+    assert peak < 3 * outputs * largest.logits.nbytes + 2**20  # not the sum over 6 x n shapes
+    for shape in shapes:  # now every shape's arrays are views of that one buffer
+        assert np.shares_memory(call(*shape).logits, largest.logits)

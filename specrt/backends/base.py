@@ -168,6 +168,29 @@ def shared_ortvalue(array: np.ndarray) -> ort.OrtValue:
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 
+class OutputMemory:
+    """Host memory that the outputs of every call shape share: one buffer per output, as large
+    as the largest call so far. A call's arrays are views of its front, valid until the next
+    call (`Forward`). Memory written for the first time costs page faults (on some virtual
+    machines as much as the call itself), and arrays of their own for each shape (rows x
+    positions kept x vocabulary) would each be that much memory again."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+        self.grown = 0  # times a buffer was replaced by a larger one
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+        """An array of ``shape`` over the front of output ``name``'s buffer."""
+        size = int(np.prod(shape))
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.size < size:
+            # twice the old size at least: a few larger buffers over a job, not one per shape
+            grown = size if buffer is None else max(size, 2 * buffer.size)
+            buffer = self._buffers[name] = np.empty(grown, dtype=dtype)
+            self.grown += 1
+        return buffer[:size].reshape(shape)
+
+
 def check_session_io(session: ort.InferenceSession, spec: ModelSpec, role: str) -> None:
     """Refuse a graph whose inputs/outputs are not the ones the manifest names."""
     io = spec.io

@@ -35,6 +35,7 @@ from specrt.backends.base import (
     NEED_LOGITS,
     PAIR_ROWS,
     Forward,
+    OutputMemory,
     kept_rows_input,
     shared_ortvalue,
 )
@@ -81,6 +82,7 @@ class BatchedDecoder(RowsDecoder):
         self._binding = session.io_binding()
         self._rows: tuple[int, int, int] | None = None  # rows and positions the binding covers
         self._shapes: dict[tuple[int, int, int], _CallArrays] = {}
+        self._memory = OutputMemory()  # every shape's logits (and probabilities)
         self._bound: _CallArrays | None = None
         self._views: dict[tuple[int, int, int], list] = {}  # (start, n, width): cache values
         self._blocks: list[np.ndarray] = []  # the memory the buffers are views on (`_resized`)
@@ -292,7 +294,11 @@ class BatchedDecoder(RowsDecoder):
 
     def _new_arrays(self, key: tuple, width: int) -> _CallArrays:
         arrays = _CallArrays(key[:3], width, self._local)
-        arrays.host_outputs(self.spec.vocab_size, self.vocab_size, self._with_probabilities)
+        grown = self._memory.grown
+        probabilities = self._with_probabilities
+        arrays.host_outputs(self.spec.vocab_size, self.vocab_size, probabilities, self._memory)
+        if self._memory.grown != grown:  # the other shapes' views hold the smaller buffers
+            self._shapes.clear()
         arrays.eagle_arrays(self._feature_width, self._hidden_width)
         return arrays
 
@@ -356,15 +362,18 @@ class _CallArrays:
             self.local_mask = np.zeros_like(self.mask)
             self.local_value = shared_ortvalue(self.local_mask)
 
-    def host_outputs(self, graph_vocab: int, vocab: int, probabilities: bool) -> None:
-        """The logits (and the graph's softmax) into host arrays, cut to ``vocab``."""
+    def host_outputs(
+        self, graph_vocab: int, vocab: int, probabilities: bool, memory: OutputMemory
+    ) -> None:
+        """The logits (and the graph's softmax) into host arrays of ``memory``, cut to
+        ``vocab``."""
         n, _, keep_last = self.shape
-        logits = np.empty((n, keep_last, graph_vocab), dtype=np.float32)
+        logits = memory.array("logits", (n, keep_last, graph_vocab))
         self.outputs["logits"] = shared_ortvalue(logits)
         self.result = Forward(logits[:, :, :vocab])
         self.row_result = Forward(logits[0, :, :vocab])
         if probabilities:
-            kept = np.empty((n, keep_last, graph_vocab), dtype=np.float32)
+            kept = memory.array("probabilities", (n, keep_last, graph_vocab))
             self.outputs["probabilities"] = shared_ortvalue(kept)
             self.result.probabilities = kept[:, :, :vocab]
             self.row_result.probabilities = kept[0, :, :vocab]

@@ -26,6 +26,7 @@ from specrt.backends.base import (
     NUMPY_DTYPES,
     DecoderBase,
     Forward,
+    OutputMemory,
     kept_rows_input,
     shared_ortvalue,
 )
@@ -128,13 +129,14 @@ class InPlaceDecoder(InPlaceBase):
         # The graph's softmax is the distribution only if it spans exactly the vocabulary.
         self._with_probabilities = bool(spec.io.probabilities) and spec.vocab_size == vocab_size
         self._shapes: dict[tuple[int, int], _CallArrays] = {}
+        self._memory = OutputMemory()  # every shape's logits (and probabilities)
         self._bound: _CallArrays | None = None
 
     def forward(
         self, tokens: Sequence[int], keep_last: int = 0, need: str = NEED_LOGITS
     ) -> Forward:
         """Logits (and probabilities) of the last ``keep_last`` positions fed, all by default;
-        written into arrays the next call of the same shape writes again."""
+        written into arrays the next call writes again (`OutputMemory`)."""
         count = len(tokens)
         total = self._advance(count)
         arrays = self._bound
@@ -149,9 +151,12 @@ class InPlaceDecoder(InPlaceBase):
     def _bind(self, count: int, keep_last: int) -> _CallArrays:
         arrays = self._shapes.get((count, keep_last))
         if arrays is None:
+            grown, vocab = self._memory.grown, self.spec.vocab_size
             arrays = _CallArrays(
-                count, keep_last, self.spec.vocab_size, self.vocab_size, self._with_probabilities
+                count, keep_last, vocab, self.vocab_size, self._with_probabilities, self._memory
             )
+            if self._memory.grown != grown:  # the other shapes' views hold the smaller buffers
+                self._shapes.clear()
             if count <= MAX_KEPT_CALL_TOKENS:
                 self._shapes[arrays.shape] = arrays
         io, binding = self.spec.io, self._binding
@@ -170,14 +175,20 @@ class _CallArrays:
     `Forward` of row views cut to the vocabulary that the decoder hands out."""
 
     def __init__(
-        self, count: int, keep_last: int, graph_vocab: int, vocab: int, probabilities: bool
+        self,
+        count: int,
+        keep_last: int,
+        graph_vocab: int,
+        vocab: int,
+        probabilities: bool,
+        memory: OutputMemory,
     ) -> None:
         self.shape = (count, keep_last)
         self.ids = np.zeros((1, count), dtype=np.int64)
-        logits = np.empty((1, keep_last, graph_vocab), dtype=np.float32)
+        logits = memory.array("logits", (1, keep_last, graph_vocab))
         arrays = [self.ids, logits]
         self.result = Forward(logits[0, :, :vocab])
         if probabilities:
-            arrays.append(np.empty((1, keep_last, graph_vocab), dtype=np.float32))
+            arrays.append(memory.array("probabilities", (1, keep_last, graph_vocab)))
             self.result.probabilities = arrays[-1][0]
         self.values = [shared_ortvalue(a) for a in arrays]
