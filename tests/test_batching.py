@@ -421,6 +421,43 @@ def test_widths_past_the_measured_ones_are_priced_by_the_cost_of_one_more_token(
     assert sum(schedule.match_option(8, curves)[0] in good for _ in range(10)) >= 9
 
 
+def test_widths_on_a_target_computing_positions_in_pairs_are_priced_by_the_pairs():
+    """A target whose calls compute an even number of positions per row (``even_rows``: a
+    quantised one on AVX2) verifies 1 token of matches for free (with the newest token, the 2
+    positions a round without matches computes), then each pair of tokens at one price (0.9 of
+    a round here: 8 rows x 4 positions cost twice 8 x 2 on AVX2's int4 kernel). Priced per
+    token from width 1's free rounds, every wider width would look free and be tried, wide
+    ones first: a round's time spent on each (the rates of a batch's first calls fell to
+    0.46x the target alone). Priced per position, the round stays at width 1, the best."""
+    from specrt.runtime.schedules import LoadSchedule
+
+    curve = list(np.cumsum([0.6**i for i in range(13)])[1:])  # each token kept with 0.6
+    curves = [curve] * 6
+
+    def seconds(width: int) -> float:
+        positions = width + 1 + (width + 1) % 2
+        return 1.0 + 0.9 * (positions - 2) / 2
+
+    def tokens(width: int) -> float:
+        return 2 + 6 * curve[width - 1] if width else 8
+
+    rates = [tokens(w) / seconds(w) for w in range(13)]
+    assert max(range(13), key=rates.__getitem__) == 1  # the scenario is what it says
+
+    def share_of_best(schedule) -> float:
+        spent = emitted = 0.0
+        for _ in range(100):
+            width = schedule.match_option(8, curves)[0]
+            spent, emitted = spent + seconds(width), emitted + tokens(width)
+            schedule.update(8, 0, None if width else seconds(width), [], [])
+            if width:
+                schedule.update_match_width(8, width, seconds(width))
+        return emitted / spent / max(rates)
+
+    assert share_of_best(LoadSchedule()) < 0.9  # not told: widths tried on a free one's price
+    assert share_of_best(LoadSchedule(even_rows=True)) > 0.95
+
+
 def test_a_width_measured_on_slow_rounds_is_measured_again():
     """A width of matches whose first rounds ran slow (a cache resize, a busy machine) looks
     dear; it is measured again now and then, as a K is, so the round settles on the width that

@@ -235,7 +235,8 @@ class BatchPlanner:
         names = {row.request.config.draft_schedule for row in rows}
         name = "fixed" if names == {"fixed"} else "load"
         if name not in self.schedules:
-            self.schedules[name] = LoadSchedule(adapt=name == "load")
+            even_rows = getattr(self.target.spec, "even_rows", False)
+            self.schedules[name] = LoadSchedule(adapt=name == "load", even_rows=even_rows)
         return self.schedules[name]
 
 

@@ -43,10 +43,12 @@ class LoadSchedule:
     once the rounds since the last check took 1 / `LOAD_EXPLORE_SHARE` times what it cost (its
     round beyond one of the best, and the draft's catch-up after rounds without drafting,
     `charge`): at most that share of the time goes to checks.
-    ``adapt=False``: always the largest K allowed (the "fixed" schedule)."""
+    ``adapt=False``: always the largest K allowed (the "fixed" schedule); ``even_rows``: the
+    target's calls compute an even number of positions per row (a quantised target on AVX2)."""
 
-    def __init__(self, adapt: bool = True) -> None:
+    def __init__(self, adapt: bool = True, even_rows: bool = False) -> None:
         self.adapt = adapt
+        self.even_rows = even_rows
         self.times: dict[int, RoundTimes] = {}  # by K
         # by width: rounds without a model draft verifying that many tokens of matches
         self.match_times: dict[int, RoundTimes] = {}
@@ -134,10 +136,12 @@ class LoadSchedule:
         of them are verified (`MatchAcceptance.expected_tokens`); the other rows emit one.
         The width with the most expected tokens per second, by the measured times of rounds of
         each width; a width not measured yet is priced on from the widest narrower one
-        measured at the cost of one more token fitted over the measured widths (with one
-        measured: its average cost per token; before any: `MATCH_PRIOR_COST` of a round
-        without matches), so widths are tried one after another while they pay. A width is kept as
-        long as it is the best; a neighbour of it is measured again as K's are
+        measured at the cost of one more position fitted over the measured widths (with one
+        measured: its average cost per position; before any, or while the measured ones compute
+        no more positions than a round without matches (``even_rows``: 1 token of matches and
+        the newest one are the 2 positions a round without them computes): `MATCH_PRIOR_COST`
+        of a round without matches), so widths are tried one after another while they pay. A
+        width is kept as long as it is the best; a neighbour of it is measured again as K's are
         (`LOAD_EXPLORE_EVERY` rounds, half as often each time the best held): a width measured
         on a slow round would otherwise never be tried again (a server settled on 1 token of
         its rows' matches, 4.2 tokens/ms, where 3 gave 5.2); ``probe``: that check now."""
@@ -149,24 +153,28 @@ class LoadSchedule:
         plain = self.predicted_seconds(rows, 0)
         rates = [rows / plain]
         # Widths not measured: a line on from the widest measured one, by the cost of one
-        # more token fitted over the measured widths (the first token of a match costs more
+        # more position fitted over the measured widths (the first token of a match costs more
         # than the ones after it: a line from the round without matches overprices them).
         line = LineFit(0.0)
-        last, last_seconds, per_token = 0, plain, MATCH_PRIOR_COST * plain
+        last, last_seconds, per_position = 0, plain, MATCH_PRIOR_COST * plain
         # the tokens of every width: a row's curve stays at its end past its match's length
         padded = [c + c[-1:] * (widest - len(c)) for c in curves]
         tokens_by_width = (rows - len(curves) + np.sum(padded, axis=0)).tolist() if curves else []
         for width, tokens in enumerate(tokens_by_width, 1):
             measured = self.match_times.get(width)
+            extra = self._extra_positions(width)
             if measured is not None and len(measured) >= 2:
                 seconds = self._seconds(measured, rows, width + 1)
-                line.add(width, seconds)
-                average = max(seconds - plain, 0.0) / width
-                slope = line.slope
-                per_token = max(average if slope is None else slope, average * MATCH_MIN_SLOPE)
-                last, last_seconds = width, seconds
+                line.add(extra, seconds)
+                if extra:  # else it tells nothing of what a position costs
+                    average = max(seconds - plain, 0.0) / extra
+                    slope = line.slope
+                    per_position = max(
+                        average if slope is None else slope, average * MATCH_MIN_SLOPE
+                    )
+                last, last_seconds = extra, seconds
             else:
-                seconds = last_seconds + per_token * (width - last)
+                seconds = last_seconds + per_position * (extra - last)
             rates.append(tokens / seconds)
         best = 0
         for width, rate in enumerate(rates):
@@ -174,6 +182,13 @@ class LoadSchedule:
                 best = width
         width = self._width_check(best, widest, probe)
         return width, rates[width]
+
+    def _extra_positions(self, width: int) -> int:
+        """The positions per row a round verifying ``width`` tokens of matches computes beyond
+        a round without them (which computes 1, or 2 where ``even_rows``)."""
+        if not self.even_rows:
+            return width
+        return width + 1 + (width + 1) % 2 - 2
 
     def _width_check(self, best: int, widest: int, now: bool) -> int:
         """``best``, or now and then a neighbour of it to measure again (see `match_option`)."""
