@@ -186,3 +186,23 @@ def test_the_shared_prefix_bench_prints_both_modes_and_their_ratio(llama_bundle,
     assert "the first" in lines[0] and "alike" in lines[0]
     assert lines[-2].startswith("ratio (copied / read whole): ")
     assert lines[-1] == "outputs identical: True"
+
+
+def test_the_first_calls_bench_prints_each_call_s_ratio(demo_bundle):
+    """`bench/first_calls.py` on the demo pair (its chat prompts fit its positions): a line per
+    call, the same output either way."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    args = ["--bundle", str(demo_bundle), "--rows", "3", "--calls", "2", "--max-new-tokens",
+            "6", "--modes", "free", "--threads", "1"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(repo / "bench" / "first_calls.py"), *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["free, call 1", "free, call 2"]
+    assert all("x the target alone (same output: True); rounds " in line for line in lines)
