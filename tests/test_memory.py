@@ -138,7 +138,8 @@ def test_specrt_serve_takes_the_slots_its_budget_holds(llama_bundle, tmp_path):
 def test_calls_of_every_shape_write_their_outputs_into_one_buffer(llama_bundle, max_batch):
     """Host outputs of each call shape (rows x positions kept x vocabulary) in arrays of their
     own would add up over a job's shapes, each paying page faults on first write: every shape
-    shares the largest one's memory (tracemalloc counts numpy's allocations)."""
+    shares the largest one's memory (tracemalloc counts numpy's allocations), but for a call
+    that is not repeated."""
     import tracemalloc
 
     import numpy as np
@@ -166,3 +167,7 @@ def test_calls_of_every_shape_write_their_outputs_into_one_buffer(llama_bundle, 
     assert peak < 3 * outputs * largest.logits.nbytes + 2**20  # not the sum over 6 x n shapes
     for shape in shapes:  # now every shape's arrays are views of that one buffer
         assert np.shares_memory(call(*shape).logits, largest.logits)
+    # A call of many tokens (a prompt's log-probabilities) has outputs of its own, freed with
+    # it: the buffer keeps the size of the calls that repeat.
+    assert not np.shares_memory(call(1, 100).logits, largest.logits)
+    assert np.shares_memory(call(max_batch, 6).logits, largest.logits)

@@ -295,8 +295,11 @@ class BatchedDecoder(RowsDecoder):
     def _new_arrays(self, key: tuple, width: int) -> _CallArrays:
         arrays = _CallArrays(key[:3], width, self._local)
         grown = self._memory.grown
+        # A call of many tokens (a prompt's log-probabilities) is not repeated: its outputs are
+        # its own, and freed with it, not a size the shared buffer keeps.
+        memory = self._memory if key[1] <= MAX_KEPT_CALL_TOKENS else OutputMemory()
         probabilities = self._with_probabilities
-        arrays.host_outputs(self.spec.vocab_size, self.vocab_size, probabilities, self._memory)
+        arrays.host_outputs(self.spec.vocab_size, self.vocab_size, probabilities, memory)
         if self._memory.grown != grown:  # the other shapes' views hold the smaller buffers
             self._shapes.clear()
         arrays.eagle_arrays(self._feature_width, self._hidden_width)

@@ -152,8 +152,10 @@ class InPlaceDecoder(InPlaceBase):
         arrays = self._shapes.get((count, keep_last))
         if arrays is None:
             grown, vocab = self._memory.grown, self.spec.vocab_size
+            # a call of many tokens is not repeated: outputs of its own, freed with it
+            memory = self._memory if count <= MAX_KEPT_CALL_TOKENS else OutputMemory()
             arrays = _CallArrays(
-                count, keep_last, vocab, self.vocab_size, self._with_probabilities, self._memory
+                count, keep_last, vocab, self.vocab_size, self._with_probabilities, memory
             )
             if self._memory.grown != grown:  # the other shapes' views hold the smaller buffers
                 self._shapes.clear()
