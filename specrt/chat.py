@@ -62,17 +62,20 @@ class ChatTemplate:
                 f"{exc} ({where}); fix it, or remove it to serve /v1/completions alone"
             ) from exc
 
-    def prompt(self, messages: object) -> str:
+    def prompt(self, messages: object, tools: list[dict] | None = None) -> str:
         """OpenAI-style ``messages`` (each content a string or a list of text parts), checked,
-        rendered as the prompt text (its special tokens written out)."""
-        return self.render(checked_messages(messages))
+        rendered as the prompt text (its special tokens written out); ``tools``: the
+        functions a request offers, for a template that writes them (as transformers gives
+        them: OpenAI's tool objects)."""
+        return self.render(checked_messages(messages), tools)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         from jinja2.exceptions import TemplateError
 
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -96,11 +99,18 @@ def _token(value: object) -> str:
 
 def checked_messages(messages: object) -> list[dict]:
     """``messages`` with each content as text (a list of text parts joined by newlines, as
-    vLLM does); anything else is a `ChatTemplateError` saying what a message must be."""
+    vLLM does; an assistant's tool calls without content: empty text, which templates that
+    do not write tool calls can render); anything else is a `ChatTemplateError` saying what
+    a message must be."""
     if isinstance(messages, list):
         messages = [
             {**m, "content": _text_of(m["content"])} if isinstance(m, dict) and "content" in m
             else m
+            for m in messages
+        ]  # fmt: skip
+        messages = [
+            {**m, "content": ""} if isinstance(m, dict) and m.get("tool_calls")
+            and m.get("content") is None else m
             for m in messages
         ]  # fmt: skip
     if not (

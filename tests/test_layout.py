@@ -23,6 +23,7 @@ BASE = {
     "specrt.chat",  # chat templates, for the server's chat route and batch jobs' chat lines
     "specrt.openai_shapes",  # OpenAI's bodies, for the server and batch jobs' OpenAI output
     "specrt.openai_structured",  # ... their structured-output fields
+    "specrt.openai_tools",  # ... and their tools (the server's chat route)
     "specrt.structured",  # what a structured output asks for (a config's value)
 }
 ALLOWED = {

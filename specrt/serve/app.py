@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -47,18 +46,17 @@ from specrt.openai_shapes import (
     read_json,
     read_request,
 )
+from specrt.openai_tools import ToolCalling, answered_calls, as_calls, read_tools, with_tools
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.handles import RequestHandle, merged
 from specrt.runtime.logprobs import echoed_entries
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
+from specrt.serve.request_log import ROUTES, log_finished, log_received
 
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
 BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
-ROUTES = {COMPLETION: "/v1/completions", CHAT: "/v1/chat/completions"}
-
-log = logging.getLogger("specrt.serve")
 
 
 def create_app(
@@ -123,7 +121,8 @@ def create_app(
             return error(400, "the request body must be a JSON object", "invalid_request_error")
         ident = new_id(kind)
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
-            handles, stream, with_usage = await run_in_threadpool(submit, body, kind, ident)
+            submitted = await run_in_threadpool(submit, body, kind, ident)
+            handles, stream, with_usage, tooling = submitted
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -140,7 +139,8 @@ def create_app(
         if stream:
             echo = shapes.echo_text(body, kind, handles[0].request.prompt, decode)
             return StreamingResponse(
-                events(handles, ident, kind, with_usage, echo), media_type="text/event-stream"
+                events(handles, ident, kind, with_usage, echo, tooling),
+                media_type="text/event-stream",
             )
         try:
             results = await until_disconnect(request, handles)
@@ -165,6 +165,9 @@ def create_app(
             choice = chunk(ident, kind, text, result.finish_reason, final=True, index=i)
             if entries is not None:
                 choice["choices"][0]["logprobs"] = shapes.logprobs_body(kind, entries, decode)
+            calls = answered_calls(tooling, text)
+            if calls:
+                as_calls(choice["choices"][0], calls)
             body["choices"].append(choice["choices"][0])
         body["usage"] = usage(results)
         body["speculative_decoding"] = spec_stats(results)
@@ -210,9 +213,10 @@ def create_app(
                 raise too_big
         return bytes(data)
 
-    def submit(body: dict, kind: str, ident: str) -> tuple[list[RequestHandle], bool, bool]:
+    def submit(body: dict, kind: str, ident: str) -> tuple:
         """The request's ``n`` choices queued (rows of one prompt, which read it once); all or
-        none: a choice refused withdraws those queued before it."""
+        none: a choice refused withdraws those queued before it. Returns the handles, whether
+        to stream, whether with the usage, and what the body asked of tools."""
         if body.get("model") not in (None, model_name):  # null, as any field: the default
             raise _HttpError(
                 404,
@@ -222,11 +226,13 @@ def create_app(
                 "model",
             )
         try:
+            tooling, body = read_tools(body) if kind == CHAT else (None, body)
             prompt, options = read_request(body, kind, max_n=MAX_N)
+            options = with_tools(tooling, options)
         except RequestError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
         if kind == CHAT:
-            prompt = chat_prompt(prompt)
+            prompt = chat_prompt(prompt, tooling and tooling.tools)
             # No max_tokens: until the model stops or the context ends, as OpenAI's chat (at
             # least 1, so that a prompt too long is refused as such by submit)
             room = service.generator.target.max_positions - len(prompt)
@@ -256,12 +262,18 @@ def create_app(
             log_received(ident, kind, handle, stream)
             handle.add_done_callback(lambda done: log_finished(ident, done))
         options = body.get("stream_options") or {}
-        return handles, stream, bool(options.get("include_usage"))
+        return handles, stream, bool(options.get("include_usage")), tooling
 
     async def events(
-        handles: list[RequestHandle], ident: str, kind: str, with_usage: bool, echo: str | None
+        handles: list[RequestHandle],
+        ident: str,
+        kind: str,
+        with_usage: bool,
+        echo: str | None,
+        tooling: ToolCalling | None,
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per delta of each choice (its ``index``), a last one of
+        """Server-sent events: a chunk per delta of each choice (its ``index``; a required
+        tool call's in one chunk once whole), a last one of
         each with its finish reason and speculative stats, and, where
         ``stream_options.include_usage`` asked, one with no choices and the usage (as OpenAI
         sends it). A client that goes away cancels the requests (their iterators close). With
@@ -282,14 +294,24 @@ def create_app(
                         entries = echoed_entries(handles[index].request.prompt, entries)
                         part["choices"][0]["logprobs"] = logprobs[index].body(entries)
                     yield sse(part)
-                if delta is not None:
+                calling = tooling is not None and tooling.calls_required
+                if delta is not None:  # (a tool call's text: given whole, as its calls)
                     part = {**chunk(ident, kind, delta.text, None, index=index), **blank}
                     if delta.logprobs is not None:  # the tokens that came with this text
                         part["choices"][0]["logprobs"] = logprobs[index].body(delta.logprobs)
-                    yield sse(part)
+                    if not calling:
+                        yield sse(part)
                     continue
                 result = handles[index].result()
-                final = {**chunk(ident, kind, "", result.finish_reason, index=index), **blank}
+                reason = result.finish_reason
+                if calling:
+                    part = {**chunk(ident, kind, result.text, None, index=index), **blank}
+                    calls = answered_calls(tooling, result.text)
+                    if calls:
+                        as_calls(part["choices"][0], calls, stream=True)
+                        reason = "tool_calls"
+                    yield sse(part)
+                final = {**chunk(ident, kind, "", reason, index=index), **blank}
                 final["speculative_decoding"] = spec_stats([result])
                 yield sse(final)
             results = [handle.result() for handle in handles]
@@ -310,11 +332,11 @@ def create_app(
     ) -> dict:
         return completion(ident, kind, model_name, text, finish_reason, final, index)
 
-    def chat_prompt(messages: object) -> list[int]:
+    def chat_prompt(messages: object, tools: list[dict] | None) -> list[int]:
         """The conversation rendered by the bundle's chat template, as token ids (the template
-        writes the special tokens itself)."""
+        writes the special tokens itself, and the tools where it writes them)."""
         try:
-            text = template.prompt(messages)
+            text = template.prompt(messages, tools)
         except ChatTemplateError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", "messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)
@@ -393,31 +415,6 @@ class BearerKey:
 
 
 _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's
-
-
-def log_received(ident: str, kind: str, handle: RequestHandle, stream: bool) -> None:
-    """A request's line as it is queued, as vLLM logs it (its prompt's text left out: it may
-    be private)."""
-    config = handle.request.config
-    log.info(
-        "received request %s: %s, %d prompt tokens, max_tokens %d, temperature %g, top_p %g, "
-        "top_k %d, seed %s, stream %s",
-        ident, ROUTES[kind], len(handle.request.prompt), config.max_new_tokens,
-        config.temperature, config.top_p, config.top_k, config.seed, str(stream).lower(),
-    )  # fmt: skip
-
-
-def log_finished(ident: str, handle: RequestHandle) -> None:
-    """A request's line as it ends (a done callback, from the service's thread)."""
-    seconds = time.perf_counter() - handle.submitted_at
-    result = handle._result
-    if result is None:  # failed: the service has logged why
-        log.warning("request %s failed after %.2f s", ident, seconds)
-        return
-    log.info(
-        "finished request %s: %s, %d completion tokens, %d prompt tokens cached, %.2f s",
-        ident, result.finish_reason, len(result.token_ids), result.stats.cached_tokens, seconds,
-    )  # fmt: skip
 
 
 def usage(results: list[GenerationResult]) -> dict:

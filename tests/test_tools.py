@@ -1,0 +1,170 @@
+"""Tool calling on `specrt serve`'s chat route: a call the body requires (``tool_choice``
+``"required"`` or a named function) is the target's own answer under the JSON schema of the
+tools' parameters, given back as ``tool_calls``, streamed or not; ``"none"`` answers in text;
+the tools reach a chat template that writes them. Bodies specrt cannot answer as asked are one
+400 naming the field. On the demo pair: its byte-level tokenizer writes JSON (the tiny one
+writes no braces)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from specrt.chat import ChatTemplate
+from specrt.openai_tools import read_tools
+from specrt.runtime import GenerationConfig, SpeculativeGenerator, StructuredOutput
+from tests.test_serve import running_server
+
+# writes the tools as JSON before the conversation, as tool-calling templates do
+TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "now"}}  # no parameters
+TOOLS = [WEATHER, CLOCK]
+MESSAGES = [{"role": "user", "content": "def weather(city):"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def tools_bundle(demo_bundle, tmp_path_factory) -> Path:
+    """The demo bundle with `TEMPLATE` as its chat template."""
+    bundle = tmp_path_factory.mktemp("tools") / "demo"
+    shutil.copytree(demo_bundle, bundle)
+    (bundle / "tokenizer" / "chat_template.jinja").write_text(TEMPLATE)
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def served(tools_bundle):
+    with running_server(tools_bundle) as (url, _):
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def generator(tools_bundle):
+    return SpeculativeGenerator.from_bundle(tools_bundle, threads=1)
+
+
+def expected(generator, structured: StructuredOutput | None, max_tokens: int = 40):
+    """What `generate` answers to `MESSAGES` rendered with `TOOLS`, under ``structured``."""
+    text = ChatTemplate(TEMPLATE).prompt(MESSAGES, TOOLS)
+    assert text.startswith("<tools>[") and '"get_weather"' in text  # the template wrote them
+    ids = generator.tokenizer.encode(text, add_special_tokens=False)
+    config = GenerationConfig(max_new_tokens=max_tokens, structured_output=structured)
+    [result] = generator.generate([ids], config)
+    return result
+
+
+def test_a_named_function_is_called_with_the_targets_own_arguments(served, generator):
+    _, client = served
+    want = expected(generator, read_tools({"tools": TOOLS, "tool_choice": NAMED})[0]
+                    .structured_output())  # fmt: skip
+    assert json.loads(want.text)["city"]  # the scenario: a whole call within max_tokens
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=40
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and call.function.arguments == want.text.strip()
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=40,
+            stream=True,
+        )
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.content for d in deltas)
+    [streamed] = [call for d in deltas for call in d.tool_calls or []]
+    assert streamed.index == 0 and streamed.function.name == "get_weather"
+    assert streamed.function.arguments == want.text.strip()
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_calls_one_of_the_tools_and_none_answers_in_text(served, generator):
+    _, client = served
+    # One call: the demo target, a code model, would list calls until max_tokens
+    one = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    want = expected(generator, read_tools(one)[0].structured_output(), max_tokens=60)
+    reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, **one)
+    calls = reply.choices[0].message.tool_calls
+    assert want.finish_reason == "stop" and len(calls) == 1  # the scenario: a whole call
+    assert reply.choices[0].finish_reason == "tool_calls"
+    written = [{"name": c["name"], "arguments": c["arguments"]} for c in json.loads(want.text)]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (c["name"], c["arguments"]) for c in written
+    ]
+    assert {c.function.name for c in calls} <= {"get_weather", "now"}
+    plain = expected(generator, None, max_tokens=12)
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=12
+    )
+    assert reply.choices[0].message.content == plain.text
+    assert reply.choices[0].message.tool_calls is None
+
+
+def test_a_call_cut_short_comes_back_as_text_and_a_turn_after_a_call_renders(served):
+    _, client = served
+    reply = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=3
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content  # what was written of the call
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    turn = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    reply = client.chat.completions.create(
+        model="tiny", messages=turn, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" (the default with tools)'),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "specrt does not read"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [{"name": "f"}]}, "tools", "each tool is"),
+        ({"tools": [CLOCK, CLOCK], "tool_choice": "required"}, "tools", "twice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice", "naming one of"),
+        ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": 1},
+         "parallel_tool_calls", "true or false"),
+        ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+         "response_format", "give one"),
+        ({"tools": TOOLS, "tool_choice": NAMED, "logprobs": True}, "logprobs", "not supported"),
+    ],
+)  # fmt: skip
+def test_a_body_specrt_cannot_answer_as_asked_is_one_400(served, body, param, words):
+    url, _ = served
+    raw = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=30)
+    error = raw.json()["error"]
+    assert raw.status_code == 400 and words in error["message"], raw.text
+    assert error["param"] == param, raw.text
