@@ -14,6 +14,20 @@ from specrt.cli import main
 from tests.conftest import chat_bundle
 
 
+def bench_lines(script: str, *args: str) -> list[str]:
+    """What ``bench/script`` prints, run as a user runs it; it must exit 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / script
+    result = subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.splitlines()
+
+
 def test_predicted_speedup_formula():
     assert predicted_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
     assert predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
@@ -115,22 +129,11 @@ def test_bench_renders_chats_with_the_bundles_template(llama_bundle, tmp_path):
 def test_the_never_slower_bench_runs_and_reports_each_prompt(llama_bundle, tmp_path):
     """`make bench-poor`'s script on a tiny bundle: a line per prompt, the verdict, the JSON;
     it checks every output against the target alone's itself."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a b", "c d e")))
     out = tmp_path / "never_slower.json"
     args = ["--bundle", str(chat_bundle(llama_bundle, tmp_path)), "--prompt-file", str(prompts)]
-    result = subprocess.run(
-        [sys.executable, str(repo / "bench" / "never_slower.py"), *args, "--repeats", "1",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+    lines = bench_lines("never_slower.py", *args, "--repeats", "1", "--out", str(out))
     assert [line.split(":")[0] for line in lines[:2]] == ["prompt 1", "prompt 2"]
     assert "of the target alone)" in lines[-1] and "worst prompt" in lines[-1]
     record = json.loads(out.read_text())
@@ -167,22 +170,12 @@ def test_the_engine_step_bench_times_each_graph_side_by_side(llama_bundle, tmp_p
 def test_the_shared_prefix_bench_prints_both_modes_and_their_ratio(llama_bundle, tmp_path):
     """`bench/shared_prefix.py` on a tiny chat bundle: both modes' tokens/s, the ratio, and the
     same tokens either way."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a b", "c d e", "f")))
     args = ["--bundle", str(chat_bundle(llama_bundle, tmp_path / "chat")), "--prompt-file",
             str(prompts), "--repeats", "1", "--max-new-tokens", "4", "--batch-size", "2",
             "--system-words", "5"]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(repo / "bench" / "shared_prefix.py"), *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+    lines = bench_lines("shared_prefix.py", *args)
     assert "the first" in lines[0] and "alike" in lines[0]
     assert lines[-2].startswith("ratio (copied / read whole): ")
     assert lines[-1] == "outputs identical: True"
@@ -191,18 +184,8 @@ def test_the_shared_prefix_bench_prints_both_modes_and_their_ratio(llama_bundle,
 def test_the_first_calls_bench_prints_each_call_s_ratio(demo_bundle):
     """`bench/first_calls.py` on the demo pair (its chat prompts fit its positions): a line per
     call, the same output either way."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
     args = ["--bundle", str(demo_bundle), "--rows", "3", "--calls", "2", "--max-new-tokens",
             "6", "--modes", "free", "--threads", "1"]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(repo / "bench" / "first_calls.py"), *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+    lines = bench_lines("first_calls.py", *args)
     assert [line.split(":")[0] for line in lines] == ["free, call 1", "free, call 2"]
     assert all("x the target alone (same output: True); rounds " in line for line in lines)
