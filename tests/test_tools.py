@@ -168,3 +168,38 @@ def test_a_body_specrt_cannot_answer_as_asked_is_one_400(served, body, param, wo
     error = raw.json()["error"]
     assert raw.status_code == 400 and words in error["message"], raw.text
     assert error["param"] == param, raw.text
+
+
+def test_batch_files_take_tools_as_the_server_does(tools_bundle, generator, tmp_path):
+    """`specrt batch` on OpenAI batch lines: a named call comes back as the server gives it,
+    a body the server refuses is that line's 400, and the other lines go on."""
+    import subprocess
+    import sys
+
+    want = expected(generator, read_tools({"tools": TOOLS, "tool_choice": NAMED})[0]
+                    .structured_output())  # fmt: skip
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 40}
+    lines = [
+        {"custom_id": "named", "url": "/v1/chat/completions",
+         "body": {**body, "tool_choice": NAMED}},
+        {"custom_id": "auto", "url": "/v1/chat/completions", "body": body},
+    ]  # fmt: skip
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    args = ["batch", "--bundle", str(tools_bundle), "--input", str(rows), "--output", str(out),
+            "--threads", "1"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "specrt.cli", *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr  # a row failed
+    written = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    choice = written["named"]["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": want.text.strip()}
+    refused = written["auto"]["response"]
+    assert (
+        refused["status_code"] == 400
+        and "specrt does not read" in refused["body"]["error"]["message"]
+    )

@@ -37,6 +37,7 @@ from specrt.jobs import openai_batch
 from specrt.jobs.output import _lock, done_ids
 from specrt.jobs.rows import Row, check_ids, input_size, read_rows
 from specrt.openai_shapes import token_text
+from specrt.openai_tools import ToolCalling
 from specrt.runtime.batching import Request
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator, row_rng
@@ -181,11 +182,14 @@ def run_batch(
         def write(record: dict, status: int = 200) -> None:
             line = record
             if output_format == "openai":
-                chat = str(record["id"]) in chats
-                echo = echoes.get(str(record["id"]))
-                line = openai_batch.record(record["id"], record, chat, model, status, decode, echo)
+                key = str(record["id"])
+                chat, echo, tools = key in chats, echoes.get(key), toolings.get(key)
+                line = openai_batch.record(
+                    record["id"], record, chat, model, status, decode, echo, tools
+                )
             chats.discard(str(record["id"]))
             echoes.pop(str(record["id"]), None)
+            toolings.pop(str(record["id"]), None)
             text = json.dumps(line, ensure_ascii=False)
             if not text.isascii():
                 try:
@@ -200,6 +204,7 @@ def run_batch(
 
         choices: dict[str, list[GenerationResult | None]] = {}  # rows of n > 1 in flight
         echoes: dict[str, openai_batch.Echo] = {}  # echoed rows in flight: their prompts
+        toolings: dict[str, ToolCalling] = {}  # rows in flight whose answers may be tool calls
 
         def requests() -> Iterator[Request]:
             """The rows to run, read as slots free up; the others are settled on the way. A row
@@ -215,6 +220,8 @@ def run_batch(
                 unrun.discard(str(row.id))
                 if row.messages is not None:
                     chats.add(str(row.id))
+                if row.tools is not None:
+                    toolings[str(row.id)] = row.tools
                 request = make_request(generator, row, defaults, several=True)
                 if row.echo and not isinstance(request, dict):
                     text = row.prompt if isinstance(row.prompt, str) else decode(request.prompt)
@@ -272,7 +279,8 @@ def make_request(
         if "seed" not in row.options and config.seed is not None:
             config = replace(config, seed=row_seed(config.seed, row.id))
         generator.check_config(config)
-        text = row.prompt if row.messages is None else chat_prompt(generator, row.messages)
+        tools = row.tools and row.tools.tools
+        text = row.prompt if row.messages is None else chat_prompt(generator, row.messages, tools)
         [prompt] = generator.encode_prompts([text])
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
@@ -293,9 +301,11 @@ def choices_record(row_id: str | int, results: list[GenerationResult]) -> dict:
     return {"id": row_id, **each[0], "stats": stats, "choices": each}
 
 
-def chat_prompt(generator: SpeculativeGenerator, messages: object) -> list[int]:
-    """A chat row's messages rendered by the bundle's chat template, as token ids (the
-    template writes the special tokens itself, as `specrt serve` reads them)."""
+def chat_prompt(
+    generator: SpeculativeGenerator, messages: object, tools: list[dict] | None = None
+) -> list[int]:
+    """A chat row's messages (and ``tools``) rendered by the bundle's chat template, as token
+    ids (the template writes the special tokens itself, as `specrt serve` reads them)."""
     tokenizer = generator.tokenizer
     template = _chat_template(tokenizer.directory) if tokenizer is not None else None
     if template is None:
@@ -305,7 +315,7 @@ def chat_prompt(generator: SpeculativeGenerator, messages: object) -> list[int]:
     from specrt.chat import ChatTemplateError
 
     try:
-        return tokenizer.encode(template.prompt(messages), add_special_tokens=False)
+        return tokenizer.encode(template.prompt(messages, tools), add_special_tokens=False)
     except ChatTemplateError as exc:
         raise InvalidInputError(str(exc)) from exc
 

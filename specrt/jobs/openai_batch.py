@@ -18,6 +18,7 @@ from specrt.openai_shapes import (
     spec_stats,
     usage,
 )
+from specrt.openai_tools import ToolCalling, answered_calls, as_calls
 from specrt.runtime.logprobs import TokenLogprob, echoed_entries
 
 OUTPUT_FORMATS = ("auto", "specrt", "openai")  # auto: openai for an input of OpenAI lines only
@@ -41,11 +42,13 @@ def record(
     status: int = 200,
     decode: Callable[[list[int]], str] | None = None,
     echo: Echo | None = None,
+    tools: ToolCalling | None = None,
 ) -> dict:
     """A row's line from its `specrt batch` record (``result``: a result or ``{"error"}``);
     ``status``: 400 for a row that could not run, 500 for a row the model failed. ``decode``
     (token ids to text) writes the log-probabilities a row asked for; ``echo``: the prompt
-    an echoed completion gives before its answer, as `specrt serve` answers it."""
+    an echoed completion gives before its answer, as `specrt serve` answers it; ``tools``:
+    what a chat body asked of its tools (a required call comes back as ``tool_calls``)."""
     line: dict = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row_id}
     response = {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}"}
     if "error" in result:
@@ -71,6 +74,9 @@ def record(
                 entries = [*echoed_entries(echo.ids, _entries(c["prompt_logprobs"])), *entries]
         if entries is not None and decode is not None:
             choice["logprobs"] = logprobs_body(kind, entries, decode)
+        calls = answered_calls(tools, c["text"])
+        if calls:
+            as_calls(choice, calls)
     stats = result["stats"]
     cached = stats.get("cached_tokens", 0)  # (records written before it was counted)
     generated = 0 if echo and echo.scored_only else sum(len(c["token_ids"]) for c in each)

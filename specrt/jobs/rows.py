@@ -28,6 +28,7 @@ from specrt.openai_shapes import (
     read_request,
     scored_only,
 )
+from specrt.openai_tools import ToolCalling, read_tools, with_tools
 from specrt.prompts import COMPRESSED
 
 ROW_OPTIONS = (
@@ -64,6 +65,7 @@ class Row:
     n: int = 1  # choices of its prompt (an OpenAI body's "n")
     echo: bool = False  # an OpenAI completion's "echo": the prompt before the answer
     scored_only: bool = False  # echo with "max_tokens": 0 (the prompt alone)
+    tools: ToolCalling | None = None  # an OpenAI chat body's tools (`specrt.openai_tools`)
 
 
 @contextmanager
@@ -259,7 +261,9 @@ def openai_row(item: dict, fallback_id: str) -> Row:
         return row
     kind = OPENAI_URLS.get(url) or (CHAT if "messages" in body else COMPLETION)
     try:
-        prompt, row.options = read_request(body, kind, default_max_tokens=None, max_n=MAX_N)
+        row.tools, body = read_tools(body) if kind == CHAT else (None, body)
+        prompt, options = read_request(body, kind, default_max_tokens=None, max_n=MAX_N)
+        row.options = with_tools(row.tools, options)
     except RequestError as exc:
         row.error = str(exc)
         return row
