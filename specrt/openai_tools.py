@@ -1,9 +1,11 @@
 """Tool calling in OpenAI chat bodies (``tools``, ``tool_choice``, ``parallel_tool_calls``) for
-`specrt serve`. A call the body requires (``tool_choice: "required"``, or a function named) is
-written under a JSON schema of the tools' parameters (structured output), so the answer is
-still the target's own under that grammar; it comes back as the message's ``tool_calls``.
-``"auto"`` would need each model's own call format read out of free text (vLLM's tool
-parsers), which specrt does not have: it is refused in one line saying what to send."""
+`specrt serve` and batch files. A call the body requires (``tool_choice: "required"``, or a
+function named) is written under a JSON schema of the tools' parameters (structured output), so
+the answer is still the target's own under that grammar; it comes back as the message's
+``tool_calls``. ``"auto"`` leaves the choice to the model, in its own format: read out of its
+text by a parser the server is told of (``--tool-call-parser``, as vLLM's; "hermes":
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Hermes', Qwen's and SmolLM3's
+templates), refused in one line without one."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from specrt.errors import InvalidInputError, RequestError
 from specrt.structured import StructuredOutput
 
 FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+PARSERS = ("hermes",)  # the call formats "auto" reads
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes'
 TOOL_SHAPE = 'each tool is {"type": "function", "function": {"name": ..., "parameters": {...}}}'
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # none declared
 
@@ -23,12 +27,14 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 class ToolCalling:
     """What a chat body asks of its tools: ``tools`` as the chat template takes them; ``name``:
     the function a named ``tool_choice`` calls; ``required``: a call of one of them (or, with
-    ``parallel``, several) is the answer; neither: text (``"none"``)."""
+    ``parallel``, several) is the answer; ``parser``: the model's own calls are read out of
+    its text (``"auto"``); none of them: text (``"none"``)."""
 
     tools: list[dict]
     name: str | None = None
     required: bool = False
     parallel: bool = True
+    parser: str | None = None
 
     @property
     def calls_required(self) -> bool:
@@ -65,26 +71,53 @@ class ToolCalling:
         schema = _compact(schema if self.parallel else {**schema, "maxItems": 1})
         return StructuredOutput(json=schema)
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The answer's ``tool_calls`` as OpenAI gives them (None: the answer is not a whole
-        call, e.g. cut short by max_tokens: it goes back as text)."""
-        try:
-            value = json.loads(text)
-            if self.name is not None:
-                calls = [(self.name, text.strip())]
-            else:
-                dump = json.dumps
-                calls = [(c["name"], dump(c["arguments"], ensure_ascii=False)) for c in value]
-        except (json.JSONDecodeError, TypeError, KeyError):  # not what the grammar writes
+    def reply(self, text: str) -> tuple[str | None, list[dict]] | None:
+        """The answer as the message's content and ``tool_calls``, as OpenAI gives them (None:
+        text alone: no call, or one cut short by max_tokens). Where the model chose (``auto``),
+        the content is its text before the first call (None if blank)."""
+        if self.parser is not None:
+            before, _, rest = text.partition(OPEN)
+            found = [part.partition(CLOSE) for part in rest.split(OPEN)] if rest else []
+            if not found or not all(close for _, close, _ in found):
+                return None  # (or the last cut short)
+            calls = _calls([json_of(call) for call, _, _ in found])
+            return None if calls is None else (before if before.strip() else None, calls)
+        if not self.calls_required:
             return None
-        return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            for name, arguments in calls
-        ]
+        if self.name is not None:
+            return None if json_of(text) is None else (None, _calls([], self.name, text))
+        return None if (calls := _calls(json_of(text))) is None else (None, calls)
+
+
+def json_of(text: str) -> object:
+    """``text``'s JSON value (None: not JSON)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _calls(items: object, name: str | None = None, arguments: str = "") -> list[dict] | None:
+    """OpenAI's ``tool_calls`` of ``[{"name", "arguments"}, ...]`` (or of the one call of
+    ``name`` with ``arguments`` as written); None where ``items`` are not such calls."""
+    if name is not None:
+        calls = [(name, arguments.strip())]
+    else:
+        try:
+            dump = json.dumps
+            calls = [(c["name"], dump(c["arguments"], ensure_ascii=False)) for c in items]
+        except (TypeError, KeyError):
+            return None
+        if not calls or not all(isinstance(name, str) for name, _ in calls):
+            return None
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        for name, arguments in calls
+    ]
 
 
 def _parameters(function: dict) -> dict:
@@ -98,9 +131,10 @@ def _compact(schema: dict) -> dict:
     return {"x-guidance": {"whitespace_flexible": False}, **schema}
 
 
-def read_tools(body: dict) -> tuple[ToolCalling | None, dict]:
-    """What a chat body asks of tools (None: no tools) and the body without those fields.
-    Raises `RequestError` naming the field."""
+def read_tools(body: dict, parser: str | None = None) -> tuple[ToolCalling | None, dict]:
+    """What a chat body asks of tools (None: no tools) and the body without those fields;
+    ``parser``: the format the model's own calls are read in (`PARSERS`; None: ``"auto"`` is
+    refused). Raises `RequestError` naming the field."""
     given = {field: body[field] for field in FIELDS if body.get(field) is not None}
     rest = {key: value for key, value in body.items() if key not in FIELDS}
     tools, choice = given.get("tools", []), given.get("tool_choice")
@@ -116,12 +150,15 @@ def read_tools(body: dict) -> tuple[ToolCalling | None, dict]:
         if choice not in (None, "none"):
             raise RequestError(f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
         return None, rest
+    if (choice is None or choice == "auto") and parser is not None:
+        return ToolCalling(tools, parallel=parallel, parser=parser), rest
     if choice is None or choice == "auto":
         raise RequestError(
             'tool_choice "auto" (the default with tools) lets the model choose between text '
-            "and a call in its own format, which specrt does not read: send tool_choice "
-            '"required", {"type": "function", "function": {"name": ...}} (a call written under '
-            'the tools\' JSON schemas) or "none"',
+            "and a call in its own format, which this server was not told: start it with "
+            "--tool-call-parser hermes where the model writes <tool_call> tags, or send "
+            'tool_choice "required", {"type": "function", "function": {"name": ...}} (a call '
+            'written under the tools\' JSON schemas) or "none"',
             "tool_choice",
         )
     if choice == "none":
@@ -153,27 +190,69 @@ def with_tools(tooling: ToolCalling | None, options: dict) -> dict:
     """A request's `GenerationConfig` fields with the grammar its required call is written
     under. Raises `RequestError` where the body asks for another structured output, or for
     log-probabilities (which would describe the call's JSON, not text: not supported)."""
+    calling = tooling is not None and (tooling.calls_required or tooling.parser is not None)
+    if calling and "logprobs" in options:
+        message = "logprobs with tool calls are not supported: leave logprobs out"
+        raise RequestError(message, "logprobs")
     if tooling is None or not tooling.calls_required:
         return options
     if "structured_output" in options:
         message = "response_format and a required tool call both constrain the answer: give one"
         raise RequestError(message, "response_format")
-    if "logprobs" in options:
-        message = "logprobs with a required tool call are not supported: leave logprobs out"
-        raise RequestError(message, "logprobs")
     return {**options, "structured_output": tooling.structured_output()}
 
 
-def answered_calls(tooling: ToolCalling | None, text: str) -> list[dict] | None:
-    """The ``tool_calls`` of an answer (None: it is text)."""
-    return tooling.calls(text) if tooling is not None and tooling.calls_required else None
+def answered(tooling: ToolCalling | None, text: str) -> tuple[str | None, list[dict]] | None:
+    """An answer's content and ``tool_calls`` (None: it is text alone)."""
+    return None if tooling is None else tooling.reply(text)
 
 
-def as_calls(choice: dict, calls: list[dict], stream: bool = False) -> None:
-    """A chat choice (``stream``: a chunk's delta, each call with its ``index``) turned into
-    its tool calls, as OpenAI gives them: no content, finish reason ``"tool_calls"``."""
-    if stream:
-        choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-    else:
-        choice["message"].update(content=None, tool_calls=calls)
-        choice["finish_reason"] = "tool_calls"
+def as_calls(choice: dict, reply: tuple[str | None, list[dict]]) -> None:
+    """A chat choice turned into its content and tool calls, as OpenAI gives them (finish
+    reason ``"tool_calls"``)."""
+    content, calls = reply
+    choice["message"].update(content=content, tool_calls=calls)
+    choice["finish_reason"] = "tool_calls"
+
+
+def streamed_calls(calls: list[dict]) -> dict:
+    """A stream chunk's delta of ``calls`` (each with its ``index``)."""
+    return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+
+
+class StreamedText:
+    """What of a streamed answer goes out as text as it comes: all of it, but a required
+    call's (given whole at the end, as its calls) and, where the model chooses, what follows
+    its first call's opening tag, and the end of the text while it could be one's start."""
+
+    def __init__(self, tooling: ToolCalling | None) -> None:
+        self.tooling = tooling
+        self.text = ""
+        self.sent = 0  # characters of ``text`` streamed
+        self.held = tooling is not None and tooling.calls_required
+        # whether text is held back at all (else every delta goes out as it comes)
+        self.filters = self.held or (tooling is not None and tooling.parser is not None)
+
+    def push(self, delta: str) -> str:
+        """The text to stream now, ``delta`` received."""
+        self.text += delta
+        if self.held:
+            return ""
+        end = len(self.text)
+        if self.tooling is not None and self.tooling.parser is not None:
+            found = self.text.find(OPEN, max(0, self.sent - len(OPEN)))
+            if found >= 0:
+                end, self.held = found, True
+            else:  # the end may be a tag's start: held back until it is not
+                end -= next((k for k in range(len(OPEN) - 1, 0, -1)
+                             if self.text.endswith(OPEN[:k])), 0)  # fmt: skip
+        text, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return text
+
+    def finish(self, text: str) -> tuple[str, list[dict] | None]:
+        """The rest of the answer ``text`` to stream as text, and its calls (None: none)."""
+        reply = answered(self.tooling, text)
+        if reply is None:
+            return text[self.sent :], None
+        content, calls = reply
+        return (content or "")[self.sent :], calls

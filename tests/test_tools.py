@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from specrt.chat import ChatTemplate
-from specrt.openai_tools import read_tools
+from specrt.openai_tools import StreamedText, read_tools
 from specrt.runtime import GenerationConfig, SpeculativeGenerator, StructuredOutput
 from tests.test_serve import running_server
 
@@ -149,7 +149,7 @@ def test_a_call_cut_short_comes_back_as_text_and_a_turn_after_a_call_renders(ser
     ("body", "param", "words"),
     [
         ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" (the default with tools)'),
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "specrt does not read"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--tool-call-parser hermes"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [{"name": "f"}]}, "tools", "each tool is"),
         ({"tools": [CLOCK, CLOCK], "tool_choice": "required"}, "tools", "twice"),
@@ -201,5 +201,56 @@ def test_batch_files_take_tools_as_the_server_does(tools_bundle, generator, tmp_
     refused = written["auto"]["response"]
     assert (
         refused["status_code"] == 400
-        and "specrt does not read" in refused["body"]["error"]["message"]
+        and "--tool-call-parser hermes" in refused["body"]["error"]["message"]
     )
+
+
+def test_hermes_calls_are_read_out_of_the_text_and_held_back_while_streaming():
+    """``tool_choice: "auto"`` with the hermes parser: calls in ``<tool_call>`` tags, the text
+    before them the content; a call cut short (no closing tag) or not JSON leaves the answer
+    text. Streamed, the text goes out as it comes but for the tags and what follows them, and
+    an end that may be a tag's start waits until it is not."""
+    hermes = read_tools({"tools": TOOLS}, "hermes")[0]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, [one] = hermes.reply("Let me look." + call)
+    assert content == "Let me look." and one["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'
+    }  # fmt: skip
+    content, calls = hermes.reply(call + "\n" + call.replace("Oslo", "Rome"))
+    assert content is None and [c["function"]["arguments"] for c in calls] == [
+        '{"city": "Oslo"}', '{"city": "Rome"}'
+    ]  # fmt: skip
+    for text in ("no call", "a" + call[:-3], "<tool_call>{not json}</tool_call>"):
+        assert hermes.reply(text) is None, text
+    streamed = StreamedText(hermes)
+    assert [streamed.push(part) for part in ("Let me", " look.<tool", "_call>\n{", '"x"')] == [
+        "Let me", " look.", "", ""
+    ]  # fmt: skip
+    rest, calls = streamed.finish("Let me look." + call)
+    assert rest == "" and [c["function"] for c in calls] == [one["function"]]
+    plain = StreamedText(hermes)
+    assert [plain.push(part) for part in ("a <to", "ast> b")] == ["a ", "<toast> b"]
+    assert plain.finish("a <toast> b") == ("", None)
+
+
+def test_auto_on_a_server_told_the_format_gives_the_models_own_calls(tools_bundle):
+    """`specrt serve --tool-call-parser hermes`: "auto" (the default with tools) answers with
+    the calls the model wrote, streamed or not; here a regex makes the demo model write one."""
+    call = '<tool_call>{"name":"now","arguments":{}}</tool_call>'
+    regex = "Hi[.]" + call.replace("{", "[{]").replace("}", "[}]")
+    with running_server(tools_bundle, "--tool-call-parser", "hermes") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=60,
+                    extra_body={"guided_regex": regex})  # fmt: skip
+        choice = client.chat.completions.create(**args).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Hi."
+        [made] = choice.message.tool_calls
+        assert (made.function.name, made.function.arguments) == ("now", "{}")
+        chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        [streamed] = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert text == "Hi." and streamed.function.name == "now"
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = client.chat.completions.create(**{**args, "extra_body": {"guided_regex": "Hi!"}})
+        assert plain.choices[0].message.content == "Hi!"
+        assert plain.choices[0].message.tool_calls is None

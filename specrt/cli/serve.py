@@ -8,6 +8,7 @@ import click
 
 from specrt.cli.common import DEFAULTS, _cache_plan, _friendly_errors, _generation_config, _load
 from specrt.cli.options import KV_CACHE_OPTION, PROPOSER_OPTION, load_options, suffix_cache_options
+from specrt.openai_tools import PARSERS
 from specrt.runtime.batching import DEFAULT_SERVE_BATCH_SIZE, MAX_BATCH
 from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
 
@@ -62,6 +63,14 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
     help="The log lines written to stdout (info: the start, and a line as each request comes "
     "and ends); uvicorn's too.",
 )
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(PARSERS),
+    default=None,
+    help='The format of the model\'s own tool calls, which tool_choice "auto" (the default '
+    "with tools) reads out of its text: hermes, <tool_call>{...}</tool_call> (Hermes, Qwen). "
+    'Without it "auto" is refused; "required" and a named function need none.',
+)
 @PROPOSER_OPTION
 @suffix_cache_options(
     False, "Off by default: a request's text may then appear in another's proposals."
@@ -80,6 +89,7 @@ def serve(
     num_draft_tokens,
     draft_schedule,
     log_level,
+    tool_call_parser,
     proposer,
     suffix_cache,
     suffix_cache_tokens,
@@ -126,5 +136,5 @@ def serve(
     name = model_name or Path(bundle).resolve().name
     run_server(
         generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock,
-        api_key=api_key, log_level=log_level,
+        api_key=api_key, log_level=log_level, tool_parser=tool_call_parser,
     )  # fmt: skip

@@ -18,7 +18,7 @@ from specrt.openai_shapes import (
     spec_stats,
     usage,
 )
-from specrt.openai_tools import ToolCalling, answered_calls, as_calls
+from specrt.openai_tools import ToolCalling, answered, as_calls
 from specrt.runtime.logprobs import TokenLogprob, echoed_entries
 
 OUTPUT_FORMATS = ("auto", "specrt", "openai")  # auto: openai for an input of OpenAI lines only
@@ -74,9 +74,9 @@ def record(
                 entries = [*echoed_entries(echo.ids, _entries(c["prompt_logprobs"])), *entries]
         if entries is not None and decode is not None:
             choice["logprobs"] = logprobs_body(kind, entries, decode)
-        calls = answered_calls(tools, c["text"])
-        if calls:
-            as_calls(choice, calls)
+        reply = answered(tools, c["text"])
+        if reply is not None:
+            as_calls(choice, reply)
     stats = result["stats"]
     cached = stats.get("cached_tokens", 0)  # (records written before it was counted)
     generated = 0 if echo and echo.scored_only else sum(len(c["token_ids"]) for c in each)

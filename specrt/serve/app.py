@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match, Route
 
 from specrt import openai_shapes as shapes
+from specrt import openai_tools as tools
 from specrt.chat import ChatTemplate, ChatTemplateError
 from specrt.errors import (
     InvalidInputError,
@@ -46,7 +47,6 @@ from specrt.openai_shapes import (
     read_json,
     read_request,
 )
-from specrt.openai_tools import ToolCalling, answered_calls, as_calls, read_tools, with_tools
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.handles import RequestHandle, merged
 from specrt.runtime.logprobs import echoed_entries
@@ -60,11 +60,13 @@ BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
 
 
 def create_app(
-    service: Service, model_name: str, defaults: GenerationConfig, api_key: str | None = None
-) -> Starlette:
+    service: Service, model_name: str, defaults: GenerationConfig,
+    api_key: str | None = None, tool_parser: str | None = None,
+) -> Starlette:  # fmt: skip
     """The app serving ``service`` as model ``model_name``; ``defaults``: the config a request
     starts from (its num_draft_tokens and draft schedule, above all). ``api_key``: the /v1
-    routes answer only requests bearing it (`BearerKey`)."""
+    routes answer only requests bearing it (`BearerKey`); ``tool_parser``: the format of the
+    model's own tool calls, which ``tool_choice: "auto"`` reads (`specrt.openai_tools`)."""
     metrics = Metrics(service, model_name)
     created = int(time.time())
     # A character escaped in JSON takes at most 6 bytes (\\uXXXX); the rest of a body is small.
@@ -165,9 +167,9 @@ def create_app(
             choice = chunk(ident, kind, text, result.finish_reason, final=True, index=i)
             if entries is not None:
                 choice["choices"][0]["logprobs"] = shapes.logprobs_body(kind, entries, decode)
-            calls = answered_calls(tooling, text)
-            if calls:
-                as_calls(choice["choices"][0], calls)
+            reply = tools.answered(tooling, text)
+            if reply is not None:
+                tools.as_calls(choice["choices"][0], reply)
             body["choices"].append(choice["choices"][0])
         body["usage"] = usage(results)
         body["speculative_decoding"] = spec_stats(results)
@@ -226,9 +228,9 @@ def create_app(
                 "model",
             )
         try:
-            tooling, body = read_tools(body) if kind == CHAT else (None, body)
+            tooling, body = tools.read_tools(body, tool_parser) if kind == CHAT else (None, body)
             prompt, options = read_request(body, kind, max_n=MAX_N)
-            options = with_tools(tooling, options)
+            options = tools.with_tools(tooling, options)
         except RequestError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
         if kind == CHAT:
@@ -265,13 +267,9 @@ def create_app(
         return handles, stream, bool(options.get("include_usage")), tooling
 
     async def events(
-        handles: list[RequestHandle],
-        ident: str,
-        kind: str,
-        with_usage: bool,
-        echo: str | None,
-        tooling: ToolCalling | None,
-    ) -> AsyncIterator[str]:
+        handles: list[RequestHandle], ident: str, kind: str, with_usage: bool,
+        echo: str | None, tooling: tools.ToolCalling | None,
+    ) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events: a chunk per delta of each choice (its ``index``; a required
         tool call's in one chunk once whole), a last one of
         each with its finish reason and speculative stats, and, where
@@ -284,6 +282,7 @@ def create_app(
                 for index in range(len(handles)):
                     yield sse({**chunk(ident, kind, None, None, index=index), **blank})
             logprobs = [shapes.StreamedLogprobs(kind, decode) for _ in handles]
+            texts = [tools.StreamedText(tooling) for _ in handles]  # (tool calls held back)
             echoed: set[int] = set()
             async for index, delta in merged(handles):
                 if echo is not None and index not in echoed:  # the prompt before the answer
@@ -294,23 +293,25 @@ def create_app(
                         entries = echoed_entries(handles[index].request.prompt, entries)
                         part["choices"][0]["logprobs"] = logprobs[index].body(entries)
                     yield sse(part)
-                calling = tooling is not None and tooling.calls_required
-                if delta is not None:  # (a tool call's text: given whole, as its calls)
-                    part = {**chunk(ident, kind, delta.text, None, index=index), **blank}
+                if delta is not None:
+                    text = texts[index].push(delta.text)
+                    part = {**chunk(ident, kind, text, None, index=index), **blank}
                     if delta.logprobs is not None:  # the tokens that came with this text
                         part["choices"][0]["logprobs"] = logprobs[index].body(delta.logprobs)
-                    if not calling:
+                    if text or not texts[index].filters:
                         yield sse(part)
                     continue
                 result = handles[index].result()
                 reason = result.finish_reason
-                if calling:
-                    part = {**chunk(ident, kind, result.text, None, index=index), **blank}
-                    calls = answered_calls(tooling, result.text)
+                if tooling is not None:
+                    text, calls = texts[index].finish(result.text)
+                    if text:
+                        yield sse({**chunk(ident, kind, text, None, index=index), **blank})
                     if calls:
-                        as_calls(part["choices"][0], calls, stream=True)
+                        part = {**chunk(ident, kind, "", None, index=index), **blank}
+                        part["choices"][0]["delta"] = tools.streamed_calls(calls)
                         reason = "tool_calls"
-                    yield sse(part)
+                        yield sse(part)
                 final = {**chunk(ident, kind, "", reason, index=index), **blank}
                 final["speculative_decoding"] = spec_stats([result])
                 yield sse(final)

@@ -88,13 +88,15 @@ def serve(
     sock: socket.socket | None = None,
     api_key: str | None = None,
     log_level: str = "info",
+    tool_parser: str | None = None,
 ) -> None:
     """Serve ``generator`` until SIGTERM / SIGINT, on ``sock`` (from `listen`) or on a socket
     bound to ``host:port`` now; with ``api_key``, the /v1 routes want it as a bearer token.
-    ``log_level``: uvicorn's (`configure_logging` sets specrt's)."""
+    ``log_level``: uvicorn's (`configure_logging` sets specrt's); ``tool_parser``: the format
+    ``tool_choice: "auto"`` reads calls in (None: refused)."""
     sock = sock or listen(host, port)
     service = Service(generator, max_waiting=max_waiting)
-    app = create_app(service, model_name, defaults, api_key)
+    app = create_app(service, model_name, defaults, api_key, tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
