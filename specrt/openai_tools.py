@@ -126,8 +126,8 @@ def _parameters(function: dict) -> dict:
 
 def _compact(schema: dict) -> dict:
     """``schema`` written without whitespace between its tokens (unless it says otherwise,
-    llguidance's ``x-guidance``): arguments, not a document, and a draft that writes
-    newlines there would be followed for ever."""
+    llguidance's ``x-guidance``): a call's arguments are read by a program, and a model free
+    to write whitespace there may do so until max_tokens (the demo pair's code model did)."""
     return {"x-guidance": {"whitespace_flexible": False}, **schema}
 
 
