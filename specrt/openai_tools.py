@@ -235,22 +235,26 @@ class StreamedText:
 
     def push(self, delta: str) -> str:
         """The text to stream now, ``delta`` received."""
+        if not self.filters:
+            return delta
         self.text += delta
         if self.held:
             return ""
-        end = len(self.text)
-        if self.tooling is not None and self.tooling.parser is not None:
-            found = self.text.find(OPEN, max(0, self.sent - len(OPEN)))
-            if found >= 0:
-                end, self.held = found, True
-            else:  # the end may be a tag's start: held back until it is not
-                end -= next((k for k in range(len(OPEN) - 1, 0, -1)
-                             if self.text.endswith(OPEN[:k])), 0)  # fmt: skip
+        # (the model chooses: text until a call's opening tag)
+        end = self.text.find(OPEN, max(0, self.sent - len(OPEN)))
+        if end >= 0:
+            self.held = True
+        else:  # the end may be a tag's start: held back until it is not
+            end = len(self.text) - next(
+                (k for k in range(len(OPEN) - 1, 0, -1) if self.text.endswith(OPEN[:k])), 0
+            )
         text, self.sent = self.text[self.sent : end], max(self.sent, end)
         return text
 
     def finish(self, text: str) -> tuple[str, list[dict] | None]:
         """The rest of the answer ``text`` to stream as text, and its calls (None: none)."""
+        if not self.filters:
+            return "", None  # all of it went out as it came
         reply = answered(self.tooling, text)
         if reply is None:
             return text[self.sent :], None

@@ -122,6 +122,11 @@ def test_required_calls_one_of_the_tools_and_none_answers_in_text(served, genera
     )
     assert reply.choices[0].message.content == plain.text
     assert reply.choices[0].message.tool_calls is None
+    chunks = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=12,
+        stream=True,
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.text
 
 
 def test_a_call_cut_short_comes_back_as_text_and_a_turn_after_a_call_renders(served):
