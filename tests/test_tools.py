@@ -177,7 +177,8 @@ def test_a_body_specrt_cannot_answer_as_asked_is_one_400(served, body, param, wo
 
 def test_batch_files_take_tools_as_the_server_does(tools_bundle, generator, tmp_path):
     """`specrt batch` on OpenAI batch lines: a named call comes back as the server gives it,
-    a body the server refuses is that line's 400, and the other lines go on."""
+    a body the server refuses is that line's 400, and the other lines go on; with
+    --tool-call-parser, "auto" reads the model's own calls."""
     import subprocess
     import sys
 
@@ -208,6 +209,19 @@ def test_batch_files_take_tools_as_the_server_does(tools_bundle, generator, tmp_
         refused["status_code"] == 400
         and "--tool-call-parser hermes" in refused["body"]["error"]["message"]
     )
+    # told the format, "auto" reads the model's own call (a regex makes the demo model write one)
+    regex = 'Hi[.]<tool_call>[{]"name":"now","arguments":[{][}][}]</tool_call>'
+    rows.write_text(json.dumps({**lines[1], "body": {**body, "guided_regex": regex}}) + "\n")
+    out.unlink()
+    done = subprocess.run(
+        [sys.executable, "-m", "specrt.cli", *args, "--tool-call-parser", "hermes"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    message = json.loads(out.read_text())["response"]["body"]["choices"][0]["message"]
+    assert message["content"] == "Hi." and message["tool_calls"][0]["function"] == {
+        "name": "now", "arguments": "{}"
+    }  # fmt: skip
 
 
 def test_hermes_calls_are_read_out_of_the_text_and_held_back_while_streaming():

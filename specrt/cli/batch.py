@@ -20,6 +20,7 @@ from specrt.cli.common import (
 )
 from specrt.cli.options import (
     KV_CACHE_OPTION,
+    TOOL_PARSER_OPTION,
     generation_options,
     load_options,
     suffix_cache_options,
@@ -69,6 +70,7 @@ from specrt.runtime.batching import DEFAULT_BATCH_SIZE, MAX_BATCH
     "one row).",
 )
 @KV_CACHE_OPTION
+@TOOL_PARSER_OPTION
 @generation_options
 @suffix_cache_options(False, "Rows' text then informs other rows' proposals.")
 @load_options
@@ -82,6 +84,7 @@ def batch(
     progress,
     batch_size,
     kv_cache_memory,
+    tool_call_parser,
     suffix_cache,
     suffix_cache_tokens,
     threads,
@@ -139,6 +142,7 @@ def batch(
                 output_format,
                 model=Path(bundle).resolve().name,  # as `specrt serve` names it
                 input_name=name,
+                tool_parser=tool_call_parser,
             )
         except (KeyboardInterrupt, _Terminated) as exc:
             click.echo(

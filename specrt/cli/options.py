@@ -17,9 +17,19 @@ from specrt.export.options import (
     PRECISIONS,
     TARGET_BLOCK_SIZES,
 )
+from specrt.openai_tools import PARSERS
 from specrt.runtime.config import DRAFT_SCHEDULES, PROPOSERS
 from specrt.runtime.loading import MAX_THREADS_PER_CPU
 from specrt.runtime.lookup import DEFAULT_SUFFIX_TOKENS
+
+TOOL_PARSER_OPTION = click.option(
+    "--tool-call-parser",
+    type=click.Choice(PARSERS),
+    default=None,
+    help="The format of the model's own tool calls, which a chat's tool_choice \"auto\" (the "
+    "default with tools) reads out of its text: hermes, <tool_call>{...}</tool_call> (Hermes, "
+    'Qwen). Without it "auto" is refused; "required" and a named function need none.',
+)
 
 ENGINE_OPTION = click.option(
     "--engine",

@@ -7,8 +7,13 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import DEFAULTS, _cache_plan, _friendly_errors, _generation_config, _load
-from specrt.cli.options import KV_CACHE_OPTION, PROPOSER_OPTION, load_options, suffix_cache_options
-from specrt.openai_tools import PARSERS
+from specrt.cli.options import (
+    KV_CACHE_OPTION,
+    PROPOSER_OPTION,
+    TOOL_PARSER_OPTION,
+    load_options,
+    suffix_cache_options,
+)
 from specrt.runtime.batching import DEFAULT_SERVE_BATCH_SIZE, MAX_BATCH
 from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
 
@@ -63,14 +68,7 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
     help="The log lines written to stdout (info: the start, and a line as each request comes "
     "and ends); uvicorn's too.",
 )
-@click.option(
-    "--tool-call-parser",
-    type=click.Choice(PARSERS),
-    default=None,
-    help='The format of the model\'s own tool calls, which tool_choice "auto" (the default '
-    "with tools) reads out of its text: hermes, <tool_call>{...}</tool_call> (Hermes, Qwen). "
-    'Without it "auto" is refused; "required" and a named function need none.',
-)
+@TOOL_PARSER_OPTION
 @PROPOSER_OPTION
 @suffix_cache_options(
     False, "Off by default: a request's text may then appear in another's proposals."

@@ -140,13 +140,15 @@ def run_batch(
     output_format: str = "auto",
     model: str = "specrt",
     input_name: str | None = None,
+    tool_parser: str | None = None,
 ) -> Summary:
     """Run every row of ``input_path`` not yet in ``output_path``, appending its result as it
     finishes (rows share model calls when the generator was loaded with ``max_batch`` > 1, so
     they finish out of input order). ``output_format``: "specrt" (our records), "openai"
     (OpenAI's batch output lines, ``model`` named in their bodies) or "auto" (openai when every
     row is an OpenAI batch-file line). ``input_name``: the input as errors name it (standard
-    input, spooled to a file)."""
+    input, spooled to a file); ``tool_parser``: the format chat lines' ``tool_choice: "auto"``
+    reads the model's calls in (`specrt.openai_tools`)."""
     if output_format not in openai_batch.OUTPUT_FORMATS:
         raise InvalidInputError(
             f"output_format must be one of {', '.join(openai_batch.OUTPUT_FORMATS)}, not "
@@ -209,7 +211,7 @@ def run_batch(
         def requests() -> Iterator[Request]:
             """The rows to run, read as slots free up; the others are settled on the way. A row
             of ``n`` choices is ``n`` requests, choice i drawing from the stream (seed, i)."""
-            for row in read_rows(input_path, input_name, size):
+            for row in read_rows(input_path, input_name, size, tool_parser):
                 if str(row.id) in finished:
                     summary.skipped += 1
                     summary.skipped_errors += finished[str(row.id)]

@@ -104,12 +104,14 @@ def spooled(path: Path) -> Iterator[Path]:
             os.unlink(name)
 
 
-def read_rows(path: Path, name: str | None = None, size: int | None = None) -> Iterator[Row]:
+def read_rows(
+    path: Path, name: str | None = None, size: int | None = None, tool_parser: str | None = None
+) -> Iterator[Row]:
     """The input's rows, one per non-blank line, parsed as they are read (``name``: the input
     as errors name it, where ``path`` is a spooled copy; ``size``: read its first ``size``
-    bytes only, as it was when the job started). A line that is not UTF-8 is a bad row
-    like a line that is not JSON (its own error record): one such line in a large file must
-    not stop the job."""
+    bytes only, as it was when the job started; ``tool_parser``: `openai_row`'s). A line that
+    is not UTF-8 is a bad row like a line that is not JSON (its own error record): one such
+    line in a large file must not stop the job."""
     label = name or str(path)
     try:
         handle = open(path, "rb")  # noqa: SIM115 - closed below
@@ -138,7 +140,7 @@ def read_rows(path: Path, name: str | None = None, size: int | None = None) -> I
                 yield Row(f"line {number}", error=f"{message}; save the file as UTF-8", named=False)
                 continue
             if line.strip():
-                yield parse_row(line, f"line {number}")
+                yield parse_row(line, f"line {number}", tool_parser)
 
 
 def _lines(handle: IO[bytes], size: int | None) -> Iterator[bytes]:
@@ -161,7 +163,7 @@ def input_size(path: Path) -> int | None:
     return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
-def parse_row(line: str, fallback_id: str) -> Row:
+def parse_row(line: str, fallback_id: str, tool_parser: str | None = None) -> Row:
     """One input line as a `Row`; a line that cannot run keeps an id and says why."""
     try:
         # Without its line break: an error at the line's end is placed there, not on a next line
@@ -179,7 +181,7 @@ def parse_row(line: str, fallback_id: str) -> Row:
         return Row(row.id, error=message, openai=row.openai)
     except (ValueError, RecursionError) as exc:  # JSON, but beyond what Python reads
         return Row(fallback_id, error=f"JSON that cannot be read: {_beyond(exc)}", named=False)
-    return row_from_item(item, fallback_id)
+    return row_from_item(item, fallback_id, tool_parser)
 
 
 def _beyond(exc: Exception) -> str:
@@ -201,7 +203,7 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return item
 
 
-def row_from_item(item: object, fallback_id: str) -> Row:
+def row_from_item(item: object, fallback_id: str, tool_parser: str | None = None) -> Row:
     """A parsed input object (a JSON line, a dataset row) as a `Row`."""
     if not isinstance(item, dict):
         return Row(fallback_id, error="a line must be a JSON object", named=False)
@@ -213,7 +215,7 @@ def row_from_item(item: object, fallback_id: str) -> Row:
             named=False,
         )
     if "custom_id" in item:  # an OpenAI batch-file line
-        return openai_row(item, fallback_id)
+        return openai_row(item, fallback_id, tool_parser)
     if "messages" in item and item["messages"] is None:  # null: not given, as for settings
         item = {key: value for key, value in item.items() if key != "messages"}
     both = "max_tokens" in item and "max_new_tokens" in item
@@ -243,10 +245,11 @@ def row_from_item(item: object, fallback_id: str) -> Row:
     return row
 
 
-def openai_row(item: dict, fallback_id: str) -> Row:
+def openai_row(item: dict, fallback_id: str, tool_parser: str | None = None) -> Row:
     """An OpenAI batch-file line (``custom_id``, ``method``, ``url``, ``body``) as a `Row`: its
     body read as `specrt serve` reads a request to ``url`` (by the body's keys where the line
-    gives no url), but for the length, which the command line's defaults give."""
+    gives no url), but for the length, which the command line's defaults give; a chat's
+    ``tool_choice: "auto"`` reads calls in ``tool_parser``'s format (None: refused)."""
     row_id, body, url = item["custom_id"], item.get("body"), item.get("url")
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         return Row(fallback_id, error='"custom_id" must be a string', named=False, openai=True)
@@ -261,7 +264,7 @@ def openai_row(item: dict, fallback_id: str) -> Row:
         return row
     kind = OPENAI_URLS.get(url) or (CHAT if "messages" in body else COMPLETION)
     try:
-        row.tools, body = read_tools(body) if kind == CHAT else (None, body)
+        row.tools, body = read_tools(body, tool_parser) if kind == CHAT else (None, body)
         prompt, options = read_request(body, kind, default_max_tokens=None, max_n=MAX_N)
         row.options = with_tools(row.tools, options)
     except RequestError as exc:
