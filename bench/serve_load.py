@@ -74,13 +74,17 @@ def one_request(
     started = time.perf_counter()
     first, tokens = None, 0
     with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:  # said once, not counted as a request of no tokens
+            response.read()
+            raise SystemExit(f"a request failed ({response.status_code}): {response.text}")
         for line in response.iter_lines():
             # Parsed only where needed: on 2 cores the clients' own Python competes with the
             # server, and would show up in the latencies measured.
             if first is None and line.startswith("data: {") and '"text": ""' not in line:
                 first = time.perf_counter()
-            if '"usage"' in line:
-                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            if '"usage"' in line:  # every chunk has it (null) once include_usage asks for it
+                usage = json.loads(line[6:])["usage"]
+                tokens = usage["completion_tokens"] if usage else tokens
     done = time.perf_counter()
     return {"latency": done - started, "ttft": (first or done) - started, "tokens": tokens}
 
@@ -97,6 +101,7 @@ def run_load(
     for item in work_items:
         work.put(item)
     results: list[dict] = []
+    failed: list[str] = []
 
     def client() -> None:
         # One keep-alive connection per client, as load generators and SDK clients hold them
@@ -107,7 +112,11 @@ def run_load(
                     prompt, max_tokens, seed = work.get_nowait()
                 except queue.Empty:
                     return
-                measured = one_request(http, url, prompt, max_tokens, temperature, seed)
+                try:
+                    measured = one_request(http, url, prompt, max_tokens, temperature, seed)
+                except SystemExit as exc:
+                    failed.append(str(exc))
+                    return
                 results.append({**measured, "turn": turn})
 
     started = time.perf_counter()
@@ -116,6 +125,8 @@ def run_load(
         thread.start()
     for thread in threads:
         thread.join()
+    if failed:
+        raise SystemExit(failed[0])
     return {"results": results, "wall": time.perf_counter() - started}
 
 

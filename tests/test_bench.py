@@ -189,3 +189,19 @@ def test_the_first_calls_bench_prints_each_call_s_ratio(demo_bundle):
     lines = bench_lines("first_calls.py", *args)
     assert [line.split(":")[0] for line in lines] == ["free, call 1", "free, call 2"]
     assert all("x the target alone (same output: True); rounds " in line for line in lines)
+
+
+def test_the_serve_load_bench_reads_the_servers_streams(llama_bundle, tmp_path):
+    """`bench/serve_load.py` against two real servers on a tiny bundle: a line per concurrency
+    with both servers' rates and their ratio (every streamed chunk carries ``"usage": null``
+    once usage is asked for: only the last one counts the tokens)."""
+    out = tmp_path / "serve_load.json"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a b", "c d e")))
+    lines = bench_lines("serve_load.py", "--bundle", str(llama_bundle), "--prompt-file",
+                        str(prompts), "--requests", "3", "--max-tokens", "4", "--concurrency",
+                        "2", "--batch-size", "2", "--repeats", "1", "--out", str(out))  # fmt: skip
+    [line] = [line for line in lines if line.startswith("concurrency")]
+    assert "speculative" in line and "target alone" in line and "ratio" in line
+    [row] = json.loads(out.read_text())["rows"]
+    assert all(row[mode]["tokens_per_s"] > 0 for mode in ("speculative", "target_only"))
