@@ -103,16 +103,7 @@ def checked_messages(messages: object) -> list[dict]:
     do not write tool calls can render); anything else is a `ChatTemplateError` saying what
     a message must be."""
     if isinstance(messages, list):
-        messages = [
-            {**m, "content": _text_of(m["content"])} if isinstance(m, dict) and "content" in m
-            else m
-            for m in messages
-        ]  # fmt: skip
-        messages = [
-            {**m, "content": ""} if isinstance(m, dict) and m.get("tool_calls")
-            and m.get("content") is None else m
-            for m in messages
-        ]  # fmt: skip
+        messages = [_with_text(m) if isinstance(m, dict) else m for m in messages]
     if not (
         isinstance(messages, list)
         and messages
@@ -128,6 +119,13 @@ def checked_messages(messages: object) -> list[dict]:
             '{"type": "text", "text": str} parts}'
         )
     return messages
+
+
+def _with_text(message: dict) -> dict:
+    """A message with its content as text (an assistant's tool calls without any: "")."""
+    if message.get("tool_calls") and message.get("content") is None:
+        return {**message, "content": ""}
+    return {**message, "content": _text_of(message["content"])} if "content" in message else message
 
 
 def _text_of(content: object) -> object:

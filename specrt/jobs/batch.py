@@ -182,16 +182,15 @@ def run_batch(
         decode = token_text(generator.tokenizer)
 
         def write(record: dict, status: int = 200) -> None:
-            line = record
+            line, key = record, str(record["id"])
             if output_format == "openai":
-                key = str(record["id"])
                 chat, echo, tools = key in chats, echoes.get(key), toolings.get(key)
                 line = openai_batch.record(
                     record["id"], record, chat, model, status, decode, echo, tools
                 )
-            chats.discard(str(record["id"]))
-            echoes.pop(str(record["id"]), None)
-            toolings.pop(str(record["id"]), None)
+            chats.discard(key)
+            echoes.pop(key, None)
+            toolings.pop(key, None)
             text = json.dumps(line, ensure_ascii=False)
             if not text.isascii():
                 try:

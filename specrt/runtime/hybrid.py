@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from specrt.runtime.lookup import Proposal
 from specrt.runtime.schedules import LineFit
+from specrt.runtime.schedules.base import computed_positions
 from specrt.runtime.schedules.constants import (
     CORPUS_FIRST_PRIORS,
     CORPUS_LATER_PRIOR,
@@ -115,7 +116,7 @@ class HybridChoice:
 
     def _positions(self, positions: int) -> int:
         """The positions a pass over ``positions`` computes."""
-        return positions + positions % 2 if self.even_rows else positions
+        return computed_positions(positions, self.even_rows)
 
     def _verify_line(self) -> tuple[float, float]:
         """The fitted verification time as intercept + slope x positions."""

@@ -1,5 +1,6 @@
-"""What the loop asks a one-row draft-length schedule each round (`DraftSchedule`), and the
-per-token callback a schedule may give the draft step (`KeepGoing`)."""
+"""What the loop asks a one-row draft-length schedule each round (`DraftSchedule`), the
+per-token callback a schedule may give the draft step (`KeepGoing`), and what a call costs in
+positions (`computed_positions`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ from typing import Protocol
 
 # keep_going(drafted so far, confidence of the last drafted token) -> draft another?
 KeepGoing = Callable[[int, float], bool]
+
+
+def computed_positions(positions: int, even_rows: bool) -> int:
+    """The positions a call over ``positions`` computes: one more where the target's calls
+    compute an even number (``even_rows``) and the count is odd."""
+    return positions + positions % 2 if even_rows else positions
 
 
 class DraftSchedule(Protocol):

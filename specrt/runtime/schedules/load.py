@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from specrt.runtime.schedules.base import computed_positions
 from specrt.runtime.schedules.constants import (
     LOAD_CATCH_UP_SMOOTHING,
     LOAD_DECAY,
@@ -185,10 +186,9 @@ class LoadSchedule:
 
     def _extra_positions(self, width: int) -> int:
         """The positions per row a round verifying ``width`` tokens of matches computes beyond
-        a round without them (which computes 1, or 2 where ``even_rows``)."""
-        if not self.even_rows:
-            return width
-        return width + 1 + (width + 1) % 2 - 2
+        a round without them."""
+        plain = computed_positions(1, self.even_rows)
+        return computed_positions(width + 1, self.even_rows) - plain
 
     def _width_check(self, best: int, widest: int, now: bool) -> int:
         """``best``, or now and then a neighbour of it to measure again (see `match_option`)."""
