@@ -4,14 +4,71 @@ chat rows of `specrt batch`. Needs jinja2 (the serve extra)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrt import json_text
-from specrt.errors import BundleError
+from specrt.errors import BundleError, RequestError
+
+FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+# Variables a chat body's template kwargs may not set: the render's own.
+RESERVED = {
+    "messages": "the request's messages",
+    "tools": "the request's tools",
+    "bos_token": "the bundle's tokenizer",
+    "eos_token": "the bundle's tokenizer",
+    "add_generation_prompt": "its own field, add_generation_prompt",
+    "continue_final_message": "its own field, continue_final_message",
+    "raise_exception": "the renderer",
+}
 
 
 class ChatTemplateError(ValueError):
     """The template cannot render these messages (it raised, or is broken)."""
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How a chat body asks its conversation rendered, as vLLM takes it: the assistant's turn
+    opened after it (``add_generation_prompt``), or the last message left open to be continued
+    (``continue_final_message``: a reply begun for the model); ``kwargs``: more variables for
+    the template (``chat_template_kwargs``: Qwen3's ``enable_thinking``, for one)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict = field(default_factory=dict)
+
+
+def read_rendering(body: dict) -> tuple[Rendering, dict]:
+    """A chat body's `Rendering` and the body without its fields. Raises `RequestError`
+    naming the field."""
+    given = {key: body[key] for key in FIELDS if body.get(key) is not None}
+    rest = {key: value for key, value in body.items() if key not in FIELDS}
+    for key in FIELDS[:2]:
+        if not isinstance(given.get(key, False), bool):
+            raise RequestError(f"{key}={json.dumps(given[key])}: use true or false", key)
+    kwargs = given.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        message = 'chat_template_kwargs must be an object of template variables ({"name": value})'
+        raise RequestError(message, "chat_template_kwargs")
+    taken = sorted(set(kwargs) & set(RESERVED))
+    if taken:
+        raise RequestError(
+            f"chat_template_kwargs sets {taken[0]!r}, which is {RESERVED[taken[0]]}'s to set: "
+            "leave it out",
+            "chat_template_kwargs",
+        )
+    rendering = Rendering(
+        given.get("add_generation_prompt", True), given.get("continue_final_message", False), kwargs
+    )
+    if rendering.add_generation_prompt and rendering.continue_final_message:
+        raise RequestError(
+            "continue_final_message and add_generation_prompt are both true: a continued "
+            "message opens no new turn; send add_generation_prompt: false with it",
+            "continue_final_message",
+        )
+    return rendering, rest
 
 
 class ChatTemplate:
@@ -62,21 +119,36 @@ class ChatTemplate:
                 f"{exc} ({where}); fix it, or remove it to serve /v1/completions alone"
             ) from exc
 
-    def prompt(self, messages: object, tools: list[dict] | None = None) -> str:
+    def prompt(
+        self,
+        messages: object,
+        tools: list[dict] | None = None,
+        rendering: Rendering | None = None,
+    ) -> str:
         """OpenAI-style ``messages`` (each content a string or a list of text parts), checked,
         rendered as the prompt text (its special tokens written out); ``tools``: the
         functions a request offers, for a template that writes them (as transformers gives
-        them: OpenAI's tool objects)."""
-        return self.render(checked_messages(messages), tools)
+        them: OpenAI's tool objects); ``rendering``: as the body asks (`read_rendering`)."""
+        rendering = rendering or Rendering()
+        messages = checked_messages(messages)
+        text = self.render(messages, tools, rendering)
+        return _continued(text, messages[-1]) if rendering.continue_final_message else text
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        rendering: Rendering | None = None,
+    ) -> str:
         from jinja2.exceptions import TemplateError
 
+        rendering = rendering or Rendering()
         try:
             return self._template.render(
+                **rendering.kwargs,
                 messages=messages,
                 tools=tools,
-                add_generation_prompt=True,
+                add_generation_prompt=rendering.add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
@@ -89,6 +161,20 @@ class ChatTemplate:
             name = type(exc).__name__
             message = f"the chat template cannot render these messages: {name}: {exc}"
             raise ChatTemplateError(message) from exc
+
+
+def _continued(text: str, last: dict) -> str:
+    """The rendered conversation cut right after the last message's text, so that the answer
+    continues it (as transformers' ``continue_final_message``: the text as written, or stripped
+    where the template strips it)."""
+    content = last["content"]
+    for written in (content, content.strip()):
+        if written and written in text:
+            return text[: text.rindex(written) + len(written)]
+    raise ChatTemplateError(
+        "continue_final_message: the last message's text is empty or not in what the chat "
+        "template writes, so there is nothing to continue; give the text the answer goes on from"
+    )
 
 
 def _token(value: object) -> str:

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from specrt.chat import FIELDS as RENDERING_FIELDS
 from specrt.errors import RequestError
 from specrt.openai_structured import STRUCTURED, structured_output
 
@@ -51,8 +52,6 @@ OFF_VALUES = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": (None, False),
-    "add_generation_prompt": (None, True),
-    "chat_template_kwargs": (None, {}),
     "modalities": (None, ["text"]),
 }
 IGNORED = {
@@ -131,6 +130,10 @@ def read_request(
         message = "stream_options is only allowed with stream: true (as OpenAI and vLLM answer)"
         raise RequestError(message, "stream_options")
     unknown = sorted(set(body) - set(FIELDS) - IGNORED)
+    if kind == COMPLETION and set(unknown) & set(RENDERING_FIELDS):
+        field = min(set(unknown) & set(RENDERING_FIELDS))
+        message = f"{field} is a chat field: a completion's prompt is sent as it is, not rendered"
+        raise RequestError(message, field)
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}", unknown[0])
     for field, off in OFF_VALUES.items():  # on, an answer without them would be wrong

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from specrt.chat import ChatTemplateError, Rendering
 from specrt.errors import InvalidInputError
 from specrt.jobs import openai_batch
 from specrt.jobs.output import _lock, done_ids
@@ -281,7 +282,9 @@ def make_request(
             config = replace(config, seed=row_seed(config.seed, row.id))
         generator.check_config(config)
         tools = row.tools and row.tools.tools
-        text = row.prompt if row.messages is None else chat_prompt(generator, row.messages, tools)
+        text = row.prompt
+        if row.messages is not None:
+            text = chat_prompt(generator, row.messages, tools, row.rendering)
         [prompt] = generator.encode_prompts([text])
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
@@ -303,20 +306,23 @@ def choices_record(row_id: str | int, results: list[GenerationResult]) -> dict:
 
 
 def chat_prompt(
-    generator: SpeculativeGenerator, messages: object, tools: list[dict] | None = None
+    generator: SpeculativeGenerator,
+    messages: object,
+    tools: list[dict] | None = None,
+    rendering: Rendering | None = None,
 ) -> list[int]:
-    """A chat row's messages (and ``tools``) rendered by the bundle's chat template, as token
-    ids (the template writes the special tokens itself, as `specrt serve` reads them)."""
+    """A chat row's messages (and ``tools``) rendered by the bundle's chat template as
+    ``rendering`` asks, as token ids (the template writes the special tokens itself, as
+    `specrt serve` reads them)."""
     tokenizer = generator.tokenizer
     template = _chat_template(tokenizer.directory) if tokenizer is not None else None
     if template is None:
         raise InvalidInputError(
             'this bundle\'s tokenizer has no chat template: give a "prompt" instead of "messages"'
         )
-    from specrt.chat import ChatTemplateError
-
     try:
-        return tokenizer.encode(template.prompt(messages, tools), add_special_tokens=False)
+        text = template.prompt(messages, tools, rendering)
+        return tokenizer.encode(text, add_special_tokens=False)
     except ChatTemplateError as exc:
         raise InvalidInputError(str(exc)) from exc
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from specrt.chat import Rendering, read_rendering
 from specrt.errors import InvalidInputError
 from specrt.openai_shapes import (
     CHAT,
@@ -66,6 +67,7 @@ class Row:
     echo: bool = False  # an OpenAI completion's "echo": the prompt before the answer
     scored_only: bool = False  # echo with "max_tokens": 0 (the prompt alone)
     tools: ToolCalling | None = None  # an OpenAI chat body's tools (`specrt.openai_tools`)
+    rendering: Rendering | None = None  # how an OpenAI chat body asks its messages rendered
 
 
 @contextmanager
@@ -264,7 +266,9 @@ def openai_row(item: dict, fallback_id: str, tool_parser: str | None = None) -> 
         return row
     kind = OPENAI_URLS.get(url) or (CHAT if "messages" in body else COMPLETION)
     try:
-        row.tools, body = read_tools(body, tool_parser) if kind == CHAT else (None, body)
+        if kind == CHAT:
+            row.tools, body = read_tools(body, tool_parser)
+            row.rendering, body = read_rendering(body)
         prompt, options = read_request(body, kind, default_max_tokens=None, max_n=MAX_N)
         row.options = with_tools(row.tools, options)
     except RequestError as exc:

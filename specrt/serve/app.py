@@ -26,7 +26,7 @@ from starlette.routing import Match, Route
 
 from specrt import openai_shapes as shapes
 from specrt import openai_tools as tools
-from specrt.chat import ChatTemplate, ChatTemplateError
+from specrt.chat import ChatTemplate, ChatTemplateError, Rendering, read_rendering
 from specrt.errors import (
     InvalidInputError,
     OverloadedError,
@@ -228,13 +228,16 @@ def create_app(
                 "model",
             )
         try:
-            tooling, body = tools.read_tools(body, tool_parser) if kind == CHAT else (None, body)
+            tooling, rendering = None, None
+            if kind == CHAT:
+                tooling, body = tools.read_tools(body, tool_parser)
+                rendering, body = read_rendering(body)
             prompt, options = read_request(body, kind, max_n=MAX_N)
             options = tools.with_tools(tooling, options)
         except RequestError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
         if kind == CHAT:
-            prompt = chat_prompt(prompt, tooling and tooling.tools)
+            prompt = chat_prompt(prompt, tooling and tooling.tools, rendering)
             # No max_tokens: until the model stops or the context ends, as OpenAI's chat (at
             # least 1, so that a prompt too long is refused as such by submit)
             room = service.generator.target.max_positions - len(prompt)
@@ -333,11 +336,11 @@ def create_app(
     ) -> dict:
         return completion(ident, kind, model_name, text, finish_reason, final, index)
 
-    def chat_prompt(messages: object, tools: list[dict] | None) -> list[int]:
+    def chat_prompt(messages: object, tools: list[dict] | None, how: Rendering) -> list[int]:
         """The conversation rendered by the bundle's chat template, as token ids (the template
         writes the special tokens itself, and the tools where it writes them)."""
         try:
-            text = template.prompt(messages, tools)
+            text = template.prompt(messages, tools, how)
         except ChatTemplateError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", "messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,141 @@
+"""How a chat body asks its conversation rendered, as vLLM takes it: ``chat_template_kwargs``
+(template variables: Qwen3's ``enable_thinking``), ``add_generation_prompt`` and
+``continue_final_message`` (the answer goes on from the last message's text). The answer is
+the target's own to the prompt so rendered, on `specrt serve` (streamed or not) and in OpenAI
+batch lines; bodies that cannot be rendered as asked are one 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from specrt.chat import ChatTemplate, ChatTemplateError, Rendering, read_rendering
+from specrt.errors import RequestError
+from specrt.runtime import GenerationConfig, SpeculativeGenerator
+from tests.test_batch_job import chat_bundle, command, run
+from tests.test_serve import running_server
+
+# Qwen3's switch, in the tiny template's words: no thinking asked, an empty think block.
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+ASK = [{"role": "user", "content": "def f"}]
+BEGUN = [*ASK, {"role": "assistant", "content": "def f(x):"}]  # a reply begun for the model
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def rendered(messages: list[dict], body: dict) -> str:
+    return ChatTemplate(TEMPLATE).prompt(messages, None, read_rendering(body)[0])
+
+
+def test_the_fields_reach_the_template_and_cut_a_continued_message():
+    assert rendered(ASK, {}) == "<user>def f\n<assistant>"
+    assert rendered(ASK, NO_THINKING) == "<user>def f\n<assistant><think></think>"
+    assert rendered(ASK, {"add_generation_prompt": False}) == "<user>def f\n"
+    # the last message stays open: no newline, no new turn after its text
+    assert rendered(BEGUN, CONTINUE) == "<user>def f\n<assistant>def f(x):"
+    trims = ChatTemplate(TEMPLATE.replace("{{ m.content }}", "{{ m.content | trim }}"))
+    spaced = [*ASK, {"role": "assistant", "content": "def f(x): "}]
+    continued = Rendering(add_generation_prompt=False, continue_final_message=True)
+    assert trims.prompt(spaced, None, continued) == "<user>def f\n<assistant>def f(x):"
+    for text in ("", "   "):
+        with pytest.raises(ChatTemplateError, match="nothing to continue"):
+            trims.prompt([*ASK, {"role": "assistant", "content": text}], None, continued)
+    _, rest = read_rendering({**NO_THINKING, **CONTINUE, "messages": ASK})
+    assert rest == {"messages": ASK}  # read_request sees the rest only
+
+
+@pytest.mark.parametrize(
+    "body, field, words",
+    [
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "an object"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "'messages'"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
+         "its own field"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt", "true or false"),
+        ({"continue_final_message": True}, "continue_final_message",
+         "add_generation_prompt: false"),
+    ],
+)  # fmt: skip
+def test_bodies_that_cannot_be_rendered_as_asked_are_refused_naming_the_field(body, field, words):
+    with pytest.raises(RequestError, match=words) as caught:
+        read_rendering(body)
+    assert caught.value.param == field
+
+
+@pytest.fixture(scope="module")
+def bundle(llama_bundle, tmp_path_factory):
+    return chat_bundle(llama_bundle, tmp_path_factory.mktemp("rendering"), TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def generator(bundle):
+    return SpeculativeGenerator.from_bundle(bundle, threads=1)
+
+
+def alone(generator, text: str, tokens: int = 10):
+    ids = generator.tokenizer.encode(text, add_special_tokens=False)
+    config = GenerationConfig(max_new_tokens=tokens, num_draft_tokens=0, ignore_eos=True)
+    [result] = generator.generate([ids], config)
+    return ids, result
+
+
+def test_the_server_answers_the_prompt_rendered_as_the_body_asks(bundle, generator):
+    with running_server(bundle) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for messages, fields in [(ASK, NO_THINKING), (BEGUN, CONTINUE), (ASK, {})]:
+            ids, want = alone(generator, rendered(messages, fields))
+            reply = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=10,
+                extra_body={**fields, "ignore_eos": True},
+            )  # fmt: skip
+            assert reply.usage.prompt_tokens == len(ids)
+            assert reply.choices[0].message.content == want.text
+            chunks = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=10, stream=True,
+                extra_body={**fields, "ignore_eos": True},
+            )  # fmt: skip
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+        assert len(rendered(ASK, NO_THINKING)) > len(rendered(ASK, {}))  # the kwarg counted
+        refusals = [
+            ("chat/completions", {"messages": ASK, "continue_final_message": True},
+             "continue_final_message"),
+            ("chat/completions", {"messages": ASK, "chat_template_kwargs": {"tools": []}},
+             "chat_template_kwargs"),
+            ("chat/completions", {"messages": [*ASK, {"role": "assistant", "content": ""}],
+                                  **CONTINUE}, "messages"),
+            ("completions", {"prompt": "def f", **NO_THINKING}, "chat_template_kwargs"),
+        ]  # fmt: skip
+        for route, body, field in refusals:
+            bad = httpx.post(f"{url}/v1/{route}", json=body)
+            error = bad.json()["error"]
+            assert bad.status_code == 400 and error["param"] == field, error
+        assert "a completion's prompt is sent as it is" in error["message"]
+
+
+def test_openai_batch_lines_are_rendered_as_their_bodies_ask(bundle, generator, tmp_path):
+    lines = [
+        {"custom_id": name, "url": "/v1/chat/completions",
+         "body": {"messages": messages, "max_tokens": 10, "ignore_eos": True, **fields}}
+        for name, messages, fields in [("think", ASK, NO_THINKING), ("go on", BEGUN, CONTINUE)]
+    ]  # fmt: skip
+    lines.append({"custom_id": "bad", "body": {"messages": ASK, "continue_final_message": 1}})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run(command(bundle, path, tmp_path / "out.jsonl"))
+    assert done.returncode == 1, done.stderr  # the bad line
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    got = {line["custom_id"]: line for line in lines}  # OpenAI's batch output form
+    for name, messages, fields in [("think", ASK, NO_THINKING), ("go on", BEGUN, CONTINUE)]:
+        ids, want = alone(generator, rendered(messages, fields))
+        body = got[name]["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == want.text
+        assert body["usage"]["prompt_tokens"] == len(ids)
+    assert "continue_final_message=1: use true or false" in got["bad"]["error"]["message"]
