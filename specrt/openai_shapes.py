@@ -35,6 +35,7 @@ FIELDS = {
     "min_tokens": "min_tokens",  # vLLM's extension
 }
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
+MAX_PROMPTS = 128  # prompts one completion may give (as many as choices)
 LOGPROBS_CONTEXT = 6  # tokens before one that its text is decoded after (`logprobs_body`)
 MAX_LOGPROBS = 20  # most likely tokens a position may list: OpenAI's limit, and the runtime's
 # OpenAI's max_tokens for a completion that gives none. Chat has no such default: it runs until
@@ -107,8 +108,8 @@ def read_json(data: bytes | str) -> object:
 def read_request(
     body: dict, kind: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS, max_n: int = 1
 ):
-    """An OpenAI request body of ``kind`` as (its prompt: a string or token ids for a
-    completion, the messages for a chat; `GenerationConfig` fields it sets). ``null`` takes
+    """An OpenAI request body of ``kind`` as (its prompts for a completion: `completion_prompts`;
+    the messages for a chat; `GenerationConfig` fields it sets). ``null`` takes
     the default; fields for features specrt does not have are refused unless at their off
     value; ``default_max_tokens``: a completion's length where the body gives none (None: no
     length). A chat's length is never filled in: it runs to the end of the context, which the
@@ -154,16 +155,7 @@ def read_request(
     else:
         if "messages" in body:
             raise RequestError("a completion request gives a prompt, not messages", "messages")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list: text, or token ids
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            raise RequestError(
-                f"prompt is a list of {len(prompt)} prompts: send one prompt per request", "prompt"
-            )
-        mixed = isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)
-        if not isinstance(prompt, (str, list)) or mixed:
-            raise RequestError("prompt must be a string (or a list of token ids)", "prompt")
+        prompt = completion_prompts(body.get("prompt"))
     options = {ours: body[theirs] for theirs, ours in FIELDS.items() if theirs in body}
     structured = structured_output(body)
     if structured is not None:
@@ -191,6 +183,31 @@ def read_request(
     return prompt, options
 
 
+def completion_prompts(prompt: object) -> list[str | list[int]]:
+    """A completion's ``prompt`` as the list of its prompts, each text or token ids: OpenAI
+    takes a string, an array of strings, an array of token ids or an array of those. Raises
+    `RequestError` for anything else."""
+    several = isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if several else [prompt]
+    for one in prompts:
+        if isinstance(one, list) and all(_is_token(t) for t in one):
+            continue
+        if not isinstance(one, str):
+            raise RequestError(
+                "prompt must be a string, a list of token ids, or a list of either (several "
+                "prompts)",
+                "prompt",
+            )
+    if several and len(prompts) > MAX_PROMPTS:
+        message = f"prompt is a list of {len(prompts)} prompts: send at most {MAX_PROMPTS}"
+        raise RequestError(message, "prompt")
+    return prompts
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def echoed(body: dict, kind: str) -> bool:
     """Whether a completion body asks for its prompt before the answer (``echo``, with its
     tokens' log-probabilities where it asks for them). Raises `RequestError`."""
@@ -208,17 +225,12 @@ def scored_only(body: dict) -> bool:
     return bool(body.get("echo")) and body.get("max_tokens", body.get("max_completion_tokens")) == 0
 
 
-def echo_text(body: dict, kind: str, ids: list[int], decode) -> str | None:
-    """The prompt text an echoed completion gives before its answer (None: not echoed)."""
-    return prompt_text(body, ids, decode) if echoed(body, kind) else None
-
-
-def prompt_text(body: dict, ids: list[int], decode) -> str:
-    """An echoed completion's prompt: its text as the body gives it, or its token ids'."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else decode(ids)
+def echo_text(body: dict, kind: str, given: object, ids: list[int], decode) -> str | None:
+    """The prompt text an echoed completion gives before its answer (None: not echoed): the
+    prompt ``given`` as the body gives it, where text, or its token ids' text."""
+    if not echoed(body, kind):
+        return None
+    return given if isinstance(given, str) else decode(ids)
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

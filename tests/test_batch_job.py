@@ -462,8 +462,8 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
         ({"body": {"prompt": "a", "stream": True}}, "a batch line cannot stream"),
         ({"body": {"prompt": "a", "n": 129}}, "n=129: use an integer from 1 to 128"),
         ({"body": {"prompt": "a", "echo": 1}}, "echo=1: use true or false"),
-        ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts"),
-        ({"body": {"prompt": [1, "a"]}}, "prompt must be a string (or a list of token ids)"),
+        ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts: a batch line answers"),
+        ({"body": {"prompt": [1, "a"]}}, "prompt must be a string, a list of token ids, or"),
         # the url decides the kind of request (the body's keys decided, whatever the url)
         ({"url": "/v1/chat/completions", "body": {"prompt": "a"}},
          "a chat request gives messages, not a prompt"),

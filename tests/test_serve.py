@@ -397,6 +397,45 @@ def test_n_choices_are_the_rows_generate_gives_one_prompt(server, client, refere
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+def test_a_list_of_prompts_is_answered_as_each_prompt_alone(server, client, reference):
+    """OpenAI's list of prompts: choice i of prompt p comes at p * n + i, and is what the
+    prompt sent alone gets (choice i sampling from the stream (seed, i)), streamed or not; the
+    usage counts each prompt once; echo gives each choice its own prompt; token-id prompts too."""
+    generator, _ = reference
+    prompts, sampled = PROMPTS[:2], dict(max_tokens=12, temperature=1.0, seed=3)
+    config = GenerationConfig(max_new_tokens=12, temperature=1.0, seed=3)
+    results = [r for p in prompts for r in generator.generate([p] * 2, config)]
+    expected = [r.text for r in results]
+    assert len(set(expected)) == 4  # (else choices mixed up would pass)
+    reply = client.completions.create(model="tiny", prompt=prompts, n=2, **sampled)
+    assert [(c.index, c.text) for c in reply.choices] == list(enumerate(expected))
+    ids = generator.encode_prompts(prompts)
+    assert reply.usage.prompt_tokens == sum(map(len, ids))
+    assert reply.usage.completion_tokens == sum(len(r.token_ids) for r in results)
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompts, n=2, stream=True,
+            stream_options={"include_usage": True}, **sampled,
+        )
+    )  # fmt: skip
+    texts = [""] * 4
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == expected and chunks[-1].usage == reply.usage
+    echoed = client.completions.create(
+        model="tiny", prompt=[ids[0], prompts[1]], echo=True, **sampled
+    )
+    too_long = {"prompt": [prompts[0], "Simple is better than complex. " * 30], "n": 2}
+    refused = httpx.post(f"{server[0]}/v1/completions", json=too_long, timeout=30)
+    assert refused.status_code == 400  # the whole request: the first prompt's choices withdrawn
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    alone = [generator.generate([p], config)[0].text for p in prompts]
+    assert [c.text for c in echoed.choices] == [
+        generator.tokenizer.decode(ids[0]) + alone[0],
+        prompts[1] + alone[1],
+    ]
+
+
 def test_a_client_gone_cancels_every_choice(server):
     url = server[0]
     body = {"prompt": PROMPTS[2], "max_tokens": 200, "stream": True, "n": 3}
@@ -427,7 +466,8 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server, client):
         # too long: 400 with OpenAI's code, which clients catch to trim and retry (it was 413)
         (dict(prompt="Simple is better than complex. " * 30), None, "positions fit"),
         (dict(logprobs=21), openai.BadRequestError, "logprobs=21: use an integer from 0 to 20"),
-        (dict(prompt=["Simple is", "Flat is"]), openai.BadRequestError, "one prompt per"),
+        (dict(prompt=["Simple is"] * 3, n=30), openai.BadRequestError, "3 prompts of n=30 each"),
+        (dict(prompt=[1, "a"]), openai.BadRequestError, "prompt must be a string, a list of"),
         (dict(extra_body={"top_logprobs": 2}), openai.BadRequestError, "a chat field"),
         (dict(extra_body={"echo": "yes"}), openai.BadRequestError, 'echo="yes": use true'),
         (dict(frequency_penalty=2.5), openai.BadRequestError, "frequency_penalty=2.5 is out"),

@@ -282,8 +282,13 @@ def openai_row(item: dict, fallback_id: str, tool_parser: str | None = None) -> 
         row.error = 'a chat line needs "messages"'
     elif kind == CHAT:
         row.messages = prompt
+    elif len(prompt) > 1:
+        row.error = (
+            f"prompt is a list of {len(prompt)} prompts: a batch line answers one; give each "
+            "prompt a line of its own"
+        )
     else:
-        row.prompt = prompt
+        [row.prompt] = prompt
     return row
 
 

@@ -10,7 +10,6 @@ model, 400 prompt too long (code "context_length_exceeded"), 413 body too large,
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Match, Route
+from starlette.routing import Route
 
 from specrt import openai_shapes as shapes
 from specrt import openai_tools as tools
@@ -53,6 +52,7 @@ from specrt.runtime.logprobs import echoed_entries
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
+from specrt.serve.middleware import BearerKey, CountAnswers
 from specrt.serve.request_log import ROUTES, log_finished, log_received
 
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
@@ -124,7 +124,7 @@ def create_app(
         ident = new_id(kind)
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
             submitted = await run_in_threadpool(submit, body, kind, ident)
-            handles, stream, with_usage, tooling = submitted
+            handles, stream, with_usage, tooling, echoes = submitted
         except _HttpError as exc:
             return error(exc.status, str(exc), exc.kind, exc.param)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -138,10 +138,10 @@ def create_app(
         except InvalidInputError as exc:  # a field out of range: named as the body named it
             param = next((f for f, ours in FIELDS.items() if ours == exc.field and f in body), None)
             return error(400, str(exc), "invalid_request_error", param)
+        n = choices(body)
         if stream:
-            echo = shapes.echo_text(body, kind, handles[0].request.prompt, decode)
             return StreamingResponse(
-                events(handles, ident, kind, with_usage, echo, tooling),
+                events(handles, ident, kind, with_usage, echoes, tooling, n),
                 media_type="text/event-stream",
             )
         try:
@@ -150,19 +150,18 @@ def create_app(
             return error(500, str(exc), "server_error")
         if results is None:  # the client went away: nobody reads this
             return Response(status_code=499)
-        prompt = handles[0].request.prompt
-        echo = shapes.echo_text(body, kind, prompt, decode)
-        if echo is not None and shapes.scored_only(body):  # the prompt alone
+        if echoes[0] is not None and shapes.scored_only(body):  # the prompts alone
             results = [
                 replace(r, text="", token_ids=[], logprobs=r.logprobs and []) for r in results
             ]
         body = chunk(ident, kind, "", None, final=True)
         body["choices"] = []
-        for i, result in enumerate(results):
+        for i, (result, echo) in enumerate(zip(results, echoes)):
             text, entries = result.text, result.logprobs
             if echo is not None:  # the prompt before the answer, as OpenAI's echo gives it
                 text = echo + text
                 if entries is not None:
+                    prompt = handles[i].request.prompt
                     entries = [*echoed_entries(prompt, result.prompt_logprobs), *entries]
             choice = chunk(ident, kind, text, result.finish_reason, final=True, index=i)
             if entries is not None:
@@ -171,7 +170,7 @@ def create_app(
             if reply is not None:
                 tools.as_calls(choice["choices"][0], reply)
             body["choices"].append(choice["choices"][0])
-        body["usage"] = usage(results)
+        body["usage"] = usage(results, n)
         body["speculative_decoding"] = spec_stats(results)
         return JSONResponse(body)
 
@@ -216,9 +215,11 @@ def create_app(
         return bytes(data)
 
     def submit(body: dict, kind: str, ident: str) -> tuple:
-        """The request's ``n`` choices queued (rows of one prompt, which read it once); all or
+        """The ``n`` choices of each of the request's prompts queued (choice ``i`` of prompt
+        ``p`` at ``p * n + i``, as OpenAI orders them; rows of one prompt read it once); all or
         none: a choice refused withdraws those queued before it. Returns the handles, whether
-        to stream, whether with the usage, and what the body asked of tools."""
+        to stream, whether with the usage, what the body asked of tools, and the text each
+        choice echoes (None: none)."""
         if body.get("model") not in (None, model_name):  # null, as any field: the default
             raise _HttpError(
                 404,
@@ -236,26 +237,29 @@ def create_app(
             options = tools.with_tools(tooling, options)
         except RequestError as exc:
             raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
+        prompts = prompt
         if kind == CHAT:
-            prompt = chat_prompt(prompt, tooling and tooling.tools, rendering)
+            prompts = [chat_prompt(prompt, tooling and tooling.tools, rendering)]
             # No max_tokens: until the model stops or the context ends, as OpenAI's chat (at
             # least 1, so that a prompt too long is refused as such by submit)
-            room = service.generator.target.max_positions - len(prompt)
+            room = service.generator.target.max_positions - len(prompts[0])
             options.setdefault("max_new_tokens", max(1, room))
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         n = choices(body)
-        if n > service.capacity:  # refused whatever the load: not a 429 to retry
+        if n * len(prompts) > service.capacity:  # refused whatever the load: not a 429 to retry
+            asked = f"n={n}" if len(prompts) == 1 else f"{len(prompts)} prompts of n={n} each"
             raise _HttpError(
                 400,
-                f"n={n}: this server holds at most {service.capacity} requests at once (a "
-                "slot each, or a place in the queue): ask for fewer choices",
+                f"{asked}: this server holds at most {service.capacity} requests at once (a "
+                "slot each, or a place in the queue): ask for fewer choices or prompts",
                 "invalid_request_error",
-                "n",
+                "n" if len(prompts) == 1 else "prompt",
             )
         handles: list[RequestHandle] = []
         try:
-            for index in range(n):
-                handles.append(service.submit(prompt, config, index=index))
+            for given in prompts:  # one at a time: those queued are withdrawn on a refusal
+                for index in range(n):
+                    handles.append(service.submit(given, config, index=index))
         except BaseException:
             for handle in handles:
                 handle.cancel()
@@ -267,11 +271,15 @@ def create_app(
             log_received(ident, kind, handle, stream)
             handle.add_done_callback(lambda done: log_finished(ident, done))
         options = body.get("stream_options") or {}
-        return handles, stream, bool(options.get("include_usage")), tooling
+        echoes = [
+            shapes.echo_text(body, kind, prompts[i // n], handle.request.prompt, decode)
+            for i, handle in enumerate(handles)
+        ]
+        return handles, stream, bool(options.get("include_usage")), tooling, echoes
 
     async def events(
         handles: list[RequestHandle], ident: str, kind: str, with_usage: bool,
-        echo: str | None, tooling: tools.ToolCalling | None,
+        echoes: list[str | None], tooling: tools.ToolCalling | None, n: int,
     ) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events: a chunk per delta of each choice (its ``index``; a required
         tool call's in one chunk once whole), a last one of
@@ -288,9 +296,9 @@ def create_app(
             texts = [tools.StreamedText(tooling) for _ in handles]  # (tool calls held back)
             echoed: set[int] = set()
             async for index, delta in merged(handles):
-                if echo is not None and index not in echoed:  # the prompt before the answer
+                if echoes[index] is not None and index not in echoed:  # its prompt first
                     echoed.add(index)
-                    part = {**chunk(ident, kind, echo, None, index=index), **blank}
+                    part = {**chunk(ident, kind, echoes[index], None, index=index), **blank}
                     entries = handles[index].prompt_logprobs
                     if entries is not None:
                         entries = echoed_entries(handles[index].request.prompt, entries)
@@ -323,7 +331,7 @@ def create_app(
             yield sse({"error": {"message": str(exc), "type": "server_error"}})
             return
         if with_usage:
-            yield sse({**chunk(ident, kind, None, None), "choices": [], "usage": usage(results)})
+            yield sse({**chunk(ident, kind, None, None), "choices": [], "usage": usage(results, n)})
         yield "data: [DONE]\n\n"
 
     def chunk(
@@ -372,61 +380,16 @@ async def unknown_route(request: Request, exc: HTTPException) -> Response:
     return response
 
 
-class CountAnswers:
-    """Counts every HTTP answer by route, method and status class (`Metrics.answered`), the
-    route named by its path template as vLLM's instrumentator names it. Plain ASGI: it only
-    watches the answer's first message, streamed or not."""
-
-    def __init__(self, app, metrics: Metrics, routes: list[Route]) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        # a route that matches but for the method (a 405) names it too
-        handler = next((r.path for r in self.routes if r.matches(scope)[0] != Match.NONE), "none")
-
-        async def counted(message) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.answered(handler, scope["method"], message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-
-class BearerKey:
-    """The /v1 routes answer only requests with ``Authorization: Bearer <key>`` (as OpenAI and
-    vLLM's ``--api-key``); /health and /metrics stay open for probes and scrapers. Plain ASGI,
-    so streamed answers and client disconnects pass through untouched."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "missing or wrong API key: send it as Authorization: Bearer <key>"
-                response = JSONResponse(
-                    {"error": {"message": message, "type": "invalid_request_error",
-                               "param": None, "code": "invalid_api_key"}},
-                    status_code=401,
-                )  # fmt: skip
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's
 
 
-def usage(results: list[GenerationResult]) -> dict:
-    """One request's usage: its prompt once (as its first choice read it), the tokens of all
-    its choices."""
+def usage(results: list[GenerationResult], n: int) -> dict:
+    """One request's usage: each prompt once (as its first choice read it; ``n`` choices a
+    prompt), the tokens of all its choices."""
     completion_tokens = sum(len(result.token_ids) for result in results)
-    stats = results[0].stats
-    return shapes.usage(stats.prompt_tokens, completion_tokens, stats.cached_tokens)
+    firsts = [result.stats for result in results[::n]]
+    prompt_tokens = sum(stats.prompt_tokens for stats in firsts)
+    return shapes.usage(prompt_tokens, completion_tokens, sum(s.cached_tokens for s in firsts))
 
 
 def spec_stats(results: list[GenerationResult]) -> dict:
