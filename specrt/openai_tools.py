@@ -3,9 +3,8 @@
 function named) is written under a JSON schema of the tools' parameters (structured output), so
 the answer is still the target's own under that grammar; it comes back as the message's
 ``tool_calls``. ``"auto"`` leaves the choice to the model, in its own format: read out of its
-text by a parser the server is told of (``--tool-call-parser``, as vLLM's; "hermes":
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Hermes', Qwen's and SmolLM3's
-templates), refused in one line without one."""
+text by a parser the server is told of (``--tool-call-parser``, as vLLM's:
+`specrt.tool_parsers`), refused in one line without one."""
 
 from __future__ import annotations
 
@@ -15,10 +14,10 @@ from dataclasses import dataclass
 
 from specrt.errors import InvalidInputError, RequestError
 from specrt.structured import StructuredOutput
+from specrt.tool_parsers import FORMATS, json_of
 
 FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
-PARSERS = ("hermes",)  # the call formats "auto" reads
-OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes'
+PARSERS = tuple(FORMATS)  # the call formats "auto" reads
 TOOL_SHAPE = 'each tool is {"type": "function", "function": {"name": ..., "parameters": {...}}}'
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # none declared
 
@@ -76,25 +75,16 @@ class ToolCalling:
         text alone: no call, or one cut short by max_tokens). Where the model chose (``auto``),
         the content is its text before the first call (None if blank)."""
         if self.parser is not None:
-            before, _, rest = text.partition(OPEN)
-            found = [part.partition(CLOSE) for part in rest.split(OPEN)] if rest else []
-            if not found or not all(close for _, close, _ in found):
-                return None  # (or the last cut short)
-            calls = _calls([json_of(call) for call, _, _ in found])
-            return None if calls is None else (before if before.strip() else None, calls)
+            found = FORMATS[self.parser].split(text)
+            calls = None if found is None or found[1] is None else _calls(found[1])
+            if found is None or calls is None:
+                return None  # no call, or one cut short
+            return (found[0] if found[0].strip() else None), calls
         if not self.calls_required:
             return None
         if self.name is not None:
             return None if json_of(text) is None else (None, _calls([], self.name, text))
         return None if (calls := _calls(json_of(text))) is None else (None, calls)
-
-
-def json_of(text: str) -> object:
-    """``text``'s JSON value (None: not JSON)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
 
 
 def _calls(items: object, name: str | None = None, arguments: str = "") -> list[dict] | None:
@@ -240,15 +230,9 @@ class StreamedText:
         self.text += delta
         if self.held:
             return ""
-        # (the model chooses: text until a call's opening tag)
-        end = self.text.find(OPEN, max(0, self.sent - len(OPEN)))
-        if end >= 0:
-            self.held = True
-        else:  # the end may be a tag's start: held back until it is not
-            end = len(self.text) - next(
-                (k for k in range(len(OPEN) - 1, 0, -1) if self.text.endswith(OPEN[:k])), 0
-            )
-        text, self.sent = self.text[self.sent : end], max(self.sent, end)
+        # (the model chooses: text until its calls may have begun)
+        end = max(self.sent, FORMATS[self.tooling.parser].streamable(self.text))
+        text, self.sent = self.text[self.sent : end], end
         return text
 
     def finish(self, text: str) -> tuple[str, list[dict] | None]:

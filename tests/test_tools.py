@@ -252,23 +252,75 @@ def test_hermes_calls_are_read_out_of_the_text_and_held_back_while_streaming():
     assert plain.finish("a <toast> b") == ("", None)
 
 
-def test_auto_on_a_server_told_the_format_gives_the_models_own_calls(tools_bundle):
-    """`specrt serve --tool-call-parser hermes`: "auto" (the default with tools) answers with
-    the calls the model wrote, streamed or not; here a regex makes the demo model write one."""
-    call = '<tool_call>{"name":"now","arguments":{}}</tool_call>'
-    regex = "Hi[.]" + call.replace("{", "[{]").replace("}", "[}]")
-    with running_server(tools_bundle, "--tool-call-parser", "hermes") as (url, _):
+def test_llama3_json_and_pythonic_calls_are_the_whole_answer_and_held_while_they_may_be():
+    """Llama's formats, as vLLM's parsers of those names read them: an answer that is JSON
+    objects ``{"name", "parameters"}`` separated by ``;`` (after Llama's python tag, where a
+    tokenizer writes it), or a Python list of calls with keyword arguments; anything else,
+    a call cut short or text before the calls included, is text. Streamed, nothing goes out
+    while the answer may be calls (blank so far, or beginning as they do)."""
+    llama = read_tools({"tools": TOOLS}, "llama3_json")[0]
+    oslo = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    content, calls = llama.reply(f" {oslo}; {oslo.replace('Oslo', 'Rome')}")
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+    ]
+    [now] = llama.reply('<|python_tag|>{"name": "now", "arguments": {}}')[1]
+    assert now["function"] == {"name": "now", "arguments": "{}"}
+    for text in ("The weather: " + oslo, oslo[:-2], oslo + " and more", '{"city": 1}', "{}"):
+        assert llama.reply(text) is None, text
+    pythonic = read_tools({"tools": TOOLS}, "pythonic")[0]
+    content, calls = pythonic.reply('[get_weather(city="Oslo"), now()]')
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"])
+                                for c in calls] == [("get_weather", '{"city": "Oslo"}'),
+                                                    ("now", "{}")]  # fmt: skip
+    for text in ("[1, 2]", "[f(1)]", "[f(**x)]", "[f(x=open())]", '[get_weather(city="Os', "no"):
+        assert pythonic.reply(text) is None, text
+    for tooling, parts, call in [
+        (llama, ["  ", "{", '"name": "now", "arguments": {}}'],
+         '  {"name": "now", "arguments": {}}'),
+        (llama, ["<|py", "thon_tag|>", '{"name": "now", "arguments": {}}'],
+         '<|python_tag|>{"name": "now", "arguments": {}}'),
+        (pythonic, ["\n", "[now", "()]"], "\n[now()]"),
+    ]:  # fmt: skip
+        streamed = StreamedText(tooling)
+        assert [streamed.push(part) for part in parts] == ["", "", ""]
+        rest, [made] = streamed.finish(call)
+        assert rest == "" and made["function"]["name"] == "now"
+    text = StreamedText(llama)  # text: it goes out as it comes once its first character says so
+    assert [text.push(part) for part in (" ", "Hi", " there")] == ["", " Hi", " there"]
+    assert text.finish(" Hi there") == ("", None)
+    cut = StreamedText(pythonic)  # a call cut short: the text, held, goes out at the end
+    assert [cut.push(part) for part in ("[now(", "")] == ["", ""]
+    assert cut.finish("[now(") == ("[now(", None)
+
+
+@pytest.mark.parametrize(
+    ("parser", "regex", "content"),
+    [
+        ("hermes", 'Hi[.]<tool_call>[{]"name":"now","arguments":[{][}][}]</tool_call>', "Hi."),
+        ("llama3_json", '[{]"name":"now","parameters":[{][}][}]', None),
+        ("pythonic", r"\[now\(\)\]", None),
+    ],
+)
+def test_auto_on_a_server_told_the_format_gives_the_models_own_calls(
+    tools_bundle, parser, regex, content
+):
+    """`specrt serve --tool-call-parser P`: "auto" (the default with tools) answers with the
+    calls the model wrote in P's format, streamed or not; here a regex makes the demo model
+    write one."""
+    with running_server(tools_bundle, "--tool-call-parser", parser) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=60,
                     extra_body={"guided_regex": regex})  # fmt: skip
         choice = client.chat.completions.create(**args).choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content == "Hi."
+        assert choice.finish_reason == "tool_calls" and choice.message.content == content
         [made] = choice.message.tool_calls
         assert (made.function.name, made.function.arguments) == ("now", "{}")
         chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         [streamed] = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
-        assert text == "Hi." and streamed.function.name == "now"
+        assert text == (content or "") and streamed.function.name == "now"
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         plain = client.chat.completions.create(**{**args, "extra_body": {"guided_regex": "Hi!"}})
         assert plain.choices[0].message.content == "Hi!"
