@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrt import json_text
-from specrt.errors import BundleError, RequestError
+from specrt.errors import BundleError, InvalidInputError, RequestError
 
 FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 # Variables a chat body's template kwargs may not set: the render's own.
@@ -88,9 +88,11 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
-    def from_directory(cls, directory: Path) -> ChatTemplate | None:
+    def from_directory(cls, directory: Path, given: str | None = None) -> ChatTemplate | None:
         """The template of a tokenizer directory (``chat_template.jinja``, or
-        ``chat_template`` in ``tokenizer_config.json``), or None."""
+        ``chat_template`` in ``tokenizer_config.json``), or None; ``given``: one in its place
+        (``--chat-template``, as vLLM's: a Jinja file, or the template itself), with the
+        directory's special tokens."""
         path = directory / "tokenizer_config.json"
         try:
             config = json_text.loads(path.read_text(encoding="utf-8"))
@@ -109,11 +111,15 @@ class ChatTemplate:
         jinja = directory / "chat_template.jinja"
         if jinja.is_file():
             source = jinja.read_text()
+        if given is not None:
+            source = template_text(given)
         if not isinstance(source, str) or not source.strip():
             return None
         try:
             return cls(source, _token(config.get("bos_token")), _token(config.get("eos_token")))
         except ChatTemplateError as exc:
+            if given is not None:
+                raise InvalidInputError(f"--chat-template: {exc}; fix it") from exc
             where = jinja if jinja.is_file() else f"chat_template in {path}"
             raise BundleError(
                 f"{exc} ({where}); fix it, or remove it to serve /v1/completions alone"
@@ -161,6 +167,23 @@ class ChatTemplate:
             name = type(exc).__name__
             message = f"the chat template cannot render these messages: {name}: {exc}"
             raise ChatTemplateError(message) from exc
+
+
+def template_text(given: str) -> str:
+    """``--chat-template``'s value as a template's text: a file's, or the value itself where it
+    is Jinja (as vLLM reads its flag). Raises `InvalidInputError` for neither."""
+    path = Path(given)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidInputError(f"--chat-template: cannot read {path} ({exc})") from exc
+    if "{{" in given or "{%" in given:
+        return given
+    raise InvalidInputError(
+        f"--chat-template {given!r}: no such file, nor a template (it has no {{{{ or {{%): give "
+        "a Jinja file, or the template itself"
+    )
 
 
 def _continued(text: str, last: dict) -> str:

@@ -139,3 +139,58 @@ def test_openai_batch_lines_are_rendered_as_their_bodies_ask(bundle, generator, 
         assert body["choices"][0]["message"]["content"] == want.text
         assert body["usage"]["prompt_tokens"] == len(ids)
     assert "continue_final_message=1: use true or false" in got["bad"]["error"]["message"]
+
+
+def test_a_chat_template_given_renders_in_place_of_the_bundles(llama_bundle, tmp_path):
+    """``--chat-template`` (vLLM's flag: a Jinja file, or the template itself) on serve, batch
+    and generate --chat: a bundle without a template (the tiny one) chats with it, and the
+    answer is the target's to the prompt it renders. One that is neither a file nor a template,
+    or that does not compile, stops the command in one line before any work."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    source = tmp_path / "template.jinja"
+    source.write_text(TEMPLATE)
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    ids, want = alone(generator, rendered(ASK, NO_THINKING))
+    with running_server(llama_bundle, "--chat-template", str(source)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            max_tokens=10,
+            extra_body={**NO_THINKING, "ignore_eos": True},
+        )
+        assert reply.choices[0].message.content == want.text
+        assert reply.usage.prompt_tokens == len(ids)
+    line = {"custom_id": "c", "body": {"messages": ASK, "max_tokens": 10, **NO_THINKING}}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    done = run(command(llama_bundle, path, tmp_path / "out.jsonl", "--chat-template", TEMPLATE))
+    assert done.returncode == 0, done.stderr
+    body = json.loads((tmp_path / "out.jsonl").read_text())["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == want.text
+    options = ["--max-new-tokens", "10", "--ignore-eos", "--json"]
+    args = ["generate", "--bundle", str(llama_bundle), "--prompt", "def f", *options]
+    result = CliRunner().invoke(main, [*args, "--chat", "--chat-template", TEMPLATE])
+    assert result.exit_code == 0, result.output
+    _, plain = alone(generator, rendered(ASK, {}))
+    assert json.loads(result.output)["token_ids"] == plain.token_ids
+    for given, words in [
+        ("templates/none.jinja", "no such file, nor a template"),
+        ("{% for m in messages %}", "--chat-template: "),
+    ]:
+        bad = CliRunner().invoke(main, [*args, "--chat", "--chat-template", given])
+        assert bad.exit_code == 2 and words in bad.output, bad.output
+        assert "Traceback" not in bad.output
+    for command_args in (  # the server and a batch job: before they load the bundle
+        ["serve", "--bundle", str(llama_bundle), "--port", "0"],
+        ["batch", "--bundle", str(llama_bundle), "--input", str(path), "--output",
+         str(tmp_path / "never.jsonl")],
+    ):  # fmt: skip
+        bad = CliRunner().invoke(main, [*command_args, "--chat-template", "none.jinja"])
+        assert bad.exit_code == 2 and "no such file, nor a template" in bad.output, bad.output
+    assert not (tmp_path / "never.jsonl").exists()
+    alone_flag = CliRunner().invoke(main, [*args, "--chat-template", TEMPLATE])
+    assert alone_flag.exit_code == 2 and "give --chat with it" in alone_flag.output

@@ -11,6 +11,7 @@ import click
 
 from specrt.cli.common import (
     _cache_plan,
+    _chat_template,
     _count,
     _friendly_errors,
     _generation_config,
@@ -19,6 +20,7 @@ from specrt.cli.common import (
     _Terminated,
 )
 from specrt.cli.options import (
+    CHAT_TEMPLATE_OPTION,
     KV_CACHE_OPTION,
     TOOL_PARSER_OPTION,
     generation_options,
@@ -71,6 +73,7 @@ from specrt.runtime.batching import DEFAULT_BATCH_SIZE, MAX_BATCH
 )
 @KV_CACHE_OPTION
 @TOOL_PARSER_OPTION
+@CHAT_TEMPLATE_OPTION
 @generation_options
 @suffix_cache_options(False, "Rows' text then informs other rows' proposals.")
 @load_options
@@ -85,6 +88,7 @@ def batch(
     batch_size,
     kv_cache_memory,
     tool_call_parser,
+    chat_template,
     suffix_cache,
     suffix_cache_tokens,
     threads,
@@ -107,6 +111,8 @@ def batch(
     except InvalidInputError as exc:
         raise click.UsageError(str(exc)) from exc
     defaults = _generation_config(params)
+    if chat_template is not None:  # a template that does not compile: now, not per row
+        _chat_template(bundle, chat_template)
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
     with spooled(input_path) as rows:  # stdin or a pipe: read twice (ids first), so spooled
         name = input_name(input_path, rows)
@@ -143,6 +149,7 @@ def batch(
                 model=Path(bundle).resolve().name,  # as `specrt serve` names it
                 input_name=name,
                 tool_parser=tool_call_parser,
+                chat_template=chat_template,
             )
         except (KeyboardInterrupt, _Terminated) as exc:
             click.echo(

@@ -173,21 +173,33 @@ def _prompts(
         raise click.UsageError(str(exc)) from exc
 
 
-def _chat_prompts(bundle: Path, items: list) -> list[str]:
-    """Each item (a user's message, or a conversation of OpenAI messages) rendered with the
-    bundle's chat template, as `specrt serve` renders a chat request."""
+def _chat_template(bundle: Path, given: str | None = None):
+    """The bundle's chat template, or ``given`` in its place (``--chat-template``: a file, or
+    the template itself); None: the bundle has none."""
     try:
-        from specrt.chat import ChatTemplate, ChatTemplateError
+        from specrt.chat import ChatTemplate
     except ImportError as exc:
         raise click.ClickException(
-            f"--chat needs jinja2 (the serve extra): pip install 'specrt[serve]' ({exc})"
+            f"chat templates need jinja2 (the serve extra): pip install 'specrt[serve]' ({exc})"
         ) from exc
-    template = ChatTemplate.from_directory(Path(bundle) / "tokenizer")
+    try:
+        return ChatTemplate.from_directory(Path(bundle) / "tokenizer", given)
+    except InvalidInputError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _chat_prompts(bundle: Path, items: list, given: str | None = None) -> list[str]:
+    """Each item (a user's message, or a conversation of OpenAI messages) rendered with the
+    bundle's chat template (or ``given``: `_chat_template`), as `specrt serve` renders a chat
+    request."""
+    from specrt.chat import ChatTemplateError
+
+    template = _chat_template(bundle, given)
     if template is None:
         raise click.UsageError(
             f"the bundle {bundle} has no chat template (tokenizer/chat_template.jinja, or "
-            "chat_template in tokenizer/tokenizer_config.json): export it from a chat model, or "
-            "leave out --chat"
+            "chat_template in tokenizer/tokenizer_config.json): export it from a chat model, "
+            "give one with --chat-template, or leave out --chat"
         )
     rendered = []
     for number, item in enumerate(items, 1):

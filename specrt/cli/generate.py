@@ -16,7 +16,7 @@ from specrt.cli.common import (
     _print_human,
     _prompts,
 )
-from specrt.cli.options import generation_options, load_options
+from specrt.cli.options import CHAT_TEMPLATE_OPTION, generation_options, load_options
 
 
 @click.command()
@@ -36,6 +36,7 @@ from specrt.cli.options import generation_options, load_options
     help="Render each prompt as a user's message (and each messages line as a conversation) "
     "with the bundle's chat template, as `specrt serve`'s chat route does.",
 )
+@CHAT_TEMPLATE_OPTION
 @generation_options
 @load_options
 @click.option(
@@ -48,6 +49,7 @@ def generate(
     prompts,
     prompt_file,
     chat,
+    chat_template,
     as_json,
     threads,
     engine,
@@ -60,9 +62,11 @@ def generate(
     """Generate from a bundle with speculative decoding."""
     from specrt.runtime.comparison import compare_with_target_only
 
+    if chat_template is not None and not chat:
+        raise click.UsageError("--chat-template renders chats: give --chat with it")
     texts = _prompts(prompts, prompt_file, chat)
     if chat:
-        texts = _chat_prompts(bundle, texts)
+        texts = _chat_prompts(bundle, texts, chat_template)
     config = _generation_config(params, notes=True)
     generator = _load(bundle, threads, engine, max_length, skip_checksums, use_corpus=use_corpus)
     inputs = texts

@@ -33,6 +33,13 @@ TOOL_PARSER_OPTION = click.option(
     "need none.",
 )
 
+CHAT_TEMPLATE_OPTION = click.option(
+    "--chat-template",
+    default=None,
+    help="The chat template to render chats with, in place of the bundle's (as vLLM's flag): a "
+    "Jinja file, or the template itself.",
+)
+
 ENGINE_OPTION = click.option(
     "--engine",
     type=click.Choice(ENGINE_CHOICES),

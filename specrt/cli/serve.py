@@ -6,8 +6,16 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import DEFAULTS, _cache_plan, _friendly_errors, _generation_config, _load
+from specrt.cli.common import (
+    DEFAULTS,
+    _cache_plan,
+    _chat_template,
+    _friendly_errors,
+    _generation_config,
+    _load,
+)
 from specrt.cli.options import (
+    CHAT_TEMPLATE_OPTION,
     KV_CACHE_OPTION,
     PROPOSER_OPTION,
     TOOL_PARSER_OPTION,
@@ -69,6 +77,7 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
     "and ends); uvicorn's too.",
 )
 @TOOL_PARSER_OPTION
+@CHAT_TEMPLATE_OPTION
 @PROPOSER_OPTION
 @suffix_cache_options(
     False, "Off by default: a request's text may then appear in another's proposals."
@@ -88,6 +97,7 @@ def serve(
     draft_schedule,
     log_level,
     tool_call_parser,
+    chat_template,
     proposer,
     suffix_cache,
     suffix_cache_tokens,
@@ -112,6 +122,8 @@ def serve(
             "--api-key (or SPECRT_API_KEY) is empty: give a key, or leave it out to serve "
             "without one"
         )
+    if chat_template is not None:  # a template that does not compile: now, not after the load
+        _chat_template(bundle, chat_template)
     sock = listen(host, port)  # a taken port fails now, not after the load
     log = configure_logging(log_level)  # stdout, as vLLM's; errors that end it: stderr
     suffix_tokens = suffix_cache_tokens if suffix_cache else 0
@@ -135,4 +147,5 @@ def serve(
     run_server(
         generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock,
         api_key=api_key, log_level=log_level, tool_parser=tool_call_parser,
+        chat_template=chat_template,
     )  # fmt: skip

@@ -142,6 +142,7 @@ def run_batch(
     model: str = "specrt",
     input_name: str | None = None,
     tool_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> Summary:
     """Run every row of ``input_path`` not yet in ``output_path``, appending its result as it
     finishes (rows share model calls when the generator was loaded with ``max_batch`` > 1, so
@@ -149,7 +150,8 @@ def run_batch(
     (OpenAI's batch output lines, ``model`` named in their bodies) or "auto" (openai when every
     row is an OpenAI batch-file line). ``input_name``: the input as errors name it (standard
     input, spooled to a file); ``tool_parser``: the format chat lines' ``tool_choice: "auto"``
-    reads the model's calls in (`specrt.openai_tools`)."""
+    reads the model's calls in (`specrt.openai_tools`); ``chat_template``: chat lines render
+    with it in place of the bundle's (a Jinja file, or the template itself)."""
     if output_format not in openai_batch.OUTPUT_FORMATS:
         raise InvalidInputError(
             f"output_format must be one of {', '.join(openai_batch.OUTPUT_FORMATS)}, not "
@@ -224,7 +226,7 @@ def run_batch(
                     chats.add(str(row.id))
                 if row.tools is not None:
                     toolings[str(row.id)] = row.tools
-                request = make_request(generator, row, defaults, several=True)
+                request = make_request(generator, row, defaults, True, chat_template)
                 if row.echo and not isinstance(request, dict):
                     text = row.prompt if isinstance(row.prompt, str) else decode(request.prompt)
                     echoes[str(row.id)] = openai_batch.Echo(text, request.prompt, row.scored_only)
@@ -261,10 +263,15 @@ def run_batch(
 
 
 def make_request(
-    generator: SpeculativeGenerator, row: Row, defaults: GenerationConfig, several: bool = False
+    generator: SpeculativeGenerator,
+    row: Row,
+    defaults: GenerationConfig,
+    several: bool = False,
+    chat_template: str | None = None,
 ):
     """The row as a `Request` (its prompt tokenized and checked, its config and own random
-    stream), or its error record; ``several``: the caller runs a row's ``n`` choices."""
+    stream), or its error record; ``several``: the caller runs a row's ``n`` choices;
+    ``chat_template``: a chat row renders with it in place of the bundle's."""
     if row.error is not None:
         return {"id": row.id, "error": {"message": row.error}}
     if row.n > 1 and not several:
@@ -284,7 +291,7 @@ def make_request(
         tools = row.tools and row.tools.tools
         text = row.prompt
         if row.messages is not None:
-            text = chat_prompt(generator, row.messages, tools, row.rendering)
+            text = chat_prompt(generator, row.messages, tools, row.rendering, chat_template)
         [prompt] = generator.encode_prompts([text])
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
@@ -310,15 +317,19 @@ def chat_prompt(
     messages: object,
     tools: list[dict] | None = None,
     rendering: Rendering | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """A chat row's messages (and ``tools``) rendered by the bundle's chat template as
-    ``rendering`` asks, as token ids (the template writes the special tokens itself, as
-    `specrt serve` reads them)."""
+    """A chat row's messages (and ``tools``) rendered by the bundle's chat template (or
+    ``chat_template`` in its place) as ``rendering`` asks, as token ids (the template writes
+    the special tokens itself, as `specrt serve` reads them)."""
     tokenizer = generator.tokenizer
-    template = _chat_template(tokenizer.directory) if tokenizer is not None else None
+    template = None
+    if tokenizer is not None:
+        template = _chat_template(tokenizer.directory, chat_template)
     if template is None:
         raise InvalidInputError(
-            'this bundle\'s tokenizer has no chat template: give a "prompt" instead of "messages"'
+            'this bundle\'s tokenizer has no chat template: give a "prompt" instead of '
+            '"messages", or a template with --chat-template'
         )
     try:
         text = template.prompt(messages, tools, rendering)
@@ -328,13 +339,13 @@ def chat_prompt(
 
 
 @functools.cache
-def _chat_template(directory: Path):
-    """The bundle's chat template, read once per job (a broken one stops the job: every chat
-    row would fail the same way)."""
+def _chat_template(directory: Path, given: str | None = None):
+    """The bundle's chat template (or ``given`` in its place), read once per job (a broken one
+    stops the job: every chat row would fail the same way)."""
     try:
         from specrt.chat import ChatTemplate
 
-        return ChatTemplate.from_directory(directory)
+        return ChatTemplate.from_directory(directory, given)
     except ImportError as exc:
         raise InvalidInputError(
             f"chat rows need jinja2 ({exc.name} is missing): pip install 'specrt[serve]'"

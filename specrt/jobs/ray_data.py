@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import InvalidInputError
-from specrt.jobs.batch import make_request
+from specrt.jobs.batch import _chat_template, make_request
 from specrt.jobs.rows import ROW_OPTIONS, row_from_item
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator
@@ -51,9 +51,11 @@ class SpecrtPredictor:
     hybrid proposer and the adaptive schedule unless given. ``max_batch``: rows of a Ray batch
     that share each model call (the onnxruntime engine and the portable graph).
     ``suffix_cache_tokens``: > 0 keeps a suffix cache of that many tokens per actor (rows then
-    propose from earlier rows' text). ``logprobs=N`` adds the columns ``logprobs`` (each new
-    token's), ``top_token_ids`` and ``top_logprobs`` (its N most likely tokens'): the columns
-    are the predictor's, so a row cannot ask for them on its own."""
+    propose from earlier rows' text). ``chat_template``: rows of chat ``messages`` render with
+    it in place of the bundle's (a Jinja file, or the template itself). ``logprobs=N`` adds
+    the columns ``logprobs`` (each new token's), ``top_token_ids`` and ``top_logprobs`` (its N
+    most likely tokens'): the columns are the predictor's, so a row cannot ask for them on its
+    own."""
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class SpecrtPredictor:
         max_length: int | None = None,
         max_batch: int = 8,
         suffix_cache_tokens: int = 0,
+        chat_template: str | None = None,
         **generation: Any,
     ) -> None:
         options = {"threads": threads, "engine": engine, "max_batch": max_batch}
@@ -71,6 +74,9 @@ class SpecrtPredictor:
         cache = SuffixCache(suffix_cache_tokens) if suffix_cache_tokens else None
         self.generator = SpeculativeGenerator.from_bundle(bundle, suffix_cache=cache, **options)
         self.defaults = GenerationConfig(**generation)
+        self.chat_template = chat_template
+        if chat_template is not None and self.generator.tokenizer is not None:  # now, not per row
+            _chat_template(self.generator.tokenizer.directory, chat_template)
         # The results' columns, one set for every batch (Arrow blocks must agree)
         self.columns = OUTPUT_COLUMNS + (
             LOGPROBS_COLUMNS if self.defaults.logprobs is not None else ()
@@ -93,7 +99,9 @@ class SpecrtPredictor:
             item = {name: values[index] for name, values in cells.items()}
             item = {name: value for name, value in item.items() if value is not None}
             rows.append(row_from_item(item, f"row {index}"))
-            request = make_request(self.generator, rows[-1], self.defaults)
+            request = make_request(
+                self.generator, rows[-1], self.defaults, False, self.chat_template
+            )
             if isinstance(request, dict):
                 records[index] = request
             else:

@@ -61,12 +61,13 @@ BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
 
 def create_app(
     service: Service, model_name: str, defaults: GenerationConfig,
-    api_key: str | None = None, tool_parser: str | None = None,
+    api_key: str | None = None, tool_parser: str | None = None, chat_template: str | None = None,
 ) -> Starlette:  # fmt: skip
     """The app serving ``service`` as model ``model_name``; ``defaults``: the config a request
     starts from (its num_draft_tokens and draft schedule, above all). ``api_key``: the /v1
     routes answer only requests bearing it (`BearerKey`); ``tool_parser``: the format of the
-    model's own tool calls, which ``tool_choice: "auto"`` reads (`specrt.openai_tools`)."""
+    model's own tool calls, which ``tool_choice: "auto"`` reads (`specrt.openai_tools`);
+    ``chat_template``: chats render with it in place of the bundle's (`ChatTemplate`)."""
     metrics = Metrics(service, model_name)
     created = int(time.time())
     # A character escaped in JSON takes at most 6 bytes (\\uXXXX); the rest of a body is small.
@@ -74,7 +75,9 @@ def create_app(
     tokenizer = service.generator.tokenizer
     # token ids as text (a bundle without a tokenizer: the ids themselves), for logprobs
     decode = shapes.token_text(tokenizer)
-    template = ChatTemplate.from_directory(tokenizer.directory) if tokenizer else None
+    template = (
+        ChatTemplate.from_directory(tokenizer.directory, chat_template) if tokenizer else None
+    )
 
     async def health(request: Request) -> Response:
         return JSONResponse(
@@ -101,7 +104,8 @@ def create_app(
         if template is None:
             return error(
                 400,
-                "this bundle's tokenizer has no chat template: use /v1/completions with a prompt",
+                "this bundle's tokenizer has no chat template: use /v1/completions with a "
+                "prompt, or start the server with --chat-template",
                 "invalid_request_error",
             )
         return await answer(request, CHAT)

@@ -89,14 +89,16 @@ def serve(
     api_key: str | None = None,
     log_level: str = "info",
     tool_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Serve ``generator`` until SIGTERM / SIGINT, on ``sock`` (from `listen`) or on a socket
     bound to ``host:port`` now; with ``api_key``, the /v1 routes want it as a bearer token.
     ``log_level``: uvicorn's (`configure_logging` sets specrt's); ``tool_parser``: the format
-    ``tool_choice: "auto"`` reads calls in (None: refused)."""
+    ``tool_choice: "auto"`` reads calls in (None: refused); ``chat_template``: the one chats
+    render with, in place of the bundle's (a Jinja file, or the template itself)."""
     sock = sock or listen(host, port)
     service = Service(generator, max_waiting=max_waiting)
-    app = create_app(service, model_name, defaults, api_key, tool_parser)
+    app = create_app(service, model_name, defaults, api_key, tool_parser, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
