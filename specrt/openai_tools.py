@@ -184,6 +184,8 @@ def with_tools(tooling: ToolCalling | None, options: dict) -> dict:
     if calling and "logprobs" in options:
         message = "logprobs with tool calls are not supported: leave logprobs out"
         raise RequestError(message, "logprobs")
+    if tooling is not None and tooling.parser is not None and FORMATS[tooling.parser].special:
+        options = {**options, "skip_special_tokens": False}  # its tags are special tokens
     if tooling is None or not tooling.calls_required:
         return options
     if "structured_output" in options:

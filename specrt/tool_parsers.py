@@ -8,7 +8,12 @@ gives them:
   several separated by ``;`` (Llama 3.1's and 3.3's JSON tool calling; its ``<|python_tag|>``
   is a special token, left out of the text);
 * ``pythonic``: the answer is a Python list of calls, ``[get_weather(city="Oslo"), now()]``
-  (Llama 3.2's and 4's).
+  (Llama 3.2's and 4's);
+* ``mistral``: ``[TOOL_CALLS]`` after any text, then a JSON array of ``{"name", "arguments"}``
+  (Mistral's tokenizers up to v7) or ``name[ARGS]{...}`` calls, each after its own
+  ``[TOOL_CALLS]`` (v11 on). Those markers are special tokens: requests read in this format
+  have their special tokens written into the text (``skip_special_tokens`` false, as vLLM's
+  parser asks).
 
 Each gives the text before the calls (the message's content) and the calls, or None where the
 answer is text alone (no call, or one cut short), and says how much of a streamed answer may go
@@ -20,10 +25,53 @@ import ast
 import json
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_TAG = "<|python_tag|>"  # Llama's, where a tokenizer writes it as text
 
 
-class Hermes:
+class Tagged:
+    """A format whose calls follow a tag, after any text."""
+
+    special = False  # whether its tags are special tokens, which the text must then show
+    tag = ""
+
+    def streamable(self, text: str) -> int:
+        """How many of ``text``'s leading characters are text for sure: up to a call's tag, or
+        to the end less what may be a tag's beginning."""
+        at = text.find(self.tag)
+        if at >= 0:
+            return at
+        for k in range(len(self.tag) - 1, 0, -1):
+            if text.endswith(self.tag[:k]):
+                return len(text) - k
+        return len(text)
+
+
+class Mistral(Tagged):
+    special, tag = True, MISTRAL_CALLS
+
+    def split(self, text: str) -> tuple[str, list[dict] | None] | None:
+        before, tag, rest = text.partition(MISTRAL_CALLS)
+        if not tag:
+            return None
+        if rest.lstrip().startswith("["):  # [{"name": ..., "arguments": ...}, ...]
+            calls = json_of(rest)
+            if isinstance(calls, dict):
+                calls = [calls]
+            return before, calls if isinstance(calls, list) else None
+        calls = []
+        for part in rest.split(MISTRAL_CALLS):  # name[ARGS]{...}, a tag before each
+            name, args, arguments = part.partition(MISTRAL_ARGS)
+            arguments = json_of(arguments)
+            if not args or arguments is None:  # cut short
+                return before, None
+            calls.append({"name": name.strip(), "arguments": arguments})
+        return before, calls
+
+
+class Hermes(Tagged):
+    tag = HERMES_OPEN
+
     def split(self, text: str) -> tuple[str, list[dict] | None] | None:
         """(the text before the first call, the calls: None where one is not whole JSON), or
         None: no call."""
@@ -35,21 +83,12 @@ class Hermes:
             return before, None  # the last cut short
         return before, [json_of(call) for call, _, _ in found]
 
-    def streamable(self, text: str) -> int:
-        """How many of ``text``'s leading characters are text for sure: up to a call's tag, or
-        to the end less what may be a tag's beginning."""
-        at = text.find(HERMES_OPEN)
-        if at >= 0:
-            return at
-        for k in range(len(HERMES_OPEN) - 1, 0, -1):
-            if text.endswith(HERMES_OPEN[:k]):
-                return len(text) - k
-        return len(text)
-
 
 class StartsWith:
     """A format whose calls are the whole answer, known by its first character (whitespace
     and Llama's python tag aside)."""
+
+    special = False
 
     def __init__(self, first: str, read) -> None:
         self.first, self.read = first, read
@@ -124,4 +163,5 @@ FORMATS = {
     "hermes": Hermes(),
     "llama3_json": StartsWith("{", _json_objects),
     "pythonic": StartsWith("[", _python_calls),
+    "mistral": Mistral(),
 }

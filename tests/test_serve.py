@@ -238,6 +238,11 @@ def test_penalties_bias_min_p_and_stop_token_ids_answer_as_generate_does(server,
         "logit_bias": {}, "repetition_penalty": 1, "frequency_penalty": 0, "presence_penalty": 0}
     )))  # fmt: skip
     assert reply.choices[0].text == processed.text != plain.text
+    eos = min(generator.eos_token_ids)  # vLLM's skip_special_tokens: false writes them out
+    forced = dict(max_tokens=3, logit_bias={str(eos): 100})
+    extra = {"ignore_eos": True, "skip_special_tokens": False}
+    reply = client.completions.create(model="tiny", prompt=prompt, **forced, extra_body=extra)
+    assert reply.choices[0].text == generator.tokenizer.decode([eos] * 3, False) != ""
 
 
 def test_structured_output_answers_as_generate_does(server, client, reference):

@@ -102,3 +102,32 @@ def test_bad_stop_token_ids_are_refused():
             GenerationConfig(stop_token_ids=bad)
         assert caught.value.field == "stop_token_ids"
     assert GenerationConfig(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_special_tokens_are_written_where_asked_but_the_one_that_ends_the_row(llama_bundle):
+    """``skip_special_tokens=False`` (vLLM's) writes special tokens into the text, streamed or
+    not, but for the EOS that ends a row (left out, as vLLM leaves it); the tokens are the same
+    either way. A bias makes the tiny model write its EOS."""
+    from specrt.runtime.service import Service
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    eos = min(generator.eos_token_ids)
+    written = generator.tokenizer.decode([eos], skip_special_tokens=False)
+    assert written and generator.tokenizer.decode([eos]) == ""  # a special token
+    base = dict(max_new_tokens=4, logit_bias={eos: 100.0}, num_draft_tokens=2)
+    shown = GenerationConfig(**base, ignore_eos=True, skip_special_tokens=False)
+    [every] = generator.generate(["Simple is"], shown)
+    assert every.token_ids == [eos] * 4 and every.text == written * 4
+    [skipped] = generator.generate(["Simple is"], replace(shown, skip_special_tokens=True))
+    assert skipped.token_ids == every.token_ids and skipped.text == ""
+    ended = GenerationConfig(**base, min_tokens=2, skip_special_tokens=False)
+    [last] = generator.generate(["Simple is"], ended)
+    assert last.token_ids[-1] == eos and len(last.token_ids) == 3
+    assert last.text == generator.tokenizer.decode(last.token_ids[:-1]) and written not in last.text
+    with Service(generator) as service:
+        for config, want in [(shown, every.text), (ended, last.text)]:
+            handle = service.submit("Simple is", config)
+            assert "".join(delta.text for delta in handle.deltas()) == want
+            assert handle.result().text == want
+    with pytest.raises(InvalidInputError, match="skip_special_tokens"):
+        GenerationConfig(skip_special_tokens="no")

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from specrt.chat import ChatTemplate
-from specrt.openai_tools import StreamedText, read_tools
+from specrt.openai_tools import StreamedText, read_tools, with_tools
 from specrt.runtime import GenerationConfig, SpeculativeGenerator, StructuredOutput
 from tests.test_serve import running_server
 
@@ -295,12 +295,35 @@ def test_llama3_json_and_pythonic_calls_are_the_whole_answer_and_held_while_they
     assert cut.finish("[now(") == ("[now(", None)
 
 
+def test_mistral_calls_follow_their_special_tag_which_the_text_then_shows():
+    """Mistral's format: ``[TOOL_CALLS]`` then a JSON array of calls (tokenizers up to v7),
+    or ``name[ARGS]{...}`` after each tag (v11 on), the text before the first tag the content.
+    The tag is a special token, so a request read in this format writes special tokens into
+    its text (``skip_special_tokens`` false, as vLLM's parser asks); streamed, text goes out
+    up to the tag, and an end that may be its start waits."""
+    mistral = read_tools({"tools": TOOLS}, "mistral")[0]
+    array = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "now"'
+    content, calls = mistral.reply("Sure. " + array + ', "arguments": {}}]')
+    assert content == "Sure. " and [(c["function"]["name"], c["function"]["arguments"])
+                                     for c in calls] == [("get_weather", '{"city": "Oslo"}'),
+                                                         ("now", "{}")]  # fmt: skip
+    _, calls = mistral.reply('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]now[ARGS]{}')
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Rome"}', "{}"]
+    for text in ("no call", array, "[TOOL_CALLS]now[ARGS]{", "[TOOL_CALLS]now"):
+        assert mistral.reply(text) is None, text
+    assert with_tools(mistral, {})["skip_special_tokens"] is False
+    assert "skip_special_tokens" not in with_tools(read_tools({"tools": TOOLS}, "hermes")[0], {})
+    streamed = StreamedText(mistral)
+    assert [streamed.push(part) for part in ("Sure. [TOOL", "_CALLS][", "{")] == ["Sure. ", "", ""]
+
+
 @pytest.mark.parametrize(
     ("parser", "regex", "content"),
     [
         ("hermes", 'Hi[.]<tool_call>[{]"name":"now","arguments":[{][}][}]</tool_call>', "Hi."),
         ("llama3_json", '[{]"name":"now","parameters":[{][}][}]', None),
         ("pythonic", r"\[now\(\)\]", None),
+        ("mistral", r'Hi[.]\[TOOL_CALLS\]\[[{]"name":"now","arguments":[{][}][}]\]', "Hi."),
     ],
 )
 def test_auto_on_a_server_told_the_format_gives_the_models_own_calls(

@@ -29,8 +29,8 @@ TOOL_PARSER_OPTION = click.option(
     help="The format of the model's own tool calls, which a chat's tool_choice \"auto\" (the "
     "default with tools) reads out of its text: hermes, <tool_call>{...}</tool_call> (Hermes, "
     'Qwen); llama3_json, {"name": ..., "parameters": {...}} (Llama 3.1); pythonic, '
-    '[f(x=1)] (Llama 3.2, 4). Without it "auto" is refused; "required" and a named function '
-    "need none.",
+    '[f(x=1)] (Llama 3.2, 4); mistral, [TOOL_CALLS][...] (Mistral). Without it "auto" is '
+    'refused; "required" and a named function need none.',
 )
 
 CHAT_TEMPLATE_OPTION = click.option(

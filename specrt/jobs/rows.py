@@ -49,6 +49,7 @@ ROW_OPTIONS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_tokens",
+    "skip_special_tokens",
     "structured_output",  # {"json": {...}} / {"regex": ...} / {"choice": [...]} / ...
 )
 OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}

@@ -28,7 +28,7 @@ from specrt.runtime.requests import LoneLearners, Request, Row
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.round import RoundResult, catch_up, first_tokens, read_prompt, run_round
 from specrt.runtime.schedules import LoadSchedule
-from specrt.runtime.stopping import StopStrings, settle
+from specrt.runtime.stopping import StopStrings, answer_text, settle
 from specrt.runtime.tokenizer import BundleTokenizer
 
 # config -> what a row running alone learns with (the hybrid's choice, schedule and guard)
@@ -261,7 +261,7 @@ class BatchRunner:
         drafting = k_max > 0 and len(prompt) < self.draft.max_positions
         if config.stop and self.tokenizer is None:  # (callers check first: `check_config`)
             raise InvalidInputError("stop strings need the bundle's tokenizer")
-        stopper = StopStrings(config.stop, self.tokenizer.incremental()) if config.stop else None
+        stopper = StopStrings.of(config, self.tokenizer)
         row = Row(request, list(prompt), limit, drafting, stats, time.perf_counter(), stopper)
         grammar = row_grammar(config, self.tokenizer, self.eos_token_ids, self.target.vocab_size)
         row.round.processors = config.processors_for(self.eos_token_ids, grammar)
@@ -442,7 +442,7 @@ class BatchRunner:
         row.stats.new_tokens = len(new_ids)
         text = row.text
         if text is None:
-            text = self.tokenizer.decode(new_ids) if self.tokenizer is not None else ""
+            text = answer_text(self.tokenizer, new_ids, row.request.config, self.eos_token_ids)
         row.stats.finish(time.perf_counter() - row.started)
         result = GenerationResult(text, new_ids, row.finish_reason, row.stats, row.error)
         result.logprobs, result.prompt_logprobs = row.logprobs, row.prompt_logprobs

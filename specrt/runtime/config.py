@@ -116,6 +116,8 @@ class GenerationConfig:
     (`GenerationResult.logprobs`). ``prompt_logprobs`` (vLLM's): the same for each prompt
     token after the first (`GenerationResult.prompt_logprobs`); the row then reads its whole
     prompt itself, whatever a cache holds of it.
+    ``skip_special_tokens=False`` (vLLM's) writes special tokens into the text (but for the EOS
+    or stop token that ends the row, as vLLM leaves it out); the tokens are the same.
     ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
     continuation of the longest n-gram (``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens)
     that ends the row and occurred earlier in its prompt or output (and of the generator's
@@ -147,6 +149,7 @@ class GenerationConfig:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -168,6 +171,7 @@ class GenerationConfig:
             rule = "use a non-negative integer, or none for a random seed"
             set("seed", integer("seed", self.seed, 0, rule=rule))
         set("ignore_eos", flag("ignore_eos", self.ignore_eos))
+        set("skip_special_tokens", flag("skip_special_tokens", self.skip_special_tokens))
         set("adaptive_draft", flag("adaptive_draft", self.adaptive_draft))
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise out_of_range(
@@ -237,12 +241,16 @@ class GenerationConfig:
         """`processors`, with ``min_tokens`` holding off a model's EOS too (unless ignored),
         and a row's own ``grammar`` (`grammar.row_grammar`) where it asks for structured
         output."""
-        ends = (() if self.ignore_eos else tuple(sorted(eos_token_ids))) + self.stop_token_ids
+        ends = tuple(sorted(self.ends(eos_token_ids)))
         found = LogitsProcessors(
             self.logit_bias, self.repetition_penalty, self.presence_penalty,
             self.frequency_penalty, self.min_tokens, ends, grammar,
         )  # fmt: skip
         return found if found.active else None
+
+    def ends(self, eos_token_ids) -> frozenset[int]:
+        """The tokens that end a row: the model's EOS (unless ignored) and the stop tokens."""
+        return frozenset(() if self.ignore_eos else eos_token_ids).union(self.stop_token_ids)
 
     @property
     def sampling(self) -> SamplingParams:

@@ -42,6 +42,7 @@ from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import Prompt, SpeculativeGenerator
 from specrt.runtime.handles import RequestHandle, seconds
 from specrt.runtime.results import GenerationResult, GenerationStats
+from specrt.runtime.stopping import text_ids
 from specrt.runtime.streaming import TextDeltas
 from specrt.validation import flag, integer
 
@@ -156,9 +157,9 @@ class Service:
         rng = np.random.default_rng(None if config.seed is None else [config.seed, index])
         key = next(self._keys)
         request = Request(key, ids, config, rng)
-        tokenizer = self.generator.tokenizer
-        decode = tokenizer.incremental() if tokenizer is not None else _no_text
-        handle = RequestHandle(key, request, TextDeltas(decode, config.stop), per_token)
+        handle = RequestHandle(
+            key, request, TextDeltas(self._decode(config), config.stop), per_token
+        )
         handle._withdraw = weakref.WeakMethod(self._withdraw)
         with self._wake:
             if self._closing:
@@ -247,6 +248,16 @@ class Service:
         while self._waiting and len(taken) < room:
             taken.append(self._waiting.popleft())
         return taken
+
+    def _decode(self, config: GenerationConfig):
+        """A growing row's text as its request shows it (`stopping.text_ids`)."""
+        tokenizer = self.generator.tokenizer
+        if tokenizer is None:
+            return _no_text
+        decode = tokenizer.incremental(config.skip_special_tokens)
+        if config.skip_special_tokens:
+            return decode
+        return lambda ids: decode(text_ids(ids, config, self.generator.eos_token_ids))
 
     def _withdraw(self, handle: RequestHandle) -> None:
         """A request cancelled while it waits leaves the queue now, not when a slot frees (its

@@ -26,6 +26,14 @@ class StopStrings:
         self._searched = 0  # tokens already searched
         self._text_length = 0  # length of their text
 
+    @classmethod
+    def of(cls, config: GenerationConfig, tokenizer) -> StopStrings | None:
+        """The stop strings of a row's ``config``, searched in its text as it shows it (None:
+        none)."""
+        if not config.stop:
+            return None
+        return cls(config.stop, tokenizer.incremental(config.skip_special_tokens))
+
     def check(self, new_ids: list[int]) -> tuple[int, str] | None:
         """``(tokens to keep, text)`` when a stop string has appeared in the text of
         ``new_ids`` (the row's new tokens so far), else None."""
@@ -69,9 +77,7 @@ def settle(
     first EOS (unless EOS is ignored) or stop token, and up to the token that completes a stop
     string."""
     eos = None
-    ends = frozenset() if config.ignore_eos else eos_token_ids
-    if config.stop_token_ids:
-        ends = ends.union(config.stop_token_ids)
+    ends = config.ends(eos_token_ids)
     if not ends.isdisjoint(emitted):
         eos = next(i for i, t in enumerate(emitted) if t in ends)
         emitted = emitted[: eos + 1]
@@ -82,3 +88,18 @@ def settle(
         del tokens[prompt_length + kept :]
         return Settled(len(tokens) - before, True, text)
     return Settled(len(emitted), eos is not None)
+
+
+def answer_text(tokenizer, new_ids: list[int], config: GenerationConfig, eos_token_ids) -> str:
+    """A row's text as its config shows it (`text_ids`); "" without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(text_ids(new_ids, config, eos_token_ids), config.skip_special_tokens)
+
+
+def text_ids(new_ids: list[int], config: GenerationConfig, eos_token_ids) -> list[int]:
+    """The new tokens a row's text shows: all of them, but where special tokens are written
+    (``skip_special_tokens=False``), the EOS or stop token that ended the row (as vLLM)."""
+    if config.skip_special_tokens or not new_ids or new_ids[-1] not in config.ends(eos_token_ids):
+        return new_ids
+    return new_ids[:-1]

@@ -67,13 +67,13 @@ class BundleTokenizer:
             self._guidance[key] = guidance_tokenizer(self._tokenizer, eos_token_ids, vocab)
         return self._guidance[key]
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def incremental(self) -> IncrementalDecode:
+    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDecode:
         """A ``decode`` for one growing row: each token decoded once, not the whole row again
         every round (see `IncrementalDecode`)."""
-        return IncrementalDecode(self._tokenizer)
+        return IncrementalDecode(self._tokenizer, skip_special_tokens)
 
 
 class IncrementalDecode:
@@ -84,12 +84,13 @@ class IncrementalDecode:
     other list starts over. One difference from a full decode: an incomplete UTF-8 character at
     the end is left out until the tokens that complete it arrive (a full decode shows U+FFFD)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._start()
 
     def _start(self) -> None:
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
         self._ids: list[int] = []
         self._pieces: list[str] = []
         self._ends: list[int] = []  # the text's length once each token is in
