@@ -174,10 +174,14 @@ def template_text(given: str) -> str:
     is Jinja (as vLLM reads its flag). Raises `InvalidInputError` for neither."""
     path = Path(given)
     try:
-        if path.is_file():
+        is_file = path.is_file()
+    except (OSError, ValueError):  # not a name a file can have (too long): the template itself
+        is_file = False
+    if is_file:
+        try:
             return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InvalidInputError(f"--chat-template: cannot read {path} ({exc})") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidInputError(f"--chat-template: cannot read {path} ({exc})") from exc
     if "{{" in given or "{%" in given:
         return given
     raise InvalidInputError(

@@ -141,6 +141,18 @@ def test_openai_batch_lines_are_rendered_as_their_bodies_ask(bundle, generator, 
     assert "continue_final_message=1: use true or false" in got["bad"]["error"]["message"]
 
 
+def test_a_template_given_inline_may_be_longer_than_a_file_name(tmp_path):
+    """A real template is thousands of characters: past what a file name may hold (the check
+    for a file raised ENAMETOOLONG), it is the template itself."""
+    from specrt.chat import template_text
+
+    long = TEMPLATE + "{# " + "x" * 5000 + " #}"
+    assert template_text(long) == long
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert template_text(str(path)) == TEMPLATE
+
+
 def test_a_chat_template_given_renders_in_place_of_the_bundles(llama_bundle, tmp_path):
     """``--chat-template`` (vLLM's flag: a Jinja file, or the template itself) on serve, batch
     and generate --chat: a bundle without a template (the tiny one) chats with it, and the
