@@ -47,6 +47,21 @@ class Tagged:
         return len(text)
 
 
+class Hermes(Tagged):
+    tag = HERMES_OPEN
+
+    def split(self, text: str) -> tuple[str, list[dict] | None] | None:
+        """(the text before the first call, the calls: None where one is not whole JSON), or
+        None: no call."""
+        before, tag, rest = text.partition(HERMES_OPEN)
+        if not tag:
+            return None
+        found = [part.partition(HERMES_CLOSE) for part in rest.split(HERMES_OPEN)]
+        if not all(close for _, close, _ in found):
+            return before, None  # the last cut short
+        return before, [json_of(call) for call, _, _ in found]
+
+
 class Mistral(Tagged):
     special, tag = True, MISTRAL_CALLS
 
@@ -67,21 +82,6 @@ class Mistral(Tagged):
                 return before, None
             calls.append({"name": name.strip(), "arguments": arguments})
         return before, calls
-
-
-class Hermes(Tagged):
-    tag = HERMES_OPEN
-
-    def split(self, text: str) -> tuple[str, list[dict] | None] | None:
-        """(the text before the first call, the calls: None where one is not whole JSON), or
-        None: no call."""
-        before, tag, rest = text.partition(HERMES_OPEN)
-        if not tag:
-            return None
-        found = [part.partition(HERMES_CLOSE) for part in rest.split(HERMES_OPEN)]
-        if not all(close for _, close, _ in found):
-            return before, None  # the last cut short
-        return before, [json_of(call) for call, _, _ in found]
 
 
 class StartsWith:
