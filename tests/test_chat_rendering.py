@@ -141,6 +141,21 @@ def test_openai_batch_lines_are_rendered_as_their_bodies_ask(bundle, generator, 
     assert "continue_final_message=1: use true or false" in got["bad"]["error"]["message"]
 
 
+def test_our_own_chat_lines_take_the_fields_too():
+    """specrt's own batch lines (and Ray Data rows) with "messages" read the fields as an
+    OpenAI body does; a "prompt" line with one of them is told it is sent as it is."""
+    from specrt.jobs.rows import row_from_item
+
+    row = row_from_item({"id": "a", "messages": BEGUN, **CONTINUE, **NO_THINKING}, "line 1")
+    assert row.error is None and row.rendering == read_rendering({**CONTINUE, **NO_THINKING})[0]
+    bad = row_from_item({"id": "b", "messages": ASK, "continue_final_message": True}, "line 2")
+    assert "add_generation_prompt: false" in bad.error
+    plain = row_from_item({"id": "c", "prompt": "def f", **NO_THINKING}, "line 3")
+    assert (
+        plain.error == 'chat_template_kwargs renders chat "messages": a "prompt" is sent as it is'
+    )
+
+
 def test_a_template_given_inline_may_be_longer_than_a_file_name(tmp_path):
     """A real template is thousands of characters: past what a file name may hold (the check
     for a file raised ENAMETOOLONG), it is the template itself."""

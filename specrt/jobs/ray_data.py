@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from specrt.chat import FIELDS as RENDERING_FIELDS
 from specrt.errors import InvalidInputError
 from specrt.jobs.batch import _chat_template, make_request
 from specrt.jobs.rows import ROW_OPTIONS, row_from_item
@@ -41,7 +42,7 @@ OUTPUT_COLUMNS = ("id", "text", "token_ids", "finish_reason", "error", *STATS)
 # Where the predictor is given ``logprobs=N``: per row, a list an entry per new token
 LOGPROBS_COLUMNS = ("logprobs", "top_token_ids", "top_logprobs")
 # The columns a row is read from (`row_from_item`); the others pass through.
-ROW_COLUMNS = {"id", "prompt", "messages", "custom_id", "body", *ROW_OPTIONS}
+ROW_COLUMNS = {"id", "prompt", "messages", "custom_id", "body", *ROW_OPTIONS, *RENDERING_FIELDS}
 
 
 class SpecrtPredictor:

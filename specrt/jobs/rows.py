@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from specrt.chat import FIELDS as RENDERING_FIELDS
 from specrt.chat import Rendering, read_rendering
 from specrt.errors import InvalidInputError
 from specrt.openai_shapes import (
@@ -233,7 +234,9 @@ def row_from_item(item: object, fallback_id: str, tool_parser: str | None = None
     options = {key: item[key] for key in ROW_OPTIONS if item.get(key) is not None}
     prompt = item.get("prompt")
     row = Row(row_id, prompt if isinstance(prompt, str) else None, options)
-    extra = sorted(set(item) - set(ROW_OPTIONS) - {"id", "prompt", "messages", "max_tokens"})
+    ours = {"id", "prompt", "messages", "max_tokens", *RENDERING_FIELDS}
+    extra = sorted(set(item) - set(ROW_OPTIONS) - ours)
+    chat_fields = [key for key in RENDERING_FIELDS if item.get(key) is not None]
     if both:
         row.error = 'a line gives "max_new_tokens" or "max_tokens" (its OpenAI name), not both'
     elif extra:
@@ -243,6 +246,12 @@ def row_from_item(item: object, fallback_id: str, tool_parser: str | None = None
         row.error = 'a line gives a "prompt" or chat "messages", not both'
     elif "messages" in item:
         row.messages = item["messages"]
+        try:  # how they are rendered, as an OpenAI body says it
+            row.rendering, _ = read_rendering(item)
+        except RequestError as exc:
+            row.error = str(exc)
+    elif chat_fields:
+        row.error = f'{chat_fields[0]} renders chat "messages": a "prompt" is sent as it is'
     elif not isinstance(prompt, str):
         row.error = 'a line needs a "prompt" string (or chat "messages")'
     return row
