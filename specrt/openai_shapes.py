@@ -34,6 +34,7 @@ FIELDS = {
     "repetition_penalty": "repetition_penalty",  # vLLM's extension
     "min_tokens": "min_tokens",  # vLLM's extension
     "skip_special_tokens": "skip_special_tokens",  # vLLM's extension
+    "include_stop_str_in_output": "include_stop_str_in_output",  # vLLM's extension
 }
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
 MAX_PROMPTS = 128  # prompts one completion may give (as many as choices)
@@ -52,7 +53,6 @@ OFF_VALUES = {
     "tool_choice": (None, "none"),
     # vLLM's extensions, which clients written for it send at these values
     "spaces_between_special_tokens": (None, True),
-    "include_stop_str_in_output": (None, False),
     "modalities": (None, ["text"]),
 }
 IGNORED = {

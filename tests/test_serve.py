@@ -341,13 +341,14 @@ def test_stop_strings_and_max_tokens_mid_round(client, reference):
         if len(full) < 10:
             continue
         stop = full[4:7]
-        for stream in (False, True):
+        for stream, included in ((False, False), (True, False), (False, True), (True, True)):
             reply = client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=24, stop=[stop], stream=stream
-            )
+                model="tiny", prompt=prompt, max_tokens=24, stop=[stop], stream=stream,
+                extra_body={"include_stop_str_in_output": included},
+            )  # fmt: skip
             chunks = list(reply) if stream else [reply]
             text = "".join(c.choices[0].text for c in chunks)
-            assert text == full[: full.find(stop)]
+            assert text == full[: full.find(stop) + (len(stop) if included else 0)]
             assert chunks[-1].choices[0].finish_reason == "stop"
         checked += 1
     assert checked >= 3

@@ -29,13 +29,19 @@ def chars(ids: list[int]) -> str:
     ],
 )
 def test_stop_strings_are_found_across_rounds(rounds, stops, expected):
-    stopper, ids, found = StopStrings(stops, chars), [], None
-    for emitted in rounds:
-        ids = ids + emitted
-        found = stopper.check(ids)
-        if found:
-            break
-    assert found == expected
+    for included in (False, True):  # vLLM's include_stop_str_in_output: the text ends after it
+        stopper, ids, found = StopStrings(stops, chars, included), [], None
+        for emitted in rounds:
+            ids = ids + emitted
+            found = stopper.check(ids)
+            if found:
+                break
+        if expected is None or not included:
+            assert found == expected
+            continue
+        text = chars(ids[: found[0]])
+        stop = min((s for s in stops if s in text), key=lambda s: (text.find(s), len(s)))
+        assert found == (expected[0], text[: text.find(stop) + len(stop)])
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -58,6 +64,8 @@ def test_greedy_output_stops_before_the_stop_string(llama_bundle, batch):
         assert result.token_ids == full.token_ids[: len(result.token_ids)]
         assert stop in alone.tokenizer.decode(result.token_ids)  # the last token completed it
         assert stop not in alone.tokenizer.decode(result.token_ids[:-1])
+        [kept] = generator.generate([prompt], replace(config, include_stop_str_in_output=True))
+        assert kept.token_ids == result.token_ids and kept.text == result.text + stop
         checked += 1
     assert checked >= 3
 

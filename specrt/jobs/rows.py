@@ -51,6 +51,7 @@ ROW_OPTIONS = (
     "repetition_penalty",
     "min_tokens",
     "skip_special_tokens",
+    "include_stop_str_in_output",
     "structured_output",  # {"json": {...}} / {"regex": ...} / {"choice": [...]} / ...
 )
 OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}

@@ -118,6 +118,7 @@ class GenerationConfig:
     prompt itself, whatever a cache holds of it.
     ``skip_special_tokens=False`` (vLLM's) writes special tokens into the text (but for the EOS
     or stop token that ends the row, as vLLM leaves it out); the tokens are the same.
+    ``include_stop_str_in_output`` (vLLM's): the text ends after the stop string, not before.
     ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
     continuation of the longest n-gram (``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens)
     that ends the row and occurred earlier in its prompt or output (and of the generator's
@@ -150,6 +151,7 @@ class GenerationConfig:
     min_tokens: int = 0
     structured_output: StructuredOutput | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -172,6 +174,8 @@ class GenerationConfig:
             set("seed", integer("seed", self.seed, 0, rule=rule))
         set("ignore_eos", flag("ignore_eos", self.ignore_eos))
         set("skip_special_tokens", flag("skip_special_tokens", self.skip_special_tokens))
+        included = flag("include_stop_str_in_output", self.include_stop_str_in_output)
+        set("include_stop_str_in_output", included)
         set("adaptive_draft", flag("adaptive_draft", self.adaptive_draft))
         if self.draft_schedule not in DRAFT_SCHEDULES:
             raise out_of_range(

@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 class StopStrings:
     """The stop strings of one row, searched in its new text as tokens arrive."""
 
-    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self, stops: Sequence[str], decode: Callable[[list[int]], str], included: bool = False
+    ) -> None:
         self.stops = tuple(stops)
         self.decode = decode
+        self.included = included  # the text ends after the stop string
         self._longest = max(map(len, self.stops))
         self._searched = 0  # tokens already searched
         self._text_length = 0  # length of their text
@@ -32,7 +35,8 @@ class StopStrings:
         none)."""
         if not config.stop:
             return None
-        return cls(config.stop, tokenizer.incremental(config.skip_special_tokens))
+        decode = tokenizer.incremental(config.skip_special_tokens)
+        return cls(config.stop, decode, config.include_stop_str_in_output)
 
     def check(self, new_ids: list[int]) -> tuple[int, str] | None:
         """``(tokens to keep, text)`` when a stop string has appeared in the text of
@@ -51,8 +55,13 @@ class StopStrings:
         return len(new_ids), text[: self._find(text, start)]
 
     def _find(self, text: str, start: int) -> int | None:
-        hits = [index for stop in self.stops if (index := text.find(stop, start)) >= 0]
-        return min(hits) if hits else None
+        """Where the text ends: where the first stop string in it begins (or, ``included``,
+        where the first to begin ends)."""
+        hits = [(index, stop) for stop in self.stops if (index := text.find(stop, start)) >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits, key=lambda hit: (hit[0], len(hit[1])))
+        return index + len(stop) if self.included else index
 
 
 @dataclass
