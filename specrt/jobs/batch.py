@@ -325,7 +325,7 @@ def chat_prompt(
     tokenizer = generator.tokenizer
     template = None
     if tokenizer is not None:
-        template = _chat_template(tokenizer.directory, chat_template)
+        template = bundle_chat_template(tokenizer.directory, chat_template)
     if template is None:
         raise InvalidInputError(
             'this bundle\'s tokenizer has no chat template: give a "prompt" instead of '
@@ -339,7 +339,7 @@ def chat_prompt(
 
 
 @functools.cache
-def _chat_template(directory: Path, given: str | None = None):
+def bundle_chat_template(directory: Path, given: str | None = None):
     """The bundle's chat template (or ``given`` in its place), read once per job (a broken one
     stops the job: every chat row would fail the same way)."""
     try:

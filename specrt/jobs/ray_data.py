@@ -31,7 +31,7 @@ import numpy as np
 
 from specrt.chat import FIELDS as RENDERING_FIELDS
 from specrt.errors import InvalidInputError
-from specrt.jobs.batch import _chat_template, make_request
+from specrt.jobs.batch import bundle_chat_template, make_request
 from specrt.jobs.rows import ROW_OPTIONS, row_from_item
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.generator import SpeculativeGenerator
@@ -77,7 +77,7 @@ class SpecrtPredictor:
         self.defaults = GenerationConfig(**generation)
         self.chat_template = chat_template
         if chat_template is not None and self.generator.tokenizer is not None:  # now, not per row
-            _chat_template(self.generator.tokenizer.directory, chat_template)
+            bundle_chat_template(self.generator.tokenizer.directory, chat_template)
         # The results' columns, one set for every batch (Arrow blocks must agree)
         self.columns = OUTPUT_COLUMNS + (
             LOGPROBS_COLUMNS if self.defaults.logprobs is not None else ()

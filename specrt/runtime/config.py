@@ -254,7 +254,8 @@ class GenerationConfig:
 
     def ends(self, eos_token_ids) -> frozenset[int]:
         """The tokens that end a row: the model's EOS (unless ignored) and the stop tokens."""
-        return frozenset(() if self.ignore_eos else eos_token_ids).union(self.stop_token_ids)
+        ends = frozenset() if self.ignore_eos else frozenset(eos_token_ids)
+        return ends.union(self.stop_token_ids) if self.stop_token_ids else ends  # (every round)
 
     @property
     def sampling(self) -> SamplingParams:
