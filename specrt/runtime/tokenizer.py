@@ -70,6 +70,11 @@ class BundleTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_strings(self, ids: list[int]) -> list[str | None]:
+        """Each id's string in the vocabulary (a byte-level token's as its bytes are spelled
+        there, ``Ġ`` for a space), None for an id the vocabulary lacks."""
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
     def incremental(self, skip_special_tokens: bool = True) -> IncrementalDecode:
         """A ``decode`` for one growing row: each token decoded once, not the whole row again
         every round (see `IncrementalDecode`)."""

@@ -2,9 +2,10 @@
 
 ``POST /v1/completions`` (``stream`` as server-sent events), ``POST /v1/chat/completions``
 (rendered with the bundle's chat template; 400 without one), ``GET /v1/models`` (and
-``/v1/models/{id}``), ``GET /health``,
-``GET /metrics`` (Prometheus). Errors are OpenAI-style bodies: 400 bad request, 404 unknown
-model, 400 prompt too long (code "context_length_exceeded"), 413 body too large, 429 overloaded.
+``/v1/models/{id}``), vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``
+(`specrt.serve.tokenize`), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are
+OpenAI-style bodies: 400 bad request, 404 unknown model, 400 prompt too long (code
+"context_length_exceeded"), 413 body too large, 429 overloaded.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from specrt.openai_shapes import (
     RequestError,
     choices,
     completion,
-    error_body,
     new_id,
     read_json,
     read_request,
@@ -53,7 +53,9 @@ from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
 from specrt.serve.metrics import Metrics
 from specrt.serve.middleware import BearerKey, CountAnswers
+from specrt.serve.replies import HttpError, check_model, error, refused
 from specrt.serve.request_log import ROUTES, log_finished, log_received
+from specrt.serve.tokenize import tokenizer_routes
 
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
 BODY_TIMEOUT_S = 10.0  # for a request's body to arrive whole
@@ -84,7 +86,9 @@ def create_app(
             {"status": "ok", "running": service.running, "waiting": service.waiting}
         )
 
-    model = {"id": model_name, "object": "model", "created": created, "owned_by": "specrt"}
+    max_model_len = service.generator.target.max_positions
+    model = {"id": model_name, "object": "model", "created": created, "owned_by": "specrt",
+             "max_model_len": max_model_len}  # fmt: skip
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model]})
@@ -113,24 +117,30 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await answer(request, COMPLETION)
 
-    async def answer(request: Request, kind: str) -> Response:
+    async def json_body(request: Request) -> dict:
+        """The request's body, a JSON object; raises `HttpError`."""
         try:
             body = read_json(await asyncio.wait_for(read_body(request), BODY_TIMEOUT_S))
-        except _HttpError as exc:
-            return error(exc.status, str(exc), exc.kind, exc.param)
         except asyncio.TimeoutError:  # a client that stalls must not hold a shutdown
             message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
-            return error(408, message, "invalid_request_error")
+            raise HttpError(408, message, "invalid_request_error") from None
         except RequestError as exc:  # not JSON, or JSON Python cannot read (too deep, too long)
-            return error(400, str(exc), "invalid_request_error", exc.param)
+            raise HttpError(400, str(exc), "invalid_request_error", exc.param) from None
         if not isinstance(body, dict):
-            return error(400, "the request body must be a JSON object", "invalid_request_error")
+            raise HttpError(400, "the request body must be a JSON object", "invalid_request_error")
+        return body
+
+    async def answer(request: Request, kind: str) -> Response:
+        try:
+            body = await json_body(request)
+        except HttpError as exc:
+            return refused(exc)
         ident = new_id(kind)
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
             submitted = await run_in_threadpool(submit, body, kind, ident)
             handles, stream, with_usage, tooling, echoes = submitted
-        except _HttpError as exc:
-            return error(exc.status, str(exc), exc.kind, exc.param)
+        except HttpError as exc:
+            return refused(exc)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
             param = "messages" if kind == CHAT else "prompt"
             return error(400, str(exc), "invalid_request_error", param, "context_length_exceeded")
@@ -201,7 +211,7 @@ def create_app(
     async def read_body(request: Request) -> bytes:
         """The body, refused with 413 once it passes what the longest prompt could take (as
         JSON text, every character escaped), declared or as it arrives."""
-        too_big = _HttpError(
+        too_big = HttpError(
             413,
             f"the request body is over {max_body} bytes, more than any prompt of this model "
             "needs; shorten the prompt",
@@ -224,14 +234,7 @@ def create_app(
         none: a choice refused withdraws those queued before it. Returns the handles, whether
         to stream, whether with the usage, what the body asked of tools, and the text each
         choice echoes (None: none)."""
-        if body.get("model") not in (None, model_name):  # null, as any field: the default
-            raise _HttpError(
-                404,
-                f"model {json.dumps(body['model'])} is not served here (this is "
-                f"{json.dumps(model_name)})",
-                "not_found_error",
-                "model",
-            )
+        check_model(body, model_name)
         try:
             tooling, rendering = None, None
             if kind == CHAT:
@@ -240,7 +243,7 @@ def create_app(
             prompt, options = read_request(body, kind, max_n=MAX_N)
             options = tools.with_tools(tooling, options)
         except RequestError as exc:
-            raise _HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
+            raise HttpError(400, str(exc), "invalid_request_error", exc.param) from exc
         prompts = prompt
         if kind == CHAT:
             prompts = [chat_prompt(prompt, tooling and tooling.tools, rendering)]
@@ -252,7 +255,7 @@ def create_app(
         n = choices(body)
         if n * len(prompts) > service.capacity:  # refused whatever the load: not a 429 to retry
             asked = f"n={n}" if len(prompts) == 1 else f"{len(prompts)} prompts of n={n} each"
-            raise _HttpError(
+            raise HttpError(
                 400,
                 f"{asked}: this server holds at most {service.capacity} requests at once (a "
                 "slot each, or a place in the queue): ask for fewer choices or prompts",
@@ -354,7 +357,7 @@ def create_app(
         try:
             text = template.prompt(messages, tools, how)
         except ChatTemplateError as exc:
-            raise _HttpError(400, str(exc), "invalid_request_error", "messages") from exc
+            raise HttpError(400, str(exc), "invalid_request_error", "messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)
 
     routes = [
@@ -364,6 +367,7 @@ def create_app(
         Route("/metrics", metrics_page),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        *tokenizer_routes(model_name, tokenizer, template, max_model_len, json_body),
     ]
     # outermost: 401s counted too
     middleware = [Middleware(CountAnswers, metrics=metrics, routes=routes)]
@@ -377,7 +381,8 @@ async def unknown_route(request: Request, exc: HTTPException) -> Response:
     "Invalid URL"), not Starlette's plain text, which OpenAI clients cannot show."""
     message = (
         f"Invalid URL ({request.method} {request.url.path}): this server answers POST "
-        f"{ROUTES[COMPLETION]}, POST {ROUTES[CHAT]}, GET /v1/models, /health and /metrics"
+        f"{ROUTES[COMPLETION]}, POST {ROUTES[CHAT]}, GET /v1/models, POST /tokenize, POST "
+        "/detokenize, GET /version, /health and /metrics"
     )
     response = error(exc.status_code, message, "invalid_request_error")
     response.headers.update(exc.headers or {})  # a 405's Allow
@@ -402,15 +407,3 @@ def spec_stats(results: list[GenerationResult]) -> dict:
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def error(
-    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
-) -> Response:
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
-
-
-class _HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param

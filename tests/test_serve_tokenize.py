@@ -1,0 +1,108 @@
+"""vLLM's tokenizer routes on a real `specrt serve`: ``POST /tokenize`` gives the very ids the
+chat and completion routes read (a client counts its prompt with them), ``POST /detokenize``
+their text back, ``GET /version``; a body they cannot take is one 400 naming the field."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from specrt.runtime import SpeculativeGenerator
+from tests.test_chat_rendering import ASK, BEGUN, CONTINUE, NO_THINKING
+from tests.test_chat_rendering import TEMPLATE as CHAT_TEMPLATE
+from tests.test_serve import running_server
+
+# The rendering test's template, with the tools written out where a request offers them.
+TEMPLATE = "{% if tools %}<tools>{{ tools | tojson }}\n{% endif %}" + CHAT_TEMPLATE
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def server(llama_bundle):
+    with running_server(llama_bundle, "--chat-template", TEMPLATE) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_bundle):
+    return SpeculativeGenerator.from_bundle(llama_bundle, threads=1).tokenizer
+
+
+def tokenize(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/tokenize", json=body)
+
+
+def test_a_prompt_is_tokenized_as_the_completion_route_reads_it(server, tokenizer):
+    text = "def add(x, y):\n    return"
+    got = tokenize(server, {"model": "tiny", "prompt": text, "return_token_strs": True}).json()
+    ids = tokenizer.encode(text)
+    assert got["tokens"] == ids and got["count"] == len(ids)
+    assert got["token_strs"] == tokenizer.token_strings(ids) and None not in got["token_strs"]
+    [model] = httpx.get(f"{server}/v1/models").json()["data"]
+    assert got["max_model_len"] == model["max_model_len"] > 0
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    reply = client.completions.create(model="tiny", prompt=text, max_tokens=2)
+    assert reply.usage.prompt_tokens == got["count"]
+    assert tokenize(server, {"prompt": text}).json()["token_strs"] is None
+    back = httpx.post(f"{server}/detokenize", json={"model": "tiny", "tokens": ids})
+    assert back.status_code == 200
+    assert back.json() == {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+    assert text in back.json()["prompt"]  # (after the BOS the tokenizer adds, if it does)
+
+
+@pytest.mark.parametrize(
+    "messages, fields",
+    [(ASK, {}), (ASK, NO_THINKING), (BEGUN, CONTINUE), (ASK, {"tools": TOOLS})],
+    ids=["plain", "template kwargs", "continued", "tools"],
+)
+def test_messages_are_tokenized_as_the_chat_route_renders_them(server, messages, fields):
+    """The count is the chat route's own prompt_tokens for the same body: rendered with the
+    server's template, its kwargs, a continued message and the tools it writes out."""
+    got = tokenize(server, {"messages": messages, **fields})
+    assert got.status_code == 200, got.text
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    extra = {**fields, "tool_choice": "none"} if "tools" in fields else fields
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=1, extra_body=extra
+    )
+    assert reply.usage.prompt_tokens == got.json()["count"]
+    text = httpx.post(f"{server}/detokenize", json={"tokens": got.json()["tokens"]}).json()
+    assert ("<tools" in text["prompt"]) == ("tools" in fields)  # (the tiny vocabulary lacks ">")
+
+
+@pytest.mark.parametrize(
+    "route, body, field, words",
+    [
+        ("tokenize", {"prompt": "x", "messages": ASK}, "prompt", "one of them"),
+        ("tokenize", {}, "prompt", "one of them"),
+        ("tokenize", {"prompt": "x", **NO_THINKING}, "chat_template_kwargs", "a chat field"),
+        ("tokenize", {"prompt": "x", "chat_template": "{{ x }}"}, "chat_template",
+         "--chat-template"),
+        ("tokenize", {"prompt": "x", "return_token_strs": "yes"}, "return_token_strs",
+         "true or false"),
+        ("tokenize", {"messages": ASK, "continue_final_message": True},
+         "continue_final_message", "add_generation_prompt: false"),
+        ("tokenize", {"messages": ASK, "tools": [{"name": "add"}]}, "tools", "list of functions"),
+        ("tokenize", {"prompt": "x", "temperature": 0}, "temperature", "unknown field"),
+        ("tokenize", {"prompt": ""}, "prompt", "empty"),
+        ("detokenize", {"tokens": [1, True]}, "tokens", "token ids"),
+        ("detokenize", {"tokens": "1 2"}, "tokens", "token ids"),
+        ("detokenize", {"tokens": [10**6]}, "tokens", "not in the tokenizer's vocabulary"),
+    ],
+)  # fmt: skip
+def test_bodies_the_routes_cannot_take_are_refused_naming_the_field(
+    server, route, body, field, words
+):
+    answer = httpx.post(f"{server}/{route}", json=body)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == field, error
+    assert words in error["message"]
+
+
+def test_another_model_is_a_404_and_the_version_is_the_packages(server):
+    from specrt import __version__
+
+    answer = tokenize(server, {"model": "other", "prompt": "x"})
+    assert answer.status_code == 404 and answer.json()["error"]["param"] == "model"
+    assert httpx.get(f"{server}/version").json() == {"version": __version__}
