@@ -55,6 +55,7 @@ OFF_VALUES = {
     "spaces_between_special_tokens": (None, True),
     "modalities": (None, ["text"]),
 }
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 IGNORED = {
     "model",
     "prompt",
@@ -117,9 +118,7 @@ def read_request(
     body = {key: value for key, value in body.items() if value is not None}  # null: default
     if not isinstance(body.get("stream", False), bool):
         raise RequestError("stream must be true or false", "stream")
-    if not isinstance(body.get("stream_options", {}), dict):
-        message = 'stream_options must be an object ({"include_usage": true})'
-        raise RequestError(message, "stream_options")
+    stream_usage(body)  # stream_options checked
     n = body.get("n", 1)
     if max_n == 1 and n != 1:
         raise RequestError(
@@ -181,6 +180,28 @@ def read_request(
             field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
             raise RequestError(f"{field}={json.dumps(length)}: use an integer >= 1", field)
     return prompt, options
+
+
+def stream_usage(body: dict) -> str | None:
+    """What a stream's chunks carry of the usage, as ``stream_options`` asks: None (none),
+    ``"final"`` (a last chunk of it, OpenAI's ``include_usage``) or ``"continuous"`` (every
+    chunk its choice's so far too, vLLM's ``continuous_usage_stats``). Raises `RequestError`."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        message = 'stream_options must be an object ({"include_usage": true})'
+        raise RequestError(message, "stream_options")
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            message = f"stream_options.{key} is unknown: it takes {', '.join(STREAM_OPTIONS)}"
+            raise RequestError(message, "stream_options")
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"stream_options.{key} must be true or false", "stream_options")
+    if options.get("include_obfuscation"):  # OpenAI's padding of chunks: not written here
+        message = "stream_options.include_obfuscation is not supported by specrt: send false"
+        raise RequestError(message, "stream_options")
+    if not options.get("include_usage"):  # vLLM's rule: continuous stats come with it only
+        return None
+    return "continuous" if options.get("continuous_usage_stats") else "final"
 
 
 def completion_prompts(prompt: object) -> list[str | list[int]]:

@@ -403,6 +403,44 @@ def test_n_choices_are_the_rows_generate_gives_one_prompt(server, client, refere
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(server, client, reference):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
+    carries its choice's usage so far, the tokens its text came from (counted here by the
+    log-probability entries each chunk brings), the last one the request's; without
+    ``include_usage`` nothing, as vLLM. Keys ``stream_options`` does not take are a 400."""
+    generator, _ = reference
+    prompt, sampled = PROMPTS[1], dict(max_tokens=12, temperature=1.0, seed=5, logprobs=1)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, n=2, stream=True, stream_options=options, **sampled
+        )
+    )
+    prompt_tokens = len(generator.encode_prompts([prompt])[0])
+    counted = [0, 0]
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        counted[choice.index] += len(choice.logprobs.tokens) if choice.logprobs else 0
+        assert c.usage.prompt_tokens == prompt_tokens
+        assert c.usage.completion_tokens == counted[choice.index] > 0
+    reply = client.completions.create(model="tiny", prompt=prompt, n=2, **sampled)
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+    assert sum(counted) == reply.usage.completion_tokens
+    quiet = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, stream=True,
+        stream_options={"continuous_usage_stats": True},
+    )  # fmt: skip
+    assert all(c.usage is None for c in quiet)
+    for options, words in [
+        ({"include_usage": True, "usage": True}, "stream_options.usage is unknown"),
+        ({"include_usage": 1}, "true or false"),
+        ({"include_obfuscation": True}, "send false"),
+    ]:
+        body = {"prompt": prompt, "stream": True, "stream_options": options}
+        raw = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=30)
+        assert raw.status_code == 400 and words in raw.json()["error"]["message"]
+
+
 def test_a_list_of_prompts_is_answered_as_each_prompt_alone(server, client, reference):
     """OpenAI's list of prompts: choice i of prompt p comes at p * n + i, and is what the
     prompt sent alone gets (choice i sampling from the stream (seed, i)), streamed or not; the

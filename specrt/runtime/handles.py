@@ -31,6 +31,7 @@ class Delta:
 
     text: str
     logprobs: list[TokenLogprob] | None = None
+    tokens: int = 0  # the request's new tokens so far, this piece's included
 
 
 class RequestHandle:
@@ -219,16 +220,21 @@ class RequestHandle:
             self._tokens_came(now)
         tail = self._text.finish(result.text) if result is not None else ""
         logprobs = result.logprobs if result is not None else None
-        last = self._delta(tail, logprobs, len(logprobs or ()))
+        tokens = len(result.token_ids) if result is not None else self._sent_tokens
+        last = self._delta(tail, logprobs, len(logprobs or ()), tokens)
         self._publish([last] if tail or last.logprobs else [], result, error)
 
-    def _delta(self, text: str, logprobs: list[TokenLogprob] | None, upto: int) -> Delta:
-        """``text`` with the entries of ``logprobs`` up to ``upto`` not handed out yet."""
+    def _delta(
+        self, text: str, logprobs: list[TokenLogprob] | None, upto: int, tokens: int | None = None
+    ) -> Delta:
+        """``text`` with the entries of ``logprobs`` up to ``upto`` not handed out yet;
+        ``tokens``: the request's so far (default: ``upto``)."""
+        tokens = upto if tokens is None else tokens
         if logprobs is None:
-            return Delta(text)
+            return Delta(text, tokens=tokens)
         entries = logprobs[self._sent_logprobs : upto]
         self._sent_logprobs = max(self._sent_logprobs, upto)
-        return Delta(text, entries)
+        return Delta(text, entries, tokens)
 
     def _tokens_came(self, now: float | None) -> None:
         now = time.perf_counter() if now is None else now

@@ -138,7 +138,7 @@ def create_app(
         ident = new_id(kind)
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
             submitted = await run_in_threadpool(submit, body, kind, ident)
-            handles, stream, with_usage, tooling, echoes = submitted
+            handles, stream, usage_mode, tooling, echoes = submitted
         except HttpError as exc:
             return refused(exc)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -155,7 +155,7 @@ def create_app(
         n = choices(body)
         if stream:
             return StreamingResponse(
-                events(handles, ident, kind, with_usage, echoes, tooling, n),
+                events(handles, ident, kind, usage_mode, echoes, tooling, n),
                 media_type="text/event-stream",
             )
         try:
@@ -277,15 +277,14 @@ def create_app(
             handle.add_gap_callback(metrics.inter_token_gap)
             log_received(ident, kind, handle, stream)
             handle.add_done_callback(lambda done: log_finished(ident, done))
-        options = body.get("stream_options") or {}
         echoes = [
             shapes.echo_text(body, kind, prompts[i // n], handle.request.prompt, decode)
             for i, handle in enumerate(handles)
         ]
-        return handles, stream, bool(options.get("include_usage")), tooling, echoes
+        return handles, stream, shapes.stream_usage(body), tooling, echoes
 
     async def events(
-        handles: list[RequestHandle], ident: str, kind: str, with_usage: bool,
+        handles: list[RequestHandle], ident: str, kind: str, usage_mode: str | None,
         echoes: list[str | None], tooling: tools.ToolCalling | None, n: int,
     ) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events: a chunk per delta of each choice (its ``index``; a required
@@ -293,19 +292,25 @@ def create_app(
         each with its finish reason and speculative stats, and, where
         ``stream_options.include_usage`` asked, one with no choices and the usage (as OpenAI
         sends it). A client that goes away cancels the requests (their iterators close). With
-        the usage asked for, every other chunk has ``"usage": null``, as OpenAI's."""
-        blank = {"usage": None} if with_usage else {}
+        the usage asked for, every other chunk has ``"usage": null``, as OpenAI's, or, asked
+        ``"continuous"``, its choice's so far (`shapes.stream_usage`), as vLLM's."""
+
+        def blank(index: int, tokens: int = 0) -> dict:
+            if usage_mode != "continuous":
+                return {"usage": None} if usage_mode else {}
+            return {"usage": shapes.usage(len(handles[index].request.prompt), tokens)}
+
         try:
             if kind == CHAT:  # the role comes first, as OpenAI sends it
                 for index in range(len(handles)):
-                    yield sse({**chunk(ident, kind, None, None, index=index), **blank})
+                    yield sse({**chunk(ident, kind, None, None, index=index), **blank(index)})
             logprobs = [shapes.StreamedLogprobs(kind, decode) for _ in handles]
             texts = [tools.StreamedText(tooling) for _ in handles]  # (tool calls held back)
             echoed: set[int] = set()
             async for index, delta in merged(handles):
                 if echoes[index] is not None and index not in echoed:  # its prompt first
                     echoed.add(index)
-                    part = {**chunk(ident, kind, echoes[index], None, index=index), **blank}
+                    part = {**chunk(ident, kind, echoes[index], None, index=index), **blank(index)}
                     entries = handles[index].prompt_logprobs
                     if entries is not None:
                         entries = echoed_entries(handles[index].request.prompt, entries)
@@ -313,31 +318,34 @@ def create_app(
                     yield sse(part)
                 if delta is not None:
                     text = texts[index].push(delta.text)
-                    part = {**chunk(ident, kind, text, None, index=index), **blank}
+                    part = {**chunk(ident, kind, text, None, index=index)}
+                    part.update(blank(index, delta.tokens))
                     if delta.logprobs is not None:  # the tokens that came with this text
                         part["choices"][0]["logprobs"] = logprobs[index].body(delta.logprobs)
                     if text or not texts[index].filters:
                         yield sse(part)
                     continue
                 result = handles[index].result()
-                reason = result.finish_reason
+                reason, tokens = result.finish_reason, len(result.token_ids)
                 if tooling is not None:
                     text, calls = texts[index].finish(result.text)
                     if text:
-                        yield sse({**chunk(ident, kind, text, None, index=index), **blank})
+                        yield sse(
+                            {**chunk(ident, kind, text, None, index=index), **blank(index, tokens)}
+                        )
                     if calls:
-                        part = {**chunk(ident, kind, "", None, index=index), **blank}
+                        part = {**chunk(ident, kind, "", None, index=index), **blank(index, tokens)}
                         part["choices"][0]["delta"] = tools.streamed_calls(calls)
                         reason = "tool_calls"
                         yield sse(part)
-                final = {**chunk(ident, kind, "", reason, index=index), **blank}
+                final = {**chunk(ident, kind, "", reason, index=index), **blank(index, tokens)}
                 final["speculative_decoding"] = spec_stats([result])
                 yield sse(final)
             results = [handle.result() for handle in handles]
         except SpecrtError as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error"}})
             return
-        if with_usage:
+        if usage_mode:
             yield sse({**chunk(ident, kind, None, None), "choices": [], "usage": usage(results, n)})
         yield "data: [DONE]\n\n"
 
