@@ -4,6 +4,8 @@ their text back, ``GET /version``; a body they cannot take is one 400 naming the
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -25,8 +27,13 @@ def server(llama_bundle):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(llama_bundle):
-    return SpeculativeGenerator.from_bundle(llama_bundle, threads=1).tokenizer
+def generator(llama_bundle):
+    return SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(generator):
+    return generator.tokenizer
 
 
 def tokenize(url: str, body: dict) -> httpx.Response:
@@ -106,3 +113,46 @@ def test_another_model_is_a_404_and_the_version_is_the_packages(server):
     answer = tokenize(server, {"model": "other", "prompt": "x"})
     assert answer.status_code == 404 and answer.json()["error"]["param"] == "model"
     assert httpx.get(f"{server}/version").json() == {"version": __version__}
+
+
+def streamed_ids(url: str, route: str, body: dict) -> tuple[list[int] | None, list[list[int]]]:
+    """A stream's prompt ids (the first chunk's: a chat's at the top, a completion's in its
+    choice) and each choice's ids, joined over its chunks."""
+    raw = httpx.post(f"{url}/v1/{route}", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
+    first = events[0].get("prompt_token_ids", events[0]["choices"][0].get("prompt_token_ids"))
+    ids: list[list[int]] = [[] for _ in range(1 + max(e["choices"][0]["index"] for e in events))]
+    for event in events:
+        ids[event["choices"][0]["index"]] += event["choices"][0]["token_ids"]
+    return first, ids
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_tokens(server, generator):
+    """vLLM's ``return_token_ids``: a chat's prompt ids at the top (a stream's first chunk), a
+    completion's in each choice; each choice its new tokens, streamed chunk by chunk, the same
+    whole (the ending EOS too, whose text is none); the tokens `/tokenize` and the usage count."""
+    tokenizer = generator.tokenizer
+    text, asked = "def add(x, y):", {"return_token_ids": True, "max_tokens": 8, "ignore_eos": True}
+    reply = httpx.post(f"{server}/v1/completions", json={"prompt": text, "n": 2, **asked}).json()
+    for choice in reply["choices"]:
+        assert choice["prompt_token_ids"] == tokenizer.encode(text)
+        assert len(choice["token_ids"]) == 8
+    assert sum(len(c["token_ids"]) for c in reply["choices"]) == reply["usage"]["completion_tokens"]
+    first, ids = streamed_ids(server, "completions", {"prompt": text, "n": 2, **asked})
+    assert first == tokenizer.encode(text) and ids == [c["token_ids"] for c in reply["choices"]]
+    assert tokenizer.decode(ids[0]) == reply["choices"][0]["text"]
+    body = {"messages": ASK, **asked}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body).json()
+    assert reply["prompt_token_ids"] == tokenize(server, {"messages": ASK}).json()["tokens"]
+    assert len(reply["choices"][0]["token_ids"]) == reply["usage"]["completion_tokens"] == 8
+    assert streamed_ids(server, "chat/completions", body) == (
+        reply["prompt_token_ids"],
+        [reply["choices"][0]["token_ids"]],
+    )
+    eos = min(generator.eos_token_ids)
+    ended = {"prompt": text, "return_token_ids": True, "logit_bias": {str(eos): 100}}
+    reply = httpx.post(f"{server}/v1/completions", json=ended).json()
+    assert reply["choices"][0]["token_ids"] == [eos] and reply["choices"][0]["text"] == ""
+    assert streamed_ids(server, "completions", ended)[1] == [[eos]]
+    refused = httpx.post(f"{server}/v1/completions", json={"prompt": text, "return_token_ids": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"

@@ -32,6 +32,7 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob] | None = None
     tokens: int = 0  # the request's new tokens so far, this piece's included
+    token_ids: tuple[int, ...] = ()  # the new tokens since the piece before
 
 
 class RequestHandle:
@@ -48,6 +49,7 @@ class RequestHandle:
         self._text = deltas
         self._per_token = per_token
         self._sent_tokens = 0
+        self._sent_ids = 0  # new tokens handed out with the deltas so far
         self._sent_logprobs = 0  # entries handed out with the deltas so far
         self._prompt_logprobs: list[TokenLogprob | None] | None = None  # set as it is admitted
         self._deltas: list[Delta] = []
@@ -206,7 +208,8 @@ class RequestHandle:
         else:
             pieces = [(self._text.update(new_ids), len(new_ids))]
         self._sent_tokens = len(new_ids)
-        self._publish([self._delta(text, logprobs, n) for text, n in pieces if text])
+        deltas = [self._delta(text, logprobs, n, new_ids, n) for text, n in pieces if text]
+        self._publish(deltas)
 
     def _finish(
         self,
@@ -220,21 +223,27 @@ class RequestHandle:
             self._tokens_came(now)
         tail = self._text.finish(result.text) if result is not None else ""
         logprobs = result.logprobs if result is not None else None
-        tokens = len(result.token_ids) if result is not None else self._sent_tokens
-        last = self._delta(tail, logprobs, len(logprobs or ()), tokens)
+        ids = result.token_ids if result is not None else []
+        last = self._delta(tail, logprobs, len(logprobs or ()), ids, len(ids))
         self._publish([last] if tail or last.logprobs else [], result, error)
 
     def _delta(
-        self, text: str, logprobs: list[TokenLogprob] | None, upto: int, tokens: int | None = None
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        upto: int,
+        ids: list[int],
+        count: int,
     ) -> Delta:
-        """``text`` with the entries of ``logprobs`` up to ``upto`` not handed out yet;
-        ``tokens``: the request's so far (default: ``upto``)."""
-        tokens = upto if tokens is None else tokens
+        """``text`` with the entries of ``logprobs`` up to ``upto`` and the first ``count``
+        of the request's new tokens ``ids`` not handed out yet."""
+        new = tuple(ids[self._sent_ids : count])
+        self._sent_ids = max(self._sent_ids, count)
         if logprobs is None:
-            return Delta(text, tokens=tokens)
+            return Delta(text, tokens=count, token_ids=new)
         entries = logprobs[self._sent_logprobs : upto]
         self._sent_logprobs = max(self._sent_logprobs, upto)
-        return Delta(text, entries, tokens)
+        return Delta(text, entries, count, new)
 
     def _tokens_came(self, now: float | None) -> None:
         now = time.perf_counter() if now is None else now

@@ -51,6 +51,7 @@ from specrt.runtime.handles import RequestHandle, merged
 from specrt.runtime.logprobs import echoed_entries
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
+from specrt.serve.chunks import StreamExtras, token_ids_asked, with_token_ids
 from specrt.serve.metrics import Metrics
 from specrt.serve.middleware import BearerKey, CountAnswers
 from specrt.serve.replies import HttpError, check_model, error, refused
@@ -138,7 +139,7 @@ def create_app(
         ident = new_id(kind)
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
             submitted = await run_in_threadpool(submit, body, kind, ident)
-            handles, stream, usage_mode, tooling, echoes = submitted
+            handles, stream, usage_mode, token_ids, tooling, echoes = submitted
         except HttpError as exc:
             return refused(exc)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -155,7 +156,7 @@ def create_app(
         n = choices(body)
         if stream:
             return StreamingResponse(
-                events(handles, ident, kind, usage_mode, echoes, tooling, n),
+                events(handles, ident, kind, usage_mode, token_ids, echoes, tooling, n),
                 media_type="text/event-stream",
             )
         try:
@@ -184,6 +185,9 @@ def create_app(
             if reply is not None:
                 tools.as_calls(choice["choices"][0], reply)
             body["choices"].append(choice["choices"][0])
+        if token_ids:
+            prompts = [handle.request.prompt for handle in handles]
+            with_token_ids(body, kind, prompts, [result.token_ids for result in results])
         body["usage"] = usage(results, n)
         body["speculative_decoding"] = spec_stats(results)
         return JSONResponse(body)
@@ -237,6 +241,7 @@ def create_app(
         check_model(body, model_name)
         try:
             tooling, rendering = None, None
+            token_ids, body = token_ids_asked(body)
             if kind == CHAT:
                 tooling, body = tools.read_tools(body, tool_parser)
                 rendering, body = read_rendering(body)
@@ -281,10 +286,11 @@ def create_app(
             shapes.echo_text(body, kind, prompts[i // n], handle.request.prompt, decode)
             for i, handle in enumerate(handles)
         ]
-        return handles, stream, shapes.stream_usage(body), tooling, echoes
+        return handles, stream, shapes.stream_usage(body), token_ids, tooling, echoes
 
     async def events(
         handles: list[RequestHandle], ident: str, kind: str, usage_mode: str | None,
+        token_ids: bool,
         echoes: list[str | None], tooling: tools.ToolCalling | None, n: int,
     ) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events: a chunk per delta of each choice (its ``index``; a required
@@ -295,50 +301,46 @@ def create_app(
         the usage asked for, every other chunk has ``"usage": null``, as OpenAI's, or, asked
         ``"continuous"``, its choice's so far (`shapes.stream_usage`), as vLLM's."""
 
-        def blank(index: int, tokens: int = 0) -> dict:
-            if usage_mode != "continuous":
-                return {"usage": None} if usage_mode else {}
-            return {"usage": shapes.usage(len(handles[index].request.prompt), tokens)}
-
+        prompts = [handle.request.prompt for handle in handles]
+        extras = StreamExtras(kind, usage_mode, token_ids, prompts)
         try:
             if kind == CHAT:  # the role comes first, as OpenAI sends it
                 for index in range(len(handles)):
-                    yield sse({**chunk(ident, kind, None, None, index=index), **blank(index)})
+                    yield sse(extras(chunk(ident, kind, None, None, index=index), index))
             logprobs = [shapes.StreamedLogprobs(kind, decode) for _ in handles]
             texts = [tools.StreamedText(tooling) for _ in handles]  # (tool calls held back)
             echoed: set[int] = set()
             async for index, delta in merged(handles):
                 if echoes[index] is not None and index not in echoed:  # its prompt first
                     echoed.add(index)
-                    part = {**chunk(ident, kind, echoes[index], None, index=index), **blank(index)}
+                    part = extras(chunk(ident, kind, echoes[index], None, index=index), index)
                     entries = handles[index].prompt_logprobs
                     if entries is not None:
                         entries = echoed_entries(handles[index].request.prompt, entries)
                         part["choices"][0]["logprobs"] = logprobs[index].body(entries)
                     yield sse(part)
                 if delta is not None:
+                    extras.came(index, delta.token_ids, delta.tokens)
                     text = texts[index].push(delta.text)
-                    part = {**chunk(ident, kind, text, None, index=index)}
-                    part.update(blank(index, delta.tokens))
-                    if delta.logprobs is not None:  # the tokens that came with this text
-                        part["choices"][0]["logprobs"] = logprobs[index].body(delta.logprobs)
                     if text or not texts[index].filters:
+                        part = extras(chunk(ident, kind, text, None, index=index), index)
+                        if delta.logprobs is not None:  # the tokens that came with this text
+                            part["choices"][0]["logprobs"] = logprobs[index].body(delta.logprobs)
                         yield sse(part)
                     continue
                 result = handles[index].result()
-                reason, tokens = result.finish_reason, len(result.token_ids)
+                reason = result.finish_reason
+                extras.finished(index, result.token_ids)
                 if tooling is not None:
                     text, calls = texts[index].finish(result.text)
                     if text:
-                        yield sse(
-                            {**chunk(ident, kind, text, None, index=index), **blank(index, tokens)}
-                        )
+                        yield sse(extras(chunk(ident, kind, text, None, index=index), index))
                     if calls:
-                        part = {**chunk(ident, kind, "", None, index=index), **blank(index, tokens)}
+                        part = extras(chunk(ident, kind, "", None, index=index), index)
                         part["choices"][0]["delta"] = tools.streamed_calls(calls)
                         reason = "tool_calls"
                         yield sse(part)
-                final = {**chunk(ident, kind, "", reason, index=index), **blank(index, tokens)}
+                final = extras(chunk(ident, kind, "", reason, index=index), index)
                 final["speculative_decoding"] = spec_stats([result])
                 yield sse(final)
             results = [handle.result() for handle in handles]

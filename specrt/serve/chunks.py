@@ -1,0 +1,81 @@
+"""What a streamed answer's chunks carry beside their text, as the body asked: the usage
+(`openai_shapes.stream_usage`) and vLLM's ``return_token_ids``, which clients that train or
+score on exact tokens (reinforcement-learning harnesses) read rather than tokenizing the text
+again, since text does not always tokenize back to the tokens it came from."""
+
+from __future__ import annotations
+
+import json
+
+from specrt.errors import RequestError
+from specrt.openai_shapes import CHAT, usage
+
+FIELD = "return_token_ids"
+
+
+def token_ids_asked(body: dict) -> tuple[bool, dict]:
+    """Whether the body asks for the token ids, and the body without the field. Raises
+    `RequestError` naming it."""
+    asked = body.get(FIELD)
+    if asked is not None and not isinstance(asked, bool):
+        raise RequestError(f"{FIELD}={json.dumps(asked)}: use true or false", FIELD)
+    return bool(asked), {key: value for key, value in body.items() if key != FIELD}
+
+
+def with_token_ids(body: dict, kind: str, prompts: list[list[int]], outputs: list[list[int]]):
+    """A whole answer's ids, as vLLM's: a chat's prompt ids once (one prompt), a completion's in
+    each choice (one prompt a choice); each choice its own new tokens."""
+    if kind == CHAT:
+        body["prompt_token_ids"] = list(prompts[0])
+    for i, choice in enumerate(body["choices"]):
+        if kind != CHAT:
+            choice["prompt_token_ids"] = list(prompts[i])
+        choice["token_ids"] = list(outputs[i])
+
+
+class StreamExtras:
+    """The extras of one stream's chunks: ``usage_mode`` (None, "final": ``"usage": null`` in
+    every chunk, "continuous": each chunk its choice's usage so far); ``token_ids``: a chat's
+    first chunk carries the prompt's ids, a completion choice's first chunk its prompt's, and
+    every chunk of a choice the ids that came since its chunk before."""
+
+    def __init__(
+        self, kind: str, usage_mode: str | None, token_ids: bool, prompts: list[list[int]]
+    ) -> None:
+        self.kind, self.usage_mode, self.token_ids, self.prompts = (
+            kind,
+            usage_mode,
+            token_ids,
+            prompts,
+        )
+        self.pending: list[list[int]] = [[] for _ in prompts]
+        self.started: set[int] = set()
+        self.tokens = [0] * len(prompts)  # each choice's new tokens so far
+        self.given = [0] * len(prompts)  # each choice's ids come so far
+
+    def came(self, index: int, ids: tuple[int, ...], tokens: int) -> None:
+        """Choice ``index``'s new ``ids``, ``tokens`` of them in all so far."""
+        self.pending[index] += ids
+        self.given[index] += len(ids)
+        self.tokens[index] = max(self.tokens[index], tokens)
+
+    def finished(self, index: int, ids: list[int]) -> None:
+        """Choice ``index`` ended with the new tokens ``ids``: those no text piece brought (an
+        ending token whose text is none) come with its last chunks."""
+        self.came(index, tuple(ids[self.given[index] :]), len(ids))
+
+    def __call__(self, part: dict, index: int) -> dict:
+        """``part``, a chunk of choice ``index``, with its extras (the ids waiting handed out)."""
+        if self.usage_mode == "continuous":
+            part["usage"] = usage(len(self.prompts[index]), self.tokens[index])
+        elif self.usage_mode:
+            part["usage"] = None
+        if self.token_ids:
+            choice = part["choices"][0]
+            if not self.started and self.kind == CHAT:
+                part["prompt_token_ids"] = list(self.prompts[0])
+            if index not in self.started and self.kind != CHAT:
+                choice["prompt_token_ids"] = list(self.prompts[index])
+            self.started.add(index)
+            choice["token_ids"], self.pending[index] = self.pending[index], []
+        return part
