@@ -236,8 +236,9 @@ def create_app(
         """The ``n`` choices of each of the request's prompts queued (choice ``i`` of prompt
         ``p`` at ``p * n + i``, as OpenAI orders them; rows of one prompt read it once); all or
         none: a choice refused withdraws those queued before it. Returns the handles, whether
-        to stream, whether with the usage, what the body asked of tools, and the text each
-        choice echoes (None: none)."""
+        to stream, how a stream carries the usage (`shapes.stream_usage`), whether the token
+        ids are asked, what the body asked of tools, and the text each choice echoes (None:
+        none)."""
         check_model(body, model_name)
         try:
             tooling, rendering = None, None
