@@ -31,7 +31,6 @@ class Delta:
 
     text: str
     logprobs: list[TokenLogprob] | None = None
-    tokens: int = 0  # the request's new tokens so far, this piece's included
     token_ids: tuple[int, ...] = ()  # the new tokens since the piece before
 
 
@@ -240,10 +239,10 @@ class RequestHandle:
         new = tuple(ids[self._sent_ids : count])
         self._sent_ids = max(self._sent_ids, count)
         if logprobs is None:
-            return Delta(text, tokens=count, token_ids=new)
+            return Delta(text, token_ids=new)
         entries = logprobs[self._sent_logprobs : upto]
         self._sent_logprobs = max(self._sent_logprobs, upto)
-        return Delta(text, entries, count, new)
+        return Delta(text, entries, new)
 
     def _tokens_came(self, now: float | None) -> None:
         now = time.perf_counter() if now is None else now

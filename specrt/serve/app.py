@@ -321,7 +321,7 @@ def create_app(
                         part["choices"][0]["logprobs"] = logprobs[index].body(entries)
                     yield sse(part)
                 if delta is not None:
-                    extras.came(index, delta.token_ids, delta.tokens)
+                    extras.came(index, delta.token_ids)
                     text = texts[index].push(delta.text)
                     if text or not texts[index].filters:
                         part = extras(chunk(ident, kind, text, None, index=index), index)

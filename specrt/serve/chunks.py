@@ -50,24 +50,22 @@ class StreamExtras:
         )
         self.pending: list[list[int]] = [[] for _ in prompts]
         self.started: set[int] = set()
-        self.tokens = [0] * len(prompts)  # each choice's new tokens so far
-        self.given = [0] * len(prompts)  # each choice's ids come so far
+        self.given = [0] * len(prompts)  # each choice's new tokens come so far
 
-    def came(self, index: int, ids: tuple[int, ...], tokens: int) -> None:
-        """Choice ``index``'s new ``ids``, ``tokens`` of them in all so far."""
+    def came(self, index: int, ids: tuple[int, ...]) -> None:
+        """Choice ``index``'s new tokens ``ids``."""
         self.pending[index] += ids
         self.given[index] += len(ids)
-        self.tokens[index] = max(self.tokens[index], tokens)
 
     def finished(self, index: int, ids: list[int]) -> None:
         """Choice ``index`` ended with the new tokens ``ids``: those no text piece brought (an
         ending token whose text is none) come with its last chunks."""
-        self.came(index, tuple(ids[self.given[index] :]), len(ids))
+        self.came(index, tuple(ids[self.given[index] :]))
 
     def __call__(self, part: dict, index: int) -> dict:
         """``part``, a chunk of choice ``index``, with its extras (the ids waiting handed out)."""
         if self.usage_mode == "continuous":
-            part["usage"] = usage(len(self.prompts[index]), self.tokens[index])
+            part["usage"] = usage(len(self.prompts[index]), self.given[index])
         elif self.usage_mode:
             part["usage"] = None
         if self.token_ids:
