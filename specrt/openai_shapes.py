@@ -39,6 +39,9 @@ FIELDS = {
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
 MAX_PROMPTS = 128  # prompts one completion may give (as many as choices)
 LOGPROBS_CONTEXT = 6  # tokens before one that its text is decoded after (`logprobs_body`)
+# vLLM's: log-probabilities name their tokens "token_id:N" (text does not always give a token
+# back: a piece of a character, two tokens of one text)
+AS_IDS = "return_tokens_as_token_ids"
 MAX_LOGPROBS = 20  # most likely tokens a position may list: OpenAI's limit, and the runtime's
 # OpenAI's max_tokens for a completion that gives none. Chat has no such default: it runs until
 # the model stops or the context ends (as OpenAI's and vLLM's), which only the caller knows.
@@ -71,6 +74,7 @@ IGNORED = {
     "logprobs",
     "top_logprobs",
     "echo",
+    "return_tokens_as_token_ids",  # vLLM's: `logprobs_body`
     *OFF_VALUES,
 }
 IGNORED |= set(STRUCTURED)  # read by `structured_output`
@@ -160,6 +164,8 @@ def read_request(
     if structured is not None:
         options["structured_output"] = structured
     logprobs = _logprobs(body, kind)
+    if not isinstance(body.get(AS_IDS, False), bool):
+        raise RequestError(f"{AS_IDS}={json.dumps(body[AS_IDS])}: use true or false", AS_IDS)
     if logprobs is not None:
         options["logprobs"] = logprobs
     if echoed(body, kind):
@@ -284,37 +290,59 @@ def _logprobs(body: dict, kind: str) -> int | None:
 
 
 def logprobs_body(
-    kind: str, entries: list, decode, before: list[int] = (), offset: int = 0
+    kind: str,
+    entries: list,
+    decode,
+    before: list[int] = (),
+    offset: int = 0,
+    as_ids: bool = False,
 ) -> dict:
     """A choice's ``logprobs`` as OpenAI gives them, from `GenerationResult.logprobs`
     (``decode``: token ids to text): a completion's token strings, log-probabilities, most
     likely alternatives and text offsets; a chat's content entries with their bytes. A token's
     text is what it adds after the tokens before it (decoded alone, a word's leading space
     may be lost), an alternative's what it would have added there. ``before``: the tokens
-    before ``entries`` (a stream's earlier chunks), ``offset``: their text's length."""
+    before ``entries`` (a stream's earlier chunks), ``offset``: their text's length.
+    ``as_ids`` (vLLM's `AS_IDS`): tokens named ``"token_id:N"``; the offsets and bytes stay
+    their text's."""
+    return _logprobs_shape(kind, entries, _named(entries, decode, before, as_ids), offset)
+
+
+def _named(entries: list, decode, before: list[int], as_ids: bool) -> list:
+    """Each entry's token and its alternatives (None: none) as (name, text[, logprob])."""
     ids = [*before, *(entry.token for entry in entries)]
-    chosen, tops = [], []
+    named = []
     for i, entry in enumerate(entries, len(before)):
         context = ids[max(0, i - LOGPROBS_CONTEXT) : i]
         skip = len(decode(context))
-        chosen.append(decode([*context, entry.token])[skip:])
+        tokens = [entry.token, *(t for t, _ in entry.top or ())]
+        texts = {t: decode([*context, t])[skip:] for t in tokens}
+        name = {t: f"token_id:{t}" if as_ids else text for t, text in texts.items()}
         top = entry.top  # None: an echoed prompt's first token, which nothing predicts
-        tops.append(None if top is None else [(decode([*context, t])[skip:], lp) for t, lp in top])
+        alternatives = None if top is None else [(name[t], texts[t], lp) for t, lp in top]
+        named.append(((name[entry.token], texts[entry.token]), alternatives))
+    return named
+
+
+def _logprobs_shape(kind: str, entries: list, named: list, offset: int) -> dict:
     if kind == COMPLETION:
-        offsets = list(itertools.accumulate(map(len, chosen), initial=offset))[: len(chosen)]
+        lengths = (len(text) for (_, text), _ in named)
+        offsets = list(itertools.accumulate(lengths, initial=offset))[: len(named)]
         return {
-            "tokens": chosen,
+            "tokens": [name for (name, _), _ in named],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if top is None else dict(top) for top in tops],
+            "top_logprobs": [
+                None if top is None else {name: lp for name, _, lp in top} for _, top in named
+            ],
             "text_offset": offsets,
         }
 
-    def item(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def item(name: str, text: str, logprob: float) -> dict:
+        return {"token": name, "logprob": logprob, "bytes": list(text.encode())}
 
     content = [
-        {**item(text, e.logprob), "top_logprobs": [item(t, lp) for t, lp in top]}
-        for text, e, top in zip(chosen, entries, tops)
+        {**item(*token, e.logprob), "top_logprobs": [item(*t) for t in top]}
+        for (token, top), e in zip(named, entries)
     ]
     return {"content": content, "refusal": None}
 
@@ -331,16 +359,16 @@ class StreamedLogprobs:
     """One streamed choice's ``logprobs`` chunk by chunk: each chunk's tokens read after the
     ones before, as `logprobs_body` reads a whole answer's, the offsets counted on."""
 
-    def __init__(self, kind: str, decode) -> None:
-        self.kind, self.decode = kind, decode
+    def __init__(self, kind: str, decode, as_ids: bool = False) -> None:
+        self.kind, self.decode, self.as_ids = kind, decode, as_ids
         self.ids: list[int] = []
         self.offset = 0
 
     def body(self, entries: list) -> dict:
-        body = logprobs_body(self.kind, entries, self.decode, self.ids, self.offset)
+        named = _named(entries, self.decode, self.ids, self.as_ids)
+        body = _logprobs_shape(self.kind, entries, named, self.offset)
         self.ids = [*self.ids, *(entry.token for entry in entries)][-LOGPROBS_CONTEXT:]
-        if self.kind == COMPLETION:
-            self.offset += sum(map(len, body["tokens"]))
+        self.offset += sum(len(text) for (_, text), _ in named)
         return body
 
 

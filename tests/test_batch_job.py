@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -713,6 +714,11 @@ def test_rows_asking_for_logprobs_get_them_as_specrt_serve_writes_them(llama_bun
                                        "logprobs": 1}},
         {"custom_id": "scored", "body": {"prompt": "for i in", "max_tokens": 0, "echo": True,
                                          "logprobs": 0}},
+        {"custom_id": "plain", "body": {"prompt": "for i in", "max_tokens": 4, "logprobs": 2,
+                                        "temperature": 0}},
+        {"custom_id": "by id", "body": {"prompt": "for i in", "max_tokens": 4, "logprobs": 2,
+                                        "temperature": 0, "return_token_ids": True,
+                                        "return_tokens_as_token_ids": True}},
     ]  # fmt: skip
     path, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -749,6 +755,18 @@ def test_rows_asking_for_logprobs_get_them_as_specrt_serve_writes_them(llama_bun
     assert only["choices"][0]["text"] == "for i in" and only["usage"]["completion_tokens"] == 0
     got = only["choices"][0]["logprobs"]["token_logprobs"][1:]
     assert got == pytest.approx(expected_prompt, abs=1e-4)
+    # vLLM's return_token_ids and return_tokens_as_token_ids: the ids, and the log-probabilities'
+    # tokens named by them ("token_id:N"), the values and text offsets those of the text
+    [plain] = records["plain"]["response"]["body"]["choices"]
+    [named] = records["by id"]["response"]["body"]["choices"]
+    assert named["prompt_token_ids"] == ids and len(named["token_ids"]) == 4
+    assert named["text"] == plain["text"] and "token_ids" not in plain
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in named["token_ids"]]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for top, words in zip(named["logprobs"]["top_logprobs"], plain["logprobs"]["top_logprobs"]):
+        assert set(words.values()) <= set(top.values()) and len(top) == 2  # (texts may repeat)
+        assert all(re.fullmatch(r"token_id:\d+", name) for name in top)
     ours, own = tmp_path / "ours.jsonl", tmp_path / "own.jsonl"
     ours.write_text(json.dumps({"id": "own", "prompt": "for i in", "logprobs": 1, **{
         k: v for k, v in sampled.items() if k not in ("logprobs", "max_tokens")},

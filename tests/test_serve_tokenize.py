@@ -92,7 +92,6 @@ def test_messages_are_tokenized_as_the_chat_route_renders_them(server, messages,
          "continue_final_message", "add_generation_prompt: false"),
         ("tokenize", {"messages": ASK, "tools": [{"name": "add"}]}, "tools", "list of functions"),
         ("tokenize", {"prompt": "x", "temperature": 0}, "temperature", "unknown field"),
-        ("tokenize", {"prompt": ""}, "prompt", "empty"),
         ("detokenize", {"tokens": [1, True]}, "tokens", "token ids"),
         ("detokenize", {"tokens": "1 2"}, "tokens", "token ids"),
         ("detokenize", {"tokens": [10**6]}, "tokens", "not in the tokenizer's vocabulary"),
@@ -105,6 +104,14 @@ def test_bodies_the_routes_cannot_take_are_refused_naming_the_field(
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["param"] == field, error
     assert words in error["message"]
+
+
+def test_an_empty_prompt_counts_the_special_tokens_alone(server, tokenizer):
+    """As vLLM counts it: no text, no tokens but those the tokenizer adds (a BOS)."""
+    bare = tokenize(server, {"prompt": "", "add_special_tokens": False})
+    assert bare.status_code == 200 and bare.json()["count"] == 0 and bare.json()["tokens"] == []
+    added = tokenize(server, {"prompt": ""}).json()["tokens"]
+    assert added == tokenizer.encode("x")[: len(added)] and "x" not in tokenizer.decode(added)
 
 
 def test_another_model_is_a_404_and_the_version_is_the_packages(server):
@@ -156,3 +163,34 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_tokens(server, gener
     assert streamed_ids(server, "completions", ended)[1] == [[eos]]
     refused = httpx.post(f"{server}/v1/completions", json={"prompt": text, "return_token_ids": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
+
+
+def test_return_tokens_as_token_ids_names_the_logprobs_tokens_by_id(server):
+    """vLLM's ``return_tokens_as_token_ids``: every token of the log-probabilities, chosen or
+    alternative, is "token_id:N" (N the id ``return_token_ids`` gives), whole or streamed; the
+    values and text offsets are the text's."""
+    text = "def add(x, y):"
+    asked = {"prompt": text, "max_tokens": 6, "logprobs": 2, "temperature": 0, "ignore_eos": True}
+    named = {**asked, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    plain = httpx.post(f"{server}/v1/completions", json=asked).json()["choices"][0]
+    [choice] = httpx.post(f"{server}/v1/completions", json=named).json()["choices"]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert choice["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert choice["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for top in choice["logprobs"]["top_logprobs"]:
+        assert len(top) == 2 and all(name.startswith("token_id:") for name in top)
+    flags = {"return_tokens_as_token_ids": True, "return_token_ids": True, "stream": True}
+    chat = {"messages": ASK, "max_tokens": 6, "logprobs": True, "top_logprobs": 2, **flags}
+    raw = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60)
+    events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
+    ids, names = [], []
+    for event in events:
+        ids += event["choices"][0]["token_ids"]
+        for entry in (event["choices"][0].get("logprobs") or {}).get("content") or []:
+            names.append(entry["token"])
+            assert all(alt["token"].startswith("token_id:") for alt in entry["top_logprobs"])
+    assert names == [f"token_id:{t}" for t in ids] and len(ids) == 6
+    wrong = {**asked, "return_tokens_as_token_ids": 1}
+    refused = httpx.post(f"{server}/v1/completions", json=wrong)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "return_tokens_as_token_ids"

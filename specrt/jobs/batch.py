@@ -187,13 +187,13 @@ def run_batch(
         def write(record: dict, status: int = 200) -> None:
             line, key = record, str(record["id"])
             if output_format == "openai":
-                chat, echo, tools = key in chats, echoes.get(key), toolings.get(key)
-                line = openai_batch.record(
-                    record["id"], record, chat, model, status, decode, echo, tools
-                )
+                extras = (echoes.get(key), toolings.get(key), *asked.get(key, (False, None)))
+                chat, row_id = key in chats, record["id"]
+                line = openai_batch.record(row_id, record, chat, model, status, decode, *extras)
             chats.discard(key)
             echoes.pop(key, None)
             toolings.pop(key, None)
+            asked.pop(key, None)
             text = json.dumps(line, ensure_ascii=False)
             if not text.isascii():
                 try:
@@ -209,6 +209,7 @@ def run_batch(
         choices: dict[str, list[GenerationResult | None]] = {}  # rows of n > 1 in flight
         echoes: dict[str, openai_batch.Echo] = {}  # echoed rows in flight: their prompts
         toolings: dict[str, ToolCalling] = {}  # rows in flight whose answers may be tool calls
+        asked: dict[str, tuple] = {}  # rows in flight asking vLLM's token id fields
 
         def requests() -> Iterator[Request]:
             """The rows to run, read as slots free up; the others are settled on the way. A row
@@ -230,6 +231,8 @@ def run_batch(
                 if row.echo and not isinstance(request, dict):
                     text = row.prompt if isinstance(row.prompt, str) else decode(request.prompt)
                     echoes[str(row.id)] = openai_batch.Echo(text, request.prompt, row.scored_only)
+                if (row.as_ids or row.token_ids) and not isinstance(request, dict):
+                    asked[str(row.id)] = (row.as_ids, request.prompt if row.token_ids else None)
                 if isinstance(request, dict):
                     write(request, 400)
                 elif row.n == 1:

@@ -18,6 +18,7 @@ from specrt.openai_shapes import (
     spec_stats,
     usage,
 )
+from specrt.openai_token_ids import with_token_ids
 from specrt.openai_tools import ToolCalling, answered, as_calls
 from specrt.runtime.logprobs import TokenLogprob, echoed_entries
 
@@ -43,12 +44,16 @@ def record(
     decode: Callable[[list[int]], str] | None = None,
     echo: Echo | None = None,
     tools: ToolCalling | None = None,
+    as_ids: bool = False,
+    prompt_ids: list[int] | None = None,
 ) -> dict:
     """A row's line from its `specrt batch` record (``result``: a result or ``{"error"}``);
     ``status``: 400 for a row that could not run, 500 for a row the model failed. ``decode``
     (token ids to text) writes the log-probabilities a row asked for; ``echo``: the prompt
     an echoed completion gives before its answer, as `specrt serve` answers it; ``tools``:
-    what a chat body asked of its tools (a required call comes back as ``tool_calls``)."""
+    what a chat body asked of its tools (a required call comes back as ``tool_calls``);
+    ``as_ids``: log-probabilities name their tokens by id; ``prompt_ids``: the prompt's token ids,
+    given where the line asked for the token ids (vLLM's ``return_token_ids``)."""
     line: dict = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": row_id}
     response = {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}"}
     if "error" in result:
@@ -73,10 +78,13 @@ def record(
             if entries is not None:
                 entries = [*echoed_entries(echo.ids, _entries(c["prompt_logprobs"])), *entries]
         if entries is not None and decode is not None:
-            choice["logprobs"] = logprobs_body(kind, entries, decode)
+            choice["logprobs"] = logprobs_body(kind, entries, decode, as_ids=as_ids)
         reply = answered(tools, c["text"])
         if reply is not None:
             as_calls(choice, reply)
+    if prompt_ids is not None:
+        outputs = [[] if echo and echo.scored_only else c["token_ids"] for c in each]
+        with_token_ids(body, kind, [prompt_ids] * len(each), outputs)
     stats = result["stats"]
     cached = stats.get("cached_tokens", 0)  # (records written before it was counted)
     generated = 0 if echo and echo.scored_only else sum(len(c["token_ids"]) for c in each)

@@ -21,6 +21,7 @@ from specrt.chat import FIELDS as RENDERING_FIELDS
 from specrt.chat import Rendering, read_rendering
 from specrt.errors import InvalidInputError
 from specrt.openai_shapes import (
+    AS_IDS,
     CHAT,
     COMPLETION,
     MAX_N,
@@ -30,6 +31,7 @@ from specrt.openai_shapes import (
     read_request,
     scored_only,
 )
+from specrt.openai_token_ids import token_ids_asked
 from specrt.openai_tools import ToolCalling, read_tools, with_tools
 from specrt.prompts import COMPRESSED
 
@@ -71,6 +73,8 @@ class Row:
     scored_only: bool = False  # echo with "max_tokens": 0 (the prompt alone)
     tools: ToolCalling | None = None  # an OpenAI chat body's tools (`specrt.openai_tools`)
     rendering: Rendering | None = None  # how an OpenAI chat body asks its messages rendered
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and answer's ids too
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name ids
 
 
 @contextmanager
@@ -280,6 +284,7 @@ def openai_row(item: dict, fallback_id: str, tool_parser: str | None = None) -> 
         if kind == CHAT:
             row.tools, body = read_tools(body, tool_parser)
             row.rendering, body = read_rendering(body)
+        row.token_ids, body = token_ids_asked(body)
         prompt, options = read_request(body, kind, default_max_tokens=None, max_n=MAX_N)
         row.options = with_tools(row.tools, options)
     except RequestError as exc:
@@ -287,6 +292,7 @@ def openai_row(item: dict, fallback_id: str, tool_parser: str | None = None) -> 
         return row
     row.n = choices(body)
     row.echo, row.scored_only = echoed(body, kind), scored_only(body)
+    row.as_ids = bool(body.get(AS_IDS))
     if body.get("stream"):
         row.error = "a batch line cannot stream: leave stream out (or false)"
     elif kind == CHAT and prompt is None:

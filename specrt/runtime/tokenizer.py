@@ -27,12 +27,15 @@ class BundleTokenizer:
         self.directory = Path(directory)
         self._guidance: dict[tuple, object] = {}
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, counted: bool = False
+    ) -> list[int]:
         """``add_special_tokens=False`` for text that has them written out (a chat template's
-        output)."""
+        output). ``counted``: the text is counted, not run, and may give no tokens."""
         if not isinstance(text, str):
             raise InvalidInputError(f"a prompt must be a string, got {type(text).__name__}")
-        if not text:  # (whitespace is text: a newline or an indent is a fair prompt for code)
+        # (whitespace is text: a newline or an indent is a fair prompt for code)
+        if not text and not counted:
             raise InvalidInputError("the prompt is empty; give some text to continue")
         try:
             text.encode("utf-8")
@@ -42,7 +45,7 @@ class BundleTokenizer:
                 "pass UTF-8"
             ) from exc
         ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        if not ids:
+        if not ids and not counted:
             raise InvalidInputError(f"the prompt {text[:40]!r} encodes to no tokens")
         return ids
 

@@ -46,12 +46,13 @@ from specrt.openai_shapes import (
     read_json,
     read_request,
 )
+from specrt.openai_token_ids import token_ids_asked, with_token_ids
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.handles import RequestHandle, merged
 from specrt.runtime.logprobs import echoed_entries
 from specrt.runtime.results import GenerationResult, GenerationStats
 from specrt.runtime.service import Service
-from specrt.serve.chunks import StreamExtras, token_ids_asked, with_token_ids
+from specrt.serve.chunks import StreamExtras
 from specrt.serve.metrics import Metrics
 from specrt.serve.middleware import BearerKey, CountAnswers
 from specrt.serve.replies import HttpError, check_model, error, refused
@@ -153,10 +154,10 @@ def create_app(
         except InvalidInputError as exc:  # a field out of range: named as the body named it
             param = next((f for f, ours in FIELDS.items() if ours == exc.field and f in body), None)
             return error(400, str(exc), "invalid_request_error", param)
-        n = choices(body)
+        n, as_ids = choices(body), bool(body.get(shapes.AS_IDS))
         if stream:
             return StreamingResponse(
-                events(handles, ident, kind, usage_mode, token_ids, echoes, tooling, n),
+                events(handles, ident, kind, usage_mode, token_ids, as_ids, echoes, tooling, n),
                 media_type="text/event-stream",
             )
         try:
@@ -180,7 +181,8 @@ def create_app(
                     entries = [*echoed_entries(prompt, result.prompt_logprobs), *entries]
             choice = chunk(ident, kind, text, result.finish_reason, final=True, index=i)
             if entries is not None:
-                choice["choices"][0]["logprobs"] = shapes.logprobs_body(kind, entries, decode)
+                written = shapes.logprobs_body(kind, entries, decode, as_ids=as_ids)
+                choice["choices"][0]["logprobs"] = written
             reply = tools.answered(tooling, text)
             if reply is not None:
                 tools.as_calls(choice["choices"][0], reply)
@@ -291,7 +293,7 @@ def create_app(
 
     async def events(
         handles: list[RequestHandle], ident: str, kind: str, usage_mode: str | None,
-        token_ids: bool,
+        token_ids: bool, as_ids: bool,
         echoes: list[str | None], tooling: tools.ToolCalling | None, n: int,
     ) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events: a chunk per delta of each choice (its ``index``; a required
@@ -308,7 +310,7 @@ def create_app(
             if kind == CHAT:  # the role comes first, as OpenAI sends it
                 for index in range(len(handles)):
                     yield sse(extras(chunk(ident, kind, None, None, index=index), index))
-            logprobs = [shapes.StreamedLogprobs(kind, decode) for _ in handles]
+            logprobs = [shapes.StreamedLogprobs(kind, decode, as_ids) for _ in handles]
             texts = [tools.StreamedText(tooling) for _ in handles]  # (tool calls held back)
             echoed: set[int] = set()
             async for index, delta in merged(handles):

@@ -66,7 +66,7 @@ def tokenizer_routes(
                 raise _bad(message, chat_only[0])
             text, special = body["prompt"], body.get("add_special_tokens", True)
         try:
-            ids = tokenizer.encode(text, add_special_tokens=special)
+            ids = tokenizer.encode(text, add_special_tokens=special, counted=True)
         except InvalidInputError as exc:
             raise _bad(str(exc), "prompt" if "prompt" in body else "messages") from exc
         strings = tokenizer.token_strings(ids) if body.get("return_token_strs") else None
