@@ -209,8 +209,8 @@ def test_streamed_logprobs_join_to_the_whole_answers(server, client, reference):
 
 def test_penalties_bias_min_p_and_stop_token_ids_answer_as_generate_does(server, client, reference):
     """OpenAI's ``logit_bias`` and penalties, vLLM's ``repetition_penalty``, ``min_p``
-    (sampling) and ``stop_token_ids`` (the row ends at the first, which it keeps), as
-    `generate` gives them."""
+    (sampling) and ``stop_token_ids`` (the row ends at the first, in its tokens, not its
+    text, as vLLM's), as `generate` gives them."""
     generator, expected = reference
     prompt = next(p for p in PROMPTS if len(expected[p].token_ids) >= 8)
     config = GenerationConfig(max_new_tokens=12, temperature=1.5, seed=3, min_p=0.2)
@@ -227,7 +227,12 @@ def test_penalties_bias_min_p_and_stop_token_ids_answer_as_generate_does(server,
         model="tiny", prompt=prompt, max_tokens=24, extra_body={"stop_token_ids": [stop]}
     )
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == len(cut)
-    assert reply.choices[0].text == generator.tokenizer.decode(cut)
+    assert reply.choices[0].text == generator.tokenizer.decode(cut[:-1])
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, stream=True,
+        extra_body={"stop_token_ids": [stop]},
+    )  # fmt: skip
+    assert "".join(part.choices[0].text for part in streamed) == reply.choices[0].text
     penalties = dict(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"7": 3})
     reply = client.completions.create(
         model="tiny", prompt=prompt, max_tokens=16, **penalties,

@@ -85,7 +85,8 @@ def test_bad_stop_strings_are_refused():
 @pytest.mark.parametrize("batch", [1, 4])
 def test_stop_token_ids_end_a_row_at_the_first_one(llama_bundle, batch):
     """``stop_token_ids`` (vLLM's): a target-only output cut at the first of a token taken
-    from its middle, which it keeps, whatever round emits it; with EOS ignored too. Rows
+    from its middle, which it keeps in its tokens and, as vLLM, not in its text (but with
+    ``include_stop_str_in_output``), whatever round emits it; with EOS ignored too. Rows
     beside it without the stop run on."""
     alone = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
     config = GenerationConfig(max_new_tokens=24, num_draft_tokens=0, ignore_eos=True)
@@ -96,12 +97,15 @@ def test_stop_token_ids_end_a_row_at_the_first_one(llama_bundle, batch):
         end = full.token_ids.index(stop) + 1
         spec = GenerationConfig(max_new_tokens=24, num_draft_tokens=4, ignore_eos=True)
         [ids] = generator.encode_prompts([prompt])
-        configs = [replace(spec, stop_token_ids=[stop]), spec]
+        stopped = replace(spec, stop_token_ids=[stop])
+        configs = [stopped, spec, replace(stopped, include_stop_str_in_output=True)]
         ran = dict(generator.run(Request(i, ids, c) for i, c in enumerate(configs)))
-        rows = [ran[0], ran[1]]
+        rows = [ran[0], ran[1], ran[2]]
         assert rows[0].token_ids == full.token_ids[:end] and rows[0].finish_reason == "stop"
-        assert rows[0].text == alone.tokenizer.decode(full.token_ids[:end])
+        assert rows[0].text == alone.tokenizer.decode(full.token_ids[: end - 1])
         assert rows[1].token_ids == full.token_ids and rows[1].finish_reason == "length"
+        assert rows[2].token_ids == rows[0].token_ids
+        assert rows[2].text == alone.tokenizer.decode(full.token_ids[:end])
 
 
 def test_bad_stop_token_ids_are_refused():

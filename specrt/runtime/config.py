@@ -116,9 +116,10 @@ class GenerationConfig:
     (`GenerationResult.logprobs`). ``prompt_logprobs`` (vLLM's): the same for each prompt
     token after the first (`GenerationResult.prompt_logprobs`); the row then reads its whole
     prompt itself, whatever a cache holds of it.
-    ``skip_special_tokens=False`` (vLLM's) writes special tokens into the text (but for the EOS
-    or stop token that ends the row, as vLLM leaves it out); the tokens are the same.
-    ``include_stop_str_in_output`` (vLLM's): the text ends after the stop string, not before.
+    ``skip_special_tokens=False`` (vLLM's) writes special tokens into the text; the tokens are
+    the same. The EOS or stop token that ends a row is in its tokens, not its text, as vLLM
+    leaves it out. ``include_stop_str_in_output`` (vLLM's): the text ends after the stop string
+    or token, not before.
     ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
     continuation of the longest n-gram (``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens)
     that ends the row and occurred earlier in its prompt or output (and of the generator's

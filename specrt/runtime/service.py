@@ -255,7 +255,7 @@ class Service:
         if tokenizer is None:
             return _no_text
         decode = tokenizer.incremental(config.skip_special_tokens)
-        if config.skip_special_tokens:
+        if config.include_stop_str_in_output:
             return decode
         return lambda ids: decode(text_ids(ids, config, self.generator.eos_token_ids))
 

@@ -107,8 +107,9 @@ def answer_text(tokenizer, new_ids: list[int], config: GenerationConfig, eos_tok
 
 
 def text_ids(new_ids: list[int], config: GenerationConfig, eos_token_ids) -> list[int]:
-    """The new tokens a row's text shows: all of them, but where special tokens are written
-    (``skip_special_tokens=False``), the EOS or stop token that ended the row (as vLLM)."""
-    if config.skip_special_tokens or not new_ids or new_ids[-1] not in config.ends(eos_token_ids):
+    """The new tokens a row's text shows: all of them but the EOS or stop token that ended the
+    row, as vLLM leaves it out (a stop token may be plain text: a newline), unless
+    ``include_stop_str_in_output``."""
+    if config.include_stop_str_in_output or not new_ids:
         return new_ids
-    return new_ids[:-1]
+    return new_ids[:-1] if new_ids[-1] in config.ends(eos_token_ids) else new_ids
