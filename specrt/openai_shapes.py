@@ -74,7 +74,7 @@ IGNORED = {
     "logprobs",
     "top_logprobs",
     "echo",
-    "return_tokens_as_token_ids",  # vLLM's: `logprobs_body`
+    AS_IDS,  # `logprobs_body`
     *OFF_VALUES,
 }
 IGNORED |= set(STRUCTURED)  # read by `structured_output`
