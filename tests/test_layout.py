@@ -24,6 +24,7 @@ BASE = {
     "specrt.openai_shapes",  # OpenAI's bodies, for the server and batch jobs' OpenAI output
     "specrt.openai_structured",  # ... their structured-output fields
     "specrt.openai_tools",  # ... and their tools (the server's chat route)
+    "specrt.openai_token_ids",  # ... and vLLM's token-id fields
     "specrt.structured",  # what a structured output asks for (a config's value)
 }
 ALLOWED = {
