@@ -68,7 +68,10 @@ def staging(out: Path, kind: str) -> Iterator[Path]:
     prefix = f".{out.name}.{kind}-{os.getpid()}-"  # the writer in the name: no unmarked instant
     directory = None
     try:  # made inside: a signal (SIGTERM, Ctrl-C) right after it is made still removes it
-        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+        try:
+            directory = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+        except OSError as exc:  # named by the path asked for, not by a staging name never made
+            raise OSError(exc.errno, exc.strerror, str(out)) from exc
         (directory / OWNER_FILE).write_text(str(os.getpid()))
         yield directory
     finally:

@@ -107,6 +107,17 @@ def test_out_that_is_a_file(sources, tmp_path):
     assert (tmp_path / "file").read_text() == "x"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_staging_folder_that_cannot_be_made_is_named_by_the_path_asked_for():
+    """Nothing can be made in /proc: the error named the hidden staging folder (".draft.gguf-PID-
+    XXXX", never made) where the user wrote --out /proc/draft."""
+    out = Path("/proc/specrt-out")
+    with pytest.raises(OSError) as raised:
+        with staging(out, "gguf"):
+            pass
+    assert raised.value.filename == str(out)
+
+
 def test_force_replaces_a_bundle_and_nothing_is_left_beside_it(sources, tmp_path):
     target, draft = sources
     out = tmp_path / "bundle"
