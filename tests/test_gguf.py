@@ -87,3 +87,19 @@ def test_a_gguf_whose_tokenizer_cannot_be_read_is_one_line(tmp_path):
     line = result.output.strip().splitlines()[-1]
     assert line.startswith(f"Error: target GGUF file '{target_gguf}' cannot be read"), line
     assert "Traceback" not in result.output and not (tmp_path / "bundle").exists()
+
+
+def test_a_gguf_file_cut_short_is_named_as_such(tmp_path):
+    """A copy cut short (an interrupted download) reached transformers' reader, whose error
+    said only "cannot reshape array"."""
+    target, draft = make_tiny_pair("llama", tmp_path / "hf", seed=3)
+    whole = write_llama_gguf(target, tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "target.gguf"
+    cut.write_bytes(whole[: len(whole) - 1000])
+    args = ["export", "--target", str(cut), "--draft", str(draft)]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "bundle")])
+    assert result.exit_code == 1
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith(f"Error: target GGUF file '{cut}' is truncated or damaged"), line
+    assert line.endswith("copy or download it again"), line
+    assert "Traceback" not in result.output and not (tmp_path / "bundle").exists()

@@ -66,6 +66,12 @@ def convert(gguf: Path, dest: Path, role: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
+    damaged = _damage(gguf)
+    if damaged:
+        raise ExportError(
+            f"{role} GGUF file {str(gguf)!r} is truncated or damaged ({damaged}); copy or "
+            "download it again"
+        )
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()
     try:
@@ -87,3 +93,16 @@ def convert(gguf: Path, dest: Path, role: str) -> Path:
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return dest
+
+
+def _damage(gguf: Path) -> str | None:
+    """Why the file is not a whole GGUF file (a copy cut short, another format), or None. The
+    gguf package maps it without reading the tensors, so this costs milliseconds; transformers'
+    reader said only "cannot reshape array" of a file cut short."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf)
+    except Exception as exc:  # the reader's own checks: magic, version, each tensor's extent
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
