@@ -35,6 +35,7 @@ FIELDS = {
     "min_tokens": "min_tokens",  # vLLM's extension
     "skip_special_tokens": "skip_special_tokens",  # vLLM's extension
     "include_stop_str_in_output": "include_stop_str_in_output",  # vLLM's extension
+    "truncate_prompt_tokens": "truncate_prompt_tokens",  # vLLM's extension
 }
 MAX_N = 128  # choices one request may ask for (OpenAI's limit)
 MAX_PROMPTS = 128  # prompts one completion may give (as many as choices)

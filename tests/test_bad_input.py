@@ -299,6 +299,7 @@ def test_max_length_caps_the_sequence(llama_bundle, engine):
         ("--num-draft-tokens", "65", "--num-draft-tokens 65 is out of range"),
         ("--max-new-tokens", "0", "--max-new-tokens 0 is out of range"),
         ("--seed", "-3", "--seed -3 is out of range"),
+        ("--stop", "", "--stop [''] is not a stop string"),  # as a list, not a Python tuple
     ],
 )
 def test_out_of_range_parameters(llama_bundle, option, value, message):

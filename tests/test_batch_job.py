@@ -438,6 +438,7 @@ def test_our_lines_take_openai_s_max_tokens_as_max_new_tokens():
         ({"prompt": "a", "top_k": 5, "max_tokens": 3}, {"top_k": 5, "max_new_tokens": 3}, "a"),
         ({"prompt": ["a"]}, {}, "a"),  # one prompt in a list, as OpenAI takes it
         ({"prompt": [5, 6, 7]}, {}, [5, 6, 7]),  # token ids
+        ({"prompt": "a", "truncate_prompt_tokens": 8}, {"truncate_prompt_tokens": 8}, "a"),
         # structured output: vLLM's and OpenAI's fields
         ({"prompt": "a", "guided_regex": "a+"},
          {"structured_output": StructuredOutput(regex="a+")}, "a"),
@@ -1030,3 +1031,26 @@ def test_input_and_output_are_checked_before_the_model_loads(tmp_path):
     assert output.read_text() == "my notes\n"
     done = run(command(no_bundle, path, tmp_path / "out.jsonl"))  # now the bundle's turn
     assert done.returncode != 0 and "no-bundle" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_line_too_long_for_the_context_runs_from_its_last_tokens_where_it_asks(
+    llama_bundle, tmp_path
+):
+    """A line's ``truncate_prompt_tokens`` (vLLM's): its prompt, too long for the context, runs
+    from its last N tokens as if they were the prompt; the same line without it is an error
+    record, and the job goes on."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    text = "Simple is better than complex. " * generator.target.max_positions
+    ids = generator.tokenizer.encode(text)
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    [expected] = generator.generate([ids[-25:]], config)
+    lines = [
+        {"id": "cut", "prompt": text, "max_new_tokens": 6, "truncate_prompt_tokens": 25},
+        {"id": "whole", "prompt": text, "max_new_tokens": 6},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = run(command(llama_bundle, tmp_path / "in.jsonl", tmp_path / "out.jsonl"))
+    assert done.returncode == 1, done.stderr  # the whole prompt's row failed
+    records = results(tmp_path / "out.jsonl")
+    assert records["cut"]["token_ids"] == expected.token_ids
+    assert "tokens" in records["whole"]["error"]["message"]

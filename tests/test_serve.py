@@ -338,6 +338,29 @@ def test_echo_gives_the_prompt_and_its_logprobs_before_the_answer(server, client
         assert raw.status_code == 400 and words in raw.json()["error"]["message"], raw.text
 
 
+def test_truncate_prompt_tokens_answers_from_the_prompts_last_tokens(server, client, reference):
+    """vLLM's ``truncate_prompt_tokens``: a prompt too long for the context is answered from
+    its last N tokens as if they were the prompt (its usage counts those, ``echo`` gives their
+    text), where without it the request is refused as too long; a bad value is a 400."""
+    generator, _ = reference
+    ids = [3 + (7 * i) % 40 for i in range(generator.target.max_positions + 20)]
+    [expected] = generator.generate([ids[-30:]], GenerationConfig(max_new_tokens=5))
+    url = server[0]
+    refused = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 5})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    reply = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=5, echo=True, extra_body={"truncate_prompt_tokens": 30}
+    )
+    echoed = generator.tokenizer.decode(ids[-30:])
+    assert reply.choices[0].text == echoed + expected.text
+    assert reply.usage.prompt_tokens == 30 and reply.usage.completion_tokens == 5
+    for value in (0, -2, "30"):
+        body = {"prompt": "a", "truncate_prompt_tokens": value}
+        raw = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert raw.status_code == 400 and "truncate_prompt_tokens" in raw.text, raw.text
+
+
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
     _, expected = reference
     checked = 0
@@ -1041,6 +1064,15 @@ def test_chat_without_max_tokens_runs_until_the_model_stops_or_the_context_ends(
             model="tiny", prompt="def f", extra_body={"ignore_eos": True}
         )
         assert legacy.usage.completion_tokens == 16  # OpenAI's default for completions
+        # a conversation cut to its last 20 tokens runs until the context ends after those
+        long = [{"role": "user", "content": "def f " * context}]
+        cut = client.chat.completions.create(
+            model="tiny",
+            messages=long,
+            extra_body={"ignore_eos": True, "truncate_prompt_tokens": 20},
+        )
+        assert cut.usage.prompt_tokens == 20
+        assert cut.usage.completion_tokens == context - 20
 
 
 def test_requests_are_logged_as_they_come_and_end_unless_the_level_is_above_info(

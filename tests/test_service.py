@@ -624,3 +624,32 @@ def test_a_service_of_the_wrong_things_is_refused_up_front(llama_bundle, make, m
     generator.bundle = llama_bundle
     with pytest.raises(InvalidInputError, match=message):
         make(generator)
+
+
+def test_truncate_prompt_tokens_reads_a_prompts_last_tokens(llama_bundle):
+    """vLLM's ``truncate_prompt_tokens``: a prompt too long for the context is read from its last
+    N tokens (-1: as many as leave room for one new token), exactly as if they were the whole
+    prompt, through `generate`, `run` and a `Service`; a shorter prompt is read whole."""
+    from specrt.errors import PromptTooLongError
+    from specrt.runtime.batching import Request
+
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1)
+    limit = generator.target.max_positions
+    ids = [3 + (7 * i) % 40 for i in range(limit + 20)]  # longer than the context
+    base = GenerationConfig(max_new_tokens=6, num_draft_tokens=3)
+    with pytest.raises(PromptTooLongError):
+        generator.generate([ids], base)
+    for keep, read in ((40, 40), (-1, limit - 1)):
+        config = replace(base, truncate_prompt_tokens=keep)
+        [expected] = generator.generate([ids[-read:]], base)
+        [cut] = generator.generate([ids], config)
+        assert cut.token_ids == expected.token_ids and cut.stats.prompt_tokens == read
+        [(_, ran)] = generator.run([Request("r", ids, config)])
+        assert ran.token_ids == expected.token_ids
+        with Service(generator) as service:
+            assert service.submit(ids, config).result().token_ids == expected.token_ids
+    [whole] = generator.generate([ids[:30]], replace(base, truncate_prompt_tokens=40))
+    assert whole.stats.prompt_tokens == 30
+    for bad in (0, -2, True, 2.5, "8"):
+        with pytest.raises(InvalidInputError, match="truncate_prompt_tokens"):
+            GenerationConfig(truncate_prompt_tokens=bad)

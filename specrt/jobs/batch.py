@@ -295,7 +295,7 @@ def make_request(
         text = row.prompt
         if row.messages is not None:
             text = chat_prompt(generator, row.messages, tools, row.rendering, chat_template)
-        [prompt] = generator.encode_prompts([text])
+        [prompt] = generator.encode_prompts([text], config)
     except InvalidInputError as exc:
         return {"id": row.id, "error": {"message": str(exc)}}
     return Request(row.id, prompt, config, row_rng(config, 0))

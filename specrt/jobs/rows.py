@@ -55,6 +55,7 @@ ROW_OPTIONS = (
     "skip_special_tokens",
     "include_stop_str_in_output",
     "structured_output",  # {"json": {...}} / {"regex": ...} / {"choice": [...]} / ...
+    "truncate_prompt_tokens",
 )
 OPENAI_URLS = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
 

@@ -120,6 +120,9 @@ class GenerationConfig:
     the same. The EOS or stop token that ends a row is in its tokens, not its text, as vLLM
     leaves it out. ``include_stop_str_in_output`` (vLLM's): the text ends after the stop string
     or token, not before.
+    ``truncate_prompt_tokens`` (vLLM's): a prompt longer than this many tokens is read from
+    its last that many (-1: as many as the loaded length holds with room for one new token),
+    where it would be refused as too long; None: whole.
     ``proposer``: who proposes the draft tokens: ``"model"`` the draft model; ``"lookup"`` the
     continuation of the longest n-gram (``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens)
     that ends the row and occurred earlier in its prompt or output (and of the generator's
@@ -153,6 +156,7 @@ class GenerationConfig:
     structured_output: StructuredOutput | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def set(name: str, value: object) -> None:  # a frozen dataclass: normalise in place
@@ -223,6 +227,20 @@ class GenerationConfig:
             set(name, number(name, getattr(self, name), rule, lambda v: -2 <= v <= 2))
         if self.structured_output is not None:
             set("structured_output", structured_output(self))
+        if self.truncate_prompt_tokens is not None:
+            rule = "use an integer >= 1, or -1 for as many as the context holds"
+            kept = integer("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, rule=rule)
+            if kept == 0:
+                raise out_of_range("truncate_prompt_tokens", kept, rule)
+            set("truncate_prompt_tokens", kept)
+
+    def kept_prompt(self, ids: list[int], max_positions: int) -> list[int]:
+        """The prompt's tokens the row reads: its last ``truncate_prompt_tokens`` (-1: as many
+        as ``max_positions`` holds, leaving one for a new token)."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, max_positions - 1)
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
     @property
     def greedy(self) -> bool:
@@ -300,8 +318,9 @@ def stop_strings(stop: object) -> tuple[str, ...]:
             "stop",
         )
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        shown = list(given) if isinstance(given, tuple) else given  # the CLI's --stop: a tuple
         raise InvalidInputError(
-            f"stop={given!r} is not a stop string: use a string or a list of non-empty strings",
+            f"stop={shown!r} is not a stop string: use a string or a list of non-empty strings",
             "stop",
         )
     return tuple(stop)

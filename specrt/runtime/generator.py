@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import numbers
 import threading
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Sequence
@@ -24,7 +23,7 @@ from specrt.runtime.hybrid import HybridChoice
 from specrt.runtime.loading import ModelPair, load_pair
 from specrt.runtime.lookup import SuffixCache
 from specrt.runtime.prefixes import KeptRows
-from specrt.runtime.requests import LoneLearners
+from specrt.runtime.requests import LoneLearners, token_ids
 from specrt.runtime.results import GenerationResult
 from specrt.runtime.schedules import DraftSchedule, LoadSchedule, make_schedule
 from specrt.runtime.schedules.guard import SpeculationGuard
@@ -131,8 +130,11 @@ class SpeculativeGenerator:
                 "logit_bias",
             )
 
-    def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
-        """Tokenize and check every prompt before any work starts."""
+    def encode_prompts(
+        self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
+    ) -> list[list[int]]:
+        """Tokenize and check every prompt before any work starts (cut as ``config``'s
+        ``truncate_prompt_tokens`` asks)."""
         if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
             raise InvalidInputError(
                 "prompts must be a list of prompts (strings or lists of token ids), not "
@@ -161,7 +163,9 @@ class SpeculativeGenerator:
                     named = message if name in message else f"{name}: {exc}"
                     raise InvalidInputError(named) from exc
             else:
-                ids = self._token_ids(name, prompt)
+                ids = token_ids(name, prompt, self.target.vocab_size)
+            if config is not None:
+                ids = config.kept_prompt(ids, self.target.max_positions)
             if len(ids) >= self.target.max_positions:
                 raise PromptTooLongError(self._too_long(name, len(ids)))
             encoded.append(ids)
@@ -188,28 +192,6 @@ class SpeculativeGenerator:
             )
         return message + " (the model's own limit)"
 
-    def _token_ids(self, name: str, prompt: object) -> list[int]:
-        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
-            prompt = prompt.tolist()
-        if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Sequence):
-            raise InvalidInputError(
-                f"{name} is {type(prompt).__name__}; a prompt is a string or a list of token ids"
-            )
-        ids = []
-        for token in prompt:
-            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                raise InvalidInputError(f"{name} has a token id {token!r} that is not an integer")
-            ids.append(int(token))
-        if not ids:
-            raise InvalidInputError(f"{name} is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise InvalidInputError(
-                f"{name} has token id(s) {bad[:5]} outside the vocabulary "
-                f"[0, {self.target.vocab_size})"
-            )
-        return ids
-
     def generate(
         self, prompts: Sequence[Prompt], config: GenerationConfig | None = None
     ) -> list[GenerationResult]:
@@ -232,7 +214,7 @@ class SpeculativeGenerator:
                 "with GenerationConfig(max_new_tokens=..., ...))"
             )
         self.check_config(config)
-        return self._rows(self.encode_prompts(prompts), config)
+        return self._rows(self.encode_prompts(prompts, config), config)
 
     def _rows(
         self, encoded: list[list[int]], config: GenerationConfig
@@ -328,10 +310,13 @@ class SpeculativeGenerator:
         request = request.fresh()
         if isinstance(request.prompt, str):
             try:
-                [tokens] = self.encode_prompts([request.prompt])
+                [tokens] = self.encode_prompts([request.prompt], request.config)
             except InvalidInputError as exc:  # which of the run's requests it is
                 raise type(exc)(f"{name}: {exc}") from None
             request = replace(request, prompt=tokens)
+        elif isinstance(request.prompt, (list, tuple, np.ndarray)):
+            kept = request.config.kept_prompt(request.prompt, self.target.max_positions)
+            request = replace(request, prompt=kept)
         ids = np.asarray(request.prompt)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
             raise InvalidInputError(f"{name}: its prompt must be a non-empty list of token ids")

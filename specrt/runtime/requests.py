@@ -3,12 +3,14 @@ planner read and update)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import numbers
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
 
+from specrt.errors import InvalidInputError
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.hybrid import NO_MATCH_YET, HybridChoice
 from specrt.runtime.logprobs import TokenLogprob
@@ -92,3 +94,26 @@ class Row:
         )
         if config.logprobs is not None:
             self.logprobs = []
+
+
+def token_ids(name: str, prompt: object, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked: a list of integers in the vocabulary."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+        prompt = prompt.tolist()
+    if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Sequence):
+        raise InvalidInputError(
+            f"{name} is {type(prompt).__name__}; a prompt is a string or a list of token ids"
+        )
+    ids = []
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise InvalidInputError(f"{name} has a token id {token!r} that is not an integer")
+        ids.append(int(token))
+    if not ids:
+        raise InvalidInputError(f"{name} is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidInputError(
+            f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})"
+        )
+    return ids

@@ -150,7 +150,7 @@ class Service:
                 "submit takes one prompt (a string, or a list of token ids), not a list of "
                 "strings: submit each"
             )
-        [ids] = self.generator.encode_prompts([prompt])
+        [ids] = self.generator.encode_prompts([prompt], config)
         per_token = flag("per_token", per_token)
         index = integer("index", index, 0)
         self.generator.check_config(config)

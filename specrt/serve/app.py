@@ -257,7 +257,9 @@ def create_app(
             prompts = [chat_prompt(prompt, tooling and tooling.tools, rendering)]
             # No max_tokens: until the model stops or the context ends, as OpenAI's chat (at
             # least 1, so that a prompt too long is refused as such by submit)
-            room = service.generator.target.max_positions - len(prompts[0])
+            limit = service.generator.target.max_positions
+            cut = GenerationConfig(truncate_prompt_tokens=options.get("truncate_prompt_tokens"))
+            room = limit - len(cut.kept_prompt(prompts[0], limit))
             options.setdefault("max_new_tokens", max(1, room))
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
         n = choices(body)
@@ -280,14 +282,18 @@ def create_app(
                 handle.cancel()
             raise
         stream = bool(body.get("stream"))
+        cut_short = config.truncate_prompt_tokens is not None
         for handle in handles:
             handle.add_done_callback(metrics.record)
             handle.add_gap_callback(metrics.inter_token_gap)
             log_received(ident, kind, handle, stream)
             handle.add_done_callback(lambda done: log_finished(ident, done))
         echoes = [
-            shapes.echo_text(body, kind, prompts[i // n], handle.request.prompt, decode)
-            for i, handle in enumerate(handles)
+            # a prompt cut short (truncate_prompt_tokens) echoes the text of what was read
+            shapes.echo_text(
+                body, kind, None if cut_short else prompts[i // n], h.request.prompt, decode
+            )
+            for i, h in enumerate(handles)
         ]
         return handles, stream, shapes.stream_usage(body), token_ids, tooling, echoes
 
