@@ -17,6 +17,7 @@ from specrt.runtime.schedules.constants import (
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
     GUARD_MATCH_ON_MARGIN,
+    GUARD_MATCH_RAMP,
     GUARD_MAX_WAIT,
     GUARD_PLAIN_EVERY,
     GUARD_PROBE_BUDGET,
@@ -186,6 +187,38 @@ def test_one_lucky_match_does_not_turn_matches_on_a_copy_does():
         ratio = (sum(kept) + len(kept)) / (1.05 * len(kept))  # over plain rounds: above 1
         assert 1 < ratio and (ratio >= 1 + GUARD_MATCH_ON_MARGIN) == (state == "on")
         assert guard.kinds[MATCH].state == state, kept
+
+
+def test_matches_turned_on_again_after_a_loss_verify_a_few_tokens_first_then_double():
+    """A probe of one-token rounds can keep two tokens by luck on text that never copies;
+    verifying a whole match right after it cost SmolLM2's int4 target 2.7 plain rounds for
+    nothing. Matches judged a loss before and turned on again verify `GUARD_MATCH_RAMP` tokens
+    at most, twice as many after each round that keeps them all; a first probe that wins
+    turns them on uncapped."""
+    copy = [1] * GUARD_FIRST_ROUNDS  # every probe round keeps its token
+    guard = SpeculationGuard()
+    guard.plain.extend([PLAIN_S] * 4)
+    guard.kinds[MODEL].state, guard.kinds[MODEL].wait = "off", 1000
+    for extra in copy:
+        guard.caps()
+        guard.observe(MATCH, 1 + extra, 1.05 * PLAIN_S)
+    assert guard.caps() == (0, UNCAPPED)  # never judged a loss: the whole match
+    for _ in range(40):  # then the text stops copying: a loss, off
+        guard.observe(MATCH, 1, 1.5 * PLAIN_S)
+        if guard.kinds[MATCH].state == "off":
+            break
+    assert guard.kinds[MATCH].state == "off"
+    guard.kinds[MATCH].start_probe()
+    while guard.probing(MATCH):  # a probe that wins again: its token kept every round
+        assert guard.caps() == (0, GUARD_PROBE_MATCH)
+        guard.observe(MATCH, 2, 1.05 * PLAIN_S)
+    caps = []
+    for kept in (GUARD_MATCH_RAMP, 1, 2 * GUARD_MATCH_RAMP):  # all, a part, all
+        caps.append(guard.caps()[1])
+        guard.observe(MATCH, 1 + kept, 1.05 * PLAIN_S)
+    caps.append(guard.caps()[1])
+    ramp = GUARD_MATCH_RAMP
+    assert caps == [ramp, 2 * ramp, 2 * ramp, 4 * ramp]
 
 
 def test_a_probe_of_matches_runs_where_the_whole_match_would_beat_the_model():

@@ -105,6 +105,11 @@ GUARD_EMPTY_LOSS = 1.0
 # while the match rounds after it keep nothing (SmolLM2's chat answers: turned on 2-3 times an
 # answer, a few percent lost); a row that copies keeps its token every round (about 1.9x).
 GUARD_MATCH_ON_MARGIN = 0.3
+# Tokens of a match verified at most in the first round after a probe turned matches on again
+# (they were judged a loss before), doubled after each round that keeps them all: a probe's
+# one-token rounds can keep two tokens by luck, and a full-length match right after it cost
+# SmolLM2's int4 target 2.7 plain rounds and kept nothing (docs/performance.md).
+GUARD_MATCH_RAMP = 2
 # A bundle's corpus: its probe's rounds (one token each), and by how much they must beat plain
 # rounds. A corpus of SmolLM2's answers keeps 0.3-0.35 of its first tokens on held-out ones:
 # rounds of one token then emit 1.3x a plain round's tokens for 1.05x its time on the float32

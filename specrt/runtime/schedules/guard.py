@@ -22,8 +22,10 @@ rejected stayed off for the rest of a fresh request. A kind judged a loss is pro
 what the probe lost is paid for by the rounds without it), early in each new row (its text may
 repeat where the last did not) and, for matches, where the row starts to repeat its own output
 (`LonePlanner`); a probe whose first rounds keep nothing ends there, the draft model's only
-where they lost a plain round's worth (`GUARD_EMPTY_LOSS`). The output is the target's whatever
-is verified.
+where they lost a plain round's worth (`GUARD_EMPTY_LOSS`). Matches a probe turns on again
+after a loss verify a few tokens first (`GUARD_MATCH_RAMP`), twice as many after each round
+that keeps them all: a probe's one-token rounds can be lucky. The output is the target's
+whatever is verified.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from specrt.runtime.schedules.constants import (
     GUARD_FIRST_ROUNDS,
     GUARD_FIRST_WAIT,
     GUARD_MATCH_ON_MARGIN,
+    GUARD_MATCH_RAMP,
     GUARD_MAX_WAIT,
     GUARD_MIN_ROUNDS,
     GUARD_PLAIN_EVERY,
@@ -68,6 +71,7 @@ class KindRate:
         on_margin: float = 0.0,
         probe_rounds: int = GUARD_MIN_ROUNDS,
         empty_rounds: int | None = GUARD_EMPTY_ROUNDS,
+        ramp: int | None = None,
     ) -> None:
         self.probe_tokens = probe_tokens
         self.empty_loss = empty_loss  # plain rounds' worth: see `judge`
@@ -77,6 +81,8 @@ class KindRate:
         self.wait = GUARD_FIRST_WAIT
         self.lost = False  # judged a loss before: a probe that loses again doubles the wait
         self.read_row = False  # whether its draft has read the current row (its prompt)
+        self.ramp_start = ramp  # tokens it may propose first when turned on after a loss
+        self.ramp: int | None = None  # the cap while on (None: none), doubled as it keeps all
         self.start_probe(max(GUARD_FIRST_ROUNDS, probe_rounds))
 
     def start_probe(self, rounds: int | None = None) -> None:
@@ -106,6 +112,8 @@ class KindRate:
         self.seconds = GUARD_DECAY * self.seconds + seconds
         self.rounds += 1
         self.kept += tokens - 1  # a round emits the kept tokens and one of the target's
+        if self.state == "on" and self.ramp is not None and tokens - 1 >= self.ramp:
+            self.ramp *= 2
         # A probe ends at its length, or as soon as its first rounds kept nothing: it can only
         # have lost (its rounds took longer than plain ones for their one token).
         empty = self.empty_rounds is not None and self.rounds >= self.empty_rounds
@@ -115,7 +123,8 @@ class KindRate:
     @property
     def cap(self) -> int:
         """The most tokens it may propose this round (0: none)."""
-        return {"on": UNCAPPED, "probe": self.probe_tokens}.get(self.state, 0)
+        on = UNCAPPED if self.ramp is None else self.ramp
+        return {"on": on, "probe": self.probe_tokens}.get(self.state, 0)
 
     @property
     def rate(self) -> float:
@@ -128,6 +137,8 @@ class KindRate:
         probe lost is `GUARD_PROBE_BUDGET` of the time until the next."""
         margin = self.on_margin if self.state == "judge" else 0.0  # a probe's few rounds
         if self.rate >= baseline * (1 + margin):
+            if self.state == "judge":  # a probe's few rounds: a lucky one after losses ramps
+                self.ramp = self.ramp_start if self.lost else None
             self.state, self.wait, self.lost = "on", GUARD_FIRST_WAIT, False
             return
         lost_rounds = (self.seconds + self.catch_up_s) * baseline - self.tokens  # plain rounds
@@ -157,7 +168,9 @@ class SpeculationGuard:
         self.kinds = {
             MODEL: KindRate(UNCAPPED, GUARD_EMPTY_LOSS),
             # its probe rounds are cheap (one empty ends it) and say little each
-            MATCH: KindRate(GUARD_PROBE_MATCH, on_margin=GUARD_MATCH_ON_MARGIN),
+            MATCH: KindRate(
+                GUARD_PROBE_MATCH, on_margin=GUARD_MATCH_ON_MARGIN, ramp=GUARD_MATCH_RAMP
+            ),
             CORPUS: KindRate(
                 GUARD_PROBE_MATCH, 0.0, GUARD_CORPUS_ON_MARGIN, GUARD_CORPUS_ROUNDS, None
             ),
