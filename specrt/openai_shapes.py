@@ -76,6 +76,7 @@ IGNORED = {
     "top_logprobs",
     "echo",
     AS_IDS,  # `logprobs_body`
+    "priority",  # vLLM's: the server's queue reads it (`specrt serve --scheduling-policy`)
     *OFF_VALUES,
 }
 IGNORED |= set(STRUCTURED)  # read by `structured_output`

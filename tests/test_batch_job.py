@@ -439,6 +439,7 @@ def test_our_lines_take_openai_s_max_tokens_as_max_new_tokens():
         ({"prompt": ["a"]}, {}, "a"),  # one prompt in a list, as OpenAI takes it
         ({"prompt": [5, 6, 7]}, {}, [5, 6, 7]),  # token ids
         ({"prompt": "a", "truncate_prompt_tokens": 8}, {"truncate_prompt_tokens": 8}, "a"),
+        ({"prompt": "a", "priority": 0}, {}, "a"),  # vLLM's default: the file's order
         # structured output: vLLM's and OpenAI's fields
         ({"prompt": "a", "guided_regex": "a+"},
          {"structured_output": StructuredOutput(regex="a+")}, "a"),
@@ -462,6 +463,9 @@ def test_openai_lines_take_what_specrt_serve_takes(line, options, prompt):
          "url '/v1/embeddings': specrt batch answers /v1/completions and /v1/chat/completions"),
         ({"method": "GET", "body": {"prompt": "a"}}, "method 'GET'"),
         ({"body": {"prompt": "a", "stream": True}}, "a batch line cannot stream"),
+        ({"body": {"prompt": "a", "priority": 2}},
+         "priority=2: a batch job runs its lines in the file's order"),
+        ({"body": {"prompt": "a", "priority": True}}, "priority=true: a batch job runs"),
         ({"body": {"prompt": "a", "n": 129}}, "n=129: use an integer from 1 to 128"),
         ({"body": {"prompt": "a", "echo": 1}}, "echo=1: use true or false"),
         ({"body": {"prompt": ["a", "b"]}}, "prompt is a list of 2 prompts: a batch line answers"),

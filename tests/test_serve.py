@@ -361,6 +361,38 @@ def test_truncate_prompt_tokens_answers_from_the_prompts_last_tokens(server, cli
         assert raw.status_code == 400 and "truncate_prompt_tokens" in raw.text, raw.text
 
 
+def test_priority_is_refused_under_fcfs_and_ordered_under_the_priority_policy(
+    llama_bundle, server, client, reference
+):
+    """vLLM's ``priority``: a first-come server (the default, as vLLM's) answers 0 or null
+    and refuses any other in one 400 naming the field and the flag; one started with
+    ``--scheduling-policy priority`` takes any integer (its order: `test_service.py`)."""
+    _, expected = reference
+    url = server[0]
+    for value in (0, None):
+        reply = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=24, extra_body={"priority": value}
+        )
+        assert reply.choices[0].text == expected[PROMPTS[0]].text
+    raw = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "priority": 3}, timeout=30)
+    assert raw.status_code == 400, raw.text
+    error = raw.json()["error"]
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # (the tiny one has none)
+    policy = ("--scheduling-policy", "priority", "--chat-template", template)
+    with running_server(llama_bundle, *policy) as (other, _):
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for value in (-3, 7):
+            body = {"prompt": PROMPTS[0], "max_tokens": 24, "priority": value}
+            reply = httpx.post(f"{other}/v1/completions", json=body, timeout=30)
+            assert reply.json()["choices"][0]["text"] == expected[PROMPTS[0]].text
+            answer = httpx.post(f"{other}/v1/chat/completions", json={**chat, "priority": value})
+            assert answer.status_code == 200, answer.text
+        bad = {"prompt": "a", "priority": "high"}
+        raw = httpx.post(f"{other}/v1/completions", json=bad, timeout=30)
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "priority", raw.text
+
+
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
     _, expected = reference
     checked = 0

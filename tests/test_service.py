@@ -260,6 +260,43 @@ def test_a_full_service_is_overloaded(llama_bundle):
         assert again.result(timeout=30).finish_reason == "length"
 
 
+def test_a_priority_service_takes_the_lowest_priority_first_and_fcfs_only_0(llama_bundle):
+    """vLLM's priority scheduling: a free slot goes to the waiting request of the lowest
+    ``priority``, the first of equals; a first-come service refuses any other than 0, so a
+    client's priority is never silently ignored."""
+    generator = SpeculativeGenerator.from_bundle(llama_bundle, threads=1, max_batch=1)
+    long = GenerationConfig(max_new_tokens=100, num_draft_tokens=2, ignore_eos=True)
+    short = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    with Service(generator, max_waiting=4, scheduling_policy="priority") as service:
+        first = service.submit(PROMPTS[0], long)
+        release = held(first)  # the one slot stays taken while the others queue
+        try:
+            admitted(first)
+            priorities = [5, -1, 5, 0]
+            queued = [
+                service.submit(PROMPTS[i], short, priority=p) for i, p in enumerate(priorities)
+            ]
+            assert service.waiting == 4
+        finally:
+            first.cancel()
+            release.set()
+        results = [handle.result(timeout=30) for handle in queued]
+        order = sorted(range(4), key=lambda i: queued[i].admitted_at)
+        assert order == [1, 3, 0, 2]  # -1, 0, then the two of 5 as they came
+        with pytest.raises(InvalidInputError, match="priority='high' is a string, not an"):
+            service.submit(PROMPTS[0], short, priority="high")
+    alone = generator.generate(PROMPTS[:4], short)
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+    with Service(generator) as service:  # first come, first served: vLLM's default
+        assert service.submit(PROMPTS[0], short, priority=0).result(timeout=30).token_ids
+        with pytest.raises(
+            InvalidInputError, match=r"priority=2: this service takes requests first come, first "
+        ):
+            service.submit(PROMPTS[0], short, priority=2)
+    with pytest.raises(InvalidInputError, match="scheduling_policy='lifo': use 'fcfs'"):
+        Service(generator, scheduling_policy="lifo")
+
+
 def test_a_request_cancelled_while_it_waits_leaves_the_queue_at_once(llama_bundle):
     """A server's client that hangs up while its request waits must not keep its place until
     a slot frees: three such made a live client's request overloaded, and were counted as

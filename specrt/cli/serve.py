@@ -54,6 +54,15 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
     "free); beyond them clients get 429.",
 )
 @click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    default="fcfs",
+    show_default=True,
+    help="Which waiting request takes a free slot: the first to come (fcfs), or the lowest "
+    "`priority` a body gives, then the first (priority; vLLM's). Under fcfs a body's priority "
+    "other than 0 is a 400.",
+)
+@click.option(
     "--num-draft-tokens",
     type=click.IntRange(0, MAX_DRAFT_TOKENS),
     default=DEFAULTS["num_draft_tokens"],
@@ -93,6 +102,7 @@ def serve(
     api_key,
     batch_size,
     max_waiting,
+    scheduling_policy,
     num_draft_tokens,
     draft_schedule,
     log_level,
@@ -146,6 +156,6 @@ def serve(
     name = model_name or Path(bundle).resolve().name
     run_server(
         generator, name, defaults, host=host, port=port, max_waiting=max_waiting, sock=sock,
-        api_key=api_key, log_level=log_level, tool_parser=tool_call_parser,
-        chat_template=chat_template,
+        scheduling_policy=scheduling_policy, api_key=api_key, log_level=log_level,
+        tool_parser=tool_call_parser, chat_template=chat_template,
     )  # fmt: skip

@@ -296,6 +296,11 @@ def openai_row(item: dict, fallback_id: str, tool_parser: str | None = None) -> 
     row.as_ids = bool(body.get(AS_IDS))
     if body.get("stream"):
         row.error = "a batch line cannot stream: leave stream out (or false)"
+    elif body.get("priority") not in (None, 0) or isinstance(body.get("priority"), bool):
+        row.error = (
+            f"priority={json.dumps(body['priority'])}: a batch job runs its lines in the "
+            "file's order; leave priority out (or 0), or order the lines"
+        )
     elif kind == CHAT and prompt is None:
         row.error = 'a chat line needs "messages"'
     elif kind == CHAT:

@@ -45,6 +45,7 @@ class RequestHandle:
     def __init__(self, key: int, request: Request, deltas: TextDeltas, per_token: bool) -> None:
         self.key = key
         self.request = request
+        self.priority = 0  # set by the service: lower leaves its queue first ("priority")
         self._text = deltas
         self._per_token = per_token
         self._sent_tokens = 0

@@ -19,6 +19,7 @@ without either lets go of it, and its thread ends, within a second of going idle
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import threading
@@ -49,16 +50,25 @@ from specrt.validation import flag, integer
 log = logging.getLogger("specrt")
 IDLE_CHECK_S = 1.0  # how often an idle service thread looks whether its service was dropped
 DEFAULT_MAX_WAITING = 64
+# vLLM's names: first come, first served; or the lowest ``priority`` first (then by arrival)
+FCFS, PRIORITY = "fcfs", "priority"
+PRIORITY_BOUND = 2**63  # priorities are 64-bit integers, of either sign
 
 
 class Service:
     """Continuous batching over one generator for many concurrent callers (see the module).
 
     ``max_waiting``: requests that may wait for a slot (0: none, a request is taken only
-    while a slot is free); beyond that `submit` raises `OverloadedError`."""
+    while a slot is free); beyond that `submit` raises `OverloadedError`.
+    ``scheduling_policy``: "fcfs" takes waiting requests in the order they came; "priority"
+    (vLLM's) takes the lowest ``priority`` given to `submit` first, in order of arrival among
+    equals. A running request is never stopped for one waiting, whatever its priority."""
 
     def __init__(
-        self, generator: SpeculativeGenerator, max_waiting: int = DEFAULT_MAX_WAITING
+        self,
+        generator: SpeculativeGenerator,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        scheduling_policy: str = FCFS,
     ) -> None:
         if not isinstance(generator, SpeculativeGenerator):
             raise InvalidInputError(
@@ -78,6 +88,13 @@ class Service:
                 "build --bundle DIR --device cuda)"
             )
         max_waiting = integer("max_waiting", max_waiting, 0)
+        if scheduling_policy not in (FCFS, PRIORITY):
+            raise InvalidInputError(
+                f"scheduling_policy={scheduling_policy!r}: use 'fcfs' (first come, first "
+                "served) or 'priority' (the lowest priority first)",
+                "scheduling_policy",
+            )
+        self.scheduling_policy = scheduling_policy
         # The caches are the service's alone: another service, or a direct call, on the same
         # generator would overwrite its rows.
         generator._serve(self)
@@ -135,11 +152,14 @@ class Service:
         config: GenerationConfig | None = None,
         per_token: bool = False,
         index: int = 0,
+        priority: int = 0,
     ) -> RequestHandle:
         """Queue a request (its prompt checked now); returns its handle. A seeded request
         samples from the stream ``(seed, index)``, as `SpeculativeGenerator.generate` does for
         its row ``index``, so it is reproducible whatever else runs; ``index`` tells apart
-        samples of one prompt under one seed (an OpenAI request's ``n`` choices)."""
+        samples of one prompt under one seed (an OpenAI request's ``n`` choices).
+        ``priority``: where the service schedules by priority, requests of a lower value leave
+        the queue first (vLLM's); under "fcfs" only 0 is taken."""
         config = GenerationConfig() if config is None else config
         if not isinstance(config, GenerationConfig):
             raise InvalidInputError(
@@ -153,6 +173,14 @@ class Service:
         [ids] = self.generator.encode_prompts([prompt], config)
         per_token = flag("per_token", per_token)
         index = integer("index", index, 0)
+        priority = integer("priority", priority, -PRIORITY_BOUND, PRIORITY_BOUND - 1)
+        if priority and self.scheduling_policy == FCFS:
+            raise InvalidInputError(
+                f"priority={priority}: this service takes requests first come, first served; "
+                "send 0, or start it with scheduling_policy='priority' (specrt serve "
+                "--scheduling-policy priority)",
+                "priority",
+            )
         self.generator.check_config(config)
         rng = np.random.default_rng(None if config.seed is None else [config.seed, index])
         key = next(self._keys)
@@ -161,6 +189,7 @@ class Service:
             key, request, TextDeltas(self._decode(config), config.stop), per_token
         )
         handle._withdraw = weakref.WeakMethod(self._withdraw)
+        handle.priority = priority
         with self._wake:
             if self._closing:
                 raise ServiceClosedError(
@@ -175,7 +204,8 @@ class Service:
                 raise OverloadedError(
                     f"overloaded: {running} requests running and {queued} waiting; retry later"
                 )
-            self._waiting.append(handle)
+            # (priority, arrival): "fcfs" has every priority 0, so this is its order too
+            bisect.insort(self._waiting, handle, key=lambda h: (h.priority, h.key))
             self._wake.notify()
             if self._thread is None:
                 self._thread = threading.Thread(

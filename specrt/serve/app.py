@@ -153,6 +153,7 @@ def create_app(
             return error(429, str(exc), "overloaded_error")
         except InvalidInputError as exc:  # a field out of range: named as the body named it
             param = next((f for f, ours in FIELDS.items() if ours == exc.field and f in body), None)
+            param = param or (exc.field if exc.field in body else None)  # (priority)
             return error(400, str(exc), "invalid_request_error", param)
         n, as_ids = choices(body), bool(body.get(shapes.AS_IDS))
         if stream:
@@ -262,7 +263,8 @@ def create_app(
             room = limit - len(cut.kept_prompt(prompts[0], limit))
             options.setdefault("max_new_tokens", max(1, room))
         config = GenerationConfig(**{**{f: getattr(defaults, f) for f in _DEFAULTED}, **options})
-        n = choices(body)
+        n, priority = choices(body), body.get("priority")  # (checked by the service)
+        priority = 0 if priority is None else priority  # null: the default, as elsewhere
         if n * len(prompts) > service.capacity:  # refused whatever the load: not a 429 to retry
             asked = f"n={n}" if len(prompts) == 1 else f"{len(prompts)} prompts of n={n} each"
             raise HttpError(
@@ -276,7 +278,7 @@ def create_app(
         try:
             for given in prompts:  # one at a time: those queued are withdrawn on a refusal
                 for index in range(n):
-                    handles.append(service.submit(given, config, index=index))
+                    handles.append(service.submit(given, config, index=index, priority=priority))
         except BaseException:
             for handle in handles:
                 handle.cancel()

@@ -90,14 +90,16 @@ def serve(
     log_level: str = "info",
     tool_parser: str | None = None,
     chat_template: str | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> None:
     """Serve ``generator`` until SIGTERM / SIGINT, on ``sock`` (from `listen`) or on a socket
     bound to ``host:port`` now; with ``api_key``, the /v1 routes want it as a bearer token.
     ``log_level``: uvicorn's (`configure_logging` sets specrt's); ``tool_parser``: the format
     ``tool_choice: "auto"`` reads calls in (None: refused); ``chat_template``: the one chats
-    render with, in place of the bundle's (a Jinja file, or the template itself)."""
+    render with, in place of the bundle's (a Jinja file, or the template itself);
+    ``scheduling_policy``: `Service`'s."""
     sock = sock or listen(host, port)
-    service = Service(generator, max_waiting=max_waiting)
+    service = Service(generator, max_waiting=max_waiting, scheduling_policy=scheduling_policy)
     app = create_app(service, model_name, defaults, api_key, tool_parser, chat_template)
 
     @contextlib.asynccontextmanager
