@@ -393,6 +393,28 @@ def test_priority_is_refused_under_fcfs_and_ordered_under_the_priority_policy(
         assert raw.status_code == 400 and raw.json()["error"]["param"] == "priority", raw.text
 
 
+def test_vllm_flag_names_serve_as_ours(llama_bundle, tmp_path):
+    """A command line written for vLLM (`--served-model-name`, `--max-num-seqs`,
+    `--max-model-len`, `--enable-auto-tool-choice` with its parser) starts the same server
+    as ours; the auto flag without a parser is refused in one line, as vLLM refuses it."""
+    flags = (
+        "--served-model-name", "other", "--max-num-seqs", "2", "--max-model-len", "64",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    )  # fmt: skip
+    log = tmp_path / "server.log"
+    with running_server(llama_bundle, *flags, log=log) as (url, _):
+        [model] = httpx.get(f"{url}/v1/models").json()["data"]
+        assert model["id"] == "other" and model["max_model_len"] == 64
+        assert "2 requests x 64 positions" in logged(log, "KV cache")
+    refused = subprocess.run(
+        [sys.executable, "-m", "specrt.cli", "serve", "--bundle", str(llama_bundle),
+         "--enable-auto-tool-choice"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in refused.stderr
+
+
 def test_stop_strings_and_max_tokens_mid_round(client, reference):
     _, expected = reference
     checked = 0

@@ -292,6 +292,8 @@ load_options = _stack(
     ENGINE_OPTION,
     click.option(
         "--max-length",
+        "--max-model-len",  # vLLM's name
+        "max_length",
         type=click.IntRange(min=2),
         default=DEFAULT_MAX_LENGTH,
         show_default=True,

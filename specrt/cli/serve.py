@@ -30,7 +30,13 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
 @click.option("--bundle", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--model-name", default=None, help="The model id clients ask for [bundle name].")
+@click.option(
+    "--model-name",
+    "--served-model-name",  # vLLM's name
+    "model_name",
+    default=None,
+    help="The model id clients ask for [bundle name].",
+)
 @click.option(
     "--api-key",
     envvar="SPECRT_API_KEY",
@@ -40,6 +46,8 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
 )
 @click.option(
     "--batch-size",
+    "--max-num-seqs",  # vLLM's name
+    "batch_size",
     type=click.IntRange(1, MAX_BATCH),
     default=DEFAULT_SERVE_BATCH_SIZE,
     show_default=True,
@@ -86,6 +94,12 @@ from specrt.runtime.config import DRAFT_SCHEDULES, MAX_DRAFT_TOKENS
     "and ends); uvicorn's too.",
 )
 @TOOL_PARSER_OPTION
+@click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help='vLLM\'s flag for tool_choice "auto": taken with --tool-call-parser, which alone '
+    "enables it here.",
+)
 @CHAT_TEMPLATE_OPTION
 @PROPOSER_OPTION
 @suffix_cache_options(
@@ -107,6 +121,7 @@ def serve(
     draft_schedule,
     log_level,
     tool_call_parser,
+    enable_auto_tool_choice,
     chat_template,
     proposer,
     suffix_cache,
@@ -131,6 +146,11 @@ def serve(
         raise click.UsageError(
             "--api-key (or SPECRT_API_KEY) is empty: give a key, or leave it out to serve "
             "without one"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:  # as vLLM refuses it
+        raise click.UsageError(
+            "--enable-auto-tool-choice needs --tool-call-parser: the format of the model's "
+            "own tool calls (hermes, llama3_json, pythonic or mistral)"
         )
     if chat_template is not None:  # a template that does not compile: now, not after the load
         _chat_template(bundle, chat_template)
