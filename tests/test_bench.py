@@ -139,6 +139,8 @@ def test_the_never_slower_bench_runs_and_reports_each_prompt(llama_bundle, tmp_p
     record = json.loads(out.read_text())
     assert record["prompts"] == ["a b", "c d e"] and len(record["results"]) == 2
     assert all(len(entry["ratios"]) == 1 for entry in record["results"])
+    served = bench_lines("never_slower.py", *args, "--repeats", "1", "--served")
+    assert "(served): the default over its target alone, 2 prompts" in served[-1]
 
 
 def test_the_engine_step_bench_times_each_graph_side_by_side(llama_bundle, tmp_path):
