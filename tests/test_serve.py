@@ -69,7 +69,12 @@ def running_server(bundle: Path, *extra: str, log: Path | None = None):
     else:
         process.kill()
         pytest.fail(f"the server did not come up: {output()}")
-    yield url, process
+    try:
+        yield url, process
+    except BaseException:  # a failed test: its server must not outlive it
+        process.kill()
+        process.wait(timeout=60)
+        raise
     process.send_signal(signal.SIGTERM)  # graceful shutdown: exit 0
     assert process.wait(timeout=60) == 0, output()
 
