@@ -82,7 +82,7 @@ IGNORED = {
 IGNORED |= set(STRUCTURED)  # read by `structured_output`
 
 
-def _same(value: object, off: object) -> bool:
+def same(value: object, off: object) -> bool:
     """``value`` is the off value ``off``, a boolean only as a boolean (0 == False in Python)."""
     if isinstance(value, bool) or isinstance(off, bool):
         return value is off
@@ -143,7 +143,7 @@ def read_request(
     if unknown:
         raise RequestError(f"unknown field(s) {unknown}", unknown[0])
     for field, off in OFF_VALUES.items():  # on, an answer without them would be wrong
-        if not any(_same(body.get(field), value) for value in off):
+        if not any(same(body.get(field), value) for value in off):
             shown = " or ".join(json.dumps(o) for o in off[1:])
             raise RequestError(
                 f"{field} is not supported by specrt: leave it out (or {shown})", field

@@ -366,8 +366,18 @@ def test_truncate_prompt_tokens_answers_from_the_prompts_last_tokens(server, cli
         assert raw.status_code == 400 and "truncate_prompt_tokens" in raw.text, raw.text
 
 
+@pytest.fixture(scope="module")
+def templated_server(llama_bundle):
+    """A server of the tiny bundle (which has no chat template) with a template given, and
+    vLLM's priority scheduling."""
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    flags = ("--scheduling-policy", "priority", "--chat-template", template)
+    with running_server(llama_bundle, *flags) as (url, _):
+        yield url
+
+
 def test_priority_is_refused_under_fcfs_and_ordered_under_the_priority_policy(
-    llama_bundle, server, client, reference
+    server, client, reference, templated_server
 ):
     """vLLM's ``priority``: a first-come server (the default, as vLLM's) answers 0 or null
     and refuses any other in one 400 naming the field and the flag; one started with
@@ -383,19 +393,67 @@ def test_priority_is_refused_under_fcfs_and_ordered_under_the_priority_policy(
     assert raw.status_code == 400, raw.text
     error = raw.json()["error"]
     assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
-    template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # (the tiny one has none)
-    policy = ("--scheduling-policy", "priority", "--chat-template", template)
-    with running_server(llama_bundle, *policy) as (other, _):
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        for value in (-3, 7):
-            body = {"prompt": PROMPTS[0], "max_tokens": 24, "priority": value}
-            reply = httpx.post(f"{other}/v1/completions", json=body, timeout=30)
-            assert reply.json()["choices"][0]["text"] == expected[PROMPTS[0]].text
-            answer = httpx.post(f"{other}/v1/chat/completions", json={**chat, "priority": value})
-            assert answer.status_code == 200, answer.text
-        bad = {"prompt": "a", "priority": "high"}
-        raw = httpx.post(f"{other}/v1/completions", json=bad, timeout=30)
-        assert raw.status_code == 400 and raw.json()["error"]["param"] == "priority", raw.text
+    other = templated_server
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for value in (-3, 7):
+        body = {"prompt": PROMPTS[0], "max_tokens": 24, "priority": value}
+        reply = httpx.post(f"{other}/v1/completions", json=body, timeout=30)
+        assert reply.json()["choices"][0]["text"] == expected[PROMPTS[0]].text
+        answer = httpx.post(f"{other}/v1/chat/completions", json={**chat, "priority": value})
+        assert answer.status_code == 200, answer.text
+    bad = {"prompt": "a", "priority": "high"}
+    raw = httpx.post(f"{other}/v1/completions", json=bad, timeout=30)
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "priority", raw.text
+
+
+def test_the_responses_api_answers_as_the_chat_route_whole_and_streamed(templated_server):
+    """OpenAI's ``/v1/responses`` through the openai client: ``input`` and ``instructions``
+    are a chat's messages, so the text is the chat route's own answer to them, whole or
+    streamed (its deltas join to it, its events numbered in order); what needs state, tools or
+    other items than text is a 400 naming the field."""
+    client = openai.OpenAI(base_url=f"{templated_server}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    expected = chat.choices[0].message.content
+    parts = [{"type": "input_text", "text": "h"}, {"type": "input_text", "text": "i"}]
+    for given in ("hi", [{"role": "user", "content": parts}]):
+        reply = client.responses.create(
+            model="tiny", input=given, instructions="Be brief.", max_output_tokens=12
+        )
+        assert reply.output_text == expected and reply.id.startswith("resp_")
+        assert reply.usage.input_tokens == chat.usage.prompt_tokens
+        assert reply.usage.output_tokens == chat.usage.completion_tokens
+        cut = chat.choices[0].finish_reason == "length"
+        assert reply.status == ("incomplete" if cut else "completed")
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    reply = client.responses.create(model="tiny", input=developer, max_output_tokens=12)
+    assert reply.output_text == expected  # a developer message is the system's
+    events = list(
+        client.responses.create(
+            model="tiny", input="hi", instructions="Be brief.", max_output_tokens=12, stream=True
+        )
+    )
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == expected == events[-1].response.output_text
+    refusals = [
+        ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "a", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": "a", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "a", "frobnicate": 1}, "frobnicate"),
+        ({"input": 3}, "input"),
+    ]
+    for body, param in refusals:
+        raw = httpx.post(f"{templated_server}/v1/responses", json=body, timeout=30)
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == param, raw.text
 
 
 def test_vllm_flag_names_serve_as_ours(llama_bundle, tmp_path):

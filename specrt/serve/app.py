@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over a `specrt.runtime.service.Service` (Starlette).
 
 ``POST /v1/completions`` (``stream`` as server-sent events), ``POST /v1/chat/completions``
-(rendered with the bundle's chat template; 400 without one), ``GET /v1/models`` (and
+(rendered with the bundle's chat template; 400 without one) and ``POST /v1/responses`` (as a
+chat: `specrt.serve.responses`), ``GET /v1/models`` (and
 ``/v1/models/{id}``), vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``
 (`specrt.serve.tokenize`), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are
 OpenAI-style bodies: 400 bad request, 404 unknown model, 400 prompt too long (code
@@ -11,7 +12,6 @@ OpenAI-style bodies: 400 bad request, 404 unknown model, 400 prompt too long (co
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -50,13 +50,14 @@ from specrt.openai_token_ids import token_ids_asked, with_token_ids
 from specrt.runtime.config import GenerationConfig
 from specrt.runtime.handles import RequestHandle, merged
 from specrt.runtime.logprobs import echoed_entries
-from specrt.runtime.results import GenerationResult, GenerationStats
+from specrt.runtime.results import GenerationResult
 from specrt.runtime.service import Service
-from specrt.serve.chunks import StreamExtras
+from specrt.serve import responses as responses_api
+from specrt.serve.chunks import StreamExtras, answer_usage, spec_stats, sse
 from specrt.serve.metrics import Metrics
 from specrt.serve.middleware import BearerKey, CountAnswers
-from specrt.serve.replies import HttpError, check_model, error, refused
-from specrt.serve.request_log import ROUTES, log_finished, log_received
+from specrt.serve.replies import HttpError, check_model, error, refused, unknown_route
+from specrt.serve.request_log import log_finished, log_received
 from specrt.serve.tokenize import tokenizer_routes
 
 BODY_SLACK = 1 << 20  # bytes of a request body beside its prompt text (fields, messages' JSON)
@@ -106,15 +107,16 @@ def create_app(
         body, content_type = metrics.exposition()
         return Response(body, media_type=content_type)
 
+    def no_template() -> Response:
+        return error(
+            400,
+            "this bundle's tokenizer has no chat template: use /v1/completions with a "
+            "prompt, or start the server with --chat-template",
+            "invalid_request_error",
+        )
+
     async def chat(request: Request) -> Response:
-        if template is None:
-            return error(
-                400,
-                "this bundle's tokenizer has no chat template: use /v1/completions with a "
-                "prompt, or start the server with --chat-template",
-                "invalid_request_error",
-            )
-        return await answer(request, CHAT)
+        return no_template() if template is None else await answer(request, CHAT)
 
     async def completions(request: Request) -> Response:
         return await answer(request, COMPLETION)
@@ -138,9 +140,57 @@ def create_app(
         except HttpError as exc:
             return refused(exc)
         ident = new_id(kind)
+        submitted = await queued(body, kind, ident)
+        if isinstance(submitted, Response):  # refused
+            return submitted
+        handles, stream, usage_mode, token_ids, tooling, echoes = submitted
+        n, as_ids = choices(body), bool(body.get(shapes.AS_IDS))
+        if stream:
+            return StreamingResponse(
+                events(handles, ident, kind, usage_mode, token_ids, as_ids, echoes, tooling, n),
+                media_type="text/event-stream",
+            )
+        try:
+            results = await until_disconnect(request, handles)
+        except SpecrtError as exc:
+            return error(500, str(exc), "server_error")
+        if results is None:  # the client went away: nobody reads this
+            return Response(status_code=499)
+        return whole(ident, kind, body, handles, results, token_ids, tooling, echoes)
+
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, answered as a chat (`specrt.serve.responses`)."""
+        if template is None:
+            return no_template()
+        try:
+            body = await json_body(request)
+            asked = responses_api.chat_body(body)
+        except HttpError as exc:
+            return refused(exc)
+        except RequestError as exc:
+            return error(400, str(exc), "invalid_request_error", exc.param)
+        ident = responses_api.new_id()
+        submitted = await queued(asked, CHAT, ident)
+        if isinstance(submitted, Response):
+            return submitted
+        [handle], stream = submitted[0], submitted[1]
+        shape = responses_api.ResponseShape(ident, model_name, body, handle)
+        if stream:
+            return StreamingResponse(
+                responses_api.events(shape, handle), media_type="text/event-stream"
+            )
+        try:
+            results = await until_disconnect(request, [handle])
+        except SpecrtError as exc:
+            return error(500, str(exc), "server_error")
+        if results is None:
+            return Response(status_code=499)
+        return JSONResponse(shape.response(results[0]))
+
+    async def queued(body: dict, kind: str, ident: str) -> tuple | Response:
+        """The request's handles and how to answer them (`submit`), or its refusal."""
         try:  # off the event loop: a long prompt's tokenizing must not stall other requests
-            submitted = await run_in_threadpool(submit, body, kind, ident)
-            handles, stream, usage_mode, token_ids, tooling, echoes = submitted
+            return await run_in_threadpool(submit, body, kind, ident)
         except HttpError as exc:
             return refused(exc)
         except PromptTooLongError as exc:  # as OpenAI and vLLM answer it (400, not 413)
@@ -155,18 +205,14 @@ def create_app(
             param = next((f for f, ours in FIELDS.items() if ours == exc.field and f in body), None)
             param = param or (exc.field if exc.field in body else None)  # (priority)
             return error(400, str(exc), "invalid_request_error", param)
+
+    def whole(
+        ident: str, kind: str, body: dict, handles: list[RequestHandle],
+        results: list[GenerationResult], token_ids: bool,
+        tooling: tools.ToolCalling | None, echoes: list[str | None],
+    ) -> Response:  # fmt: skip
+        """A completion's or chat's whole answer."""
         n, as_ids = choices(body), bool(body.get(shapes.AS_IDS))
-        if stream:
-            return StreamingResponse(
-                events(handles, ident, kind, usage_mode, token_ids, as_ids, echoes, tooling, n),
-                media_type="text/event-stream",
-            )
-        try:
-            results = await until_disconnect(request, handles)
-        except SpecrtError as exc:
-            return error(500, str(exc), "server_error")
-        if results is None:  # the client went away: nobody reads this
-            return Response(status_code=499)
         if echoes[0] is not None and shapes.scored_only(body):  # the prompts alone
             results = [
                 replace(r, text="", token_ids=[], logprobs=r.logprobs and []) for r in results
@@ -191,7 +237,7 @@ def create_app(
         if token_ids:
             prompts = [handle.request.prompt for handle in handles]
             with_token_ids(body, kind, prompts, [result.token_ids for result in results])
-        body["usage"] = usage(results, n)
+        body["usage"] = answer_usage(results, n)
         body["speculative_decoding"] = spec_stats(results)
         return JSONResponse(body)
 
@@ -359,7 +405,9 @@ def create_app(
             yield sse({"error": {"message": str(exc), "type": "server_error"}})
             return
         if usage_mode:
-            yield sse({**chunk(ident, kind, None, None), "choices": [], "usage": usage(results, n)})
+            yield sse(
+                {**chunk(ident, kind, None, None), "choices": [], "usage": answer_usage(results, n)}
+            )
         yield "data: [DONE]\n\n"
 
     def chunk(
@@ -388,6 +436,7 @@ def create_app(
         Route("/metrics", metrics_page),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         *tokenizer_routes(model_name, tokenizer, template, max_model_len, json_body),
     ]
     # outermost: 401s counted too
@@ -397,34 +446,4 @@ def create_app(
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
 
-async def unknown_route(request: Request, exc: HTTPException) -> Response:
-    """A route or method this server does not have: an OpenAI error body (OpenAI answers
-    "Invalid URL"), not Starlette's plain text, which OpenAI clients cannot show."""
-    message = (
-        f"Invalid URL ({request.method} {request.url.path}): this server answers POST "
-        f"{ROUTES[COMPLETION]}, POST {ROUTES[CHAT]}, GET /v1/models, POST /tokenize, POST "
-        "/detokenize, GET /version, /health and /metrics"
-    )
-    response = error(exc.status_code, message, "invalid_request_error")
-    response.headers.update(exc.headers or {})  # a 405's Allow
-    return response
-
-
 _DEFAULTED = ("num_draft_tokens", "draft_schedule", "ignore_eos", "proposer")  # the server's
-
-
-def usage(results: list[GenerationResult], n: int) -> dict:
-    """One request's usage: each prompt once (as its first choice read it; ``n`` choices a
-    prompt), the tokens of all its choices."""
-    completion_tokens = sum(len(result.token_ids) for result in results)
-    firsts = [result.stats for result in results[::n]]
-    prompt_tokens = sum(stats.prompt_tokens for stats in firsts)
-    return shapes.usage(prompt_tokens, completion_tokens, sum(s.cached_tokens for s in firsts))
-
-
-def spec_stats(results: list[GenerationResult]) -> dict:
-    return shapes.spec_stats(GenerationStats.total([r.stats for r in results]).to_dict())
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

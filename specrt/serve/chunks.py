@@ -1,9 +1,15 @@
 """What a streamed answer's chunks carry beside their text, as the body asked: the usage
-(`openai_shapes.stream_usage`) and vLLM's ``return_token_ids`` (`specrt.openai_token_ids`)."""
+(`openai_shapes.stream_usage`) and vLLM's ``return_token_ids`` (`specrt.openai_token_ids`);
+an answer's usage and speculative report, and the event lines that carry chunks."""
 
 from __future__ import annotations
 
-from specrt.openai_shapes import CHAT, usage
+import json
+
+from specrt import openai_shapes as shapes
+from specrt.openai_shapes import CHAT
+from specrt.openai_shapes import usage as shapes_usage
+from specrt.runtime.results import GenerationResult, GenerationStats
 
 
 class StreamExtras:
@@ -38,7 +44,7 @@ class StreamExtras:
     def __call__(self, part: dict, index: int) -> dict:
         """``part``, a chunk of choice ``index``, with its extras (the ids waiting handed out)."""
         if self.usage_mode == "continuous":
-            part["usage"] = usage(len(self.prompts[index]), self.given[index])
+            part["usage"] = shapes_usage(len(self.prompts[index]), self.given[index])
         elif self.usage_mode:
             part["usage"] = None
         if self.token_ids:
@@ -50,3 +56,20 @@ class StreamExtras:
             self.started.add(index)
             choice["token_ids"], self.pending[index] = self.pending[index], []
         return part
+
+
+def answer_usage(results: list[GenerationResult], n: int) -> dict:
+    """One request's usage: each prompt once (as its first choice read it; ``n`` choices a
+    prompt), the tokens of all its choices."""
+    completion_tokens = sum(len(result.token_ids) for result in results)
+    firsts = [result.stats for result in results[::n]]
+    prompt_tokens = sum(stats.prompt_tokens for stats in firsts)
+    return shapes_usage(prompt_tokens, completion_tokens, sum(s.cached_tokens for s in firsts))
+
+
+def spec_stats(results: list[GenerationResult]) -> dict:
+    return shapes.spec_stats(GenerationStats.total([r.stats for r in results]).to_dict())
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from specrt.openai_shapes import error_body
+from specrt.openai_shapes import CHAT, COMPLETION, error_body
+from specrt.serve.request_log import ROUTES
 
 
 class HttpError(Exception):
@@ -39,3 +42,16 @@ def check_model(body: dict, model_name: str) -> None:
             "not_found_error",
             "model",
         )
+
+
+async def unknown_route(request: Request, exc: HTTPException) -> Response:
+    """A route or method this server does not have: an OpenAI error body (OpenAI answers
+    "Invalid URL"), not Starlette's plain text, which OpenAI clients cannot show."""
+    message = (
+        f"Invalid URL ({request.method} {request.url.path}): this server answers POST "
+        f"{ROUTES[COMPLETION]}, POST {ROUTES[CHAT]}, POST /v1/responses, GET /v1/models, POST "
+        "/tokenize, POST /detokenize, GET /version, /health and /metrics"
+    )
+    response = error(exc.status_code, message, "invalid_request_error")
+    response.headers.update(exc.headers or {})  # a 405's Allow
+    return response
