@@ -150,13 +150,11 @@ def create_app(
                 events(handles, ident, kind, usage_mode, token_ids, as_ids, echoes, tooling, n),
                 media_type="text/event-stream",
             )
-        try:
-            results = await until_disconnect(request, handles)
-        except SpecrtError as exc:
-            return error(500, str(exc), "server_error")
-        if results is None:  # the client went away: nobody reads this
-            return Response(status_code=499)
-        return whole(ident, kind, body, handles, results, token_ids, tooling, echoes)
+        return await replied(
+            request,
+            handles,
+            lambda results: whole(ident, kind, body, handles, results, token_ids, tooling, echoes),
+        )
 
     async def responses(request: Request) -> Response:
         """OpenAI's Responses API, answered as a chat (`specrt.serve.responses`)."""
@@ -179,13 +177,9 @@ def create_app(
             return StreamingResponse(
                 responses_api.events(shape, handle), media_type="text/event-stream"
             )
-        try:
-            results = await until_disconnect(request, [handle])
-        except SpecrtError as exc:
-            return error(500, str(exc), "server_error")
-        if results is None:
-            return Response(status_code=499)
-        return JSONResponse(shape.response(results[0]))
+        return await replied(
+            request, [handle], lambda results: JSONResponse(shape.response(results[0]))
+        )
 
     async def queued(body: dict, kind: str, ident: str) -> tuple | Response:
         """The request's handles and how to answer them (`submit`), or its refusal."""
@@ -241,9 +235,10 @@ def create_app(
         body["speculative_decoding"] = spec_stats(results)
         return JSONResponse(body)
 
-    async def until_disconnect(request: Request, handles: list[RequestHandle]):
-        """The requests' results; None if the client goes away first, which cancels them
-        (their slots freed at the next round), as a streaming client's going does."""
+    async def replied(request: Request, handles: list[RequestHandle], reply) -> Response:
+        """``reply(results)`` once the requests end; a 500 where one failed; a 499 (nobody reads
+        it) where the client goes away first, which cancels them (their slots freed at the next
+        round), as a streaming client's going does."""
         results = asyncio.gather(*(handle.wait() for handle in handles))
         gone = asyncio.ensure_future(disconnected(request))
         try:
@@ -254,7 +249,12 @@ def create_app(
                 results.cancel()
                 for handle in handles:
                     handle.cancel()
-        return results.result() if results.done() and not results.cancelled() else None
+        if not results.done() or results.cancelled():
+            return Response(status_code=499)
+        try:
+            return reply(results.result())
+        except SpecrtError as exc:
+            return error(500, str(exc), "server_error")
 
     async def disconnected(request: Request) -> None:
         """Returns once the client has gone (its body was read: what comes next is that)."""
